@@ -1,0 +1,119 @@
+"""Benchmark for merge.py: merge time on synthetic multi-turn batches, and trained tokens merged vs step-wise.
+
+Owns the synthetic trajectory generator and the timing; does not touch a model or an engine.
+Run from the repo root: `python bench/merge.py`. The last line is the machine-readable summary.
+"""
+import argparse
+import array
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+
+# Run as a script from anywhere: make the repo root (this file's parent's parent) importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from merge import merge_batch, unmerged  # noqa: E402  (needs the sys.path line above)
+from rollout import Sample  # noqa: E402
+
+VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary: most ids are not CPython's cached small ints
+
+
+def fresh(tokens: list[int]) -> list[int]:
+    """Copy with new int objects, as re-tokenizing the whole chat each turn would produce."""
+    return array.array("q", tokens).tolist()
+
+
+def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, break_prob: float,
+                    retokenized: bool, group_size: int = 8) -> list[list[Sample]]:
+    """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation (~200/100/20 tokens).
+
+    By default the next prompt is built by list concatenation, as a token-in-token-out rollout does, so it
+    shares int objects with the previous turn and list == hits CPython's identity shortcut per token.
+    `retokenized` gives every prompt fresh int objects: each token compare then dereferences two ints.
+    """
+    def tokens(mean: int) -> list[int]:
+        return [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(mean // 2, mean * 3 // 2))]
+
+    batch = []
+    for traj in range(num_trajectories):
+        turns, history = [], tokens(200)  # history: the full context the next turn is prompted with
+        for turn in range(num_turns):
+            if turn > 0 and rng.random() < break_prob:
+                history = tokens(200)  # e.g. the history was re-templated: a prefix break
+            response = tokens(100)
+            prompt = fresh(history) if retokenized else history
+            turns.append(Sample(prompt_ids=prompt, response_ids=response,
+                                logprobs=[-1.0] * len(response), loss_mask=[1] * len(response),
+                                group_id=traj // group_size, trajectory_id=traj, turn=turn))
+            history = history + response + tokens(20)
+        batch.append(turns)
+    return batch
+
+
+def median_ms(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> tuple[float, float]:
+    """Median wall time of merge_batch, and the median part of it spent in Python's garbage collector.
+
+    GC stays on (the trainer runs with it on): every per-token list is a container the collector walks,
+    which is a large share of the cost. gc.collect() first, so each repeat starts from the same GC state.
+    """
+    gc_seconds, gc_start = [0.0], [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_start[0]
+
+    times, gc_times = [], []
+    gc.callbacks.append(on_gc)
+    try:
+        for _ in range(repeats):
+            gc.collect()
+            gc_seconds[0], start = 0.0, time.perf_counter()
+            merge_batch(batch, max_seq_len)
+            times.append((time.perf_counter() - start) * 1e3)
+            gc_times.append(gc_seconds[0] * 1e3)
+    finally:
+        gc.callbacks.remove(on_gc)
+    return statistics.median(times), statistics.median(gc_times)
+
+
+def num_tokens(samples: list[Sample]) -> int:
+    # Tokens the trainer runs forward/backward over: prompt + response of every sequence.
+    return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trajectories", type=int, default=2560, help="trajectories per step (1x)")
+    parser.add_argument("--turns", type=int, default=5, help="turns per trajectory")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--break-prob", type=float, default=0.0, help="chance a turn's prompt breaks the prefix")
+    parser.add_argument("--retokenized", action="store_true", help="fresh int objects in every prompt")
+    parser.add_argument("--max-seq-len", type=int, default=32_768)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    ms = {}
+    for scale in (1, 2, 4):  # 2x and 4x show the merge is linear in batch size
+        batch = synthetic_batch(args.trajectories * scale, args.turns, rng, args.break_prob, args.retokenized)
+        ms[scale], gc_ms = median_ms(batch, args.max_seq_len, args.repeats)
+        print(f"{args.trajectories * scale} trajectories x {args.turns} turns: {ms[scale]:.1f} ms "
+              f"({ms[scale] / scale:.1f} ms per {args.trajectories}; garbage collection {gc_ms:.1f} ms)")
+        if scale == 1:
+            merged, stats = merge_batch(batch, args.max_seq_len)
+            tokens_merged, tokens_unmerged = num_tokens(merged), num_tokens(unmerged(batch))
+            print(f"sequences {stats.sequences_before} -> {stats.sequences_after} "
+                  f"(ratio {stats.merge_ratio:.2f}, prefix breaks {stats.prefix_breaks}, "
+                  f"over length {stats.over_length}); tokens {tokens_unmerged} -> {tokens_merged} "
+                  f"({tokens_unmerged / tokens_merged:.2f}x fewer)")
+    print(f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} ms_2x={ms[2]:.2f} "
+          f"ms_4x={ms[4]:.2f} tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}")
+
+
+if __name__ == "__main__":
+    main()

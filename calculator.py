@@ -1,0 +1,107 @@
+"""Calculator tool: evaluates model-written (untrusted) arithmetic and returns an observation string.
+
+Owns parsing (Python's `ast`, never eval), the size/depth/magnitude bounds and result formatting.
+Does not find tool calls in model text or decide when the tool runs; bad input is an "error: ..." string.
+"""
+import ast
+import math
+import operator
+
+MAX_CHARS = 200        # longer input is rejected before parsing; this also bounds the AST depth
+MAX_DEPTH = 20         # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
+MAX_OPERAND = 1e15     # |literal| bound: keeps int arithmetic cheap and floats exact-ish
+MAX_EXPONENT = 64      # |b| bound in a ** b
+MAX_RESULT = 1e30      # |value| bound on every intermediate result, so no step can blow up
+# First layer: the parser never sees names, strings, escapes or null bytes. The AST check is the second.
+ALLOWED_CHARS = frozenset("0123456789.eE_+-*/() \t\n")
+
+
+class CalcError(ValueError):
+    """An expression the calculator refuses; its message becomes the observation."""
+
+
+# Only these operators exist for the model; everything else in Python's grammar is rejected.
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.Pow: operator.pow}
+
+
+def _paren_depth(text: str) -> int:
+    depth = deepest = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _bounded(value: int | float, limit: float, what: str) -> int | float:
+    # (-8) ** 0.5 is complex in Python 3; inf/nan come from float overflow.
+    if isinstance(value, complex):
+        raise CalcError("complex result")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CalcError(f"{what} is not finite")
+    if abs(value) > limit:
+        raise CalcError(f"{what} too large")
+    return value
+
+
+def _check_power(base: int | float, exponent: int | float) -> None:
+    """Refuse a ** b before computing it if |b| or the result's size (|b| * log10|a| digits) is too big."""
+    if abs(exponent) > MAX_EXPONENT:
+        raise CalcError(f"exponent too large (|exponent| <= {MAX_EXPONENT})")
+    if base != 0 and exponent * math.log10(abs(base)) > math.log10(MAX_RESULT):
+        raise CalcError("result too large")
+
+
+def _eval(node: ast.AST) -> int | float:
+    # Recursion depth <= AST depth, which MAX_CHARS bounds to ~MAX_CHARS levels (under Python's limit).
+    if isinstance(node, ast.Constant):
+        if type(node.value) not in (int, float):  # type(), not isinstance: bool is an int subclass
+            raise CalcError(f"unsupported constant of type {type(node.value).__name__}")
+        return _bounded(node.value, MAX_OPERAND, "operand")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _eval(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _eval(node.left), _eval(node.right)
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
+        return _bounded(_BINARY[type(node.op)](left, right), MAX_RESULT, "result")
+    op = getattr(node, "op", None)  # name the operator for e.g. 5 // 2, not just "BinOp"
+    raise CalcError(f"unsupported syntax: {type(op or node).__name__}")
+
+
+def _format(value: int | float) -> str:
+    # Integral floats print as ints ("7/1" -> "7"); others with 12 significant digits, which hides
+    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would zero.
+    if isinstance(value, float) and value.is_integer() and abs(value) < MAX_OPERAND:
+        value = int(value)
+    return str(value) if isinstance(value, int) else format(value, ".12g")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate `expression` (numbers, unary +/-, + - * / **, parentheses); never raises, never hangs."""
+    if not isinstance(expression, str):
+        return "error: expression must be a string"
+    text = expression.strip()
+    if not text:
+        return "error: empty expression"
+    if len(text) > MAX_CHARS:
+        return f"error: expression longer than {MAX_CHARS} characters"
+    bad = sorted(set(text) - ALLOWED_CHARS)
+    if bad:
+        return f"error: unsupported character {bad[0]!r}"
+    if _paren_depth(text) > MAX_DEPTH:
+        return f"error: parentheses nested deeper than {MAX_DEPTH}"
+    try:
+        tree = ast.parse(text, mode="eval")
+        return _format(_eval(tree.body))
+    except CalcError as e:
+        return f"error: {e}"
+    except SyntaxError:
+        return "error: invalid syntax"
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except (RecursionError, MemoryError):  # the parser itself can hit these on pathological input
+        return "error: expression too complex"
+    except (OverflowError, ValueError) as e:  # e.g. float(int) overflow, int literal digit limit
+        return f"error: {e}"

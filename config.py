@@ -1,0 +1,156 @@
+"""The one Config dataclass tree, and loading it from YAML plus `--set section.key=value` overrides.
+
+Owns every setting's name, type, default and one-line meaning; YAML files in configs/ only override.
+An unknown key or a value of the wrong type is a ConfigError that names it.
+"""
+import dataclasses
+import typing
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the offending key."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = "tiny"  # "tiny" builds the demo model locally; else a HF folder or hub id
+    dtype: str = "float32"  # trainer and engine dtype: float32 | bfloat16
+    hidden_size: int = 64  # tiny model only, from here on
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    max_position_embeddings: int = 256
+
+
+@dataclasses.dataclass
+class DataConfig:
+    task: str = "tiny"  # tiny | gsm8k
+    train_path: str = ""  # gsm8k: a .jsonl / .parquet file or a hub name such as openai/gsm8k
+    val_path: str = ""
+    max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
+    tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
+    num_tiny_prompts: int = 4096  # tiny task: size of the drawn training set
+    num_val_prompts: int = 64  # validation prompts used (all if fewer)
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    prompts_per_step: int = 32
+    group_size: int = 8  # samples per prompt (GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 48
+    engine_threads: int = 1  # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
+    mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
+    max_total_tokens: int = 16384  # KV cache capacity in tokens (0 = engine decides from memory)
+    cancel: str = "none"  # tail cancellation: none | count | time | group
+    drop_rate: float = 0.0  # count/group: launch the batch, stop once (1 - drop_rate) of it finished
+    over_sample_rate: float = 0.0  # count/group: launch (1 + rate) x batch, stop once the batch finished
+    time_quantile: float = 0.8  # time: once this fraction of the target finished at t ...
+    time_factor: float = 1.5  # ... wait at most factor * t more, then cancel the rest
+    max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
+    abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 100
+    lr: float = 5e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.0
+    warmup_steps: int = 0  # linear learning-rate warmup, then constant
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2  # PPO ratio clip
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
+    kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
+    num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
+    micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
+    threads: int = 1  # torch threads of the trainer process
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class RunConfig:
+    out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
+    val_every: int = 10  # steps between validations (greedy and sampled)
+    checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        choices = {"data.task": (self.data.task, ("tiny", "gsm8k")),
+                   "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
+                   "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-mean", "seq-mean-token-sum-norm")),
+                   "model.dtype": (self.model.dtype, ("float32", "bfloat16"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
+        if not 0 <= self.rollout.drop_rate < 1:
+            raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1")
+        if self.rollout.drop_rate > 0 and self.rollout.over_sample_rate > 0:
+            raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
+        if self.rollout.group_size < 2:
+            raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
+
+
+def _coerce(key, value, kind):
+    """Check `value` against the field type; ints are accepted where floats are expected."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def apply(config, overrides, prefix=""):
+    """Write a nested dict of overrides into the dataclass tree, rejecting unknown keys."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {overrides!r}")
+    hints = typing.get_type_hints(type(config))
+    for key, value in overrides.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"unknown config key {name!r}; known here: {sorted(hints)}")
+        if dataclasses.is_dataclass(hints[key]):
+            apply(getattr(config, key), value, prefix=f"{name}.")
+        else:
+            setattr(config, key, _coerce(name, value, hints[key]))
+
+
+def load_config(path=None, sets=()):
+    """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars)."""
+    config = Config()
+    if path:
+        try:
+            with open(path) as f:
+                apply(config, yaml.safe_load(f) or {})
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+    for item in sets:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        *sections, leaf = key.split(".")
+        nested = {leaf: yaml.safe_load(text)}
+        for section in reversed(sections):
+            nested = {section: nested}
+        apply(config, nested)
+    config.__post_init__()  # re-validate choices after overrides
+    return config

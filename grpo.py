@@ -1,0 +1,103 @@
+"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss.
+
+Owns no state, no model and no engine; train.py calls these on padded [B, T] batches. Masked rows
+(aborted or padded samples) are exactly equivalent to removed rows under every function here.
+"""
+import torch
+import torch.nn.functional as F
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
+    """GRPO outcome advantage (Shao et al. 2024, eq. 3): reward minus the mean of its group, / std.
+
+    rewards: [B] float, group_ids: [B] long in [0, G), is_valid: [B] bool (False = aborted/failed).
+    Statistics use only the valid members of each group; a group with fewer than 2 valid members
+    has no baseline to compare against, so its advantage is 0 (Dr. GRPO's `scale_by_std=False`
+    drops the std division, which it shows biases toward easy/hard questions).
+    Returns (advantages [B], number of groups with < 2 valid members).
+    """
+    num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
+    weight = is_valid.to(rewards.dtype)
+    count = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, weight)
+    total = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, rewards * weight)
+    mean = total / count.clamp(min=1)
+    deviation = (rewards - mean[group_ids]) * weight
+    # unbiased std over survivors, like torch.std; clamp keeps 1-member groups finite (they get 0 below)
+    sum_sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, deviation**2)
+    std = (sum_sq / (count - 1).clamp(min=1)).sqrt()
+    advantages = deviation / (std[group_ids] + eps) if scale_by_std else deviation
+    has_baseline = count[group_ids] >= 2
+    advantages = torch.where(has_baseline & is_valid, advantages, torch.zeros_like(advantages))
+    launched = torch.zeros(num_groups).index_add_(0, group_ids, torch.ones(len(group_ids)))
+    num_degenerate = int(((launched > 0) & (count < 2)).sum())
+    return advantages, num_degenerate
+
+
+def token_logprobs(logits, target_ids, temperature=1.0):
+    """Log-prob of each target token and the entropy of each position's distribution.
+
+    logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]).
+    The engine samples from softmax(logits / temperature), so the trainer scores the same scaled
+    distribution; otherwise ratio and engine/trainer gap would compare different policies.
+    """
+    log_probs = F.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logprobs, entropy
+
+
+def aggregate(per_token, loss_mask, mode, norm_length=1):
+    """Reduce a [B, T] per-token loss to a scalar; rows whose mask is all zero count nowhere.
+
+    token-mean: sum / number of trained tokens (DAPO, Yu et al. 2025: long answers weigh more).
+    seq-mean-token-sum: mean over sequences of each sequence's token sum.
+    seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
+    seq-mean-token-sum-norm: token sum / (sequences * norm_length), a constant length (Dr. GRPO,
+    Liu et al. 2025), so no length bias enters through the normaliser.
+    """
+    mask = loss_mask.to(per_token.dtype)
+    token_sum = (per_token * mask).sum(-1)  # [B]
+    token_count = mask.sum(-1)  # [B]
+    num_seqs = (token_count > 0).sum().clamp(min=1)
+    if mode == "token-mean":
+        return token_sum.sum() / token_count.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return token_sum.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sum / token_count.clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return token_sum.sum() / (num_seqs * norm_length)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def aggregation_count(loss_mask, mode):
+    """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the rest).
+    Weighting micro-batch losses by count / total count makes gradient accumulation exact."""
+    token_count = loss_mask.sum(-1)  # [B]
+    if mode == "token-mean":
+        return token_count.sum().clamp(min=1)
+    return (token_count > 0).sum().clamp(min=1)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg_mode="token-mean",
+                norm_length=1, ref_logprobs=None, kl_coef=0.0):
+    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference.
+
+    logprobs (with grad), old_logprobs, ref_logprobs: [B, T]; advantages: [B]; loss_mask: [B, T].
+    Returns (loss, stats) where stats holds detached clip fraction and mean KL over trained tokens.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    adv = advantages.unsqueeze(-1)  # [B, 1]: every token of a sample shares its outcome advantage
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    stats = {"clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()}
+    if ref_logprobs is not None:
+        # k3 estimator (Schulman 2020): unbiased, always >= 0, used by GRPO (Shao et al. 2024, eq. 4)
+        log_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ratio) - log_ratio - 1
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = aggregate(kl, loss_mask, "token-mean").detach()
+    return aggregate(per_token, loss_mask, agg_mode, norm_length), stats

@@ -1,0 +1,79 @@
+"""Metrics: masked reductions, per-rollout statistics, and the TensorBoard + console logger.
+
+Owns what is computed for logging and where it goes (TensorBoard events, one console line per step,
+config.yaml in the run directory). Does not own any training math (grpo.py) or timing decisions.
+"""
+import dataclasses
+import os
+
+import torch
+import yaml
+from torch.utils.tensorboard import SummaryWriter
+
+
+def masked_mean(values, mask):
+    """Mean of `values` where `mask` is 1; 0.0 (not NaN) when nothing is unmasked."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def length_stats(lengths, prefix):
+    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros)."""
+    t = torch.tensor(lengths or [0], dtype=torch.float)
+    return {f"{prefix}_mean": t.mean().item(), f"{prefix}_p50": t.quantile(0.5).item(),
+            f"{prefix}_p90": t.quantile(0.9).item(), f"{prefix}_max": t.max().item()}
+
+
+def rollout_metrics(samples, rollout_s):
+    """Reward and length statistics of one training rollout.
+
+    Aborted/failed samples are not scored: `reward_mean_completed` averages finished samples only,
+    `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
+    (verl PR 2929) is visible as the gap between the two.
+    """
+    finished = [s for s in samples if not s.is_aborted and s.finish_reason != "error"]
+    aborted = [s for s in samples if s.is_aborted]
+    rewards = torch.tensor([s.reward for s in finished] or [0.0])
+    num_tokens = sum(len(s.response_ids) for s in samples)
+    out = {
+        "train/reward_mean_completed": rewards.mean().item(),
+        "train/reward_mean_launched": rewards.sum().item() / max(len(samples), 1),
+        "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
+        "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
+        "rollout/launched": len(samples),
+        "rollout/aborted": len(aborted),
+        "rollout/aborted_ratio": len(aborted) / max(len(samples), 1),
+        "rollout/failed": sum(s.finish_reason == "error" for s in samples),
+        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished) / max(len(finished), 1),
+        "rollout/wasted_tokens": sum(len(s.response_ids) for s in aborted),
+        "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+    }
+    out["train/reward_mean"] = out["train/reward_mean_completed"]
+    out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
+    if aborted:
+        out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
+    return out
+
+
+class Logger:
+    """TensorBoard writer + one console line per step; writes the resolved config at start."""
+
+    def __init__(self, out_dir, config):
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(dataclasses.asdict(config), f, sort_keys=False)
+        self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
+
+    def log(self, step, scalars, echo=print):
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, float(value), step)
+        self.writer.flush()  # a crash or Ctrl-C keeps every logged step visible in TensorBoard
+        keys = [("reward", "train/reward_mean"), ("launched", "train/reward_mean_launched"),
+                ("val", "val/reward_mean"), ("val_sampled", "val/reward_mean_sampled"),
+                ("len", "rollout/response_len_mean"), ("aborted", "rollout/aborted_ratio"),
+                ("loss", "train/loss"), ("gap", "train/logprob_gap"), ("s", "timing/step_s")]
+        parts = [f"{short} {scalars[key]:.3f}" for short, key in keys if key in scalars]
+        echo(f"step {step:4d} | " + " | ".join(parts))
+
+    def close(self):
+        self.writer.close()

@@ -1,0 +1,36 @@
+"""Shared test fixtures: one real SGLang engine per test session (starting one costs ~20-50 s on CPU)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+
+
+def tiny_config(out_dir, *sets):
+    """The CPU demo config, smaller and faster, writing under `out_dir`."""
+    return load_config("configs/tiny.yaml", [f"run.out={out_dir}", "rollout.prompts_per_step=8",
+                                             "data.num_val_prompts=16", *sets])
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    """A real SGLang engine serving the seeded tiny model; tests that change its weights restore them
+    by syncing a fresh policy (train.setup does that when given this engine)."""
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path_factory.mktemp("engine")
+    cfg = tiny_config(out)
+    policy, tokenizer = train.build_policy(cfg, None)
+    model_dir = train.export_for_engine(policy, tokenizer, str(out))
+    engine = train.RolloutEngine(model_dir, cfg.rollout, dtype="float32", seed=0)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

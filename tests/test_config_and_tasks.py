@@ -1,0 +1,111 @@
+"""Config errors, data loading with bad rows, and reward parsing on real GSM8K rows."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tasks
+from config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_TRAIN = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "train.jsonl")
+
+
+def test_yaml_and_set_overrides_are_typed():
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["train.lr=1e-3", "rollout.group_size=4",
+                                                                 "train.scale_by_std=false", "train.kl_coef=1"])
+    assert cfg.train.lr == 1e-3 and cfg.rollout.group_size == 4 and cfg.train.scale_by_std is False
+    assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.nope=1", "unknown config key 'train.nope'"),
+    ("nosection.lr=1", "unknown config key 'nosection'"),
+    ("train.steps=many", "train.steps='many': expected int"),
+    ("train.steps=1.5", "expected int"),
+    ("train.loss_agg=mean", "train.loss_agg='mean': expected one of"),
+    ("rollout.cancel=later", "rollout.cancel"),
+    ("rollout.drop_rate=1.5", "drop_rate"),
+    ("train.lr", "expected section.key=value"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config(str(path))
+
+
+def _cli(*args):
+    """train.py as a user runs it; these all fail before the engine starts, so they are fast."""
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "train.nope=1"], "unknown config key 'train.nope'"),
+    (["--config", "configs/missing.yaml"], "config file not found"),
+    (["--set", "data.task=gsm8k", "--set", "data.train_path=/nonexistent/train.jsonl"], "dataset file not found"),
+    (["--set", "model.path=/nonexistent/model"], "model.path='/nonexistent/model' could not be loaded"),
+])
+def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, args, message):
+    result = _cli(*args, "--out", str(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
+    path = tmp_path / "rows.jsonl"
+    good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]))
+    rows = tasks.read_rows(str(path), "train")
+    assert len(rows) == 2
+    assert "skipped 3 malformed rows of 5" in caplog.text
+
+
+def _wide_char_tokenizer():
+    """A local tokenizer covering GSM8K text, with a plain chat template (no download)."""
+    tokenizer = tasks.build_char_tokenizer(chars="".join(chr(c) for c in range(32, 127)) + "\n")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def test_over_long_prompts_are_counted_and_skipped(caplog):
+    tokenizer = _wide_char_tokenizer()
+    prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=250)
+    assert 0 < len(prompts) < 7473
+    assert all(len(p.prompt_ids) <= 250 for p in prompts)
+    assert f"skipped {7473 - len(prompts)} prompts longer than 250 tokens" in caplog.text
+    with pytest.raises(tasks.DataError, match="no usable prompts"):
+        tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=5)
+
+
+def test_gsm8k_reward_on_real_rows():
+    rows = tasks.read_rows(GSM8K_TRAIN, "train")[:50]
+    for row in rows:
+        gold = row["answer"].rsplit("####", 1)[1].strip()
+        solution = row["answer"]  # the reference solution ends in "#### <answer>": full credit
+        assert tasks.gsm8k_reward(solution, gold, finished=True) == 1.0
+        wrong = str(int(tasks.parse_number(gold)) + 1)
+        assert tasks.gsm8k_reward(f"So the answer is #### {wrong}", gold, finished=True) == 0.0
+    assert tasks.gsm8k_reward("... so \\boxed{1,234}", "1234", True) == 1.0
+    assert tasks.gsm8k_reward("She pays $18 in total.", "18", True) == 1.0
+    assert tasks.gsm8k_reward("no number here", "18", True) == 0.0
+
+
+def test_tiny_task_and_reward():
+    tokenizer = tasks.build_char_tokenizer()
+    prompts = tasks.tiny_prompts(tokenizer, 2000, 32, seed=0)
+    counts = [int(p.answer) for p in prompts]
+    assert counts.count(1) > 5 * counts.count(10) > 0  # weight 1/N: short targets dominate
+    assert tokenizer.decode(prompts[0].prompt_ids, skip_special_tokens=True) == f"{counts[0]}:"
+    assert tasks.tiny_reward("aaa", "3", finished=True) == 1.0
+    assert tasks.tiny_reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
+    assert tasks.tiny_reward("aa", "4", finished=True) == 0.5
+    assert tasks.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)

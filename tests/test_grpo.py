@@ -1,0 +1,136 @@
+"""GRPO math against hand-computed values, and "masked equals removed" for every loss mode."""
+import math
+
+import pytest
+import torch
+
+import grpo
+
+MODES = grpo.LOSS_AGG_MODES
+
+
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    valid = torch.ones(6, dtype=torch.bool)
+    adv, degenerate = grpo.group_advantages(rewards, groups, valid)
+    # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: identical rewards -> 0
+    expected = 0.5 / math.sqrt(1 / 3)
+    assert adv.tolist() == pytest.approx([expected, -expected, expected, -expected, 0, 0], abs=1e-5)
+    assert degenerate == 0
+    adv, _ = grpo.group_advantages(rewards, groups, valid, scale_by_std=False)  # Dr. GRPO
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0, 0])
+
+
+def test_group_statistics_use_survivors_only():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    valid = torch.tensor([True, True, True, False])
+    adv, _ = grpo.group_advantages(rewards, torch.zeros(4, dtype=torch.long), valid)
+    # survivors [1, 0, 1]: mean 2/3, unbiased std sqrt(1/3); the aborted member gets 0
+    std = math.sqrt(1 / 3)
+    assert adv.tolist() == pytest.approx([(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std, 0.0], abs=1e-5)
+    same, _ = grpo.group_advantages(rewards[:3], torch.zeros(3, dtype=torch.long), valid[:3])
+    assert adv[:3].tolist() == pytest.approx(same.tolist())
+
+
+def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
+    rewards = torch.tensor([1.0, 0.0, 0.3, 0.9, 0.2, 0.4])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    valid = torch.tensor([True, False, False, False, True, True])  # group 0: 1 survivor, group 1: none
+    adv, degenerate = grpo.group_advantages(rewards, groups, valid)
+    assert torch.isfinite(adv).all()
+    assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert degenerate == 2
+    all_aborted, degenerate = grpo.group_advantages(rewards, groups, torch.zeros(6, dtype=torch.bool))
+    assert all_aborted.tolist() == [0.0] * 6 and degenerate == 3
+
+
+def test_aggregate_modes_hand_computed():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert grpo.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 9) / 2)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4.5) / 2)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum-norm", norm_length=4).item() == pytest.approx(15 / 8)
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        grpo.aggregate(per_token, mask, "mean")
+
+
+def test_clipped_ratio_and_kl_hand_computed():
+    old = torch.zeros(1, 1)
+    logprobs = torch.full((1, 1), math.log(1.5), requires_grad=True)  # ratio 1.5, beyond 1 + 0.2
+    mask = torch.ones(1, 1)
+    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-1.2) and stats["clip_frac"].item() == 1.0
+    loss.backward()
+    assert logprobs.grad.item() == 0.0  # clipped: no push further in the same direction
+    logprobs.grad = None
+    loss, _ = grpo.policy_loss(logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(1.5)  # min() keeps the pessimistic unclipped term
+    loss.backward()
+    assert logprobs.grad.item() == pytest.approx(1.5)
+    ref = torch.full((1, 1), math.log(1.5) + math.log(2.0))  # ref - logp = log 2
+    _, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1)
+    assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
+
+
+def test_token_logprobs_temperature():
+    logits = torch.randn(2, 3, 5)
+    targets = torch.randint(0, 5, (2, 3))
+    logprobs, entropy = grpo.token_logprobs(logits, targets, temperature=0.7)
+    reference = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(logprobs, reference.gather(-1, targets[..., None])[..., 0])
+    assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1))
+
+
+def _loss_grad(logits, old, adv, mask, mode, ref=None):
+    logits = logits.clone().requires_grad_(True)
+    targets = torch.zeros(logits.shape[:2], dtype=torch.long)
+    logprobs, _ = grpo.token_logprobs(logits, targets)
+    loss, _ = grpo.policy_loss(logprobs, old, adv, mask, agg_mode=mode, norm_length=7, ref_logprobs=ref,
+                               kl_coef=0.05 if ref is not None else 0.0)
+    loss.backward()
+    return loss.detach(), logits.grad
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aborted_rows_masked_equals_removed(mode):
+    batch, width, vocab = 6, 7, 5
+    logits = torch.randn(batch, width, vocab)
+    old = torch.randn(batch, width) * 0.1 - 1.5
+    ref = torch.randn(batch, width) * 0.1 - 1.5
+    adv = torch.randn(batch)
+    mask = (torch.rand(batch, width) > 0.3).float()
+    mask[:, 0] = 1  # every completed row has at least one trained token
+    aborted = torch.tensor([False, True, False, False, True, False])
+    masked = mask.clone()
+    masked[aborted] = 0  # how collate() marks aborted rows
+    keep = ~aborted
+    loss_masked, grad_masked = _loss_grad(logits, old, adv, masked, mode, ref)
+    loss_removed, grad_removed = _loss_grad(logits[keep], old[keep], adv[keep], mask[keep], mode, ref[keep])
+    assert loss_masked.item() == pytest.approx(loss_removed.item(), rel=1e-6)
+    assert torch.allclose(grad_masked[keep], grad_removed, atol=1e-7)
+    assert grad_masked[aborted].abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_all_aborted_batch_gives_finite_zero(mode):
+    loss, grad = _loss_grad(torch.randn(3, 4, 5), torch.zeros(3, 4), torch.randn(3), torch.zeros(3, 4), mode)
+    assert loss.item() == 0.0 and torch.isfinite(grad).all() and grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batch_weighting_equals_one_batch(mode):
+    """train.py scales each micro-batch loss by aggregation_count(mb) / aggregation_count(batch)."""
+    logits = torch.randn(6, 5, 4)
+    old, adv = torch.randn(6, 5) * 0.1 - 1.4, torch.randn(6)
+    mask = (torch.rand(6, 5) > 0.4).float()
+    mask[2] = 0
+    _, full_grad = _loss_grad(logits, old, adv, mask, mode)
+    total = grpo.aggregation_count(mask, mode)
+    leaf = logits.clone().requires_grad_(True)
+    for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
+        logprobs, _ = grpo.token_logprobs(leaf[rows], torch.zeros(2, 5, dtype=torch.long))
+        loss, _ = grpo.policy_loss(logprobs, old[rows], adv[rows], mask[rows], agg_mode=mode, norm_length=7)
+        (loss * grpo.aggregation_count(mask[rows], mode) / total).backward()
+    assert torch.allclose(leaf.grad, full_grad, atol=1e-7)

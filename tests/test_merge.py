@@ -1,0 +1,181 @@
+"""Tests for merge.py: prefix-aware merging of multi-turn trajectories, on hand-built token lists.
+
+Checks merge shapes, per-token alignment, masking, validation, stats, and that token-mean quantities are
+unchanged by merging. A model-based parity test lives elsewhere.
+"""
+import random
+import warnings
+
+import pytest
+
+from merge import MergeError, MergeStats, merge_batch, merge_trajectory, unmerged
+from rollout import Sample
+
+
+def make_turns(responses: list[list[int]], observations: list[list[int]], breaks: frozenset[int] = frozenset(),
+               trajectory_id: int = 7, group_id: int = 3) -> list[Sample]:
+    """Turn i's prompt = turn i-1's prompt + response + observations[i-1], unless i is in `breaks`
+    (then the history is rewritten: a fresh prompt that is not an extension)."""
+    turns, prompt = [], [1, 2, 3]
+    for i, response in enumerate(responses):
+        if i > 0:
+            prev = turns[-1]
+            prompt = [900 + i] if i in breaks else prev.prompt_ids + prev.response_ids + observations[i - 1]
+        logprobs = [-0.1 * (i + 1) - 0.01 * k for k in range(len(response))]  # distinct per token
+        turns.append(Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs,
+                            loss_mask=[1] * len(response), group_id=group_id, trajectory_id=trajectory_id,
+                            turn=i, reward=float(i), finish_reason=f"stop{i}", weight_version=10 + i))
+    return turns
+
+
+RESPONSES = [[10, 11], [20, 21, 22], [30]]
+OBSERVATIONS = [[50, 51], [60]]
+
+
+def test_all_turns_merge():
+    turns = make_turns(RESPONSES, OBSERVATIONS)
+    (seq,), stats = merge_trajectory(turns, max_seq_len=100)
+    assert seq.prompt_ids == [1, 2, 3]
+    assert seq.response_ids == [10, 11, 50, 51, 20, 21, 22, 60, 30]
+    assert seq.loss_mask == [1, 1, 0, 0, 1, 1, 1, 0, 1]
+    # The merged sequence is exactly the last turn's full context.
+    assert seq.prompt_ids + seq.response_ids == turns[-1].prompt_ids + turns[-1].response_ids
+    assert stats == MergeStats(turns=3, sequences_before=3, sequences_after=1, prefix_breaks=0, over_length=0)
+    assert stats.merge_ratio == 3.0
+
+
+def test_no_turns_merge():
+    turns = make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1, 2}))
+    seqs, stats = merge_trajectory(turns, max_seq_len=100)
+    assert [s.response_ids for s in seqs] == RESPONSES
+    assert [s.prompt_ids for s in seqs] == [t.prompt_ids for t in turns]
+    assert (stats.sequences_after, stats.prefix_breaks, stats.merge_ratio) == (3, 2, 1.0)
+
+
+def test_partial_merge_with_mismatch_in_the_middle():
+    responses = [[10], [20], [30], [40]]
+    turns = make_turns(responses, [[50], [60], [70]], breaks=frozenset({2}))
+    seqs, stats = merge_trajectory(turns, max_seq_len=100)
+    assert [s.response_ids for s in seqs] == [[10, 50, 20], [30, 70, 40]]
+    assert seqs[1].prompt_ids == [902]  # the second sequence starts from the rewritten prompt
+    assert [s.turn for s in seqs] == [1, 3]
+    assert (stats.sequences_after, stats.prefix_breaks) == (2, 1)
+
+
+def test_response_mismatch_is_a_break():
+    # Same prompt, but the next prompt re-tokenized the response differently: not a prefix.
+    turns = make_turns(RESPONSES[:2], OBSERVATIONS)
+    turns[1].prompt_ids = turns[0].prompt_ids + [10, 99] + OBSERVATIONS[0]
+    seqs, stats = merge_trajectory(turns, max_seq_len=100)
+    assert len(seqs) == 2 and stats.prefix_breaks == 1
+
+
+def test_single_turn_passthrough():
+    (turn,) = make_turns([[10, 11]], [])
+    (seq,), stats = merge_trajectory([turn], max_seq_len=100)
+    assert seq == turn and seq.response_ids is not turn.response_ids  # equal copy, input untouched
+    assert stats == MergeStats(turns=1, sequences_before=1, sequences_after=1)
+
+
+def test_per_token_alignment_and_observation_masking():
+    rng = random.Random(0)
+    responses = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+    observations = [[rng.randrange(1000) for _ in range(rng.randint(0, 4))] for _ in range(4)]
+    turns = make_turns(responses, observations)
+    (seq,), _ = merge_trajectory(turns, max_seq_len=1000)
+    assert len(seq.response_ids) == len(seq.logprobs) == len(seq.loss_mask)
+    pos = 0
+    for i, turn in enumerate(turns):
+        end = pos + len(turn.response_ids)
+        assert seq.response_ids[pos:end] == turn.response_ids
+        assert seq.logprobs[pos:end] == turn.logprobs
+        assert seq.loss_mask[pos:end] == turn.loss_mask
+        if i < len(observations):
+            obs_end = end + len(observations[i])
+            assert seq.response_ids[end:obs_end] == observations[i]
+            assert seq.loss_mask[end:obs_end] == [0] * len(observations[i])
+            assert seq.logprobs[end:obs_end] == [0.0] * len(observations[i])
+            end = obs_end
+        pos = end
+    assert pos == len(seq.response_ids)
+
+
+def test_scalar_fields_come_from_last_merged_turn():
+    (seq,), _ = merge_trajectory(make_turns(RESPONSES, OBSERVATIONS), max_seq_len=100)
+    assert (seq.turn, seq.reward, seq.finish_reason, seq.weight_version) == (2, 2.0, "stop2", 12)
+    assert (seq.trajectory_id, seq.group_id) == (7, 3)  # credit: every sequence keeps its trajectory
+
+
+def test_validation_errors():
+    turns = make_turns(RESPONSES, OBSERVATIONS)
+    with pytest.raises(MergeError, match="no turns"):
+        merge_trajectory([], max_seq_len=100)
+    with pytest.raises(MergeError, match="mix trajectories"):
+        merge_trajectory([turns[0], make_turns(RESPONSES, OBSERVATIONS, trajectory_id=8)[1]], max_seq_len=100)
+    with pytest.raises(MergeError, match="follows turn"):
+        merge_trajectory([turns[1], turns[0]], max_seq_len=100)
+    turns[1].logprobs = turns[1].logprobs[:-1]
+    with pytest.raises(MergeError, match="lengths"):
+        merge_trajectory(turns, max_seq_len=100)
+    with pytest.raises(MergeError, match="lengths"):
+        unmerged([turns])
+    with pytest.raises(MergeError, match="max_seq_len"):
+        merge_trajectory(turns[:1], max_seq_len=0)
+
+
+def test_over_length_is_counted_and_not_truncated():
+    turns = make_turns(RESPONSES, OBSERVATIONS)  # merged length 3 + 9 = 12
+    with pytest.warns(UserWarning, match="exceed max_seq_len=10"):
+        (seq,), stats = merge_trajectory(turns, max_seq_len=10)
+    assert stats.over_length == 1 and len(seq.prompt_ids) + len(seq.response_ids) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exactly at the limit: no warning
+        merge_trajectory(turns, max_seq_len=12)
+
+
+def test_batch_sums_stats_and_unmerged_is_step_wise():
+    batch = [make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0),
+             make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1}), trajectory_id=1),
+             make_turns([[5]], [], trajectory_id=2)]
+    seqs, stats = merge_batch(batch, max_seq_len=100)
+    assert stats == MergeStats(turns=7, sequences_before=7, sequences_after=4, prefix_breaks=1, over_length=0)
+    assert stats == sum((merge_trajectory(t, 100)[1] for t in batch), MergeStats())
+    assert stats.merge_ratio == 7 / 4
+    assert [s.trajectory_id for s in seqs] == [0, 1, 1, 2]
+    flat = unmerged(batch)
+    assert len(flat) == 7 and flat[3] is batch[1][0]
+
+
+def token_mean(samples: list[Sample], per_token) -> float:
+    """Token-mean loss aggregation: sum over trained tokens of per_token(context, token, logprob) / #trained."""
+    total, count = 0.0, 0
+    for s in samples:
+        context = list(s.prompt_ids)
+        for token, logprob, mask in zip(s.response_ids, s.logprobs, s.loss_mask):
+            if mask:
+                total += per_token(context, token, logprob)
+                count += 1
+            context.append(token)
+    return total / count
+
+
+def toy_causal_model(context: list[int], token: int, logprob: float) -> float:
+    """A stand-in for a causal LM's per-token loss: depends on the whole context, like a real one would."""
+    return logprob * (hash((tuple(context), token)) % 997) / 997
+
+
+@pytest.mark.parametrize("per_token", [lambda context, token, logprob: logprob, toy_causal_model])
+def test_token_mean_loss_equal_merged_and_unmerged(per_token):
+    # Merging must keep each trained token, its logprob AND its context, so token-mean losses match.
+    # (Sequence-mean aggregations do not match: merging changes the number of sequences.)
+    rng = random.Random(1)
+    batch = []
+    for traj in range(6):
+        n = rng.randint(1, 4)
+        responses = [[rng.randrange(1000) for _ in range(rng.randint(1, 5))] for _ in range(n)]
+        observations = [[rng.randrange(1000) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
+        breaks = frozenset(i for i in range(1, n) if rng.random() < 0.3)
+        batch.append(make_turns(responses, observations, breaks, trajectory_id=traj))
+    merged, stats = merge_batch(batch, max_seq_len=1000)
+    assert stats.sequences_after < stats.sequences_before  # the batch really exercises merging
+    assert token_mean(merged, per_token) == pytest.approx(token_mean(unmerged(batch), per_token), rel=1e-12)
