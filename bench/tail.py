@@ -1,0 +1,106 @@
+"""Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for.
+
+One real SGLang engine (CPU) serves a random-init tiny model whose lengths are geometric (median ~11,
+a few samples several times longer); the two arms alternate on the same prompts, medians are reported.
+Run from the repo root: `python bench/tail.py`. The last line is the machine-readable summary.
+"""
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+# Run as a script from anywhere: make the repo root (this file's parent's parent) importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tasks  # noqa: E402  (needs the sys.path line above)
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+from rollout import RolloutEngine, plan_launch  # noqa: E402
+
+
+def ideal_speedup(samples, kept_fraction):
+    """Best case from a full rollout: time the last sample came back / time the kept fraction did
+    (latency_s is measured from launch). Cancelling can only win the time the tail ran alone."""
+    latencies = sorted(s.latency_s for s in samples)
+    target = max(1, round(kept_fraction * len(latencies)))
+    return latencies[-1] / latencies[target - 1]
+
+
+def run_arm(engine, prompts, args, plan):
+    """One rollout; returns (samples, stats, wasted tokens = response tokens of aborted samples)."""
+    samples, stats = engine.generate(prompts, args.group_size, args.temperature, args.max_new_tokens, plan)
+    assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
+    return samples, stats, sum(len(s.response_ids) for s in samples if s.is_aborted)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout (the batch)")
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="high enough not to cut the tail flat")
+    parser.add_argument("--max-positions", type=int, default=512, help="model.max_position_embeddings")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--policy", default="count", choices=("count", "time", "group"))
+    parser.add_argument("--drop-rate", type=float, default=0.2)
+    parser.add_argument("--over-sample-rate", type=float, default=0.0, help="use with --drop-rate 0")
+    parser.add_argument("--repeats", type=int, default=5, help="baseline/cancel pairs, alternated")
+    parser.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine process")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # this process shares the 2 cores with the engine's scheduler process
+    out_dir = tempfile.mkdtemp(prefix="bench-tail-")
+    cfg = load_config(args.config, [
+        f"run.out={out_dir}", f"train.seed={args.seed}", f"model.max_position_embeddings={args.max_positions}",
+        f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.engine_threads={args.engine_threads}"])
+    policy, tokenizer = train.build_policy(cfg, None)
+    model_dir = train.export_for_engine(policy, tokenizer, out_dir)
+    plan = plan_launch(dataclasses.replace(cfg.rollout, cancel=args.policy, drop_rate=args.drop_rate,
+                                           over_sample_rate=args.over_sample_rate), args.prompts)
+    # over-sampling launches more prompts than the batch; the baseline launches just the batch
+    drawn = [p.prompt_ids for p in tasks.tiny_prompts(tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed)]
+    base_prompts, cancel_prompts = drawn[:args.prompts], drawn
+    # Exact for drop_rate; for over-sampling an estimate (the larger batch makes each step dearer).
+    kept_fraction = plan.target_samples / (plan.num_prompts * plan.group_size)
+    print(f"{args.prompts} prompts x {args.group_size}, policy={args.policy} drop_rate={args.drop_rate} "
+          f"over_sample_rate={args.over_sample_rate}: launch {plan.num_prompts} prompts, "
+          f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')")
+
+    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=args.seed)
+    try:
+        samples, _, _ = run_arm(engine, base_prompts, args, None)  # warm-up: first-call costs, not measured
+        lengths = sorted(len(s.response_ids) for s in samples)
+        print(f"warm-up response lengths: median {lengths[len(lengths) // 2]}, "
+              f"p80 {lengths[int(0.8 * len(lengths))]}, max {lengths[-1]}")
+        base_s, cancel_s, ideals, latencies_ms, wasted = [], [], [], [], []
+        for repeat in range(args.repeats):
+            # alternate the arms so drift in the machine's load hits both alike
+            samples, stats, _ = run_arm(engine, base_prompts, args, None)
+            base_s.append(stats.rollout_s)
+            ideals.append(ideal_speedup(samples, kept_fraction))
+            _, stats, tokens = run_arm(engine, cancel_prompts, args, plan)
+            cancel_s.append(stats.rollout_s)
+            latencies_ms.append(stats.cancel_latency_s * 1e3)
+            wasted.append(tokens)
+            print(f"repeat {repeat}: baseline {base_s[-1]:.3f} s (ideal {ideals[-1]:.2f}x), cancel "
+                  f"{cancel_s[-1]:.3f} s (decided at {stats.decision_s:.3f} s, {stats.num_cancelled} cancelled, "
+                  f"{tokens} wasted tokens, cancel latency {latencies_ms[-1]:.1f} ms), "
+                  f"speedup {base_s[-1] / cancel_s[-1]:.2f}x")
+    finally:
+        engine.shutdown()
+
+    baseline, cancel, ideal = statistics.median(base_s), statistics.median(cancel_s), statistics.median(ideals)
+    speedup = baseline / cancel
+    print(f"tail: baseline_s={baseline:.3f} cancel_s={cancel:.3f} speedup={speedup:.3f} ideal={ideal:.3f} "
+          f"efficiency={speedup / ideal:.3f} cancel_latency_ms={statistics.median(latencies_ms):.1f} "
+          f"wasted_tokens={round(statistics.median(wasted))}")
+
+
+if __name__ == "__main__":
+    main()
