@@ -55,6 +55,12 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class MemoryConfig:
+    mode: str = "staged"  # staged | all_at_once | off (never release: engine and trainer both stay resident)
+    bucket_mb: int = 256  # weight sync pushes parameters in buckets of about this size
+
+
+@dataclasses.dataclass
 class TrainConfig:
     steps: int = 100
     lr: float = 5e-4
@@ -86,6 +92,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
@@ -93,7 +100,8 @@ class Config:
                    "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
                    "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-mean", "seq-mean-token-sum-norm")),
-                   "model.dtype": (self.model.dtype, ("float32", "bfloat16"))}
+                   "model.dtype": (self.model.dtype, ("float32", "bfloat16")),
+                   "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: expected one of {allowed}")

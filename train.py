@@ -22,6 +22,7 @@ import tqdm
 import grpo
 import tasks
 from config import Config, ConfigError, load_config
+from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
 from rollout import RolloutEngine, RolloutError, plan_launch
 
@@ -266,6 +267,8 @@ def train(run):
     cfg, engine, r = run.cfg, run.engine, run.cfg.rollout
     logger = Logger(cfg.run.out, cfg)
     plan = plan_launch(r, r.prompts_per_step)
+    phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
+                          engine_dtype=getattr(torch, cfg.model.dtype))
     validate_now = lambda: validate(engine, run.val_prompts, run.tokenizer, run.reward_fn, cfg)  # noqa: E731
     for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps):
         step_start = time.perf_counter()
@@ -279,19 +282,20 @@ def train(run):
         advantages, num_degenerate = grpo.group_advantages(
             torch.tensor([s.reward for s in samples]), torch.tensor([s.group_id for s in samples]),
             torch.tensor([not s.is_aborted for s in samples]), cfg.train.scale_by_std)
-        # 4. policy update on the trainer's copy
+        # 4. policy update on the trainer's copy, with the engine's memory released
         train_start = time.perf_counter()
+        phases.to_train()
         scalars |= train_on_rollout(run, samples, advantages)
-        # 5. weight sync: the engine samples the next step from the updated policy
+        # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
         sync_start = time.perf_counter()
-        engine.update_weights(run.policy.named_parameters(), version=step + 1)
+        phases.sync(version=step + 1)
         # 6. log, 7. checkpoint
         now = time.perf_counter()
         scalars |= rollout_metrics(samples, stats.rollout_s) | {
             "train/degenerate_groups": num_degenerate, "timing/rollout_s": stats.rollout_s,
             "timing/train_s": sync_start - train_start, "timing/weight_sync_s": now - sync_start,
             "timing/step_s": now - step_start, "rollout/cancel_decision_s": stats.decision_s,
-            "rollout/cancel_latency_s": stats.cancel_latency_s}
+            "rollout/cancel_latency_s": stats.cancel_latency_s} | phases.metrics()
         logger.log(step, scalars, echo=tqdm.tqdm.write)
         if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
             save_checkpoint(cfg.run.out, step + 1, run)

@@ -66,6 +66,9 @@ def main():
     # over-sampling launches more prompts than the batch; the baseline launches just the batch
     drawn = [p.prompt_ids for p in tasks.tiny_prompts(tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed)]
     base_prompts, cancel_prompts = drawn[:args.prompts], drawn
+    # SGLang admits a request only if the KV pool can hold ~0.7 x max_new_tokens for every running one;
+    # the default 16k tokens would admit ~90 of 256 and start the rest late (a queue, not a tail).
+    cfg.rollout.max_total_tokens = len(drawn) * args.group_size * (max(map(len, drawn)) + args.max_new_tokens)
     # Exact for drop_rate; for over-sampling an estimate (the larger batch makes each step dearer).
     kept_fraction = plan.target_samples / (plan.num_prompts * plan.group_size)
     print(f"{args.prompts} prompts x {args.group_size}, policy={args.policy} drop_rate={args.drop_rate} "

@@ -1,0 +1,66 @@
+"""Peak memory of a colocated step with staged vs all-at-once engine wake-up during weight sync.
+
+Runs real steps (rollout -> train -> sync) for the configured model in both modes, alternating.
+On CPU release frees nothing, so peaks are *modelled* from a ledger of real tensor sizes; on a GPU
+the same script samples device-wide memory at every transition and reports *measured* peaks.
+"""
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
+
+import torch  # noqa: E402
+
+import grpo  # noqa: E402
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+from memory import MemoryPhases  # noqa: E402
+
+
+def one_step(run, phases, step):
+    """rollout -> train -> sync under `phases`; returns the peak over the step's phases."""
+    r = run.cfg.rollout
+    prompts = train.draw_prompts(run.train_prompts, step, r.prompts_per_step, run.cfg.train.seed)
+    samples, _ = run.engine.generate([p.prompt_ids for p in prompts], r.group_size, r.temperature, r.max_new_tokens)
+    train.score(samples, prompts, run.tokenizer, run.reward_fn)
+    advantages, _ = grpo.group_advantages(torch.tensor([s.reward for s in samples]),
+                                          torch.tensor([s.group_id for s in samples]),
+                                          torch.ones(len(samples), dtype=torch.bool))
+    phases.to_train()
+    train.train_on_rollout(run, samples, advantages)
+    phases.sync(version=step + 1)
+    return {phase: peak[phases.source] for phase, peak in phases.peaks.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], help="config override, as in train.py")
+    parser.add_argument("--repeats", type=int, default=2, help="steps per mode, alternating")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set + [f"run.out={tempfile.mkdtemp(prefix='bench_memory_')}"])
+    run = train.setup(cfg)
+    dtype = getattr(torch, cfg.model.dtype)
+    bucket = cfg.memory.bucket_mb << 20
+    phases = {mode: MemoryPhases(run.engine, run.policy, run.optimizer, mode, bucket, dtype)
+              for mode in ("staged", "all_at_once")}
+    peaks = {mode: [] for mode in phases}
+    try:
+        for step in range(args.repeats):
+            for mode, machine in phases.items():
+                per_phase = one_step(run, machine, step)
+                peaks[mode].append(max(per_phase.values()))
+                print(f"step {step} {mode:11s} " + " ".join(f"{p}={b / 2**20:.2f}MiB" for p, b in per_phase.items()))
+    finally:
+        run.engine.shutdown()
+    ledger, source = phases["staged"].ledger, phases["staged"].source
+    print(f"ledger ({source} peaks): " + " ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in vars(ledger).items()))
+    staged, all_at_once = max(peaks["staged"]), max(peaks["all_at_once"])
+    print(f"memory: staged_peak_bytes={staged} all_at_once_peak_bytes={all_at_once} "
+          f"engine_weight_bytes={ledger.engine_weights} saving_bytes={all_at_once - staged} source={source}")
+
+
+if __name__ == "__main__":
+    main()

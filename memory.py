@@ -1,0 +1,165 @@
+"""Memory phases of a colocated step: which of engine weights, KV cache, trainer parameters, gradients
+and optimizer state are resident on the accelerator, when, and the peak of each phase.
+
+rollout (engine weights + KV cache; trainer offloaded) -> train (engine released; trainer onloaded)
+-> sync, staged as in SGLang RFC 7009: offload optimizer, resume engine weights, push weights in
+buckets, offload trainer parameters, empty the cache, and only then resume the KV cache.
+`all_at_once` resumes weights and KV cache together, for comparison. The engine calls themselves
+live in rollout.py; this file decides their order and refuses illegal transitions.
+"""
+import dataclasses
+
+import torch
+
+ENGINE_TAGS = ("weights", "kv_cache")  # "cuda_graph" joins them on GPU when CUDA graphs are captured
+
+
+class PhaseError(RuntimeError):
+    """An illegal memory transition (e.g. resuming a tag that was never released)."""
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclasses.dataclass
+class Ledger:
+    """Bytes per tag, from real tensor sizes. On CPU release frees nothing (torch_memory_saver needs
+    CUDA), so peaks are *modelled* from these; on GPU they are measured as well."""
+    engine_weights: int   # the engine's copy of the model, in the engine's dtype
+    kv_cache: int         # KV pool: token capacity x layers x (K and V) x kv heads x head dim x dtype
+    trainer_params: int
+    trainer_grads: int
+    optimizer_state: int  # AdamW: exp_avg + exp_avg_sq (+ step); 2x params before the first step
+
+    @classmethod
+    def measure(cls, policy, optimizer, kv_cache_tokens, engine_dtype):
+        params = list(policy.parameters())
+        element = torch.empty((), dtype=engine_dtype).element_size()
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        config = policy.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+        return cls(engine_weights=sum(p.numel() for p in params) * element,
+                   kv_cache=kv_cache_tokens * kv_per_token,
+                   trainer_params=tensor_bytes(params),
+                   trainer_grads=tensor_bytes(params),  # allocated by backward, freed by zero_grad(None)
+                   optimizer_state=tensor_bytes(state) if state else 2 * tensor_bytes(params))
+
+
+class MemoryPhases:
+    """The per-step phase machine: `to_train()` after a rollout, `sync(version)` after the update."""
+
+    def __init__(self, engine, policy, optimizer, mode="staged", bucket_bytes=256 << 20, engine_dtype=torch.float32):
+        if mode not in ("staged", "all_at_once", "off"):
+            raise ValueError(f"memory mode {mode!r}: expected 'staged', 'all_at_once' or 'off'")
+        self.engine, self.policy, self.optimizer = engine, policy, optimizer
+        self.mode, self.bucket_bytes = mode, bucket_bytes
+        self.device = next(policy.parameters()).device
+        self.ledger = Ledger.measure(policy, optimizer, engine.kv_cache_tokens(), engine_dtype)
+        self.phase = "rollout"
+        # what is resident now; trainer_grads only exist between backward and zero_grad
+        self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state"}
+        self.engine_released = set()
+        self.peaks = {}  # phase -> {"modelled": bytes, "measured": bytes (GPU only)}, reset each step
+        self._move_trainer(onload=False, params=True, optimizer=True)  # rollout comes first
+
+    # ------------------------------------------------------------------ transitions
+    def to_train(self):
+        """rollout -> train: free the engine (it must be idle), bring the trainer back."""
+        self._expect("rollout", "to_train")
+        if self.engine.num_in_flight():
+            raise PhaseError(f"cannot release engine memory with {self.engine.num_in_flight()} requests in flight")
+        self._enter("train")
+        if self.mode != "off":
+            self._release(list(ENGINE_TAGS))
+        self._move_trainer(onload=True, params=True, optimizer=True)
+        self.resident.add("trainer_grads")  # the update allocates them (activations are not modelled)
+        self._note()
+
+    def sync(self, version):
+        """train -> rollout, pushing the new weights to the engine in between."""
+        self._expect("train", "sync")
+        self._enter("sync")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.resident.discard("trainer_grads")
+        self._move_trainer(onload=False, params=False, optimizer=True)
+        # staged: wake only the weights, so the KV cache is not resident while two model copies are
+        if self.mode != "off":
+            self._resume(["weights"] if self.mode == "staged" else list(ENGINE_TAGS))
+        self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
+        num_buckets = self.engine.update_weights(self.policy.named_parameters(), version, self.bucket_bytes)
+        self._move_trainer(onload=False, params=True, optimizer=False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # return the trainer's freed blocks before the KV cache comes back
+        if self.mode == "staged":
+            self._resume(["kv_cache"])
+        self._enter("rollout")
+        self._note()
+        return num_buckets
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _expect(self, phase, action):
+        if self.phase != phase:
+            raise PhaseError(f"{action}() needs phase {phase!r}, but the step is in phase {self.phase!r}")
+
+    def _enter(self, phase):
+        """Start a phase's peak afresh; usage is noted after each action inside it (not before the
+        first, which still belongs to the previous phase)."""
+        self.phase = phase
+        self.peaks[phase] = {"modelled": 0, "measured": 0}
+
+    def _release(self, tags):
+        already = set(tags) & self.engine_released
+        if already:
+            raise PhaseError(f"engine memory {sorted(already)} is already released")
+        self.engine.release(tags)
+        self.engine_released |= set(tags)
+        self.resident -= {"engine_weights" if t == "weights" else t for t in tags}
+        self._note()
+
+    def _resume(self, tags):
+        # SGLang answers a resume of a tag it never released with a bare KeyError from a set removal
+        missing = set(tags) - self.engine_released
+        if missing:
+            raise PhaseError(f"cannot resume engine memory {sorted(missing)}: it was not released")
+        self.engine.resume(tags)
+        self.engine_released -= set(tags)
+        self.resident |= {"engine_weights" if t == "weights" else t for t in tags}
+        self._note()
+
+    def _move_trainer(self, onload, params, optimizer):
+        """Move trainer parameters and/or optimizer state onto the accelerator or off it to the CPU."""
+        if self.mode == "off":
+            return  # both stay resident
+        device = self.device if onload else torch.device("cpu")  # on a CPU machine the move is a no-op
+        if params:
+            self.policy.to(device)
+            (self.resident.add if onload else self.resident.discard)("trainer_params")
+        if optimizer:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and key != "step":  # AdamW keeps `step` on the CPU
+                        state[key] = value.to(device, non_blocking=True)
+            (self.resident.add if onload else self.resident.discard)("optimizer_state")
+        self._note()
+
+    def _note(self, extra=0):
+        """Record the current modelled (and, on GPU, measured device-wide) usage into the phase peak."""
+        modelled = sum(getattr(self.ledger, name) for name in self.resident) + extra
+        peak = self.peaks.setdefault(self.phase, {"modelled": 0, "measured": 0})
+        peak["modelled"] = max(peak["modelled"], modelled)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()  # engine processes included, unlike memory_allocated()
+            peak["measured"] = max(peak["measured"], total - free)
+
+    @property
+    def source(self):
+        """GPU peaks are measured; CPU peaks are modelled (releasing frees nothing there)."""
+        return "measured" if self.device.type == "cuda" else "modelled"
+
+    def metrics(self):
+        out = {f"memory/{phase}_peak_bytes_{self.source}": peak[self.source] for phase, peak in self.peaks.items()}
+        for name in ("engine_weights", "kv_cache", "trainer_params", "optimizer_state"):
+            out[f"memory/resident_{name}"] = float(name in self.resident)
+        return out

@@ -1,0 +1,109 @@
+"""Memory phases on the real engine: release/resume every step, staged weight push parity,
+illegal transitions, and the ledger against real tensor sizes (CPU: peaks are modelled)."""
+import asyncio
+import os
+import uuid
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import train
+from conftest import tiny_config
+from memory import Ledger, MemoryPhases, PhaseError
+
+PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12]]
+
+
+@pytest.fixture
+def run(engine, tmp_path):
+    return train.setup(tiny_config(tmp_path), engine=engine)
+
+
+def greedy(engine):
+    samples, _ = engine.generate(PROMPTS, 1, 0.0, 16)
+    return [s.response_ids for s in samples], [s.logprobs for s in samples]
+
+
+def test_phase_cycle_release_resume_and_parity(run):
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", bucket_bytes=64 << 10)
+    ids_before, logprobs_before = greedy(run.engine)
+    for step in range(2):  # the sequence runs every step
+        phases.to_train()
+        assert phases.phase == "train" and phases.engine_released == {"weights", "kv_cache"}
+        phases.sync(version=step + 1)
+        assert phases.phase == "rollout" and phases.engine_released == set()
+    ids_after, logprobs_after = greedy(run.engine)  # same weights pushed back: same generation
+    assert ids_after == ids_before
+    for a, b in zip(logprobs_after, logprobs_before):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+
+    phases.to_train()
+    with torch.no_grad():
+        for p in run.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # stands in for an update
+    num_buckets = phases.sync(version=3)
+    assert num_buckets > 1  # staged push, several buckets
+    samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 16)
+    batch = train.collate(samples, pad_id=0)
+    with torch.no_grad():
+        logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+    assert ((logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
+
+
+def test_illegal_transitions_raise_named_errors(run):
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer)
+    with pytest.raises(PhaseError, match="sync\\(\\) needs phase 'train'"):
+        phases.sync(version=1)
+    with pytest.raises(PhaseError, match="not released"):
+        phases._resume(["kv_cache"])  # SGLang itself would raise a bare KeyError here
+    phases.to_train()
+    with pytest.raises(PhaseError, match="to_train\\(\\) needs phase 'rollout'"):
+        phases.to_train()
+    with pytest.raises(PhaseError, match="already released"):
+        phases._release(["weights"])
+    phases.sync(version=1)
+
+    async def release_while_generating():
+        request = asyncio.ensure_future(run.engine.engine.async_generate(
+            input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 200, "ignore_eos": True}, rid=uuid.uuid4().hex))
+        await asyncio.sleep(0.05)  # the request reaches the engine
+        with pytest.raises(PhaseError, match="in flight"):
+            phases.to_train()
+        await request
+
+    run.engine._run(release_while_generating())
+    assert phases.phase == "rollout"
+
+
+def test_ledger_equals_real_tensor_sizes(run):
+    r = run.cfg
+    samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 8)
+    advantages = torch.randn(len(samples))
+    train.train_on_rollout(run, samples, advantages)  # creates the AdamW state
+    tokens = run.engine.kv_cache_tokens()
+    ledger = Ledger.measure(run.policy, run.optimizer, tokens, torch.float32)
+    params = list(run.policy.parameters())
+    assert ledger.trainer_params == sum(p.numel() * 4 for p in params)
+    state = [v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert ledger.optimizer_state == sum(v.numel() * v.element_size() for v in state)
+    assert ledger.optimizer_state >= 2 * ledger.trainer_params  # exp_avg + exp_avg_sq (+ step)
+    with safe_open(os.path.join(r.run.out, "model", "model.safetensors"), "pt") as f:  # what the engine loaded
+        engine_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert ledger.engine_weights == engine_bytes
+    # SGLang reports its KV pool size (GB, 3 decimals) from the pool's own tensors
+    reported_gb = run.engine.engine.get_server_info()["internal_states"][0]["memory_usage"]["kvcache"]
+    assert abs(ledger.kv_cache / 2**30 - reported_gb) <= 0.0005 + 1e-9
+
+
+def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
+    peaks = {}
+    for mode in ("staged", "all_at_once"):
+        phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode=mode)
+        phases.to_train()
+        phases.sync(version=1)
+        peaks[mode] = phases.peaks["sync"]["modelled"]
+    ledger = phases.ledger
+    assert peaks["all_at_once"] == ledger.trainer_params + ledger.engine_weights + ledger.kv_cache + \
+        min(256 << 20, ledger.trainer_params)
+    assert peaks["all_at_once"] - peaks["staged"] >= ledger.engine_weights
