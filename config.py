@@ -26,12 +26,13 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    task: str = "tiny"  # tiny | gsm8k
+    task: str = "tiny"  # tiny | tiny_tool (multi-turn calculator demo) | gsm8k
     train_path: str = ""  # gsm8k: a .jsonl / .parquet file or a hub name such as openai/gsm8k
     val_path: str = ""
     max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
     tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
-    num_tiny_prompts: int = 4096  # tiny task: size of the drawn training set
+    tiny_max_operand: int = 50  # tiny_tool task: prompts "a+b=" with 1 <= a, b <= tiny_max_operand
+    num_tiny_prompts: int = 4096  # tiny tasks: size of the drawn training set
     num_val_prompts: int = 64  # validation prompts used (all if fewer)
 
 
@@ -41,7 +42,10 @@ class RolloutConfig:
     group_size: int = 8  # samples per prompt (GRPO group)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 48
+    max_new_tokens: int = 48  # per turn
+    max_turns: int = 1  # > 1: multi-turn with the calculator tool (tiny_tool, gsm8k)
+    max_response_tokens: int = 0  # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
+    merge_turns: bool = True  # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
     engine_threads: int = 1  # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
     max_total_tokens: int = 16384  # KV cache capacity in tokens (0 = engine decides from memory)
@@ -96,7 +100,7 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        choices = {"data.task": (self.data.task, ("tiny", "gsm8k")),
+        choices = {"data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k")),
                    "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
                    "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-mean", "seq-mean-token-sum-norm")),

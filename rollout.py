@@ -72,6 +72,8 @@ class RolloutStats:
     cancel_latency_s: float = 0.0   # decision -> every cancelled request returned from the engine
     num_cancelled: int = 0
     num_failed: int = 0
+    num_tool_calls: int = 0
+    num_tool_errors: int = 0
 
 
 class RolloutEngine:
@@ -102,27 +104,41 @@ class RolloutEngine:
             max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
             **device_args)
         self.tokenizer_manager = self.engine.tokenizer_manager
+        self.weight_shapes = checkpoint_shapes(model_path)
+
 
     def _run(self, coroutine):
         """Run an engine coroutine to completion on the engine's own event loop (we are not inside one)."""
         return self.engine.loop.run_until_complete(coroutine)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None):
-        """Sample `group_size` responses per prompt; with a `plan`, cancel the tail per `cfg.cancel`.
+    def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
+                 max_response_tokens=0):
+        """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
 
-        prompts: list of token-id lists. Returns (samples in launch order, RolloutStats).
+        prompts: list of token-id lists. A trajectory is one turn, or with a `tool` (response ids ->
+        (observation ids, is_error), or None when the response makes no tool call) up to `max_turns`
+        turns within `max_response_tokens` generated + observation tokens. Returns (every turn of every
+        trajectory, in launch order, `trajectory_id` numbering the trajectories 0.., RolloutStats).
         """
         sampling = {"temperature": temperature, "top_p": self.cfg.top_p if temperature > 0 else 1.0,
                     "max_new_tokens": max_new_tokens}
-        requests = [(uuid.uuid4().hex, ids, group_id)  # uuid rids: SGLang aborts by rid *prefix*
-                    for group_id, ids in enumerate(prompts) for _ in range(group_size)]
-        return self._run(self._generate_all(requests, sampling, plan))
+        if tool is not None:
+            sampling["stop_token_ids"] = [tool.call_end_id]  # pause generation at the end of a tool call
+        budget = max_response_tokens or max_new_tokens * max_turns
+        units = [(group_id, ids) for group_id, ids in enumerate(prompts) for _ in range(group_size)]
+        if self.cfg.max_total_tokens and len(units) * max_new_tokens > self.cfg.max_total_tokens:
+            # SGLang admits a request only if the KV pool can reserve most of its max_new_tokens: the
+            # rest queue, and a "tail" cancellation would then cancel requests that never started
+            log.warning("%d requests x %d new tokens exceed rollout.max_total_tokens=%d: requests will queue",
+                        len(units), max_new_tokens, self.cfg.max_total_tokens)
+        return self._run(self._generate_all(units, sampling, plan, tool, max_turns, budget))
 
-    async def _generate_all(self, requests, sampling, plan):
+    async def _generate_all(self, units, sampling, plan, tool, max_turns, budget):
         stats, start = RolloutStats(), time.perf_counter()
-        tasks = {asyncio.create_task(self._generate_one(rid, ids, group_id, sampling, start)): rid
-                 for rid, ids, group_id in requests}
+        self._current_rid, self._cancelled = {}, set()
+        tasks = {asyncio.create_task(self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start)): i
+                 for i, (group_id, ids) in enumerate(units)}
         pending, finished = set(tasks), []
         if plan is not None and plan.cancel != "none":
             pending = await self._wait_for_enough(pending, finished, plan, start)
@@ -133,7 +149,8 @@ class RolloutEngine:
         if pending:
             # Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
             # request decoding in the scheduler, burning the compute we wanted back.
-            rids = [tasks[t] for t in pending]
+            self._cancelled.update(tasks[t] for t in pending)  # and no cancelled trajectory starts a turn
+            rids = [self._current_rid[tasks[t]] for t in pending]
             self._cancelling.update(rids)
             if len(pending) == len(self.tokenizer_manager.rid_to_state):
                 self.tokenizer_manager.abort_request(abort_all=True)
@@ -148,12 +165,12 @@ class RolloutEngine:
             self._cancelling.difference_update(rids)
             if stuck:
                 raise RolloutError(f"{len(stuck)} aborted requests did not return within "
-                                   f"{self.cfg.abort_timeout_s}s (rids {[tasks[t] for t in stuck][:3]}...)")
+                                   f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)")
             # a request can finish on its own between the decision and the abort: it is kept
-            stats.num_cancelled = sum(t.result().finish_reason == "abort" for t in pending)
+            stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
         await asyncio.gather(*tasks)  # every task is done here; re-raises nothing (errors became samples)
         stats.rollout_s = time.perf_counter() - start
-        samples = [t.result() for t in tasks]
+        samples = [turn for t in tasks for turn in t.result()]
         if plan is not None and plan.cancel == "group":
             keep_first_complete_groups(samples, finished, plan.group_size, plan.target_groups)
         stats.num_failed = sum(s.finish_reason == "error" for s in samples)
@@ -163,13 +180,14 @@ class RolloutEngine:
         return samples, stats
 
     async def _wait_for_enough(self, pending, finished, plan, start):
-        """Event-driven: wake on each completion (or the time deadline), decide, return what is left."""
+        """Event-driven: wake on each completion (or the time deadline), decide, return what is left.
+        `finished` collects the last turn of each finished trajectory, in completion order."""
         deadline = None
         while pending:
             timeout = None if deadline is None else max(deadline - time.perf_counter(), 0)
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finished.extend(t.result() for t in done)
-            num_ok = sum(s.finish_reason in ("stop", "length") for s in finished)
+            finished.extend(t.result()[-1] for t in done)
+            num_ok = sum(not s.is_aborted for s in finished)
             if plan.cancel == "group":
                 if count_complete_groups(finished, plan.group_size) >= plan.target_groups:
                     break
@@ -181,6 +199,34 @@ class RolloutEngine:
             if deadline is not None and now >= deadline:
                 break
         return pending
+
+    async def _trajectory(self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start):
+        """Turns of one trajectory: generate, run the tool on a tool call, append its observation, go on.
+        Each turn's prompt is the previous prompt + response + observation, so turns merge (merge.py)."""
+        turns, context = [], list(prompt_ids)
+        for turn in range(max_turns):
+            if turn > 0 and trajectory_id in self._cancelled:
+                turns[-1].finish_reason = "abort"  # cancelled while its tool ran: unfinished
+                break
+            remaining = budget - (len(context) - len(prompt_ids))
+            if remaining <= 0:
+                break  # token budget spent on earlier turns and observations
+            rid = self._current_rid[trajectory_id] = uuid.uuid4().hex  # uuid: SGLang aborts by rid *prefix*
+            turn_sampling = {**sampling, "max_new_tokens": min(sampling["max_new_tokens"], remaining)}
+            sample = await self._generate_one(rid, context, group_id, turn_sampling, start)
+            sample.trajectory_id, sample.turn = trajectory_id, turn
+            turns.append(sample)
+            observation = tool(sample.response_ids) if tool and sample.finish_reason == "stop" else None
+            if observation is None:
+                break  # an answer, a length cut, an abort or an error ends the trajectory
+            observation_ids, is_error = observation
+            stats.num_tool_calls += 1
+            stats.num_tool_errors += is_error
+            context = context + sample.response_ids + observation_ids
+        if any(t.is_aborted or t.finish_reason == "abort" for t in turns):
+            for t in turns:  # a trajectory is trained whole or not at all
+                t.is_aborted = True
+        return turns
 
     async def _generate_one(self, rid, prompt_ids, group_id, sampling, start):
         """One request; an engine exception becomes a sample marked "error" (counted, logged, dropped)."""
@@ -221,6 +267,12 @@ class RolloutEngine:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
+        named_tensors = list(named_tensors)
+        for name, tensor in named_tensors:
+            # a mismatched tensor crashes SGLang's scheduler, which then SIGKILLs this process: check first
+            if self.weight_shapes.get(name) != tuple(tensor.shape):
+                raise RolloutError(f"weight sync: {name} {tuple(tensor.shape)} does not match the engine's "
+                                   f"model ({self.weight_shapes.get(name, 'no such tensor')})")
         self.engine.begin_weight_update()
         bucket, size, buckets = [], 0, []
         for name, tensor in named_tensors:
@@ -257,11 +309,23 @@ class RolloutEngine:
         self.engine.shutdown()
 
 
+def checkpoint_shapes(model_path):
+    """{tensor name: shape} of the HF checkpoint the engine loaded (all safetensors shards)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(os.listdir(model_path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(model_path, file), "pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
 def count_complete_groups(samples, group_size):
     """Groups all of whose `group_size` members finished (stopped or hit the length limit)."""
     counts = {}
     for s in samples:
-        if s.finish_reason in ("stop", "length"):
+        if not s.is_aborted:
             counts[s.group_id] = counts.get(s.group_id, 0) + 1
     return sum(n == group_size for n in counts.values())
 
@@ -271,7 +335,7 @@ def keep_first_complete_groups(samples, finished, group_size, num_groups):
     so group sizes never shrink (the alternative to per-sample dropping)."""
     done_count, kept = {}, []
     for s in finished:  # completion order
-        if s.finish_reason in ("stop", "length"):
+        if not s.is_aborted:
             done_count[s.group_id] = done_count.get(s.group_id, 0) + 1
             if done_count[s.group_id] == group_size and len(kept) < num_groups:
                 kept.append(s.group_id)

@@ -11,6 +11,8 @@ import os
 import random
 import re
 
+from calculator import calculate
+
 log = logging.getLogger("tasks")
 
 
@@ -27,7 +29,7 @@ class Prompt:
 # ---------------------------------------------------------------- tiny demo task
 # Prompt "<bos>17:", target "a" * 17 then <eos>. N ~ 1/N up to max_count, so most answers are short
 # and a few are long: the long-tailed length distribution RL rollouts have (shared/notes/tiny-demo.md).
-TINY_CHARS = "0123456789:a"
+TINY_CHARS = "0123456789:a+-.=[]()?"  # one vocab for both tiny tasks (tiny_tool uses "+-.=[]()?")
 
 
 def build_char_tokenizer(chars=TINY_CHARS):
@@ -64,6 +66,78 @@ def tiny_reward(response_text, answer, finished):
         return 1.0
     matches = sum(a == b for a, b in zip(response_text, target))
     return matches / max(len(response_text), len(target))
+
+
+# ---------------------------------------------------------------- tiny tool task
+# Prompt "<bos>12+35=", answer "47". The model may call the calculator by writing "[12+35]"; the
+# rollout appends the observation "(47)" and generation goes on. From random init the model writes
+# "[" and "]" by chance, so the multi-turn path (tool, observation, merge) runs from the first step.
+def tiny_tool_prompts(tokenizer, num_prompts, max_operand, seed):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        ids = [tokenizer.bos_token_id] + tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids
+        prompts.append(Prompt(prompt_ids=ids, answer=str(a + b)))
+    return prompts
+
+
+def tiny_tool_reward(response_text, answer, finished):
+    """Positionwise credit of the final answer (the last turn's text) against the sum's digits."""
+    if not finished:
+        return 0.0
+    matches = sum(a == b for a, b in zip(response_text, answer))
+    return matches / max(len(response_text), len(answer))
+
+
+class CalculatorTool:
+    """Turns a response that ends in a tool call into observation tokens for the next turn.
+
+    Called by rollout.py with the response ids; returns (observation ids, is_error), or None when the
+    response makes no tool call (it is the answer). The call is untrusted model text: it only ever
+    reaches calculator.calculate, which parses it and answers errors as text, never by raising.
+    """
+
+    def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
+        self.tokenizer, self.call_start, self.call_end = tokenizer, call_start, call_end
+        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)  # rollout stops generation on it
+        self.parse_call, self.format_observation = parse_call, format_observation
+
+    def __call__(self, response_ids):
+        if not response_ids or response_ids[-1] != self.call_end_id:
+            return None
+        text = self.tokenizer.decode(response_ids, skip_special_tokens=False)
+        start = text.rfind(self.call_start)
+        expression = self.parse_call(text[start + len(self.call_start):-len(self.call_end)]) if start >= 0 else None
+        result = calculate(expression) if expression is not None else "error: malformed tool call"
+        observation = self.format_observation(result)
+        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith("error")
+
+
+def tiny_calculator(tokenizer):
+    """"[12+35]" calls; the observation is "(47)", or "(?)" on an error (the vocab has no letters)."""
+    return CalculatorTool(tokenizer, "[", "]", parse_call=lambda call: call,
+                          format_observation=lambda result: "(?)" if result.startswith("error") else f"({result})")
+
+
+CALCULATOR_SCHEMA = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+def qwen_calculator(tokenizer):
+    """Qwen2.5/Qwen3 chat-template tool calls: <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+    answered as a <tool_response> in a user turn, exactly as the chat template renders tool messages."""
+    def parse_call(call):
+        try:
+            return json.loads(call)["arguments"]["expression"]  # json.loads never executes anything
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def format_observation(result):
+        return (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+                "<|im_start|>assistant\n")
+    return CalculatorTool(tokenizer, "<tool_call>", "</tool_call>", parse_call, format_observation)
 
 
 # ---------------------------------------------------------------- GSM8K
@@ -120,12 +194,13 @@ def read_rows(source, split):
     return list(datasets.load_dataset(source, "main", split=split))
 
 
-def gsm8k_prompts(tokenizer, source, split, max_prompt_len):
-    """Chat-formatted GSM8K prompts; prompts longer than `max_prompt_len` tokens are counted and skipped."""
+def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
+    """Chat-formatted GSM8K prompts (with tool descriptions when `tools` is given); prompts longer
+    than `max_prompt_len` tokens are counted and skipped."""
     prompts, num_too_long = [], 0
     for row in read_rows(source, split):
         messages = [{"role": "user", "content": f"{row['question']}\n{GSM8K_INSTRUCTION}"}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) > max_prompt_len:
             num_too_long += 1

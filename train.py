@@ -20,6 +20,7 @@ import torch
 import tqdm
 
 import grpo
+import merge
 import tasks
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
@@ -62,15 +63,21 @@ def build_policy(cfg, init_dir):
 
 
 def build_task(cfg, tokenizer):
-    """(train prompts, validation prompts, reward function) for `data.task`."""
-    d = cfg.data
+    """(train prompts, validation prompts, reward function, tool or None) for `data.task`."""
+    d, seed = cfg.data, cfg.train.seed
     if d.task == "tiny":
-        train = tasks.tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=cfg.train.seed)
-        val = tasks.tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=cfg.train.seed + 1)
-        return train, val, tasks.tiny_reward
-    train = tasks.gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len)
-    val = tasks.gsm8k_prompts(tokenizer, d.val_path or d.train_path, "test", d.max_prompt_len)
-    return train, val[:d.num_val_prompts], tasks.gsm8k_reward
+        train = tasks.tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
+        val = tasks.tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
+        return train, val, tasks.tiny_reward, None
+    if d.task == "tiny_tool":
+        train = tasks.tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_operand, seed=seed)
+        val = tasks.tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_max_operand, seed=seed + 1)
+        return train, val, tasks.tiny_tool_reward, tasks.tiny_calculator(tokenizer)
+    use_tool = cfg.rollout.max_turns > 1
+    tools = [tasks.CALCULATOR_SCHEMA] if use_tool else None
+    train = tasks.gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len, tools)
+    val = tasks.gsm8k_prompts(tokenizer, d.val_path or d.train_path, "test", d.max_prompt_len, tools)
+    return train, val[:d.num_val_prompts], tasks.gsm8k_reward, tasks.qwen_calculator(tokenizer) if use_tool else None
 
 
 def draw_prompts(prompts, step, count, seed):
@@ -83,11 +90,43 @@ def draw_prompts(prompts, step, count, seed):
 
 
 def score(samples, prompts, tokenizer, reward_fn):
-    """Set `sample.reward`; aborted and failed samples keep 0 but are never averaged in as zeros."""
+    """Reward each trajectory on its last turn's response and give every turn that reward; returns the
+    trajectories (lists of turns, index = trajectory_id). Aborted and failed ones keep 0 but are
+    never averaged in as zeros (their is_aborted flag keeps them out)."""
+    trajectories = {}
     for s in samples:
-        if not s.is_aborted:
-            text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            s.reward = reward_fn(text, prompts[s.group_id].answer, finished=s.finish_reason == "stop")
+        trajectories.setdefault(s.trajectory_id, []).append(s)
+    for turns in trajectories.values():
+        last = turns[-1]
+        if not last.is_aborted:
+            text = tokenizer.decode(last.response_ids, skip_special_tokens=True)
+            reward = reward_fn(text, prompts[last.group_id].answer, finished=last.finish_reason == "stop")
+            for turn in turns:
+                turn.reward = reward
+    return [trajectories[i] for i in sorted(trajectories)]
+
+
+def trajectory_advantages(trajectories, scale_by_std):
+    """GRPO advantage per trajectory, from its group's surviving trajectories: ([N], #degenerate groups)."""
+    last = [turns[-1] for turns in trajectories]
+    return grpo.group_advantages(torch.tensor([s.reward for s in last]), torch.tensor([s.group_id for s in last]),
+                                 torch.tensor([not s.is_aborted for s in last]), scale_by_std)
+
+
+def training_sequences(trajectories, advantages, cfg, max_seq_len):
+    """Sequences to train on: merged turns (or one per turn), each with its *trajectory's* advantage,
+    over-long ones dropped and counted. Single-turn trajectories pass through unchanged."""
+    if cfg.rollout.merge_turns:
+        sequences, stats = merge.merge_batch(trajectories, max_seq_len)
+    else:
+        sequences = merge.unmerged(trajectories)
+        stats = merge.MergeStats(turns=len(sequences), sequences_before=len(sequences), sequences_after=len(sequences))
+    kept = [s for s in sequences if len(s.prompt_ids) + len(s.response_ids) <= max_seq_len]
+    metrics = {"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
+               "merge/ratio": stats.merge_ratio, "merge/prefix_breaks": stats.prefix_breaks,
+               "merge/over_length_dropped": len(sequences) - len(kept),
+               "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1)}
+    return kept, advantages[[s.trajectory_id for s in kept]], metrics
 
 
 # ---------------------------------------------------------------- training step
@@ -158,15 +197,22 @@ def train_on_rollout(run, samples, advantages):
     return stats
 
 
-def validate(engine, prompts, tokenizer, reward_fn, cfg):
+def generate(run, prompts, group_size, temperature, plan=None):
+    """The engine call of both training and validation: single- or multi-turn per the config."""
+    r = run.cfg.rollout
+    return run.engine.generate([p.prompt_ids for p in prompts], group_size, temperature, r.max_new_tokens, plan,
+                               run.tool, r.max_turns, r.max_response_tokens)
+
+
+def validate(run):
     """Greedy and sampled (training temperature) reward: greedy decoding hides policy changes that
-    sampling shows, and sampling is what the next rollout sees."""
+    sampling shows, and sampling is what the next rollout sees. Never cancelled (no plan)."""
     out = {}
-    for suffix, temperature in (("", 0.0), ("_sampled", cfg.rollout.temperature)):
-        samples, _ = engine.generate([p.prompt_ids for p in prompts], 1, temperature, cfg.rollout.max_new_tokens)
-        score(samples, prompts, tokenizer, reward_fn)
-        out[f"val/reward_mean{suffix}"] = sum(s.reward for s in samples) / len(samples)
-        out[f"val/accuracy{suffix}"] = sum(s.reward >= 1.0 for s in samples) / len(samples)
+    for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
+        samples, _ = generate(run, run.val_prompts, 1, temperature)
+        rewards = [turns[-1].reward for turns in score(samples, run.val_prompts, run.tokenizer, run.reward_fn)]
+        out[f"val/reward_mean{suffix}"] = sum(rewards) / len(rewards)
+        out[f"val/accuracy{suffix}"] = sum(r >= 1.0 for r in rewards) / len(rewards)
     return out
 
 
@@ -219,6 +265,7 @@ class Run:
     train_prompts: list
     val_prompts: list
     reward_fn: object
+    tool: object  # tasks.CalculatorTool for multi-turn tasks, else None
     engine: RolloutEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -235,7 +282,7 @@ def setup(cfg, resume=False, engine=None):
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
     policy, tokenizer = build_policy(cfg, resume_dir)
-    train_prompts, val_prompts, reward_fn = build_task(cfg, tokenizer)
+    train_prompts, val_prompts, reward_fn, tool = build_task(cfg, tokenizer)
     engine_dir = resume_dir or export_for_engine(policy, tokenizer, cfg.run.out)
     policy.to(device)
     reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
@@ -258,7 +305,7 @@ def setup(cfg, resume=False, engine=None):
         engine.weight_version = start_step
     else:
         engine.update_weights(policy.named_parameters(), version=start_step)
-    return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, engine, optimizer,
+    return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
                scheduler, device, start_step)
 
 
@@ -269,23 +316,21 @@ def train(run):
     plan = plan_launch(r, r.prompts_per_step)
     phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
                           engine_dtype=getattr(torch, cfg.model.dtype))
-    validate_now = lambda: validate(engine, run.val_prompts, run.tokenizer, run.reward_fn, cfg)  # noqa: E731
+    max_seq_len = run.policy.config.max_position_embeddings
     for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps):
         step_start = time.perf_counter()
-        scalars = validate_now() if step % cfg.run.val_every == 0 else {}
-        # 1. rollout: group_size samples per prompt; the slow tail is cancelled per rollout.cancel
+        scalars = validate(run) if step % cfg.run.val_every == 0 else {}
+        # 1. rollout: group_size trajectories per prompt; the slow tail is cancelled per rollout.cancel
         prompts = draw_prompts(run.train_prompts, step, plan.num_prompts, cfg.train.seed)
-        samples, stats = engine.generate([p.prompt_ids for p in prompts], r.group_size, r.temperature,
-                                         r.max_new_tokens, plan)
-        # 2. reward, 3. group-relative advantage over each group's surviving members
-        score(samples, prompts, run.tokenizer, run.reward_fn)
-        advantages, num_degenerate = grpo.group_advantages(
-            torch.tensor([s.reward for s in samples]), torch.tensor([s.group_id for s in samples]),
-            torch.tensor([not s.is_aborted for s in samples]), cfg.train.scale_by_std)
-        # 4. policy update on the trainer's copy, with the engine's memory released
+        samples, stats = generate(run, prompts, r.group_size, r.temperature, plan)
+        # 2. reward, 3. group-relative advantage over each group's surviving trajectories
+        trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+        advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
+        # 4. policy update on (merged) sequences, with the engine's memory released
+        sequences, sequence_advantages, merge_metrics = training_sequences(trajectories, advantages, cfg, max_seq_len)
         train_start = time.perf_counter()
         phases.to_train()
-        scalars |= train_on_rollout(run, samples, advantages)
+        scalars |= train_on_rollout(run, sequences, sequence_advantages)
         # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
         sync_start = time.perf_counter()
         phases.sync(version=step + 1)
@@ -295,11 +340,12 @@ def train(run):
             "train/degenerate_groups": num_degenerate, "timing/rollout_s": stats.rollout_s,
             "timing/train_s": sync_start - train_start, "timing/weight_sync_s": now - sync_start,
             "timing/step_s": now - step_start, "rollout/cancel_decision_s": stats.decision_s,
-            "rollout/cancel_latency_s": stats.cancel_latency_s} | phases.metrics()
+            "rollout/cancel_latency_s": stats.cancel_latency_s, "rollout/tool_calls": stats.num_tool_calls,
+            "rollout/tool_errors": stats.num_tool_errors} | merge_metrics | phases.metrics()
         logger.log(step, scalars, echo=tqdm.tqdm.write)
         if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
             save_checkpoint(cfg.run.out, step + 1, run)
-    logger.log(cfg.train.steps, validate_now(), echo=tqdm.tqdm.write)
+    logger.log(cfg.train.steps, validate(run), echo=tqdm.tqdm.write)
     logger.close()
 
 

@@ -109,7 +109,7 @@ def test_group_cancellation_keeps_whole_groups(engine, policy):
 
 def test_validation_never_cancels(engine, policy, tmp_path):
     cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5", "rollout.max_new_tokens=200")
-    prompts = train.build_task(cfg, train.tasks.build_char_tokenizer())[1]
+    run = train.setup(cfg, engine=engine)
     samples_seen = []
     original = engine.generate
 
@@ -120,10 +120,10 @@ def test_validation_never_cancels(engine, policy, tmp_path):
 
     engine.generate = spy
     try:
-        train.validate(engine, prompts, train.tasks.build_char_tokenizer(), train.tasks.tiny_reward, cfg)
+        train.validate(run)
     finally:
         del engine.generate
-    assert len(samples_seen) == 2 * len(prompts) and not any(s.is_aborted for s in samples_seen)
+    assert len(samples_seen) == 2 * len(run.val_prompts) and not any(s.is_aborted for s in samples_seen)
 
 
 def test_failed_requests_are_counted_not_padded(engine, policy):
@@ -141,3 +141,12 @@ def test_failed_requests_are_counted_not_padded(engine, policy):
     finally:
         engine.cfg = configured
     _assert_nothing_left_running(engine)
+
+
+def test_mismatched_weight_sync_is_refused_before_it_reaches_the_engine(engine, policy):
+    wrong = [("model.embed_tokens.weight", torch.zeros(3, 64)), ("model.no_such.weight", torch.zeros(1))]
+    for name, tensor in wrong:
+        with pytest.raises(RolloutError, match="does not match the engine's model"):
+            engine.update_weights([(name, tensor)], version=1)
+    samples, _ = engine.generate(PROMPTS, 1, 1.0, 4)  # the engine is still alive
+    assert len(samples) == 4

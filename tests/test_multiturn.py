@@ -1,0 +1,69 @@
+"""Multi-turn tool rollouts on the real engine, and merged vs step-wise training sequences."""
+import math
+
+import torch
+
+import grpo
+import train
+from conftest import tiny_config
+
+
+def tool_run(engine, tmp_path, *sets):
+    return train.setup(tiny_config(tmp_path, "data.task=tiny_tool", "rollout.max_new_tokens=24",
+                                   "rollout.max_turns=4", *sets), engine=engine)
+
+
+def test_tool_turns_extend_the_previous_context(engine, tmp_path):
+    run = tool_run(engine, tmp_path)
+    samples, stats = train.generate(run, run.train_prompts[:16], 8, 1.0)
+    trajectories = train.score(samples, run.train_prompts[:16], run.tokenizer, run.reward_fn)
+    multi = [t for t in trajectories if len(t) > 1]
+    assert multi and stats.num_tool_calls >= len(multi)  # random init writes "[...]" by chance
+    for turns in multi:
+        assert [t.turn for t in turns] == list(range(len(turns)))
+        for before, after in zip(turns, turns[1:]):
+            history = before.prompt_ids + before.response_ids
+            assert after.prompt_ids[:len(history)] == history  # prefix: the turns merge
+            observation = run.tokenizer.decode(after.prompt_ids[len(history):])
+            assert observation.startswith("(") and observation.endswith(")")  # "(47)" or "(?)"
+            assert before.response_ids[-1] == run.tool.call_end_id
+        assert len({t.reward for t in turns}) == 1  # the trajectory's reward on every turn
+        budget = 24 * 4
+        assert len(turns[-1].prompt_ids) + len(turns[-1].response_ids) - len(turns[0].prompt_ids) <= budget
+
+
+def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path):
+    run = tool_run(engine, tmp_path)
+    prompts = run.train_prompts[:16]
+    samples, _ = train.generate(run, prompts, 8, 1.0)
+    trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
+    advantages = torch.randn(len(trajectories))
+    merged, merged_adv, metrics = train.training_sequences(trajectories, advantages, run.cfg, 256)
+    run.cfg.rollout.merge_turns = False
+    stepwise, stepwise_adv, _ = train.training_sequences(trajectories, advantages, run.cfg, 256)
+    assert metrics["merge/ratio"] > 1 and len(merged) < len(stepwise)
+    assert sum(len(s.prompt_ids) + len(s.response_ids) for s in merged) < \
+        sum(len(s.prompt_ids) + len(s.response_ids) for s in stepwise)
+
+    def token_mean_loss(sequences, seq_advantages):
+        batch = train.collate(sequences, pad_id=0)
+        with torch.no_grad():
+            logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+        old = logprobs - 0.1  # any fixed old policy: ratio exp(0.1) on every trained token
+        loss, _ = grpo.policy_loss(logprobs, old, seq_advantages, batch["loss_mask"], clip_eps=0.2)
+        return loss.item(), batch["loss_mask"].sum().item()
+
+    merged_loss, merged_tokens = token_mean_loss(merged, merged_adv)
+    stepwise_loss, stepwise_tokens = token_mean_loss(stepwise, stepwise_adv)
+    assert merged_tokens == stepwise_tokens  # observation tokens are masked, every response token trained once
+    assert math.isclose(merged_loss, stepwise_loss, rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_tool_demo_steps_end_to_end(engine, tmp_path):
+    run = tool_run(engine, tmp_path, "train.steps=2", "run.val_every=100")
+    train.train(run)
+    logged = {}
+    from test_train import scalars
+    logged = scalars(tmp_path)
+    assert max(logged["merge/ratio"]) > 1 and max(logged["rollout/tool_calls"]) > 0
+    assert all(math.isfinite(v) for v in logged["train/loss"])
