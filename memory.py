@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-ENGINE_TAGS = ("weights", "kv_cache")  # "cuda_graph" joins them on GPU when CUDA graphs are captured
+LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}  # CUDA graph pools are not modelled
 
 
 class PhaseError(RuntimeError):
@@ -72,7 +72,7 @@ class MemoryPhases:
             raise PhaseError(f"cannot release engine memory with {self.engine.num_in_flight()} requests in flight")
         self._enter("train")
         if self.mode != "off":
-            self._release(list(ENGINE_TAGS))
+            self._release(list(self.engine.memory_tags))
         self._move_trainer(onload=True, params=True, optimizer=True)
         self.resident.add("trainer_grads")  # the update allocates them (activations are not modelled)
         self._note()
@@ -86,14 +86,14 @@ class MemoryPhases:
         self._move_trainer(onload=False, params=False, optimizer=True)
         # staged: wake only the weights, so the KV cache is not resident while two model copies are
         if self.mode != "off":
-            self._resume(["weights"] if self.mode == "staged" else list(ENGINE_TAGS))
+            self._resume(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
         num_buckets = self.engine.update_weights(self.policy.named_parameters(), version, self.bucket_bytes)
         self._move_trainer(onload=False, params=True, optimizer=False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # return the trainer's freed blocks before the KV cache comes back
         if self.mode == "staged":
-            self._resume(["kv_cache"])
+            self._resume([tag for tag in self.engine.memory_tags if tag != "weights"])  # KV cache (+ CUDA graphs)
         self._enter("rollout")
         self._note()
         return num_buckets
@@ -115,7 +115,7 @@ class MemoryPhases:
             raise PhaseError(f"engine memory {sorted(already)} is already released")
         self.engine.release(tags)
         self.engine_released |= set(tags)
-        self.resident -= {"engine_weights" if t == "weights" else t for t in tags}
+        self.resident -= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
 
     def _resume(self, tags):
@@ -125,7 +125,7 @@ class MemoryPhases:
             raise PhaseError(f"cannot resume engine memory {sorted(missing)}: it was not released")
         self.engine.resume(tags)
         self.engine_released -= set(tags)
-        self.resident |= {"engine_weights" if t == "weights" else t for t in tags}
+        self.resident |= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
 
     def _move_trainer(self, onload, params, optimizer):

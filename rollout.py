@@ -53,16 +53,17 @@ class LaunchPlan:
 
 
 def plan_launch(cfg, num_prompts):
-    """Over-sampling arithmetic. `over_sample_rate` launches extra prompts and keeps the batch size;
-    `drop_rate` launches the batch and accepts losing its slowest fraction (samples or groups)."""
-    launched, kept = num_prompts, num_prompts
-    if cfg.cancel != "none" and cfg.over_sample_rate > 0:
+    """Over-sampling arithmetic. `over_sample_rate` launches extra prompts and stops at the batch size;
+    `drop_rate` launches the batch and stops once all but its slowest fraction (samples or groups) finished."""
+    batch, group_size = num_prompts * cfg.group_size, cfg.group_size
+    extra = (cfg.time_quantile, cfg.time_factor)
+    if cfg.cancel == "none":
+        return LaunchPlan("none", num_prompts, group_size, batch, num_prompts, *extra)
+    if cfg.over_sample_rate > 0:
         launched = math.ceil(num_prompts * (1 + cfg.over_sample_rate))
-    target_samples = kept * cfg.group_size
-    if cfg.cancel != "none" and cfg.drop_rate > 0:
-        kept = math.ceil(num_prompts * (1 - cfg.drop_rate))
-        target_samples = math.ceil(num_prompts * cfg.group_size * (1 - cfg.drop_rate))
-    return LaunchPlan(cfg.cancel, launched, cfg.group_size, target_samples, kept, cfg.time_quantile, cfg.time_factor)
+        return LaunchPlan(cfg.cancel, launched, group_size, batch, num_prompts, *extra)
+    keep = 1 - cfg.drop_rate
+    return LaunchPlan(cfg.cancel, num_prompts, group_size, math.ceil(batch * keep), math.ceil(num_prompts * keep), *extra)
 
 
 @dataclasses.dataclass
@@ -104,8 +105,12 @@ class RolloutEngine:
             max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
             **device_args)
         self.tokenizer_manager = self.engine.tokenizer_manager
+        # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
+        # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.
+        self.engine.freeze_gc()
         self.weight_shapes = checkpoint_shapes(model_path)
-
+        # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
+        self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
     def _run(self, coroutine):
         """Run an engine coroutine to completion on the engine's own event loop (we are not inside one)."""

@@ -6,7 +6,6 @@ config.py, memory phases in memory.py. Importing this file never trains: SGLang'
 processes re-import the main module.
 """
 import argparse
-import copy
 import dataclasses
 import glob
 import logging
@@ -162,15 +161,17 @@ def micro_batches(batch, size):
 
 def train_on_rollout(run, samples, advantages):
     """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps."""
-    cfg, policy, reference, optimizer, scheduler, t = run.cfg, run.policy, run.reference, run.optimizer, run.scheduler, run.cfg.train
+    cfg, t, policy, optimizer, scheduler = run.cfg, run.cfg.train, run.policy, run.optimizer, run.scheduler
+    r = cfg.rollout
+    norm_length = r.max_response_tokens or r.max_new_tokens * r.max_turns  # Dr. GRPO's constant: the budget
     batch = collate(samples, pad_id=policy.config.pad_token_id or 0)
     batch["advantages"] = advantages
     batch = {key: value.to(run.device) for key, value in batch.items()}
     with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
         batch["old_logprobs"] = torch.cat([sequence_logprobs(policy, mb, cfg.rollout.temperature)[0]
                                            for mb in micro_batches(batch, t.micro_batch_size)])
-        if reference is not None:
-            batch["ref_logprobs"] = torch.cat([sequence_logprobs(reference, mb, cfg.rollout.temperature)[0]
+        if run.reference is not None:
+            batch["ref_logprobs"] = torch.cat([sequence_logprobs(run.reference, mb, cfg.rollout.temperature)[0]
                                                for mb in micro_batches(batch, t.micro_batch_size)])
     gap = masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), batch["loss_mask"])
     stats = {"train/logprob_gap": gap.item()}
@@ -182,7 +183,7 @@ def train_on_rollout(run, samples, advantages):
             logprobs, entropy = sequence_logprobs(policy, mb, cfg.rollout.temperature)
             loss, loss_stats = grpo.policy_loss(
                 logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], t.clip_eps, t.loss_agg,
-                norm_length=cfg.rollout.max_new_tokens, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef)
+                norm_length, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef)
             # weight each micro-batch by its share of the denominator: accumulation == one big batch
             weighted = loss * grpo.aggregation_count(mb["loss_mask"], t.loss_agg) / total
             weighted.backward()
@@ -285,7 +286,9 @@ def setup(cfg, resume=False, engine=None):
     train_prompts, val_prompts, reward_fn, tool = build_task(cfg, tokenizer)
     engine_dir = resume_dir or export_for_engine(policy, tokenizer, cfg.run.out)
     policy.to(device)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
+    reference = None
+    if cfg.train.kl_coef > 0:  # the *initial* policy, also after a resume: built again, not copied
+        reference = build_policy(cfg, None)[0].to(device).eval().requires_grad_(False)
     t = cfg.train
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                   weight_decay=t.weight_decay)

@@ -150,3 +150,13 @@ def test_mismatched_weight_sync_is_refused_before_it_reaches_the_engine(engine, 
             engine.update_weights([(name, tensor)], version=1)
     samples, _ = engine.generate(PROMPTS, 1, 1.0, 4)  # the engine is still alive
     assert len(samples) == 4
+
+
+def test_plan_launch_arithmetic():
+    cfg = tiny_config("/tmp").rollout  # 8 prompts per step x group_size 8
+    none = plan_launch(cfg, 32)
+    assert (none.cancel, none.num_prompts, none.target_samples) == ("none", 32, 256)
+    drop = plan_launch(dataclasses.replace(cfg, cancel="count", drop_rate=0.2), 32)
+    assert (drop.num_prompts, drop.target_samples, drop.target_groups) == (32, 205, 26)  # ceil(0.8 x 256)
+    over = plan_launch(dataclasses.replace(cfg, cancel="group", over_sample_rate=0.25), 32)
+    assert (over.num_prompts, over.target_samples, over.target_groups) == (40, 256, 32)  # keeps the batch size

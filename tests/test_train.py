@@ -21,14 +21,15 @@ def scalars(run_dir):
 
 def test_three_steps_write_metrics(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=2", "run.checkpoint_every=0",
-                      "rollout.cancel=count", "rollout.drop_rate=0.2")
+                      "rollout.cancel=count", "rollout.drop_rate=0.2", "train.kl_coef=0.01")
     train.train(train.setup(cfg, engine=engine))
     logged = scalars(tmp_path)
     for tag in ["train/reward_mean", "train/reward_mean_completed", "train/reward_mean_launched",
                 "val/reward_mean", "val/reward_mean_sampled", "timing/rollout_s", "timing/train_s",
                 "timing/weight_sync_s", "perf/rollout_tokens_per_s", "rollout/aborted_ratio", "train/loss",
                 "train/grad_norm", "train/entropy", "train/clip_frac", "train/lr", "train/logprob_gap",
-                "rollout/response_len_p90", "rollout/cancel_latency_s", "rollout/wasted_tokens"]:
+                "rollout/response_len_p90", "rollout/cancel_latency_s", "rollout/wasted_tokens", "train/kl",
+                "memory/sync_peak_bytes_modelled", "memory/resident_kv_cache"]:
         assert tag in logged, tag
     assert len(logged["train/loss"]) == 3 and all(math.isfinite(v) for v in logged["train/loss"])
     assert len(logged["val/reward_mean"]) == 3  # steps 0 and 2, and after the last step
