@@ -4,12 +4,15 @@ Owns the prefix check, the per-token bookkeeping (tool observations get loss_mas
 merge statistics. Does not tokenize, score, compute advantages, or drop over-length sequences: the trainer
 drops those, counted. The idea follows SkyRL PR 1532 (prefix-aware merging); the code is our own.
 """
-import contextlib
 import dataclasses
 import gc
 import warnings
 
 from rollout import Sample
+
+# What a merged sequence takes from the last turn it merged: every field but the per-token lists.
+LAST_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Sample)
+                         if f.name not in ("prompt_ids", "response_ids", "logprobs", "loss_mask"))
 
 
 class MergeError(ValueError):
@@ -30,93 +33,76 @@ class MergeStats:
         return self.sequences_before / self.sequences_after if self.sequences_after else 1.0
 
     def __add__(self, other: "MergeStats") -> "MergeStats":
-        # Field by field; dataclasses.astuple deep-copies. (merge_batch adds in place instead: cheaper still.)
+        # Field by field; dataclasses.astuple deep-copies and was the slowest line of merge_batch.
         return MergeStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                              for f in dataclasses.fields(self)})
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector, then restore its previous state.
-
-    Merging allocates only acyclic objects (lists of ints/floats, Samples): reference counting frees all
-    of them, so the collector has nothing to find, yet with it on it walked every slot of every growing
-    token list, again and again (~1/3 of merge_batch's time). The output is walked once, by the first
-    collection after we return, as any new object would be.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _validate(turns: list[Sample]) -> None:
     """Raise MergeError unless `turns` are the in-order turns of one trajectory with aligned per-token lists."""
     if not turns:
         raise MergeError("trajectory has no turns")
-    for prev, cur in zip(turns, turns[1:]):
-        if cur.trajectory_id != prev.trajectory_id:
-            raise MergeError(f"turns mix trajectories {prev.trajectory_id} and {cur.trajectory_id}")
-        if cur.turn <= prev.turn:
-            raise MergeError(f"trajectory {cur.trajectory_id}: turn {cur.turn} follows turn {prev.turn}")
-    for t in turns:
-        if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask):  # no tuple/set: runs per turn
+    prev = None
+    for t in turns:  # one pass: this runs for every turn of every step
+        if prev is not None and t.trajectory_id != prev.trajectory_id:
+            raise MergeError(f"turns mix trajectories {prev.trajectory_id} and {t.trajectory_id}")
+        if prev is not None and t.turn <= prev.turn:
+            raise MergeError(f"trajectory {t.trajectory_id}: turn {t.turn} follows turn {prev.turn}")
+        if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask):
             lengths = (len(t.response_ids), len(t.logprobs), len(t.loss_mask))
             raise MergeError(f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask "
                              f"lengths {lengths} differ")
+        prev = t
 
 
-def _extends(prompt: list[int], response: list[int], next_prompt: list[int]) -> bool:
-    """True if prompt + response is a token prefix of next_prompt; two slice compares, no concatenation.
-
-    This is the merge's main cost: one pass over every token of every prompt. Token-in-token-out prompts
-    share int objects with the previous turn, so list == mostly takes CPython's identity shortcut.
-    """
-    split, end = len(prompt), len(prompt) + len(response)
-    return len(next_prompt) >= end and next_prompt[:split] == prompt and next_prompt[split:end] == response
+def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
+    """Merge turns[start], turns[start + 1], ... while each turn's prompt extends the sequence built so far.
+    Returns the merged sequence and the index of the first turn it did not take (a prefix break, or the end)."""
+    first = turns[start]
+    context = first.prompt_ids + first.response_ids  # the sequence so far: prompt, then response (a copy)
+    logprobs, mask = list(first.logprobs), list(first.loss_mask)
+    end = start + 1
+    for turn in turns[start + 1:]:
+        # The turn extends the sequence iff its prompt = context + something (tool output, template glue).
+        # Append that something, then compare whole lists: no slice copies, and token-in-token-out prompts
+        # share int objects with the turn before, so list == mostly takes CPython's identity shortcut.
+        seen = len(context)
+        context += turn.prompt_ids[seen:]
+        if context != turn.prompt_ids:
+            # History was rewritten (truncated, re-templated): this turn is trained on its own context.
+            del context[seen:]  # undo the tentative append
+            break
+        num_observation = len(context) - seen
+        context += turn.response_ids
+        logprobs += [0.0] * num_observation  # not sampled by the policy: no logprob, not trained
+        logprobs += turn.logprobs
+        mask += [0] * num_observation
+        mask += turn.loss_mask
+        end += 1
+    split = len(first.prompt_ids)
+    prompt = context[:split]
+    del context[:split]  # what is left is the response: moved down, not copied
+    # Per-turn scalars (reward, finish_reason, weight_version, ...) come from the last merged turn;
+    # trajectory_id/group_id are shared by all turns, so each sequence keeps its trajectory's credit.
+    last = turns[end - 1]  # built directly: dataclasses.replace costs twice as much
+    return Sample(prompt_ids=prompt, response_ids=context, logprobs=logprobs, loss_mask=mask,
+                  **{name: getattr(last, name) for name in LAST_TURN_FIELDS}), end
 
 
 def _merge_into(turns: list[Sample], max_seq_len: int, sequences: list[Sample], stats: MergeStats) -> None:
-    """Append the merged sequences of one trajectory to `sequences` and add its counts to `stats`."""
+    """Merge one trajectory's turns: append its sequences to `sequences` and add its counts to `stats`."""
     if max_seq_len <= 0:
         raise MergeError(f"max_seq_len must be positive, got {max_seq_len}")
     _validate(turns)
     stats.turns += len(turns)
     stats.sequences_before += len(turns)
-    first = turns[0]
-    # The open sequence: its prompt, and per-token lists that grow by extend (linear in total length).
-    prompt = list(first.prompt_ids)
-    response, logprobs, mask = list(first.response_ids), list(first.logprobs), list(first.loss_mask)
-    last = first
-
-    def close() -> None:
-        # Per-turn scalars (reward, finish_reason, weight_version, ...) come from the last merged turn;
-        # trajectory_id/group_id are shared by all turns, so each sequence keeps its trajectory's credit.
-        sequences.append(dataclasses.replace(last, prompt_ids=prompt, response_ids=response,
-                                             logprobs=logprobs, loss_mask=mask))
+    start = 0
+    while start < len(turns):
+        stats.prefix_breaks += start > 0  # a sequence that does not start at turn 0 starts at a prefix break
+        sequence, start = _merge_run(turns, start)
+        sequences.append(sequence)
         stats.sequences_after += 1
-        stats.over_length += len(prompt) + len(response) > max_seq_len
-
-    for turn in turns[1:]:
-        if _extends(prompt, response, turn.prompt_ids):
-            observation = turn.prompt_ids[len(prompt) + len(response):]  # tool output + chat template glue
-            response += observation
-            response += turn.response_ids
-            logprobs += [0.0] * len(observation)  # not sampled by the policy: no logprob, not trained
-            logprobs += turn.logprobs
-            mask += [0] * len(observation)
-            mask += turn.loss_mask
-        else:
-            # History was rewritten (truncated, re-templated): the turn must be trained on its own context.
-            stats.prefix_breaks += 1
-            close()
-            prompt = list(turn.prompt_ids)
-            response, logprobs, mask = list(turn.response_ids), list(turn.logprobs), list(turn.loss_mask)
-        last = turn
-    close()
+        stats.over_length += len(sequence.prompt_ids) + len(sequence.response_ids) > max_seq_len
 
 
 def _warn_over_length(stats: MergeStats, max_seq_len: int) -> None:
@@ -133,18 +119,26 @@ def merge_trajectory(turns: list[Sample], max_seq_len: int) -> tuple[list[Sample
     last step, so earlier steps of a trajectory were never credited.)
     """
     sequences, stats = [], MergeStats()
-    with _gc_paused():
-        _merge_into(turns, max_seq_len, sequences, stats)
+    _merge_into(turns, max_seq_len, sequences, stats)
     _warn_over_length(stats, max_seq_len)
     return sequences, stats
 
 
 def merge_batch(trajectories: list[list[Sample]], max_seq_len: int) -> tuple[list[Sample], MergeStats]:
     """merge_trajectory over a batch; one warning for the whole batch if any sequence is over length."""
+    # Our lists are acyclic, yet the cyclic GC must walk each once. Left on, it walked them (half-built too) in
+    # gen0, then in gen1 collections. Paused, then one gen1 collection: walked once, on to the old generation.
     sequences, stats = [], MergeStats()
-    with _gc_paused():  # for the whole batch: pausing per trajectory would let a collection run in between
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
         for turns in trajectories:
             _merge_into(turns, max_seq_len, sequences, stats)
+        if was_enabled:
+            gc.collect(1)  # counted in merge_batch's time, as it should be
+    finally:
+        if was_enabled:
+            gc.enable()  # the caller's state, restored even if a trajectory is malformed
     _warn_over_length(stats, max_seq_len)
     return sequences, stats
 

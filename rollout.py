@@ -299,6 +299,10 @@ class RolloutEngine:
         self.weight_version = version
         return len(buckets)
 
+    def flush_cache(self):
+        """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
+        self.engine.flush_cache()
+
     def release(self, tags):
         """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"); the engine must be idle."""
         self.engine.release_memory_occupation(tags=tags)

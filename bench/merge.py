@@ -5,6 +5,7 @@ Run from the repo root: `python bench/merge.py`. The last line is the machine-re
 """
 import argparse
 import array
+import dataclasses
 import gc
 import os
 import random
@@ -53,11 +54,22 @@ def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, b
     return batch
 
 
-def median_ms(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> tuple[float, float]:
-    """Median wall time of merge_batch, and the median part of it spent in Python's garbage collector.
+@dataclasses.dataclass
+class Timing:
+    ms: float         # median wall time of merge_batch over the repeats: the number the issue tracks
+    min_ms: float     # fastest and slowest repeat: a wide spread means another process had the CPU
+    max_ms: float
+    cpu_ms: float     # median CPU time of the same calls: near `ms` unless the process was descheduled
+    gc_ms: float      # median part of `ms` spent in Python's garbage collector
+    free_ms: float    # median time to free the merged batch afterwards: the trainer pays it after the step
+
+
+def time_merge(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> Timing:
+    """Time merge_batch as the trainer calls it: GC on, and the result kept while the clock runs.
 
     GC stays on (the trainer runs with it on): every per-token list is a container the collector walks,
     which is a large share of the cost. gc.collect() first, so each repeat starts from the same GC state.
+    The trainer keeps the merged batch for the whole step, so freeing it is timed apart (free_ms).
     """
     gc_seconds, gc_start = [0.0], [0.0]
 
@@ -67,18 +79,23 @@ def median_ms(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> tupl
         else:
             gc_seconds[0] += time.perf_counter() - gc_start[0]
 
-    times, gc_times = [], []
+    wall, cpu, gc_ms, free_ms = [], [], [], []
     gc.callbacks.append(on_gc)
     try:
         for _ in range(repeats):
             gc.collect()
-            gc_seconds[0], start = 0.0, time.perf_counter()
-            merge_batch(batch, max_seq_len)
-            times.append((time.perf_counter() - start) * 1e3)
-            gc_times.append(gc_seconds[0] * 1e3)
+            gc_seconds[0], start, start_cpu = 0.0, time.perf_counter(), time.process_time()
+            merged = merge_batch(batch, max_seq_len)
+            wall.append((time.perf_counter() - start) * 1e3)
+            cpu.append((time.process_time() - start_cpu) * 1e3)
+            gc_ms.append(gc_seconds[0] * 1e3)
+            start = time.perf_counter()
+            del merged
+            free_ms.append((time.perf_counter() - start) * 1e3)
     finally:
         gc.callbacks.remove(on_gc)
-    return statistics.median(times), statistics.median(gc_times)
+    median = statistics.median
+    return Timing(median(wall), min(wall), max(wall), median(cpu), median(gc_ms), median(free_ms))
 
 
 def num_tokens(samples: list[Sample]) -> int:
@@ -86,34 +103,76 @@ def num_tokens(samples: list[Sample]) -> int:
     return sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
 
+def token_counts(trajectories: list[list[Sample]]) -> tuple[int, int]:
+    """(merged, step-wise) totals of prompt + response tokens over all sequences, for any trajectories:
+    synthetic here, real multi-turn rollouts in the demo. No max_seq_len: it only counts and warns."""
+    merged, _ = merge_batch(trajectories, max_seq_len=sys.maxsize)
+    return num_tokens(merged), num_tokens(unmerged(trajectories))
+
+
+def demo_token_counts(steps: int) -> tuple[int, int]:
+    """Trained tokens per step, merged vs step-wise, on the CPU multi-turn demo (configs/tiny_tool.yaml):
+    real rollouts from the real engine with the calculator tool, medians over `steps` rollouts."""
+    import tempfile
+
+    import train  # noqa: E402  (imports torch and SGLang's engine only when the demo runs)
+    from config import load_config
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(repo, "configs", "tiny_tool.yaml"), [f"run.out={tempfile.mkdtemp(prefix='bench_merge_')}"])
+    run = train.setup(cfg)
+    merged, stepwise = [], []
+    try:
+        for step in range(steps):
+            prompts = train.draw_prompts(run.train_prompts, step, cfg.rollout.prompts_per_step, cfg.train.seed)
+            samples, stats = train.generate(run, prompts, cfg.rollout.group_size, cfg.rollout.temperature)
+            counts = token_counts(train.score(samples, prompts, run.tokenizer, run.reward_fn))
+            merged.append(counts[0])
+            stepwise.append(counts[1])
+            print(f"demo step {step}: {len(samples)} turns, {stats.num_tool_calls} tool calls, "
+                  f"tokens {counts[1]} step-wise -> {counts[0]} merged")
+    finally:
+        run.engine.shutdown()
+    return round(statistics.median(merged)), round(statistics.median(stepwise))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=2560, help="trajectories per step (1x)")
     parser.add_argument("--turns", type=int, default=5, help="turns per trajectory")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    parser.add_argument("--repeats", type=int, default=9, help="timed repeats; the median is reported")
     parser.add_argument("--break-prob", type=float, default=0.0, help="chance a turn's prompt breaks the prefix")
     parser.add_argument("--retokenized", action="store_true", help="fresh int objects in every prompt")
     parser.add_argument("--max-seq-len", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demo-steps", type=int, default=3,
+                        help="rollouts of the CPU multi-turn demo for the token counts (0: synthetic counts)")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
     ms = {}
     for scale in (1, 2, 4):  # 2x and 4x show the merge is linear in batch size
         batch = synthetic_batch(args.trajectories * scale, args.turns, rng, args.break_prob, args.retokenized)
-        ms[scale], gc_ms = median_ms(batch, args.max_seq_len, args.repeats)
-        print(f"{args.trajectories * scale} trajectories x {args.turns} turns: {ms[scale]:.1f} ms "
-              f"({ms[scale] / scale:.1f} ms per {args.trajectories}; garbage collection {gc_ms:.1f} ms)")
+        t = time_merge(batch, args.max_seq_len, args.repeats)
+        ms[scale] = t.ms
+        print(f"{args.trajectories * scale} trajectories x {args.turns} turns: {t.ms:.1f} ms "
+              f"(range {t.min_ms:.1f}-{t.max_ms:.1f}, cpu {t.cpu_ms:.1f}; {t.ms / scale:.1f} ms per "
+              f"{args.trajectories}; garbage collection {t.gc_ms:.1f} ms; freeing the result {t.free_ms:.1f} ms, "
+              f"not timed)")
         if scale == 1:
-            merged, stats = merge_batch(batch, args.max_seq_len)
-            tokens_merged, tokens_unmerged = num_tokens(merged), num_tokens(unmerged(batch))
+            stats = merge_batch(batch, args.max_seq_len)[1]
+            tokens_merged, tokens_unmerged = token_counts(batch)
             print(f"sequences {stats.sequences_before} -> {stats.sequences_after} "
                   f"(ratio {stats.merge_ratio:.2f}, prefix breaks {stats.prefix_breaks}, "
                   f"over length {stats.over_length}); tokens {tokens_unmerged} -> {tokens_merged} "
                   f"({tokens_unmerged / tokens_merged:.2f}x fewer)")
+    if args.demo_steps:
+        tokens_merged, tokens_unmerged = demo_token_counts(args.demo_steps)
+        print(f"multi-turn demo, per step: tokens {tokens_unmerged} step-wise -> {tokens_merged} merged "
+              f"({tokens_unmerged / tokens_merged:.2f}x fewer)")
     print(f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} ms_2x={ms[2]:.2f} "
           f"ms_4x={ms[4]:.2f} tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # SGLang's scheduler processes re-import this file: guard main()
     main()

@@ -3,6 +3,7 @@
 Checks merge shapes, per-token alignment, masking, validation, stats, and that token-mean quantities are
 unchanged by merging. A model-based parity test lives elsewhere.
 """
+import gc
 import random
 import warnings
 
@@ -179,3 +180,66 @@ def test_token_mean_loss_equal_merged_and_unmerged(per_token):
     merged, stats = merge_batch(batch, max_seq_len=1000)
     assert stats.sequences_after < stats.sequences_before  # the batch really exercises merging
     assert token_mean(merged, per_token) == pytest.approx(token_mean(unmerged(batch), per_token), rel=1e-12)
+
+
+def test_break_after_tentative_append_leaves_no_trace():
+    # A re-templated history longer than the open sequence: the merger appends the new tail, finds the first
+    # token changed, and must undo the append, so the closed sequence is exactly the first turn.
+    turns = make_turns(RESPONSES[:2], OBSERVATIONS)
+    turns[1].prompt_ids = [99] + turns[1].prompt_ids[1:]
+    first, second = merge_trajectory(turns, max_seq_len=100)[0]
+    assert (first.prompt_ids, first.response_ids, first.logprobs, first.loss_mask) == \
+        (turns[0].prompt_ids, turns[0].response_ids, turns[0].logprobs, turns[0].loss_mask)
+    assert (second.prompt_ids, second.response_ids) == (turns[1].prompt_ids, turns[1].response_ids)
+
+
+def reference_merge(turns: list[Sample]) -> list[tuple]:
+    """The merge spelled out plainly (slow): extend while prompt + response is a prefix of the next prompt."""
+    sequences = []
+    for turn in turns:
+        if sequences:
+            prompt, response, logprobs, mask, _ = sequences[-1]
+            context = prompt + response
+            if turn.prompt_ids[:len(context)] == context:
+                observation = turn.prompt_ids[len(context):]
+                sequences[-1] = (prompt, response + observation + turn.response_ids,
+                                 logprobs + [0.0] * len(observation) + turn.logprobs,
+                                 mask + [0] * len(observation) + turn.loss_mask, turn.turn)
+                continue
+        sequences.append((turn.prompt_ids, turn.response_ids, turn.logprobs, turn.loss_mask, turn.turn))
+    return sequences
+
+
+def test_parity_with_reference_merge():
+    rng = random.Random(2)
+    batch = []
+    for traj in range(200):
+        n = rng.randint(1, 5)
+        responses = [[rng.randrange(50) for _ in range(rng.randint(0, 4))] for _ in range(n)]
+        observations = [[rng.randrange(50) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
+        turns = make_turns(responses, observations, frozenset(i for i in range(1, n) if rng.random() < 0.2),
+                           trajectory_id=traj)
+        for t in turns[1:]:
+            if rng.random() < 0.1:  # a rewritten token somewhere in the history, or a truncated history
+                t.prompt_ids = t.prompt_ids[:rng.randrange(len(t.prompt_ids) + 1)] + [999]
+        batch.append(turns)
+    merged, stats = merge_batch(batch, max_seq_len=1000)
+    expected = [s for turns in batch for s in reference_merge(turns)]
+    assert [(s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask, s.turn) for s in merged] == expected
+    assert stats.prefix_breaks == len(expected) - len(batch) > 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_merge_batch_restores_gc_state(enabled):
+    # merge_batch pauses the cyclic GC while it merges; the caller's setting must survive, errors included.
+    batch = [make_turns(RESPONSES, OBSERVATIONS)]
+    was_enabled = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert len(merge_batch(batch, max_seq_len=100)[0]) == 1
+        assert gc.isenabled() == enabled
+        with pytest.raises(MergeError):
+            merge_batch(batch + [[]], max_seq_len=100)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was_enabled else gc.disable()
