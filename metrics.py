@@ -24,29 +24,37 @@ def length_stats(lengths, prefix):
             f"{prefix}_p90": t.quantile(0.9).item(), f"{prefix}_max": t.max().item()}
 
 
-def rollout_metrics(samples, rollout_s):
-    """Reward and length statistics of one training rollout.
+def rollout_metrics(samples, stats):
+    """Reward, length, cancellation and tool statistics of one training rollout (`stats`: RolloutStats).
 
-    Aborted/failed samples are not scored: `reward_mean_completed` averages finished samples only,
+    Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
+    failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
     `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
-    (verl PR 2929) is visible as the gap between the two.
+    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
     """
-    finished = [s for s in samples if not s.is_aborted and s.finish_reason != "error"]
-    aborted = [s for s in samples if s.is_aborted]
+    launched = list({s.trajectory_id: s for s in samples}.values())  # the last turn of each trajectory
+    finished = [s for s in launched if not s.is_aborted]
+    aborted = [s for s in samples if s.is_aborted and s.finish_reason != "error"]  # turns cut by cancellation
+    num_aborted = sum(s.is_aborted and s.finish_reason != "error" for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
     num_tokens = sum(len(s.response_ids) for s in samples)
     out = {
         "train/reward_mean_completed": rewards.mean().item(),
-        "train/reward_mean_launched": rewards.sum().item() / max(len(samples), 1),
+        "train/reward_mean_launched": rewards.sum().item() / max(len(launched), 1),
         "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
         "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
-        "rollout/launched": len(samples),
-        "rollout/aborted": len(aborted),
-        "rollout/aborted_ratio": len(aborted) / max(len(samples), 1),
+        "rollout/launched": len(launched),
+        "rollout/aborted": num_aborted,
+        "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
         "rollout/failed": sum(s.finish_reason == "error" for s in samples),
         "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished) / max(len(finished), 1),
         "rollout/wasted_tokens": sum(len(s.response_ids) for s in aborted),
-        "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+        "perf/rollout_tokens_per_s": num_tokens / max(stats.rollout_s, 1e-9),
+        "timing/rollout_s": stats.rollout_s,
+        "rollout/cancel_decision_s": stats.decision_s,  # launch -> enough finished
+        "rollout/cancel_latency_s": stats.cancel_latency_s,  # decision -> every aborted request returned
+        "rollout/tool_calls": stats.num_tool_calls,
+        "rollout/tool_errors": stats.num_tool_errors,
     }
     out["train/reward_mean"] = out["train/reward_mean_completed"]
     out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))

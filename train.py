@@ -339,12 +339,9 @@ def train(run):
         phases.sync(version=step + 1)
         # 6. log, 7. checkpoint
         now = time.perf_counter()
-        scalars |= rollout_metrics(samples, stats.rollout_s) | {
-            "train/degenerate_groups": num_degenerate, "timing/rollout_s": stats.rollout_s,
-            "timing/train_s": sync_start - train_start, "timing/weight_sync_s": now - sync_start,
-            "timing/step_s": now - step_start, "rollout/cancel_decision_s": stats.decision_s,
-            "rollout/cancel_latency_s": stats.cancel_latency_s, "rollout/tool_calls": stats.num_tool_calls,
-            "rollout/tool_errors": stats.num_tool_errors} | merge_metrics | phases.metrics()
+        scalars |= rollout_metrics(samples, stats) | merge_metrics | phases.metrics() | {
+            "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
+            "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
         logger.log(step, scalars, echo=tqdm.tqdm.write)
         if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
             save_checkpoint(cfg.run.out, step + 1, run)
@@ -364,6 +361,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
     try:
         main()
     except (ConfigError, tasks.DataError, ModelError, RolloutError) as e:

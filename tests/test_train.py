@@ -33,7 +33,8 @@ def test_three_steps_write_metrics(engine, tmp_path):
         assert tag in logged, tag
     assert len(logged["train/loss"]) == 3 and all(math.isfinite(v) for v in logged["train/loss"])
     assert len(logged["val/reward_mean"]) == 3  # steps 0 and 2, and after the last step
-    assert all(0 < r <= 0.25 for r in logged["rollout/aborted_ratio"])
+    # a sample that finishes in the same decode step as the target-th one is kept, so 0 is possible
+    assert all(0 <= r <= 0.25 for r in logged["rollout/aborted_ratio"])
     assert max(logged["train/logprob_gap"]) < 1e-4  # engine and trainer hold the same weights
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.path.isdir(tmp_path / "checkpoints" / "step_000003")  # the last step is always saved
