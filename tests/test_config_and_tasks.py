@@ -109,3 +109,25 @@ def test_tiny_task_and_reward():
     assert tasks.tiny_reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
     assert tasks.tiny_reward("aa", "4", finished=True) == 0.5
     assert tasks.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
+
+
+def test_qwen_tool_call_format_round_trip():
+    """The chat-template tool format (Qwen2.5/Qwen3): parse the JSON call, answer in a tool turn."""
+    tokenizer = _wide_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|im_end|>",
+                                                                "<|im_start|>", "<tool_response>", "</tool_response>"]})
+    tool = tasks.qwen_calculator(tokenizer)
+
+    def call(text):
+        return tool(tokenizer(text, add_special_tokens=False).input_ids)
+
+    observation, is_error = call('I add. <tool_call>\n{"name": "calculator", "arguments": {"expression": "48 + 24"}}\n</tool_call>')
+    assert not is_error
+    assert tokenizer.decode(observation) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n72\n</tool_response>"
+                                             "<|im_end|>\n<|im_start|>assistant\n")
+    for bad in ['<tool_call>{"name": "calculator"}</tool_call>', "<tool_call>not json</tool_call>",
+                '<tool_call>{"arguments": {"expression": 5}}</tool_call>', "</tool_call>",
+                '<tool_call>{"arguments": {"expression": "__import__(\'os\')"}}</tool_call>']:
+        observation, is_error = call(bad)
+        assert is_error and "error" in tokenizer.decode(observation)
+    assert call("The answer is 72.") is None  # no tool call: the response is the answer
