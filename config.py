@@ -155,12 +155,17 @@ def load_config(path=None, sets=()):
                 apply(config, yaml.safe_load(f) or {})
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
     for item in sets:
         key, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         *sections, leaf = key.split(".")
-        nested = {leaf: yaml.safe_load(text)}
+        try:
+            nested = {leaf: yaml.safe_load(text)}
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not a valid YAML scalar") from None
         for section in reversed(sections):
             nested = {section: nested}
         apply(config, nested)

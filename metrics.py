@@ -80,7 +80,8 @@ class Logger:
                 ("val", "val/reward_mean"), ("val_sampled", "val/reward_mean_sampled"),
                 ("len", "rollout/response_len_mean"), ("aborted", "rollout/aborted_ratio"),
                 ("loss", "train/loss"), ("gap", "train/logprob_gap"), ("s", "timing/step_s")]
-        parts = [f"{short} {scalars[key]:.3f}" for short, key in keys if key in scalars]
+        parts = [f"{short} {scalars[key]:.2e}" if short == "gap" else f"{short} {scalars[key]:.3f}"
+                 for short, key in keys if key in scalars]
         echo(f"step {step:4d} | " + " | ".join(parts))
 
     def close(self):

@@ -29,6 +29,7 @@ def test_yaml_and_set_overrides_are_typed():
     ("rollout.cancel=later", "rollout.cancel"),
     ("rollout.drop_rate=1.5", "drop_rate"),
     ("train.lr", "expected section.key=value"),
+    ("train.lr=[", "not a valid YAML scalar"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -39,6 +40,9 @@ def test_unknown_key_in_yaml(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config(str(path))
+    path.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(str(path))
 
 
