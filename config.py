@@ -113,6 +113,8 @@ class Config:
             raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1")
         if self.rollout.drop_rate > 0 and self.rollout.over_sample_rate > 0:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
+        if self.data.task == "gsm8k" and not self.data.train_path:
+            raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
 

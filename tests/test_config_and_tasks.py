@@ -30,6 +30,7 @@ def test_yaml_and_set_overrides_are_typed():
     ("rollout.drop_rate=1.5", "drop_rate"),
     ("train.lr", "expected section.key=value"),
     ("train.lr=[", "not a valid YAML scalar"),
+    ("data.task=gsm8k", "needs data.train_path"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
