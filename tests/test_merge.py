@@ -165,18 +165,23 @@ def toy_causal_model(context: list[int], token: int, logprob: float) -> float:
     return logprob * (hash((tuple(context), token)) % 997) / 997
 
 
+def random_trajectory(rng, trajectory_id, max_turns, vocab, response_lengths, break_prob):
+    """A trajectory of 1..max_turns turns with random responses/observations; each later turn breaks
+    the prefix with probability `break_prob`."""
+    n = rng.randint(1, max_turns)
+    responses = [[rng.randrange(vocab) for _ in range(rng.randint(*response_lengths))] for _ in range(n)]
+    observations = [[rng.randrange(vocab) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
+    breaks = frozenset(i for i in range(1, n) if rng.random() < break_prob)
+    return make_turns(responses, observations, breaks, trajectory_id=trajectory_id)
+
+
 @pytest.mark.parametrize("per_token", [lambda context, token, logprob: logprob, toy_causal_model])
 def test_token_mean_loss_equal_merged_and_unmerged(per_token):
     # Merging must keep each trained token, its logprob AND its context, so token-mean losses match.
     # (Sequence-mean aggregations do not match: merging changes the number of sequences.)
     rng = random.Random(1)
-    batch = []
-    for traj in range(6):
-        n = rng.randint(1, 4)
-        responses = [[rng.randrange(1000) for _ in range(rng.randint(1, 5))] for _ in range(n)]
-        observations = [[rng.randrange(1000) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
-        breaks = frozenset(i for i in range(1, n) if rng.random() < 0.3)
-        batch.append(make_turns(responses, observations, breaks, trajectory_id=traj))
+    batch = [random_trajectory(rng, traj, max_turns=4, vocab=1000, response_lengths=(1, 5), break_prob=0.3)
+             for traj in range(6)]
     merged, stats = merge_batch(batch, max_seq_len=1000)
     assert stats.sequences_after < stats.sequences_before  # the batch really exercises merging
     assert token_mean(merged, per_token) == pytest.approx(token_mean(unmerged(batch), per_token), rel=1e-12)
@@ -214,11 +219,7 @@ def test_parity_with_reference_merge():
     rng = random.Random(2)
     batch = []
     for traj in range(200):
-        n = rng.randint(1, 5)
-        responses = [[rng.randrange(50) for _ in range(rng.randint(0, 4))] for _ in range(n)]
-        observations = [[rng.randrange(50) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
-        turns = make_turns(responses, observations, frozenset(i for i in range(1, n) if rng.random() < 0.2),
-                           trajectory_id=traj)
+        turns = random_trajectory(rng, traj, max_turns=5, vocab=50, response_lengths=(0, 4), break_prob=0.2)
         for t in turns[1:]:
             if rng.random() < 0.1:  # a rewritten token somewhere in the history, or a truncated history
                 t.prompt_ids = t.prompt_ids[:rng.randrange(len(t.prompt_ids) + 1)] + [999]

@@ -2,7 +2,6 @@
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
 import asyncio
 import dataclasses
-import os
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import grpo
 import train
 from rollout import Sample
 from conftest import tiny_config
