@@ -4,6 +4,7 @@ Generation from token ids with per-request ids, tail cancellation (abort inside 
 every task), weight sync from the trainer, and memory release/resume. Does not own rewards, losses,
 or phase ordering (memory.py decides when release/resume happen; this file only performs them).
 """
+import array
 import asyncio
 import dataclasses
 import logging
@@ -23,13 +24,19 @@ class RolloutError(RuntimeError):
     """The engine failed in a way the step cannot survive (too many failed requests, a stuck abort)."""
 
 
+# Per-token fields are typed arrays, not lists: 4 bytes a token (a list holds an 8-byte pointer to a 28-byte
+# int), copied and compared at memcpy speed, and invisible to the garbage collector. merge.py depends on it.
+PER_TOKEN_TYPECODES = {"prompt_ids": "i", "response_ids": "i", "logprobs": "f", "loss_mask": "B"}
+
+
 @dataclasses.dataclass
 class Sample:
-    """One generated sequence (or one turn of a multi-turn trajectory), as the trainer sees it."""
-    prompt_ids: list[int]        # tokens the engine was given
-    response_ids: list[int]      # tokens the engine produced (plus tool observations once merged)
-    logprobs: list[float]        # engine log-prob per response token (0.0 on observation tokens)
-    loss_mask: list[int]         # per response token: 1 = trained, 0 = observation / not trained
+    """One generated sequence (or one turn of a multi-turn trajectory), as the trainer sees it.
+    Per-token fields given as lists are converted to arrays (a float token id or a negative mask raises)."""
+    prompt_ids: array.array      # int32: tokens the engine was given
+    response_ids: array.array    # int32: tokens the engine produced (plus tool observations once merged)
+    logprobs: array.array        # float32: engine log-prob per response token (0.0 on observation tokens)
+    loss_mask: array.array       # uint8 per response token: 1 = trained, 0 = observation / not trained
     group_id: int                # index of the prompt this sample answers (GRPO group)
     trajectory_id: int = 0       # multi-turn: turns of one trajectory share this id
     turn: int = 0                # multi-turn: index of the turn inside its trajectory
@@ -38,6 +45,12 @@ class Sample:
     weight_version: int = 0      # policy version that generated the tokens
     reward: float = 0.0
     latency_s: float = 0.0       # launch -> returned
+
+    def __post_init__(self):
+        for name, typecode in PER_TOKEN_TYPECODES.items():
+            value = getattr(self, name)
+            if not (isinstance(value, array.array) and value.typecode == typecode):
+                setattr(self, name, array.array(typecode, value))
 
 
 @dataclasses.dataclass
@@ -208,7 +221,7 @@ class RolloutEngine:
     async def _trajectory(self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start):
         """Turns of one trajectory: generate, run the tool on a tool call, append its observation, go on.
         Each turn's prompt is the previous prompt + response + observation, so turns merge (merge.py)."""
-        turns, context = [], list(prompt_ids)
+        turns, context = [], array.array("i", prompt_ids)
         for turn in range(max_turns):
             if turn > 0 and trajectory_id in self._cancelled:
                 turns[-1].finish_reason = "abort"  # cancelled while its tool ran: unfinished
@@ -227,7 +240,8 @@ class RolloutEngine:
             observation_ids, is_error = observation
             stats.num_tool_calls += 1
             stats.num_tool_errors += is_error
-            context = context + sample.response_ids + observation_ids
+            # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
+            context = context + sample.response_ids + array.array("i", observation_ids)
         if any(t.is_aborted or t.finish_reason == "abort" for t in turns):
             for t in turns:  # a trajectory is trained whole or not at all
                 t.is_aborted = True
@@ -236,7 +250,7 @@ class RolloutEngine:
     async def _generate_one(self, rid, prompt_ids, group_id, sampling, start):
         """One request; an engine exception becomes a sample marked "error" (counted, logged, dropped)."""
         try:
-            out = await self.engine.async_generate(input_ids=prompt_ids, sampling_params=sampling,
+            out = await self.engine.async_generate(input_ids=list(prompt_ids), sampling_params=sampling,
                                                    return_logprob=True, rid=rid)
         except Exception as e:  # noqa: BLE001 - counted and logged: never silently turned into padding
             log.error("request %s failed inside the engine: %r", rid, e)
@@ -248,12 +262,12 @@ class RolloutEngine:
             # the engine aborted it by itself (e.g. context overflow): a failure, not our cancellation
             log.error("request %s aborted by the engine: %s", rid, meta.get("finish_reason"))
             reason = "error"
-        response_ids = list(out["output_ids"])
-        logprobs = [lp for lp, _token, _ in meta["output_token_logprobs"]]
+        response_ids = array.array("i", out["output_ids"])
+        logprobs = array.array("f", [lp for lp, _token, _ in meta["output_token_logprobs"]])
         assert len(logprobs) == len(response_ids), f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
         version = meta.get("weight_version", "0")
-        return Sample(prompt_ids=list(prompt_ids), response_ids=response_ids, logprobs=logprobs,
-                      loss_mask=[1] * len(response_ids), group_id=group_id, finish_reason=reason,
+        return Sample(prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
+                      loss_mask=array.array("B", [1]) * len(response_ids), group_id=group_id, finish_reason=reason,
                       is_aborted=reason in ("abort", "error"),
                       weight_version=int(version) if str(version).isdigit() else 0,
                       latency_s=time.perf_counter() - start)

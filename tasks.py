@@ -106,7 +106,7 @@ class CalculatorTool:
     def __call__(self, response_ids):
         if not response_ids or response_ids[-1] != self.call_end_id:
             return None
-        text = self.tokenizer.decode(response_ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
         start = text.rfind(self.call_start)
         expression = self.parse_call(text[start + len(self.call_start):-len(self.call_end)]) if start >= 0 else None
         result = calculate(expression) if expression is not None else "error: malformed tool call"

@@ -98,7 +98,7 @@ def score(samples, prompts, tokenizer, reward_fn):
     for turns in trajectories.values():
         last = turns[-1]
         if not last.is_aborted:
-            text = tokenizer.decode(last.response_ids, skip_special_tokens=True)
+            text = tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
             reward = reward_fn(text, prompts[last.group_id].answer, finished=last.finish_reason == "stop")
             for turn in turns:
                 turn.reward = reward
@@ -129,6 +129,15 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
 
 
 # ---------------------------------------------------------------- training step
+TORCH_DTYPES = {"i": torch.int32, "f": torch.float32, "B": torch.uint8}  # array typecode -> tensor dtype
+
+
+def as_tensor(values):
+    """A Sample's per-token array as a tensor sharing its memory (torch.tensor would walk it item by item)."""
+    dtype = TORCH_DTYPES[values.typecode]
+    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
 def collate(samples, pad_id):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t."""
     full = [s.prompt_ids + s.response_ids for s in samples]
@@ -138,12 +147,12 @@ def collate(samples, pad_id):
     loss_mask = torch.zeros(len(samples), width - 1)
     engine_logprobs = torch.zeros(len(samples), width - 1)
     for row, (s, ids) in enumerate(zip(samples, full)):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
+        input_ids[row, :len(ids)] = as_tensor(ids)  # copies, casting int32 -> int64
         attention_mask[row, :len(ids)] = 1
         first = len(s.prompt_ids) - 1  # logits at the last prompt position predict response token 0
         if not s.is_aborted:  # aborted rows keep an all-zero mask: they count in no loss or denominator
-            loss_mask[row, first:first + len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float)
-        engine_logprobs[row, first:first + len(s.response_ids)] = torch.tensor(s.logprobs)
+            loss_mask[row, first:first + len(s.response_ids)] = as_tensor(s.loss_mask)
+        engine_logprobs[row, first:first + len(s.response_ids)] = as_tensor(s.logprobs)
     return dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
                 loss_mask=loss_mask, engine_logprobs=engine_logprobs)
 

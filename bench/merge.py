@@ -19,24 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from merge import merge_batch, unmerged  # noqa: E402  (needs the sys.path line above)
 from rollout import Sample  # noqa: E402
 
-VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary: most ids are not CPython's cached small ints
-
-
-def fresh(tokens: list[int]) -> list[int]:
-    """Copy with new int objects, as re-tokenizing the whole chat each turn would produce."""
-    return array.array("q", tokens).tolist()
+VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary
 
 
 def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, break_prob: float,
-                    retokenized: bool, group_size: int = 8) -> list[list[Sample]]:
-    """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation (~200/100/20 tokens).
-
-    By default the next prompt is built by list concatenation, as a token-in-token-out rollout does, so it
-    shares int objects with the previous turn and list == hits CPython's identity shortcut per token.
-    `retokenized` gives every prompt fresh int objects: each token compare then dereferences two ints.
-    """
-    def tokens(mean: int) -> list[int]:
-        return [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(mean // 2, mean * 3 // 2))]
+                    group_size: int = 8) -> list[list[Sample]]:
+    """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation (~200/100/20 tokens),
+    as the rollout builds them: per-token arrays, each turn's prompt a new array (rollout.py's `context`)."""
+    def tokens(mean: int) -> array.array:
+        return array.array("i", [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(mean // 2, mean * 3 // 2))])
 
     batch = []
     for traj in range(num_trajectories):
@@ -45,9 +36,9 @@ def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, b
             if turn > 0 and rng.random() < break_prob:
                 history = tokens(200)  # e.g. the history was re-templated: a prefix break
             response = tokens(100)
-            prompt = fresh(history) if retokenized else history
-            turns.append(Sample(prompt_ids=prompt, response_ids=response,
-                                logprobs=[-1.0] * len(response), loss_mask=[1] * len(response),
+            turns.append(Sample(prompt_ids=history, response_ids=response,
+                                logprobs=array.array("f", [-1.0]) * len(response),
+                                loss_mask=array.array("B", [1]) * len(response),
                                 group_id=traj // group_size, trajectory_id=traj, turn=turn))
             history = history + response + tokens(20)
         batch.append(turns)
@@ -67,9 +58,8 @@ class Timing:
 def time_merge(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> Timing:
     """Time merge_batch as the trainer calls it: GC on, and the result kept while the clock runs.
 
-    GC stays on (the trainer runs with it on): every per-token list is a container the collector walks,
-    which is a large share of the cost. gc.collect() first, so each repeat starts from the same GC state.
-    The trainer keeps the merged batch for the whole step, so freeing it is timed apart (free_ms).
+    GC stays on (the trainer runs with it on); gc.collect() first, so each repeat starts from the same GC
+    state. The trainer keeps the merged batch for the whole step, so freeing it is timed apart (free_ms).
     """
     gc_seconds, gc_start = [0.0], [0.0]
 
@@ -142,7 +132,6 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5, help="turns per trajectory")
     parser.add_argument("--repeats", type=int, default=9, help="timed repeats; the median is reported")
     parser.add_argument("--break-prob", type=float, default=0.0, help="chance a turn's prompt breaks the prefix")
-    parser.add_argument("--retokenized", action="store_true", help="fresh int objects in every prompt")
     parser.add_argument("--max-seq-len", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--demo-steps", type=int, default=3,
@@ -152,7 +141,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     ms = {}
     for scale in (1, 2, 4):  # 2x and 4x show the merge is linear in batch size
-        batch = synthetic_batch(args.trajectories * scale, args.turns, rng, args.break_prob, args.retokenized)
+        batch = synthetic_batch(args.trajectories * scale, args.turns, rng, args.break_prob)
         t = time_merge(batch, args.max_seq_len, args.repeats)
         ms[scale] = t.ms
         print(f"{args.trajectories * scale} trajectories x {args.turns} turns: {t.ms:.1f} ms "

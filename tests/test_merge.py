@@ -1,9 +1,9 @@
-"""Tests for merge.py: prefix-aware merging of multi-turn trajectories, on hand-built token lists.
+"""Tests for merge.py: prefix-aware merging of multi-turn trajectories, on hand-built token arrays.
 
 Checks merge shapes, per-token alignment, masking, validation, stats, and that token-mean quantities are
 unchanged by merging. A model-based parity test lives elsewhere.
 """
-import gc
+import dataclasses
 import random
 import warnings
 
@@ -21,7 +21,7 @@ def make_turns(responses: list[list[int]], observations: list[list[int]], breaks
     for i, response in enumerate(responses):
         if i > 0:
             prev = turns[-1]
-            prompt = [900 + i] if i in breaks else prev.prompt_ids + prev.response_ids + observations[i - 1]
+            prompt = [900 + i] if i in breaks else (prev.prompt_ids + prev.response_ids).tolist() + observations[i - 1]
         logprobs = [-0.1 * (i + 1) - 0.01 * k for k in range(len(response))]  # distinct per token
         turns.append(Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs,
                             loss_mask=[1] * len(response), group_id=group_id, trajectory_id=trajectory_id,
@@ -33,12 +33,23 @@ RESPONSES = [[10, 11], [20, 21, 22], [30]]
 OBSERVATIONS = [[50, 51], [60]]
 
 
+def test_sample_per_token_fields_become_typed_arrays():
+    s = Sample([1, 2], [3], [-0.5], [1], group_id=0)
+    assert [(a.typecode, a.tolist()) for a in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask)] == \
+        [("i", [1, 2]), ("i", [3]), ("f", [-0.5]), ("B", [1])]
+    assert Sample(s.prompt_ids, [], [], [], group_id=0).prompt_ids is s.prompt_ids  # arrays are not copied
+    with pytest.raises(TypeError):
+        Sample([1.5], [], [], [], group_id=0)  # a token id must be an integer
+    with pytest.raises(OverflowError):
+        Sample([1], [3], [0.0], [-1], group_id=0)  # a mask is 0 or 1, never negative
+
+
 def test_all_turns_merge():
     turns = make_turns(RESPONSES, OBSERVATIONS)
     (seq,), stats = merge_trajectory(turns, max_seq_len=100)
-    assert seq.prompt_ids == [1, 2, 3]
-    assert seq.response_ids == [10, 11, 50, 51, 20, 21, 22, 60, 30]
-    assert seq.loss_mask == [1, 1, 0, 0, 1, 1, 1, 0, 1]
+    assert seq.prompt_ids.tolist() == [1, 2, 3]
+    assert seq.response_ids.tolist() == [10, 11, 50, 51, 20, 21, 22, 60, 30]
+    assert seq.loss_mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 1]
     # The merged sequence is exactly the last turn's full context.
     assert seq.prompt_ids + seq.response_ids == turns[-1].prompt_ids + turns[-1].response_ids
     assert stats == MergeStats(turns=3, sequences_before=3, sequences_after=1, prefix_breaks=0, over_length=0)
@@ -48,7 +59,7 @@ def test_all_turns_merge():
 def test_no_turns_merge():
     turns = make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1, 2}))
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
-    assert [s.response_ids for s in seqs] == RESPONSES
+    assert [s.response_ids.tolist() for s in seqs] == RESPONSES
     assert [s.prompt_ids for s in seqs] == [t.prompt_ids for t in turns]
     assert (stats.sequences_after, stats.prefix_breaks, stats.merge_ratio) == (3, 2, 1.0)
 
@@ -57,8 +68,8 @@ def test_partial_merge_with_mismatch_in_the_middle():
     responses = [[10], [20], [30], [40]]
     turns = make_turns(responses, [[50], [60], [70]], breaks=frozenset({2}))
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
-    assert [s.response_ids for s in seqs] == [[10, 50, 20], [30, 70, 40]]
-    assert seqs[1].prompt_ids == [902]  # the second sequence starts from the rewritten prompt
+    assert [s.response_ids.tolist() for s in seqs] == [[10, 50, 20], [30, 70, 40]]
+    assert seqs[1].prompt_ids.tolist() == [902]  # the second sequence starts from the rewritten prompt
     assert [s.turn for s in seqs] == [1, 3]
     assert (stats.sequences_after, stats.prefix_breaks) == (2, 1)
 
@@ -66,7 +77,7 @@ def test_partial_merge_with_mismatch_in_the_middle():
 def test_response_mismatch_is_a_break():
     # Same prompt, but the next prompt re-tokenized the response differently: not a prefix.
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
-    turns[1].prompt_ids = turns[0].prompt_ids + [10, 99] + OBSERVATIONS[0]
+    turns[1] = dataclasses.replace(turns[1], prompt_ids=turns[0].prompt_ids.tolist() + [10, 99] + OBSERVATIONS[0])
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
     assert len(seqs) == 2 and stats.prefix_breaks == 1
 
@@ -93,9 +104,9 @@ def test_per_token_alignment_and_observation_masking():
         assert seq.loss_mask[pos:end] == turn.loss_mask
         if i < len(observations):
             obs_end = end + len(observations[i])
-            assert seq.response_ids[end:obs_end] == observations[i]
-            assert seq.loss_mask[end:obs_end] == [0] * len(observations[i])
-            assert seq.logprobs[end:obs_end] == [0.0] * len(observations[i])
+            assert seq.response_ids[end:obs_end].tolist() == observations[i]
+            assert seq.loss_mask[end:obs_end].tolist() == [0] * len(observations[i])
+            assert seq.logprobs[end:obs_end].tolist() == [0.0] * len(observations[i])
             end = obs_end
         pos = end
     assert pos == len(seq.response_ids)
@@ -191,7 +202,7 @@ def test_break_after_tentative_append_leaves_no_trace():
     # A re-templated history longer than the open sequence: the merger appends the new tail, finds the first
     # token changed, and must undo the append, so the closed sequence is exactly the first turn.
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
-    turns[1].prompt_ids = [99] + turns[1].prompt_ids[1:]
+    turns[1] = dataclasses.replace(turns[1], prompt_ids=[99] + turns[1].prompt_ids[1:].tolist())
     first, second = merge_trajectory(turns, max_seq_len=100)[0]
     assert (first.prompt_ids, first.response_ids, first.logprobs, first.loss_mask) == \
         (turns[0].prompt_ids, turns[0].response_ids, turns[0].logprobs, turns[0].loss_mask)
@@ -199,19 +210,21 @@ def test_break_after_tentative_append_leaves_no_trace():
 
 
 def reference_merge(turns: list[Sample]) -> list[tuple]:
-    """The merge spelled out plainly (slow): extend while prompt + response is a prefix of the next prompt."""
+    """The merge spelled out plainly on lists (slow): extend while prompt + response prefixes the next prompt."""
     sequences = []
     for turn in turns:
+        prompt_ids, response_ids = turn.prompt_ids.tolist(), turn.response_ids.tolist()
+        logprobs, loss_mask = turn.logprobs.tolist(), turn.loss_mask.tolist()
         if sequences:
-            prompt, response, logprobs, mask, _ = sequences[-1]
+            prompt, response, merged_logprobs, mask, _ = sequences[-1]
             context = prompt + response
-            if turn.prompt_ids[:len(context)] == context:
-                observation = turn.prompt_ids[len(context):]
-                sequences[-1] = (prompt, response + observation + turn.response_ids,
-                                 logprobs + [0.0] * len(observation) + turn.logprobs,
-                                 mask + [0] * len(observation) + turn.loss_mask, turn.turn)
+            if prompt_ids[:len(context)] == context:
+                observation = prompt_ids[len(context):]
+                sequences[-1] = (prompt, response + observation + response_ids,
+                                 merged_logprobs + [0.0] * len(observation) + logprobs,
+                                 mask + [0] * len(observation) + loss_mask, turn.turn)
                 continue
-        sequences.append((turn.prompt_ids, turn.response_ids, turn.logprobs, turn.loss_mask, turn.turn))
+        sequences.append((prompt_ids, response_ids, logprobs, loss_mask, turn.turn))
     return sequences
 
 
@@ -220,27 +233,13 @@ def test_parity_with_reference_merge():
     batch = []
     for traj in range(200):
         turns = random_trajectory(rng, traj, max_turns=5, vocab=50, response_lengths=(0, 4), break_prob=0.2)
-        for t in turns[1:]:
+        for i, t in enumerate(turns[1:], start=1):
             if rng.random() < 0.1:  # a rewritten token somewhere in the history, or a truncated history
-                t.prompt_ids = t.prompt_ids[:rng.randrange(len(t.prompt_ids) + 1)] + [999]
+                truncated = t.prompt_ids[:rng.randrange(len(t.prompt_ids) + 1)].tolist()
+                turns[i] = dataclasses.replace(t, prompt_ids=truncated + [999])
         batch.append(turns)
     merged, stats = merge_batch(batch, max_seq_len=1000)
     expected = [s for turns in batch for s in reference_merge(turns)]
-    assert [(s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask, s.turn) for s in merged] == expected
+    assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.logprobs.tolist(), s.loss_mask.tolist(), s.turn)
+            for s in merged] == expected
     assert stats.prefix_breaks == len(expected) - len(batch) > 0
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_merge_batch_restores_gc_state(enabled):
-    # merge_batch pauses the cyclic GC while it merges; the caller's setting must survive, errors included.
-    batch = [make_turns(RESPONSES, OBSERVATIONS)]
-    was_enabled = gc.isenabled()
-    try:
-        gc.enable() if enabled else gc.disable()
-        assert len(merge_batch(batch, max_seq_len=100)[0]) == 1
-        assert gc.isenabled() == enabled
-        with pytest.raises(MergeError):
-            merge_batch(batch + [[]], max_seq_len=100)
-        assert gc.isenabled() == enabled
-    finally:
-        gc.enable() if was_enabled else gc.disable()

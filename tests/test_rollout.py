@@ -38,7 +38,7 @@ def test_generates_from_token_ids_with_matching_logprobs(engine, policy):
     samples, stats = engine.generate(PROMPTS, group_size=4, temperature=1.0, max_new_tokens=24)
     assert len(samples) == 16 and stats.num_cancelled == 0
     for s in samples:
-        assert s.prompt_ids in PROMPTS and s.group_id == PROMPTS.index(s.prompt_ids)
+        assert s.prompt_ids.tolist() == PROMPTS[s.group_id]
         assert 0 < len(s.response_ids) <= 24 and len(s.logprobs) == len(s.response_ids) == len(s.loss_mask)
         assert s.finish_reason in ("stop", "length") and not s.is_aborted
         assert s.finish_reason == "length" or s.response_ids[-1] == 2  # stopped on <eos>
@@ -133,7 +133,7 @@ def test_failed_requests_are_counted_not_padded(engine, policy):
         samples, stats = engine.generate(PROMPTS + [too_long], 2, 1.0, 8)
         failed = [s for s in samples if s.finish_reason == "error"]
         assert stats.num_failed == len(failed) == 2 and all(s.is_aborted for s in failed)
-        assert all(s.finish_reason != "error" for s in samples if s.prompt_ids != too_long)
+        assert all(s.finish_reason != "error" for s in samples if s.prompt_ids.tolist() != too_long)
         engine.cfg = dataclasses.replace(configured, max_failed_ratio=0.0)
         with pytest.raises(RolloutError, match="requests failed inside the engine"):
             engine.generate(PROMPTS + [too_long], 2, 1.0, 8)

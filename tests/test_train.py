@@ -18,6 +18,19 @@ def scalars(run_dir):
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def test_collate_places_per_token_arrays():
+    # Position t of targets/loss_mask/engine_logprobs is the token predicted from input t; an aborted row
+    # (here a failed request with an empty response) keeps an all-zero mask.
+    samples = [Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
+               Sample([1], [], [], [], group_id=0, is_aborted=True)]
+    batch = train.collate(samples, pad_id=0)
+    assert batch["input_ids"].dtype == torch.long
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 0]]
+    assert batch["engine_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
+
+
 def test_three_steps_write_metrics(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=2", "run.checkpoint_every=0",
                       "rollout.cancel=count", "rollout.drop_rate=0.2", "train.kl_coef=0.01")
