@@ -1,6 +1,7 @@
 """Benchmark for merge.py: merge time on synthetic multi-turn batches, and trained tokens merged vs step-wise.
 
-Owns the synthetic trajectory generator and the timing; does not touch a model or an engine.
+Owns the synthetic trajectory generator and the timing. The timings use synthetic batches only; the token
+counts per step come from real rollouts of the CPU multi-turn demo (starts the engine; --demo-steps 0 skips it).
 Run from the repo root: `python bench/merge.py`. The last line is the machine-readable summary.
 """
 import argparse
