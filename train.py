@@ -132,7 +132,7 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
 TORCH_DTYPES = {"i": torch.int32, "f": torch.float32, "B": torch.uint8}  # array typecode -> tensor dtype
 
 
-def as_tensor(values):
+def tensor_view(values):
     """A Sample's per-token array as a tensor sharing its memory (torch.tensor would walk it item by item)."""
     dtype = TORCH_DTYPES[values.typecode]
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
@@ -147,12 +147,12 @@ def collate(samples, pad_id):
     loss_mask = torch.zeros(len(samples), width - 1)
     engine_logprobs = torch.zeros(len(samples), width - 1)
     for row, (s, ids) in enumerate(zip(samples, full)):
-        input_ids[row, :len(ids)] = as_tensor(ids)  # copies, casting int32 -> int64
+        input_ids[row, :len(ids)] = tensor_view(ids)  # copies, casting int32 -> int64
         attention_mask[row, :len(ids)] = 1
         first = len(s.prompt_ids) - 1  # logits at the last prompt position predict response token 0
         if not s.is_aborted:  # aborted rows keep an all-zero mask: they count in no loss or denominator
-            loss_mask[row, first:first + len(s.response_ids)] = as_tensor(s.loss_mask)
-        engine_logprobs[row, first:first + len(s.response_ids)] = as_tensor(s.logprobs)
+            loss_mask[row, first:first + len(s.response_ids)] = tensor_view(s.loss_mask)
+        engine_logprobs[row, first:first + len(s.response_ids)] = tensor_view(s.logprobs)
     return dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
                 loss_mask=loss_mask, engine_logprobs=engine_logprobs)
 
