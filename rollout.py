@@ -111,12 +111,18 @@ class RolloutEngine:
         import sglang
 
         device_args = {} if on_gpu else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        # SGLang reconfigures the root logger of this process to its own log_level and handler: without the
+        # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
+        root_logger = logging.getLogger()
+        root_level, root_handlers = root_logger.level, root_logger.handlers[:]
         self.engine = sglang.Engine(
             model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
             # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
             enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
             max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
             **device_args)
+        root_logger.setLevel(root_level)
+        root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager
         # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
         # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.

@@ -2,6 +2,7 @@
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
 import asyncio
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -149,6 +150,12 @@ def test_mismatched_weight_sync_is_refused_before_it_reaches_the_engine(engine, 
             engine.update_weights([(name, tensor)], version=1)
     samples, _ = engine.generate(PROMPTS, 1, 1.0, 4)  # the engine is still alive
     assert len(samples) == 4
+
+
+def test_engine_start_leaves_the_trainers_logging_alone(engine):
+    # SGLang 0.5.23 set the root logger to ERROR when the engine started, silencing the trainer's warnings.
+    assert logging.getLogger("rollout").isEnabledFor(logging.WARNING)
+    assert logging.getLogger("tasks").isEnabledFor(logging.WARNING)
 
 
 def test_plan_launch_arithmetic():
