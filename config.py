@@ -77,6 +77,7 @@ class TrainConfig:
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
+    tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
     threads: int = 1  # torch threads of the trainer process
@@ -115,6 +116,8 @@ class Config:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
         if self.data.task == "gsm8k" and not self.data.train_path:
             raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
+        if self.train.tis_cap != 0 and self.train.tis_cap < 1:
+            raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
 

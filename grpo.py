@@ -1,8 +1,11 @@
-"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss.
+"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss (with
+optional truncated importance sampling for engine-vs-trainer mismatch).
 
 Owns no state, no model and no engine; train.py calls these on padded [B, T] batches. Masked rows
 (aborted or padded samples) are exactly equivalent to removed rows under every function here.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -82,11 +85,13 @@ def aggregation_count(loss_mask, mode):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg_mode="token-mean",
-                norm_length=1, ref_logprobs=None, kl_coef=0.0):
-    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference.
+                norm_length=1, ref_logprobs=None, kl_coef=0.0, engine_logprobs=None, tis_cap=0.0):
+    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and optional
+    truncated importance sampling for tokens the engine sampled from a different distribution.
 
-    logprobs (with grad), old_logprobs, ref_logprobs: [B, T]; advantages: [B]; loss_mask: [B, T].
-    Returns (loss, stats) where stats holds detached clip fraction and mean KL over trained tokens.
+    logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs: [B, T]; advantages: [B];
+    loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and importance weights
+    over trained tokens.
     """
     ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
     adv = advantages.unsqueeze(-1)  # [B, 1]: every token of a sample shares its outcome advantage
@@ -94,6 +99,18 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg
     clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
     stats = {"clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()}
+    if engine_logprobs is not None:
+        # The engine sampled from mu, not from pi_old (other kernels and precision; an older weight version
+        # once generations resume across steps). Truncated importance sampling (Yao et al. 2025, "Your
+        # efficient RL framework secretly brings you off-policy RL training") weights each token's surrogate
+        # by min(pi_old / mu, C): a constant, so PPO's clip still acts on pi / pi_old alone.
+        if tis_cap < 1:
+            raise ValueError(f"tis_cap={tis_cap}: a cap below 1 would down-weight on-policy tokens")
+        log_weight = (old_logprobs - engine_logprobs).detach()  # [B, T]
+        tis_weight = torch.exp(log_weight.clamp(max=math.log(tis_cap)))  # capped before exp: never inf
+        per_token = per_token * tis_weight
+        stats["tis_weight"] = aggregate(tis_weight, loss_mask, "token-mean")
+        stats["tis_capped_frac"] = aggregate((log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean")
     if ref_logprobs is not None:
         # k3 estimator (Schulman 2020): unbiased, always >= 0, used by GRPO (Shao et al. 2024, eq. 4)
         log_ratio = ref_logprobs - logprobs

@@ -192,7 +192,8 @@ def train_on_rollout(run, samples, advantages):
             logprobs, entropy = sequence_logprobs(policy, mb, cfg.rollout.temperature)
             loss, loss_stats = grpo.policy_loss(
                 logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], t.clip_eps, t.loss_agg,
-                norm_length, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef)
+                norm_length, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef,
+                engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None, tis_cap=t.tis_cap)
             # weight each micro-batch by its share of the denominator: accumulation == one big batch
             weighted = loss * grpo.aggregation_count(mb["loss_mask"], t.loss_agg) / total
             weighted.backward()

@@ -33,6 +33,7 @@ def test_yaml_and_set_overrides_are_typed():
     ("train.lr", "expected section.key=value"),
     ("train.lr=[", "not a valid YAML scalar"),
     ("data.task=gsm8k", "needs data.train_path"),
+    ("train.tis_cap=0.5", "train.tis_cap=0.5: expected 0"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

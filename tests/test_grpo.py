@@ -74,6 +74,26 @@ def test_clipped_ratio_and_kl_hand_computed():
     assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
 
 
+def test_truncated_importance_weights_hand_computed():
+    # Three trained tokens and one masked: pi_old / mu = 0.5, 1 and 4 (capped at 2); the masked one would be 100.
+    old = torch.zeros(1, 4)
+    engine = torch.tensor([[math.log(2.0), 0.0, -math.log(4.0), -math.log(100.0)]])  # mu per token
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    logprobs = torch.zeros(1, 4, requires_grad=True)  # ratio pi / pi_old = 1: unclipped, surrogate = -A
+    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0) / 3)
+    assert stats["tis_weight"].item() == pytest.approx(3.5 / 3)
+    assert stats["tis_capped_frac"].item() == pytest.approx(1 / 3)
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-0.5 / 3, -1 / 3, -2 / 3, 0.0])  # weights scale gradients
+    # mu == pi_old: every weight is 1, the loss is the plain one
+    plain, _ = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask)
+    same, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=old, tis_cap=2.0)
+    assert same.item() == plain.item() and stats["tis_weight"].item() == 1.0
+    with pytest.raises(ValueError, match="tis_cap"):
+        grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=0.5)
+
+
 def test_token_logprobs_temperature():
     logits = torch.randn(2, 3, 5)
     targets = torch.randint(0, 5, (2, 3))

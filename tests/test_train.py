@@ -33,7 +33,7 @@ def test_collate_places_per_token_arrays():
 
 def test_three_steps_write_metrics(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=2", "run.checkpoint_every=0",
-                      "rollout.cancel=count", "rollout.drop_rate=0.2", "train.kl_coef=0.01")
+                      "rollout.cancel=count", "rollout.drop_rate=0.2", "train.kl_coef=0.01", "train.tis_cap=2")
     train.train(train.setup(cfg, engine=engine))
     logged = scalars(tmp_path)
     for tag in ["train/reward_mean", "train/reward_mean_completed", "train/reward_mean_launched",
@@ -41,13 +41,16 @@ def test_three_steps_write_metrics(engine, tmp_path):
                 "timing/weight_sync_s", "perf/rollout_tokens_per_s", "rollout/aborted_ratio", "train/loss",
                 "train/grad_norm", "train/entropy", "train/clip_frac", "train/lr", "train/logprob_gap",
                 "rollout/response_len_p90", "rollout/cancel_latency_s", "rollout/wasted_tokens", "train/kl",
-                "memory/sync_peak_bytes_modelled", "memory/resident_kv_cache"]:
+                "memory/sync_peak_bytes_modelled", "memory/resident_kv_cache", "train/tis_weight",
+                "train/tis_capped_frac"]:
         assert tag in logged, tag
     assert len(logged["train/loss"]) == 3 and all(math.isfinite(v) for v in logged["train/loss"])
     assert len(logged["val/reward_mean"]) == 3  # steps 0 and 2, and after the last step
     # a sample that finishes in the same decode step as the target-th one is kept, so 0 is possible
     assert all(0 <= r <= 0.25 for r in logged["rollout/aborted_ratio"])
-    assert max(logged["train/logprob_gap"]) < 1e-4  # engine and trainer hold the same weights
+    assert max(logged["train/logprob_gap"]) < 1e-4  # engine and trainer hold the same weights ...
+    assert all(abs(w - 1) < 1e-4 for w in logged["train/tis_weight"])  # ... so importance weights are ~1
+    assert logged["train/tis_capped_frac"] == [0.0, 0.0, 0.0]
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.path.isdir(tmp_path / "checkpoints" / "step_000003")  # the last step is always saved
 
