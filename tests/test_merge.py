@@ -4,7 +4,11 @@ Checks merge shapes, per-token alignment, masking, validation, stats, and that t
 unchanged by merging. A model-based parity test lives elsewhere.
 """
 import dataclasses
+import os
 import random
+import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -243,3 +247,14 @@ def test_parity_with_reference_merge():
     assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.logprobs.tolist(), s.loss_mask.tolist(), s.turn)
             for s in merged] == expected
     assert stats.prefix_breaks == len(expected) - len(batch) > 0
+
+
+def test_bench_ends_with_the_issue_line():
+    # bench/merge.py's last line is what issue 5 checks; a small synthetic run (no engine) keeps it honest.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "bench/merge.py", "--trajectories", "16", "--repeats", "1",
+                          "--demo-steps", "0"], cwd=root, capture_output=True, text=True, check=True).stdout
+    match = re.fullmatch(r"merge: trajectories=16 turns=5 ms=[\d.]+ ms_2x=[\d.]+ ms_4x=[\d.]+ "
+                         r"tokens_merged=(\d+) tokens_unmerged=(\d+)", out.strip().splitlines()[-1])
+    assert match, out
+    assert 0 < int(match[1]) < int(match[2])  # 5-turn trajectories: merging trains fewer tokens
