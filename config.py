@@ -16,7 +16,10 @@ class ConfigError(ValueError):
 @dataclasses.dataclass
 class ModelConfig:
     path: str = "tiny"  # "tiny" builds the demo model locally; else a HF folder or hub id
-    dtype: str = "float32"  # trainer and engine dtype: float32 | bfloat16
+    # Parameters, gradients and AdamW state are always float32 (master weights): at lr 1e-6 an AdamW update
+    # is below bfloat16's spacing for almost every weight and would round away. These two say what runs in:
+    compute_dtype: str = "float32"  # trainer forward/backward: float32 | bfloat16 (autocast, or FSDP2 mixed precision)
+    engine_dtype: str = "float32"  # the rollout engine's weights, cast from the masters at every weight sync
     hidden_size: int = 64  # tiny model only, from here on
     intermediate_size: int = 256
     num_layers: int = 2
@@ -89,6 +92,7 @@ class RunConfig:
     out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
     val_every: int = 10  # steps between validations (greedy and sampled)
     checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
+    nproc: int = 0  # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
 
 
 @dataclasses.dataclass
@@ -105,7 +109,8 @@ class Config:
                    "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
                    "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-mean", "seq-mean-token-sum-norm")),
-                   "model.dtype": (self.model.dtype, ("float32", "bfloat16")),
+                   "model.compute_dtype": (self.model.compute_dtype, ("float32", "bfloat16")),
+                   "model.engine_dtype": (self.model.engine_dtype, ("float32", "bfloat16")),
                    "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
@@ -118,8 +123,14 @@ class Config:
             raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
             raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
+        if self.run.nproc < 0:
+            raise ConfigError(f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
+
+
+RENAMED = {"model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "
+                          "parameters are always float32"}
 
 
 def _coerce(key, value, kind):
@@ -143,6 +154,8 @@ def apply(config, overrides, prefix=""):
     hints = typing.get_type_hints(type(config))
     for key, value in overrides.items():
         name = f"{prefix}{key}"
+        if name in RENAMED:
+            raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
         if key not in hints:
             raise ConfigError(f"unknown config key {name!r}; known here: {sorted(hints)}")
         if dataclasses.is_dataclass(hints[key]):

@@ -76,12 +76,13 @@ def aggregate(per_token, loss_mask, mode, norm_length=1):
 
 
 def aggregation_count(loss_mask, mode):
-    """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the rest).
-    Weighting micro-batch losses by count / total count makes gradient accumulation exact."""
+    """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the rest), not
+    clamped (a batch with nothing to train counts 0). Weighting micro-batch losses by count / total count
+    makes gradient accumulation exact, and with the total summed over ranks, so is data parallelism."""
     token_count = loss_mask.sum(-1)  # [B]
     if mode == "token-mean":
-        return token_count.sum().clamp(min=1)
-    return (token_count > 0).sum().clamp(min=1)
+        return token_count.sum()
+    return (token_count > 0).sum()
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg_mode="token-mean",

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+import parallel
+
 LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}  # CUDA graph pools are not modelled
 
 
@@ -19,7 +21,9 @@ class PhaseError(RuntimeError):
 
 
 def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds: a sharded (FSDP2 DTensor) tensor counts its local shard only."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 @dataclasses.dataclass
@@ -40,7 +44,7 @@ class Ledger:
         config = policy.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
-        return cls(engine_weights=sum(p.numel() for p in params) * element,
+        return cls(engine_weights=sum(p.numel() for p in params) * element,  # whole model: each rank's engine
                    kv_cache=kv_cache_tokens * kv_per_token,
                    trainer_params=tensor_bytes(params),
                    trainer_grads=tensor_bytes(params),  # allocated by backward, freed by zero_grad(None)
@@ -88,7 +92,8 @@ class MemoryPhases:
         if self.mode != "off":
             self._resume(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
-        num_buckets = self.engine.update_weights(self.policy.named_parameters(), version, self.bucket_bytes)
+        num_buckets = self.engine.update_weights(self.policy.named_parameters(), version, self.bucket_bytes,
+                                                 gather=parallel.full_tensor)
         self._move_trainer(onload=False, params=True, optimizer=False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # return the trainer's freed blocks before the KV cache comes back

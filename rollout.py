@@ -93,8 +93,9 @@ class RolloutStats:
 class RolloutEngine:
     """An SGLang `Engine` in this process (its scheduler runs in child processes), used by the trainer."""
 
-    def __init__(self, model_path, cfg, dtype="float32", seed=0):
+    def __init__(self, model_path, cfg, dtype="float32", seed=0, gpu_id=0):
         self.cfg = cfg
+        self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         self._cancelling = set()  # rids this side aborted on purpose (any other abort is a failure)
         on_gpu = torch.cuda.is_available()
@@ -108,9 +109,13 @@ class RolloutEngine:
             if CPU_COMPAT_DIR not in sys.path:
                 sys.path.insert(0, CPU_COMPAT_DIR)
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")]))
+        prepare_engine_environment()
         import sglang
 
-        device_args = {} if on_gpu else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+        # One engine per rank, each on its rank's GPU, each with its own NCCL port: SGLang picks that port
+        # with the `random` module, which ranks started with one seed draw identically (verl issue 3977).
+        device_args = dict(base_gpu_id=gpu_id) if on_gpu else dict(
+            device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
         # SGLang reconfigures the root logger of this process to its own log_level and handler: without the
         # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
         root_logger = logging.getLogger()
@@ -120,7 +125,7 @@ class RolloutEngine:
             # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
             enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
             max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
-            **device_args)
+            nccl_port=free_port(), **device_args)
         root_logger.setLevel(root_level)
         root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager
@@ -283,41 +288,47 @@ class RolloutEngine:
         return len(self.tokenizer_manager.rid_to_state)
 
     # ------------------------------------------------------------------ weights and memory
-    def update_weights(self, named_tensors, version, bucket_bytes=256 << 20):
-        """Push (name, tensor) pairs in buckets of about `bucket_bytes`, then stamp `version`.
+    def update_weights(self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor):
+        """Push the trainer's parameters bucket by bucket, then stamp `version`.
 
-        sglang 0.5.23 requires begin_weight_update()/end_weight_update() around the pushes. The prefix
-        cache is flushed once at the end: KV computed with the old weights must not be reused.
+        named_params: (name, parameter) pairs; `gather` turns one into the whole tensor (FSDP2's
+        `full_tensor()`, a collective: every rank walks the same names in the same order). Each tensor is
+        gathered, cast to the engine's dtype and pushed with its bucket, then freed: at most one bucket
+        beyond the trainer's shard is alive, never a second copy of the model. sglang 0.5.23 requires
+        begin_weight_update()/end_weight_update() around the pushes. The prefix cache is flushed once at
+        the end: KV computed with the old weights must not be reused.
         """
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
-        named_tensors = list(named_tensors)
-        for name, tensor in named_tensors:
+        named_params = list(named_params)
+        for name, param in named_params:
             # a mismatched tensor crashes SGLang's scheduler, which then SIGKILLs this process: check first
-            if self.weight_shapes.get(name) != tuple(tensor.shape):
-                raise RolloutError(f"weight sync: {name} {tuple(tensor.shape)} does not match the engine's "
+            if self.weight_shapes.get(name) != tuple(param.shape):  # a DTensor's shape is the whole tensor's
+                raise RolloutError(f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
                                    f"model ({self.weight_shapes.get(name, 'no such tensor')})")
-        self.engine.begin_weight_update()
-        bucket, size, buckets = [], 0, []
-        for name, tensor in named_tensors:
-            bucket.append((name, tensor.detach()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= bucket_bytes:
-                buckets.append(bucket)
-                bucket, size = [], 0
-        buckets.append(bucket)
-        for i, bucket in enumerate(buckets):
-            is_last = i == len(buckets) - 1
+
+        def push(bucket, is_last):
             request = UpdateWeightsFromTensorReqInput(
                 serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],  # one per TP rank
                 flush_cache=is_last, weight_version=str(version) if is_last else None)
             ok, message = self._run(self.tokenizer_manager.update_weights_from_tensor(request, None))
             if not ok:
-                raise RolloutError(f"weight sync failed in bucket {i}: {message}")
+                raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
+
+        self.engine.begin_weight_update()
+        bucket, size, num_buckets = [], 0, 0
+        for i, (name, param) in enumerate(named_params):
+            tensor = gather(param.detach()).to(self.dtype)
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            is_last = i == len(named_params) - 1
+            if size >= bucket_bytes or is_last:
+                push(bucket, is_last)
+                bucket, size, num_buckets = [], 0, num_buckets + 1  # the pushed tensors are freed here
         self.engine.end_weight_update()
         self.weight_version = version
-        return len(buckets)
+        return num_buckets
 
     def flush_cache(self):
         """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
@@ -336,6 +347,40 @@ class RolloutEngine:
 
     def shutdown(self):
         self.engine.shutdown()
+
+
+def prepare_engine_environment():
+    """The engine's processes inherit this process's environment; two settings there break them.
+    torch_memory_saver refuses `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF (the engine would die
+    at start with a message about a library the user never chose): removed here, and said so.
+    TORCHELASTIC_USE_AGENT_STORE, set by torchrun, can make SGLang's private TCPStore hang (pytorch
+    issue 192113): SGLang's scheduler is not part of the trainer's rendezvous."""
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    options = [o for o in alloc_conf.split(",") if o.strip()]
+    kept = [o for o in options if o.replace(" ", "").lower() != "expandable_segments:true"]
+    if len(kept) != len(options):
+        log.warning("removed expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF: SGLang's memory saver "
+                    "(torch_memory_saver) refuses it and the engine would not start")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def free_port(low=20000, high=29999):
+    """A free TCP port below the ephemeral range, drawn with an RNG of this process's own (not the seeded
+    global one), so engines started at once by several ranks do not pick the same port."""
+    import random
+    import socket
+
+    rng = random.Random(f"{os.getpid()}-{time.time_ns()}")
+    for _ in range(64):
+        port = rng.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RolloutError(f"no free port in {low}-{high} for the engine's NCCL rendezvous")
 
 
 def checkpoint_shapes(model_path):

@@ -1,14 +1,16 @@
 """GRPO trainer: setup helpers, one training step, checkpoints, and the step loop (`main`).
 
 Owns the order of the algorithm (rollout -> reward -> advantage -> update -> weight sync -> log ->
-checkpoint). The math lives in grpo.py, the engine in rollout.py, tasks in tasks.py, settings in
-config.py, memory phases in memory.py. Importing this file never trains: SGLang's scheduler
-processes re-import the main module.
+checkpoint), on one rank or several (each rank: an FSDP2 shard of the policy and its own engine). The
+math lives in grpo.py, the engine in rollout.py, ranks and sharding in parallel.py, tasks in tasks.py,
+settings in config.py, memory phases in memory.py. Importing this file never trains: SGLang's scheduler
+processes and the launcher's ranks re-import the main module.
 """
 import argparse
 import dataclasses
 import glob
 import logging
+import math
 import os
 import random
 import shutil
@@ -20,6 +22,7 @@ import tqdm
 
 import grpo
 import merge
+import parallel
 import tasks
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
@@ -35,18 +38,20 @@ class ModelError(RuntimeError):
 
 # ---------------------------------------------------------------- setup
 def build_policy(cfg, init_dir):
-    """(policy, tokenizer). `model.path: tiny` builds the demo model from the config (random init,
-    seeded); anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both."""
+    """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master weights
+    AdamW updates (compute runs in `model.compute_dtype`, the engine in `model.engine_dtype`). The dtype is
+    explicit: transformers 5 would load "auto" (bfloat16 for Qwen). `model.path: tiny` builds the demo
+    model from the config (random init, seeded); anything else loads a HF checkpoint. `init_dir` (a
+    resumed checkpoint) wins over both."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    dtype = getattr(torch, cfg.model.dtype)
     path = init_dir or cfg.model.path
     try:
         if cfg.model.path == "tiny":
             # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer (shared/notes/tiny-demo.md)
             tokenizer = tasks.build_char_tokenizer()
             if init_dir:
-                return AutoModelForCausalLM.from_pretrained(init_dir, dtype=dtype), tokenizer
+                return AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32), tokenizer
             m = cfg.model
             torch.manual_seed(cfg.train.seed)
             config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
@@ -54,9 +59,10 @@ def build_policy(cfg, init_dir):
                                  num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
                                  max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, torch_dtype=cfg.model.dtype)
-            return Qwen2ForCausalLM(config).to(dtype), tokenizer
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+                                 pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+            return Qwen2ForCausalLM(config).float(), tokenizer
+        return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(path))
     except OSError as e:
         raise ModelError(f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}") from None
 
@@ -141,7 +147,7 @@ def tensor_view(values):
 def collate(samples, pad_id):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t."""
     full = [s.prompt_ids + s.response_ids for s in samples]
-    width = max(map(len, full))
+    width = max(map(len, full), default=2)  # a rank with nothing to train still runs padding micro-batches
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     loss_mask = torch.zeros(len(samples), width - 1)
@@ -157,39 +163,68 @@ def collate(samples, pad_id):
                 loss_mask=loss_mask, engine_logprobs=engine_logprobs)
 
 
-def sequence_logprobs(model, batch, temperature):
-    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
+    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32. With one
+    rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its mixed
+    precision policy does that, and autocast stays off)."""
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     return grpo.token_logprobs(logits, batch["targets"], temperature)
 
 
-def micro_batches(batch, size):
-    for start in range(0, len(batch["input_ids"]), size):
+def micro_batches(batch, size, count):
+    """Exactly `count` micro-batches of at most `size` rows: the batch's own, then padding ones (one row,
+    nothing trained). With FSDP every forward and backward is a collective, so every rank must run the
+    same number of them, whatever its share of the step's samples (verl equalises the same way)."""
+    num_rows = len(batch["input_ids"])
+    for start in range(0, num_rows, size):
         yield {key: value[start:start + size] for key, value in batch.items()}
+    for _ in range(count - math.ceil(num_rows / size)):
+        # attention on every position keeps the padding row's log-probs finite: 0 x NaN would poison the sum
+        yield {key: (value.new_ones if key == "attention_mask" else value.new_zeros)((1, *value.shape[1:]))
+               for key, value in batch.items()}
+
+
+def num_micro_batches(num_rows, size):
+    """The micro-batch count every rank runs: the largest any rank needs (at least one)."""
+    return max(int(parallel.all_reduce([math.ceil(num_rows / size)], op="max")[0]), 1)
 
 
 def train_on_rollout(run, samples, advantages):
-    """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps."""
+    """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps.
+
+    With several ranks each holds its own samples (whole GRPO groups, so advantages were computed
+    locally). Each rank's loss is divided by the *global* count of trained tokens (or sequences) and FSDP
+    sums the gradients, so N ranks make the same update as one rank on the combined batch, in every
+    loss mode. Minibatch i is every rank's i-th slice of its own samples.
+    """
     cfg, t, policy, optimizer, scheduler = run.cfg, run.cfg.train, run.policy, run.optimizer, run.scheduler
     r = cfg.rollout
     norm_length = r.max_response_tokens or r.max_new_tokens * r.max_turns  # Dr. GRPO's constant: the budget
     batch = collate(samples, pad_id=policy.config.pad_token_id or 0)
-    batch["advantages"] = advantages
+    batch["advantages"] = advantages.float()
     batch = {key: value.to(run.device) for key, value in batch.items()}
+    logprobs_of = lambda model, mb: sequence_logprobs(model, mb, r.temperature, run.autocast_dtype)  # noqa: E731
+    count = num_micro_batches(len(samples), t.micro_batch_size)
     with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
-        batch["old_logprobs"] = torch.cat([sequence_logprobs(policy, mb, cfg.rollout.temperature)[0]
-                                           for mb in micro_batches(batch, t.micro_batch_size)])
+        batch["old_logprobs"] = torch.cat([logprobs_of(policy, mb)[0]
+                                           for mb in micro_batches(batch, t.micro_batch_size, count)])[:len(samples)]
         if run.reference is not None:
-            batch["ref_logprobs"] = torch.cat([sequence_logprobs(run.reference, mb, cfg.rollout.temperature)[0]
-                                               for mb in micro_batches(batch, t.micro_batch_size)])
+            batch["ref_logprobs"] = torch.cat([logprobs_of(run.reference, mb)[0]
+                                               for mb in micro_batches(batch, t.micro_batch_size, count)])[:len(samples)]
     gap = masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), batch["loss_mask"])
     stats = {"train/logprob_gap": gap.item()}
-    minibatch_size = -(-len(samples) // t.num_minibatches)
-    for minibatch in micro_batches(batch, minibatch_size):
+    minibatch_size = max(math.ceil(len(samples) / t.num_minibatches), 1)
+    for i in range(t.num_minibatches):  # the same count on every rank: clip_grad_norm_ is a collective too
+        minibatch = {key: value[i * minibatch_size:(i + 1) * minibatch_size] for key, value in batch.items()}
         optimizer.zero_grad(set_to_none=True)
-        total, minibatch_loss = grpo.aggregation_count(minibatch["loss_mask"], t.loss_agg), 0.0
-        for mb in micro_batches(minibatch, t.micro_batch_size):
-            logprobs, entropy = sequence_logprobs(policy, mb, cfg.rollout.temperature)
+        local_count = grpo.aggregation_count(minibatch["loss_mask"], t.loss_agg).item()
+        total = max(parallel.all_reduce([local_count])[0], 1)  # the loss denominator of the whole step
+        count = num_micro_batches(len(minibatch["input_ids"]), t.micro_batch_size)
+        minibatch_loss = 0.0
+        for mb in micro_batches(minibatch, t.micro_batch_size, count):
+            logprobs, entropy = logprobs_of(policy, mb)
             loss, loss_stats = grpo.policy_loss(
                 logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], t.clip_eps, t.loss_agg,
                 norm_length, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef,
@@ -198,10 +233,10 @@ def train_on_rollout(run, samples, advantages):
             weighted = loss * grpo.aggregation_count(mb["loss_mask"], t.loss_agg) / total
             weighted.backward()
             minibatch_loss += weighted.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
+        grad_norm = parallel.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip))
         optimizer.step()
         scheduler.step()
-        stats.update({"train/loss": minibatch_loss, "train/grad_norm": grad_norm.item(),
+        stats.update({"train/loss": parallel.all_reduce([minibatch_loss])[0], "train/grad_norm": grad_norm.item(),
                       "train/entropy": masked_mean(entropy.detach(), mb["loss_mask"]).item(),
                       **{f"train/{k}": v.item() for k, v in loss_stats.items()}})
     stats["train/lr"] = scheduler.get_last_lr()[0]
@@ -215,31 +250,48 @@ def generate(run, prompts, group_size, temperature, plan=None):
                                run.tool, r.max_turns, r.max_response_tokens)
 
 
+def rank_share(items):
+    """This rank's contiguous share of a list (all of it with one rank)."""
+    rank, world = parallel.rank(), parallel.world_size()
+    return items[rank * len(items) // world:(rank + 1) * len(items) // world]
+
+
 def validate(run):
     """Greedy and sampled (training temperature) reward: greedy decoding hides policy changes that
-    sampling shows, and sampling is what the next rollout sees. Never cancelled (no plan)."""
-    out = {}
+    sampling shows, and sampling is what the next rollout sees. Never cancelled (no plan). Each rank
+    scores its share of the prompts; sums and counts are reduced, so the means are exact."""
+    out, prompts = {}, rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
-        samples, _ = generate(run, run.val_prompts, 1, temperature)
-        rewards = [turns[-1].reward for turns in score(samples, run.val_prompts, run.tokenizer, run.reward_fn)]
-        out[f"val/reward_mean{suffix}"] = sum(rewards) / len(rewards)
-        out[f"val/accuracy{suffix}"] = sum(r >= 1.0 for r in rewards) / len(rewards)
+        samples = generate(run, prompts, 1, temperature)[0] if prompts else []
+        rewards = [turns[-1].reward for turns in score(samples, prompts, run.tokenizer, run.reward_fn)]
+        total, correct, count = parallel.all_reduce([sum(rewards), sum(r >= 1.0 for r in rewards), len(rewards)])
+        out[f"val/reward_mean{suffix}"] = total / count
+        out[f"val/accuracy{suffix}"] = correct / count
     return out
 
 
 # ---------------------------------------------------------------- checkpoints
 def save_checkpoint(out_dir, step, run):
-    """Written to a temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
+    any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
+    trainer state (step, scheduler, RNG; tensors and plain values only, loaded with weights_only=True).
+    The step's prompts are a function of (seed, step), so the step is the data position. Written to a
+    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    run.policy.save_pretrained(tmp, safe_serialization=True)
-    run.tokenizer.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
-               os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    tmp, is_writer = final + ".tmp", parallel.rank() == 0
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+    parallel.barrier()
+    parallel.save_state(os.path.join(tmp, "sharded"), run.policy, run.optimizer)
+    full_state = parallel.full_state_dict(run.policy)  # a collective: gathered one tensor at a time to rank 0
+    if is_writer:
+        save_hf(run.policy, run.tokenizer, tmp, full_state)
+        torch.save({"step": step, "world_size": parallel.world_size(), "scheduler": run.scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
+                   os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
 
 
@@ -248,11 +300,19 @@ def latest_checkpoint(out_dir):
     return found[-1] if found else None
 
 
+def save_hf(policy, tokenizer, folder, state_dict=None):
+    """A HF folder (safetensors, fp32) that `from_pretrained` and the engine load."""
+    policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
 def export_for_engine(policy, tokenizer, out_dir):
-    """The engine loads weights from a folder, like any checkpoint: write the initial policy there."""
+    """The engine loads weights from a folder, like any checkpoint: rank 0 writes the initial policy
+    there (every rank holds the same unsharded one at this point), the others wait for it."""
     model_dir = os.path.join(out_dir, "model")
-    policy.save_pretrained(model_dir, safe_serialization=True)
-    tokenizer.save_pretrained(model_dir)
+    if parallel.rank() == 0:
+        save_hf(policy, tokenizer, model_dir)
+    parallel.barrier()
     return model_dir
 
 
@@ -270,7 +330,7 @@ def parse_args(argv=None):
 class Run:
     """Everything the loop needs, built once by `setup`."""
     cfg: Config
-    policy: torch.nn.Module
+    policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard of them with several ranks
     reference: torch.nn.Module | None  # frozen initial policy for the KL term (only when kl_coef > 0)
     tokenizer: object
     train_prompts: list
@@ -280,61 +340,79 @@ class Run:
     engine: RolloutEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    device: str
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
     start_step: int = 0
 
 
 def setup(cfg, resume=False, engine=None):
-    """Build policy, task, optimizer and engine; with `resume`, restore the latest checkpoint.
+    """Build policy, task, engine and optimizer on this rank; with `resume`, restore the latest checkpoint.
     An `engine` passed in (tests share one) is synced to the policy instead of starting another."""
     torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t, world = cfg.train, parallel.world_size()
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
+                          f"{world} ranks (each rank takes whole GRPO groups)")
+    device = torch.device("cuda", parallel.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     resume_dir = latest_checkpoint(cfg.run.out) if resume else None
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
+    # plain tensors and values only: loading never runs pickled code from a checkpoint folder
+    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=True) if resume_dir else None
+    start_step = state["step"] if state else 0
     policy, tokenizer = build_policy(cfg, resume_dir)
     train_prompts, val_prompts, reward_fn, tool = build_task(cfg, tokenizer)
     engine_dir = resume_dir or export_for_engine(policy, tokenizer, cfg.run.out)
-    policy.to(device)
+    shared_engine = engine is not None
+    if engine is None:  # before the trainer takes device memory: the engine sizes its KV cache from what is free
+        engine = RolloutEngine(engine_dir, cfg.rollout, dtype=cfg.model.engine_dtype,
+                               seed=t.seed + start_step + 100_003 * parallel.rank(), gpu_id=parallel.local_rank())
+        engine.weight_version = start_step
+    compute_dtype = getattr(torch, cfg.model.compute_dtype)
     reference = None
-    if cfg.train.kl_coef > 0:  # the *initial* policy, also after a resume: built again, not copied
-        reference = build_policy(cfg, None)[0].to(device).eval().requires_grad_(False)
-    t = cfg.train
+    if t.kl_coef > 0:  # the *initial* policy, also after a resume: built again, not copied
+        reference = build_policy(cfg, None)[0].requires_grad_(False)
+    if world > 1:
+        policy = parallel.shard(policy, compute_dtype)
+        if reference is not None:
+            reference = parallel.shard(reference, compute_dtype)
+    policy.to(device)
+    if reference is not None:
+        reference.to(device).eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                                   weight_decay=t.weight_decay)
     warmup = lambda step: min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    start_step = 0
     if resume_dir:
-        state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
+        parallel.load_state(os.path.join(resume_dir, "sharded"), policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"])  # rank 0's, on every rank
         random.setstate(state["python_rng"])
-        start_step = state["step"]
-        log.info("resumed from %s at step %d", resume_dir, start_step)
-    if engine is None:
-        engine = RolloutEngine(engine_dir, cfg.rollout, dtype=cfg.model.dtype, seed=t.seed + start_step)
-        engine.weight_version = start_step
-    else:
-        engine.update_weights(policy.named_parameters(), version=start_step)
+        log.info("resumed from %s at step %d (written by %d ranks, now %d)", resume_dir, start_step,
+                 state["world_size"], world)
+    if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
+        engine.update_weights(policy.named_parameters(), version=start_step, gather=parallel.full_tensor)
+    autocast_dtype = compute_dtype if world == 1 and compute_dtype != torch.float32 else None
     return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
-               scheduler, device, start_step)
+               scheduler, device, autocast_dtype, start_step)
 
 
 def train(run):
     """The GRPO loop: rollout -> reward -> advantage -> update -> weight sync -> log -> checkpoint."""
-    cfg, engine, r = run.cfg, run.engine, run.cfg.rollout
-    logger = Logger(cfg.run.out, cfg)
-    plan = plan_launch(r, r.prompts_per_step)
+    cfg, engine, r, is_writer = run.cfg, run.engine, run.cfg.rollout, parallel.rank() == 0
+    logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
+    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())  # per rank: over-sampling, cancelling
     phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
-                          engine_dtype=getattr(torch, cfg.model.dtype))
+                          engine_dtype=engine.dtype)
     max_seq_len = run.policy.config.max_position_embeddings
-    for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps):
+    for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
+                            disable=not is_writer):
         step_start = time.perf_counter()
         scalars = validate(run) if step % cfg.run.val_every == 0 else {}
-        # 1. rollout: group_size trajectories per prompt; the slow tail is cancelled per rollout.cancel
-        prompts = draw_prompts(run.train_prompts, step, plan.num_prompts, cfg.train.seed)
+        # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
+        #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
+        step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
+        prompts = rank_share(step_prompts)
         samples, stats = generate(run, prompts, r.group_size, r.temperature, plan)
         # 2. reward, 3. group-relative advantage over each group's surviving trajectories
         trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
@@ -347,33 +425,63 @@ def train(run):
         # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
         sync_start = time.perf_counter()
         phases.sync(version=step + 1)
-        # 6. log, 7. checkpoint
+        # 6. log (reduced over ranks: counts summed, times the slowest rank's), 7. checkpoint
         now = time.perf_counter()
         scalars |= rollout_metrics(samples, stats) | merge_metrics | phases.metrics() | {
             "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
             "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
-        logger.log(step, scalars, echo=tqdm.tqdm.write)
+        scalars = parallel.reduce_metrics(scalars)
+        if logger:
+            logger.log(step, scalars, echo=tqdm.tqdm.write)
         if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
             save_checkpoint(cfg.run.out, step + 1, run)
-    logger.log(cfg.train.steps, validate(run), echo=tqdm.tqdm.write)
-    logger.close()
+    scalars = validate(run)
+    if logger:
+        logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
+        logger.close()
+
+
+def configure_logging():
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
+
+
+def run_rank(argv):
+    """One rank's whole job (the only one with `run.nproc: 1`): join the process group when a launcher
+    started us, set up, train, shut the engine down."""
+    configure_logging()
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.set + ([f"run.out={args.out}"] if args.out else []))
+    if parallel.under_launcher():
+        parallel.init()
+    try:
+        run = setup(cfg, resume=args.resume)
+        try:
+            train(run)
+        finally:
+            run.engine.shutdown()
+    finally:
+        parallel.close()
 
 
 def main(argv=None):
+    """`run.nproc > 1` outside torchrun: start the ranks here (each runs `run_rank` on the same arguments)."""
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     cfg = load_config(args.config, args.set + ([f"run.out={args.out}"] if args.out else []))
-    run = setup(cfg, resume=args.resume)
-    try:
-        train(run)
-    finally:
-        run.engine.shutdown()
+    nproc = cfg.run.nproc or parallel.default_nproc()
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise ConfigError(f"run.nproc={nproc} but only {torch.cuda.device_count()} GPUs are visible")
+    if nproc > 1 and not parallel.under_launcher():
+        parallel.launch(nproc, run_rank, argv)
+    else:
+        run_rank(argv)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
+    configure_logging()
     try:
         main()
-    except (ConfigError, tasks.DataError, ModelError, RolloutError) as e:
+    except (ConfigError, tasks.DataError, ModelError, RolloutError, parallel.RankError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -42,7 +42,7 @@ def main():
     args = parser.parse_args()
     cfg = load_config(args.config, args.set + [f"run.out={tempfile.mkdtemp(prefix='bench_memory_')}"])
     run = train.setup(cfg)
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = getattr(torch, cfg.model.engine_dtype)
     bucket = cfg.memory.bucket_mb << 20
     phases = {mode: MemoryPhases(run.engine, run.policy, run.optimizer, mode, bucket, dtype)
               for mode in ("staged", "all_at_once")}

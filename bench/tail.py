@@ -88,7 +88,7 @@ def main():
           f"over_sample_rate={args.over_sample_rate}: launch {plan.num_prompts} prompts, "
           f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')")
 
-    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=args.seed)
+    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.engine_dtype, seed=args.seed)
     try:
         samples, _, _ = run_arm(engine, base_prompts, args, None)  # warm-up: first-call costs, not measured
         lengths = sorted(len(s.response_ids) for s in samples)

@@ -88,7 +88,7 @@ def test_checkpoint_is_written_atomically(engine, tmp_path):
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
     path = train.save_checkpoint(str(tmp_path), 1, run)
     assert train.latest_checkpoint(str(tmp_path)) == path  # half-written dirs are never picked up
-    assert sorted(os.listdir(path)) == sorted(["config.json", "generation_config.json", "model.safetensors",
+    assert sorted(os.listdir(path)) == sorted(["config.json", "generation_config.json", "model.safetensors", "sharded",
                                                "tokenizer.json", "tokenizer_config.json", "trainer_state.pt"])
 
 

@@ -1,0 +1,174 @@
+"""Data parallelism with PyTorch's own stack: starting the ranks (elastic_launch / torchrun), sharding the
+policy with FSDP2, reductions across ranks, and sharded checkpoints (torch.distributed.checkpoint).
+
+Owns every torch.distributed call of the trainer. With one rank (no process group) each function is the
+plain single-process equivalent, so train.py reads the same with 1 rank or 8. Does not own what is
+reduced or saved (train.py decides), nor the engine (rollout.py: every rank has its own).
+"""
+import math
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+
+class RankError(RuntimeError):
+    """A rank of a multi-process run failed; the message carries that rank's error."""
+
+
+# ---------------------------------------------------------------- ranks
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_rank():
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def under_launcher():
+    """True in a process started by torchrun or elastic_launch (they set the rendezvous variables)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def default_nproc():
+    """`run.nproc: 0` means every visible GPU, and 1 on a CPU machine."""
+    return max(torch.cuda.device_count(), 1)
+
+
+def launch(nproc, entrypoint, *args):
+    """Run `entrypoint(*args)` in `nproc` fresh processes on this node (spawned, non-daemonic: each can
+    start SGLang's scheduler processes), rendezvous on a free localhost port, no restarts. A rank that
+    raises ends the job: the launcher stops the other ranks, and RankError carries the failing rank's
+    error instead of a hang."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
+                          run_id=uuid.uuid4().hex, monitor_interval=0.5)
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        failures = [f"rank {r}: {f.message or f'exit code {f.exitcode}'}" for r, f in sorted(e.failures.items())]
+        raise RankError("; ".join(failures)) from None
+
+
+def init(backend=None):
+    """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one per
+    local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer matches it so
+    both sides' NCCL communicators use the same memory path."""
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"))
+    return torch.device("cuda", local_rank()) if on_gpu else torch.device("cpu")
+
+
+def close():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------- sharding
+def shard(model, compute_dtype):
+    """FSDP2: each decoder layer and the root own a shard of the fp32 parameters; forward/backward
+    all-gather them cast to `compute_dtype`, gradients reduce in fp32. Gradients are *summed* over ranks
+    (no division): train.py normalises the loss by global counts, and FSDP's averaging is silently
+    wrong on gloo (pytorch issue 162338). The divide factor is per FSDP module, so set it on each."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_tensor(tensor):
+    """The whole tensor from a DTensor shard (a collective: every rank calls it in the same order)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+# ---------------------------------------------------------------- reductions
+def all_reduce(values, op="sum"):
+    """Sum (or max) a list of numbers over ranks, returned as floats on every rank."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def gather_objects(obj):
+    """Every rank's `obj` (a list of world_size picklable objects), on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens",
+                  "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
+                  "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
+                  "perf/rollout_tokens_per_s"}
+
+
+def reduce_metrics(scalars):
+    """One dict of step metrics from every rank's: counts (and throughput) summed, times and memory
+    the slowest rank's (the step waits for it), rates and losses averaged over the ranks that logged
+    them. `timing/rollout_s_min` beside the max shows how unevenly the ranks' rollouts ended."""
+    per_rank = gather_objects(scalars)
+    if len(per_rank) == 1:
+        return scalars
+    out = {}
+    for key in dict.fromkeys(k for d in per_rank for k in d):
+        values = [d[key] for d in per_rank if key in d]
+        if key in SUMMED_METRICS:
+            out[key] = sum(values)
+        elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max")):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    out["timing/rollout_s_min"] = min(d.get("timing/rollout_s", math.inf) for d in per_rank)
+    return out
+
+
+# ---------------------------------------------------------------- checkpoints
+def save_state(path, model, optimizer):
+    """Sharded model + optimizer state under `path` (every rank writes its shard). Loadable at any
+    world size, 1 included: torch.distributed.checkpoint reshards on load."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+
+def load_state(path, model, optimizer):
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to load into
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def full_state_dict(model):
+    """The whole fp32 model on rank 0's CPU (empty elsewhere), gathered one tensor at a time: for the HF
+    export. A collective: every rank calls it."""
+    if not dist.is_initialized():
+        return {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,149 @@
+"""What each rank runs in tests/test_distributed.py (the launcher pickles these functions by reference,
+so they live in a module the spawned ranks can import). Every function here is a real rank's job:
+FSDP2 over gloo, a real SGLang engine per rank, results written as files for the test to check."""
+import dataclasses
+import json
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import grpo  # noqa: E402
+import parallel  # noqa: E402
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+from rollout import Sample  # noqa: E402
+
+MODES = grpo.LOSS_AGG_MODES
+
+
+def fixed_batch(num_groups=4, group_size=4, seed=0):
+    """Samples with uneven lengths and aborted rows, and their advantages: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group_id in range(num_groups):
+        for member in range(group_size):
+            prompt = torch.randint(4, 25, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+            response = torch.randint(4, 25, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g).tolist()
+            logprobs = (-torch.rand(len(response), generator=g) * 3).tolist()
+            is_aborted = (group_id + member) % 3 == 0  # a third of the rows, in every group
+            samples.append(Sample(prompt, response, logprobs, [1] * len(response), group_id,
+                                  trajectory_id=len(samples), is_aborted=is_aborted,
+                                  finish_reason="abort" if is_aborted else "stop"))
+    rewards = torch.rand(len(samples), generator=g)
+    advantages, _ = grpo.group_advantages(rewards, torch.tensor([s.group_id for s in samples]),
+                                          torch.tensor([not s.is_aborted for s in samples]))
+    return samples, advantages
+
+
+def update_once(cfg, samples, advantages, shard):
+    """One train_on_rollout from the seeded initial policy; returns the policy (sharded if `shard`)."""
+    policy, _ = train.build_policy(cfg, None)
+    compute_dtype = getattr(torch, cfg.model.compute_dtype)
+    if shard:
+        policy = parallel.shard(policy, compute_dtype)
+    t = cfg.train
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                  weight_decay=t.weight_decay)
+    run = types.SimpleNamespace(cfg=cfg, policy=policy, optimizer=optimizer, reference=None,
+                                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+                                device=torch.device("cpu"),
+                                autocast_dtype=None if shard or compute_dtype == torch.float32 else compute_dtype)
+    stats = train.train_on_rollout(run, samples, advantages)
+    return policy, optimizer, stats
+
+
+def parity_config(out_dir, mode, *sets):
+    return load_config("configs/tiny.yaml", [f"run.out={out_dir}", f"train.loss_agg={mode}",
+                                             "train.micro_batch_size=3", *sets])
+
+
+def local_share(samples, advantages):
+    """Rank 0 takes groups 0-2, rank 1 group 3: uneven shares, so rank 1 runs padding micro-batches."""
+    groups = {0, 1, 2} if parallel.rank() == 0 else {3}
+    rows = [i for i, s in enumerate(samples) if s.group_id in groups]
+    return [samples[i] for i in rows], advantages[rows]
+
+
+def full_params(policy):
+    return {name: tensor.clone() for name, tensor in parallel.full_state_dict(policy).items()}
+
+
+def full_grads(policy):
+    """The (clipped) gradients the update used, whole: Adam's first step is nearly sign(grad), blind to a
+    wrong gradient scale, so the test compares these too (a mean instead of a sum over ranks shows here)."""
+    return {name: parallel.full_tensor(p.grad).clone() for name, p in policy.named_parameters()}
+
+
+def check_ranks(out_dir):
+    """The 2-rank job: parity per loss mode, bf16 precision, a real training step (engine per rank,
+    weight sync, checkpoint), engine-vs-trainer scoring after the sync, and resuming with 2 ranks."""
+    parallel.init()
+    rank, results = parallel.rank(), {}
+    samples, advantages = fixed_batch()
+    mine, my_advantages = local_share(samples, advantages)
+    for mode in MODES:  # one update from the same start, this rank's share of the fixed batch
+        policy, _, _ = update_once(parity_config(out_dir, mode), mine, my_advantages, shard=True)
+        params, grads = full_params(policy), full_grads(policy)
+        if rank == 0:
+            torch.save({"params": params, "grads": grads}, os.path.join(out_dir, f"params_{mode}.pt"))
+
+    # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6 lands
+    cfg = parity_config(out_dir, "token-mean", "model.compute_dtype=bfloat16", "train.lr=1e-6")
+    before = full_params(parallel.shard(train.build_policy(cfg, None)[0], torch.bfloat16))  # the initial weights
+    policy, optimizer, _ = update_once(cfg, mine, my_advantages, shard=True)
+    after = full_params(policy)
+    if rank == 0:
+        changed = sum(int((after[k] != before[k]).sum()) for k in before)
+        results["changed_fraction_bf16"] = changed / sum(v.numel() for v in before.values())
+    results["param_dtypes"] = sorted({str(p.to_local().dtype) for p in policy.parameters()})
+    results["optimizer_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
+                                          for k, v in s.items() if k != "step"})
+
+    # a real step through the loop: rollout on each rank's engine, update, weight sync, log, checkpoint
+    run_dir = os.path.join(out_dir, "run")
+    cfg = load_config("configs/tiny.yaml", [f"run.out={run_dir}", "rollout.prompts_per_step=4",
+                                            "data.num_val_prompts=8", "train.steps=1", "run.val_every=100",
+                                            "rollout.cancel=count", "rollout.drop_rate=0.25"])
+    run = train.setup(cfg)
+    train.train(run)
+    # the engine now holds the updated weights: it must score its own samples like the trainer does
+    prompts = train.rank_share(run.val_prompts)
+    fresh, _ = train.generate(run, prompts, 2, 1.0)
+    batch = train.collate(fresh, pad_id=0)
+    with torch.no_grad():
+        trainer_logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+    gap = ((trainer_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max().item()
+    results["engine_gap"] = gap
+    results["engine_version"] = run.engine.weight_version
+    results["num_in_flight"] = run.engine.num_in_flight()
+    trained = full_params(run.policy)
+    if rank == 0:
+        torch.save(trained, os.path.join(out_dir, "params_trained.pt"))
+
+    # resume with 2 ranks from the checkpoint the step wrote: same parameters and optimizer state
+    resumed = train.setup(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)), resume=True,
+                          engine=run.engine)
+    results["resumed_step"] = resumed.start_step
+    results["resumed_params_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                                          zip(run.policy.parameters(), resumed.policy.parameters()))
+    results["resumed_optimizer_equal"] = all(
+        torch.equal(run.optimizer.state[a][k].to_local() if k != "step" else run.optimizer.state[a][k],
+                    resumed.optimizer.state[b][k].to_local() if k != "step" else resumed.optimizer.state[b][k])
+        for a, b in zip(run.policy.parameters(), resumed.policy.parameters()) for k in run.optimizer.state[a])
+    run.engine.shutdown()
+    with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    parallel.close()
+
+
+def fail_on_rank_1(out_dir):
+    """Rank 1 raises while rank 0 waits for it in a collective: the job must end, not hang."""
+    parallel.init()
+    if parallel.rank() == 1:
+        raise ValueError("rank 1 could not go on")
+    parallel.barrier()
+    parallel.close()

@@ -1,0 +1,121 @@
+"""Data parallelism on CPU: 2 gloo ranks, each with FSDP2 and its own real SGLang engine, against one rank
+on the combined batch; precision (fp32 masters under bf16 compute); checkpoints across world sizes; the
+launcher's handling of a failing rank; and `python train.py --set run.nproc=2` end to end."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import dist_worker
+import parallel
+import train
+from conftest import tiny_config
+from test_train import scalars
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    parallel.launch(2, dist_worker.check_ranks, str(out))
+    results = [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
+    return out, results
+
+
+@pytest.mark.parametrize("mode", dist_worker.MODES)
+def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode):
+    out, _ = two_ranks
+    samples, advantages = dist_worker.fixed_batch()
+    assert any(s.is_aborted for s in samples)
+    policy, _, _ = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False)
+    initial, _ = train.build_policy(dist_worker.parity_config(tmp_path, mode), None)
+    sharded = torch.load(out / f"params_{mode}.pt", weights_only=True)
+    for name, p in policy.named_parameters():
+        torch.testing.assert_close(sharded["grads"][name], p.grad, atol=1e-7, rtol=1e-4, msg=name)
+    moved = 0
+    for (name, expected), (_, start) in zip(policy.state_dict().items(), initial.state_dict().items()):
+        # Adam's first step divides by |grad|: where a gradient is ~1e-8, summation order alone moves it
+        torch.testing.assert_close(sharded["params"][name], expected, atol=1e-5, rtol=0, msg=name)
+        moved += int((expected != start).sum())
+    assert moved > 0.9 * sum(p.numel() for p in policy.parameters())  # the update really happened
+
+
+def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        assert r["param_dtypes"] == ["torch.float32"] and r["optimizer_dtypes"] == ["torch.float32"]
+    assert results[0]["changed_fraction_bf16"] >= 0.99  # at lr 1e-6 a bf16 parameter would keep ~2%
+
+
+def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
+    cfg = tiny_config(tmp_path, "model.compute_dtype=bfloat16", "train.lr=1e-6")
+    samples, advantages = dist_worker.fixed_batch()
+    initial, _ = train.build_policy(cfg, None)
+    policy, optimizer, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+    changed = sum(int((a != b).sum()) for a, b in zip(policy.parameters(), initial.parameters()))
+    assert changed >= 0.99 * sum(p.numel() for p in policy.parameters())
+    assert torch.isfinite(torch.tensor(stats["train/loss"]))
+
+
+def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
+    _, results = two_ranks
+    for r in results:
+        assert r["engine_version"] == 1  # one step trained and synced
+        assert r["engine_gap"] < 1e-4
+        assert r["num_in_flight"] == 0
+
+
+def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
+    out, results = two_ranks
+    assert all(r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
+               for r in results)
+    run_dir = out / "run"
+    trained = torch.load(out / "params_trained.pt", weights_only=True)
+    cfg = tiny_config(run_dir, "rollout.prompts_per_step=4", "train.steps=2")
+    one = train.setup(cfg, resume=True, engine=engine)  # resharded by torch.distributed.checkpoint
+    assert one.start_step == 1
+    assert all(torch.equal(trained[name], p) for name, p in one.policy.state_dict().items())
+    assert one.optimizer.state  # AdamW moments came back too
+    # the HF export loads with from_pretrained and scores like the resumed trainer
+    exported = AutoModelForCausalLM.from_pretrained(train.latest_checkpoint(str(run_dir)), dtype=torch.float32)
+    samples, _ = dist_worker.fixed_batch()
+    batch = train.collate(samples, pad_id=0)
+    with torch.no_grad():
+        expected, _ = train.sequence_logprobs(one.policy, batch, 1.0)
+        got, _ = train.sequence_logprobs(exported, batch, 1.0)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+    with pytest.raises(parallel.RankError, match="rank 1 could not go on"):
+        parallel.launch(2, dist_worker.fail_on_rank_1, str(tmp_path))
+
+
+def test_train_py_with_two_ranks_trains_and_exits_zero(tmp_path):
+    command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(tmp_path),
+               "--set", "run.nproc=2", "--set", "train.steps=2", "--set", "rollout.prompts_per_step=8",
+               "--set", "data.num_val_prompts=8", "--set", "run.val_every=1"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = scalars(tmp_path)
+    assert len(logged["train/loss"]) == 2  # rank 0 alone writes TensorBoard: one value per step
+    assert logged["rollout/launched"] == [64, 64]  # 8 prompts x 8 samples, summed over the 2 ranks
+    assert all(lo <= hi for lo, hi in zip(logged["timing/rollout_s_min"], logged["timing/rollout_s"]))
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_000002" / "sharded")
+
+
+def test_train_py_reports_a_rank_error_and_exits_non_zero(tmp_path):
+    # 3 prompts cannot be split into whole groups over 2 ranks: each rank raises ConfigError in setup
+    command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(tmp_path),
+               "--set", "run.nproc=2", "--set", "rollout.prompts_per_step=3"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "RankError" in done.stderr and "must divide evenly over 2 ranks" in done.stderr
