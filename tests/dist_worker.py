@@ -73,8 +73,9 @@ def full_params(policy):
 
 
 def full_grads(policy):
-    """The (clipped) gradients the update used, whole: Adam's first step is nearly sign(grad), blind to a
-    wrong gradient scale, so the test compares these too (a mean instead of a sum over ranks shows here)."""
+    """The (clipped) gradients the update used, whole. Adam's first step is nearly sign(grad) and clipping
+    rescales, both blind to a wrong gradient scale: the test compares these, the loss and the pre-clip
+    gradient norm too (a mean instead of a sum over ranks shows in the norm)."""
     return {name: parallel.full_tensor(p.grad).clone() for name, p in policy.named_parameters()}
 
 
@@ -86,10 +87,11 @@ def check_ranks(out_dir):
     samples, advantages = fixed_batch()
     mine, my_advantages = local_share(samples, advantages)
     for mode in MODES:  # one update from the same start, this rank's share of the fixed batch
-        policy, _, _ = update_once(parity_config(out_dir, mode), mine, my_advantages, shard=True)
+        policy, _, stats = update_once(parity_config(out_dir, mode), mine, my_advantages, shard=True)
         params, grads = full_params(policy), full_grads(policy)
         if rank == 0:
-            torch.save({"params": params, "grads": grads}, os.path.join(out_dir, f"params_{mode}.pt"))
+            torch.save({"params": params, "grads": grads, "loss": stats["train/loss"],
+                        "grad_norm": stats["train/grad_norm"]}, os.path.join(out_dir, f"params_{mode}.pt"))
 
     # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6 lands
     cfg = parity_config(out_dir, "token-mean", "model.compute_dtype=bfloat16", "train.lr=1e-6")

@@ -22,6 +22,15 @@ def test_yaml_and_set_overrides_are_typed():
     assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
 
 
+@pytest.mark.parametrize("name", ["gsm8k.yaml", "gsm8k_tool.yaml"])
+def test_gpu_configs_are_sized_for_eight_ranks_with_bf16_compute(name):
+    cfg = load_config(os.path.join(ROOT, "configs", name), [f"data.train_path={GSM8K_TRAIN}"])
+    assert (cfg.model.compute_dtype, cfg.model.engine_dtype) == ("bfloat16", "bfloat16")
+    assert cfg.run.nproc == 0  # every visible GPU
+    assert cfg.rollout.prompts_per_step % 8 == 0  # whole groups on each of 8 ranks
+    assert cfg.train.lr <= 1e-5 and cfg.train.tis_cap >= 1
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.nope=1", "unknown config key 'train.nope'"),
     ("nosection.lr=1", "unknown config key 'nosection'"),
@@ -34,6 +43,9 @@ def test_yaml_and_set_overrides_are_typed():
     ("train.lr=[", "not a valid YAML scalar"),
     ("data.task=gsm8k", "needs data.train_path"),
     ("train.tis_cap=0.5", "train.tis_cap=0.5: expected 0"),
+    ("model.dtype=bfloat16", "replaced by model.compute_dtype"),
+    ("model.compute_dtype=float16", "model.compute_dtype='float16': expected one of"),
+    ("run.nproc=-1", "run.nproc=-1"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

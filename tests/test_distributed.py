@@ -33,9 +33,12 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
     out, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.is_aborted for s in samples)
-    policy, _, _ = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False)
+    policy, _, stats = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages,
+                                               shard=False)
     initial, _ = train.build_policy(dist_worker.parity_config(tmp_path, mode), None)
     sharded = torch.load(out / f"params_{mode}.pt", weights_only=True)
+    assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
+    assert sharded["grad_norm"] == pytest.approx(stats["train/grad_norm"], rel=1e-5)
     for name, p in policy.named_parameters():
         torch.testing.assert_close(sharded["grads"][name], p.grad, atol=1e-7, rtol=1e-4, msg=name)
     moved = 0
