@@ -83,6 +83,7 @@ class TrainConfig:
     tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
+    gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
     threads: int = 1  # torch threads of the trainer process
     seed: int = 0
 

@@ -2,8 +2,9 @@
 and optimizer state are resident on the accelerator, when, and the peak of each phase.
 
 rollout (engine weights + KV cache; trainer offloaded) -> train (engine released; trainer onloaded)
--> sync, staged as in SGLang RFC 7009: offload optimizer, resume engine weights, push weights in
-buckets, offload trainer parameters, empty the cache, and only then resume the KV cache.
+-> sync, staged as in SGLang RFC 7009: offload the optimizer (its blocks go back to the device at once),
+resume engine weights, push weights in buckets, offload trainer parameters (blocks returned again), and
+only then resume the KV cache.
 `all_at_once` resumes weights and KV cache together, for comparison. The engine calls themselves
 live in rollout.py; this file decides their order and refuses illegal transitions.
 """
@@ -35,9 +36,10 @@ class Ledger:
     trainer_params: int
     trainer_grads: int
     optimizer_state: int  # AdamW: exp_avg + exp_avg_sq (+ step); 2x params before the first step
+    reference_params: int = 0  # the frozen KL reference (0 without one), offloaded with the trainer
 
     @classmethod
-    def measure(cls, policy, optimizer, kv_cache_tokens, engine_dtype):
+    def measure(cls, policy, optimizer, kv_cache_tokens, engine_dtype, reference=None):
         params = list(policy.parameters())
         element = torch.empty((), dtype=engine_dtype).element_size()
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -48,24 +50,29 @@ class Ledger:
                    kv_cache=kv_cache_tokens * kv_per_token,
                    trainer_params=tensor_bytes(params),
                    trainer_grads=tensor_bytes(params),  # allocated by backward, freed by zero_grad(None)
-                   optimizer_state=tensor_bytes(state) if state else 2 * tensor_bytes(params))
+                   optimizer_state=tensor_bytes(state) if state else 2 * tensor_bytes(params),
+                   reference_params=tensor_bytes(reference.parameters()) if reference is not None else 0)
 
 
 class MemoryPhases:
     """The per-step phase machine: `to_train()` after a rollout, `sync(version)` after the update."""
 
-    def __init__(self, engine, policy, optimizer, mode="staged", bucket_bytes=256 << 20, engine_dtype=torch.float32):
+    def __init__(self, engine, policy, optimizer, mode="staged", bucket_bytes=256 << 20, engine_dtype=torch.float32,
+                 reference=None):
         if mode not in ("staged", "all_at_once", "off"):
             raise ValueError(f"memory mode {mode!r}: expected 'staged', 'all_at_once' or 'off'")
-        self.engine, self.policy, self.optimizer = engine, policy, optimizer
+        self.engine, self.policy, self.optimizer, self.reference = engine, policy, optimizer, reference
         self.mode, self.bucket_bytes = mode, bucket_bytes
         self.device = next(policy.parameters()).device
-        self.ledger = Ledger.measure(policy, optimizer, engine.kv_cache_tokens(), engine_dtype)
+        self.ledger = Ledger.measure(policy, optimizer, engine.kv_cache_tokens(), engine_dtype, reference)
         self.phase = "rollout"
         # what is resident now; trainer_grads only exist between backward and zero_grad
-        self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state"}
+        self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state", "reference_params"}
         self.engine_released = set()
-        self.peaks = {}  # phase -> {"modelled": bytes, "measured": bytes (GPU only)}, reset each step
+        self.events = []  # every action in order ("release weights", "offload optimizer", "empty cache", ...)
+        # phase -> {"modelled": ledger bytes, "measured": device-wide bytes in use, "trainer": this process's
+        # allocator peak}; the last two on GPU only. Reset each step.
+        self.peaks = {}
         self._move_trainer(onload=False, params=True, optimizer=True)  # rollout comes first
 
     # ------------------------------------------------------------------ transitions
@@ -84,6 +91,7 @@ class MemoryPhases:
     def sync(self, version):
         """train -> rollout, pushing the new weights to the engine in between."""
         self._expect("train", "sync")
+        self._note()  # the train phase's peak, noted after the update (activations included, on GPU)
         self._enter("sync")
         self.optimizer.zero_grad(set_to_none=True)
         self.resident.discard("trainer_grads")
@@ -95,8 +103,6 @@ class MemoryPhases:
         num_buckets = self.engine.update_weights(self.policy.named_parameters(), version, self.bucket_bytes,
                                                  gather=parallel.full_tensor)
         self._move_trainer(onload=False, params=True, optimizer=False)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # return the trainer's freed blocks before the KV cache comes back
         if self.mode == "staged":
             self._resume([tag for tag in self.engine.memory_tags if tag != "weights"])  # KV cache (+ CUDA graphs)
         self._enter("rollout")
@@ -109,16 +115,19 @@ class MemoryPhases:
             raise PhaseError(f"{action}() needs phase {phase!r}, but the step is in phase {self.phase!r}")
 
     def _enter(self, phase):
-        """Start a phase's peak afresh; usage is noted after each action inside it (not before the
-        first, which still belongs to the previous phase)."""
+        """Start a phase's peaks afresh (the allocator's too); usage is noted after each action inside it
+        (not before the first, which still belongs to the previous phase)."""
         self.phase = phase
-        self.peaks[phase] = {"modelled": 0, "measured": 0}
+        self.peaks[phase] = {"modelled": 0, "measured": 0, "trainer": 0}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _release(self, tags):
         already = set(tags) & self.engine_released
         if already:
             raise PhaseError(f"engine memory {sorted(already)} is already released")
         self.engine.release(tags)
+        self.events.append(f"release {' '.join(tags)}")
         self.engine_released |= set(tags)
         self.resident -= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
@@ -129,34 +138,51 @@ class MemoryPhases:
         if missing:
             raise PhaseError(f"cannot resume engine memory {sorted(missing)}: it was not released")
         self.engine.resume(tags)
+        self.events.append(f"resume {' '.join(tags)}")
         self.engine_released -= set(tags)
         self.resident |= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
 
     def _move_trainer(self, onload, params, optimizer):
-        """Move trainer parameters and/or optimizer state onto the accelerator or off it to the CPU."""
+        """Move trainer parameters (and the KL reference) and/or optimizer state onto the accelerator or off it
+        to the CPU. After an offload the freed blocks go back to the device at once: PyTorch's caching
+        allocator would otherwise keep them, and the engine (another process) could not resume into them."""
         if self.mode == "off":
             return  # both stay resident
         device = self.device if onload else torch.device("cpu")  # on a CPU machine the move is a no-op
         if params:
-            self.policy.to(device)
-            (self.resident.add if onload else self.resident.discard)("trainer_params")
+            for model, name in ((self.policy, "trainer_params"), (self.reference, "reference_params")):
+                if model is not None:
+                    model.to(device)
+                    (self.resident.add if onload else self.resident.discard)(name)
+            self.events.append(f"{'onload' if onload else 'offload'} params")
         if optimizer:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
                     if torch.is_tensor(value) and key != "step":  # AdamW keeps `step` on the CPU
                         state[key] = value.to(device, non_blocking=True)
             (self.resident.add if onload else self.resident.discard)("optimizer_state")
+            self.events.append(f"{'onload' if onload else 'offload'} optimizer")
+        if not onload:
+            self._empty_cache()
         self._note()
 
+    def _empty_cache(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the non-blocking copies above must finish before their sources go
+            torch.cuda.empty_cache()
+        self.events.append("empty cache")
+
     def _note(self, extra=0):
-        """Record the current modelled (and, on GPU, measured device-wide) usage into the phase peak."""
+        """Record the current usage into the phase's peaks: modelled from the ledger; on GPU also measured,
+        device-wide (engine processes included) and this process's allocator peak since the phase began."""
         modelled = sum(getattr(self.ledger, name) for name in self.resident) + extra
-        peak = self.peaks.setdefault(self.phase, {"modelled": 0, "measured": 0})
+        peak = self.peaks.setdefault(self.phase, {"modelled": 0, "measured": 0, "trainer": 0})
         peak["modelled"] = max(peak["modelled"], modelled)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()  # engine processes included, unlike memory_allocated()
+            free, total = torch.cuda.mem_get_info(self.device)
             peak["measured"] = max(peak["measured"], total - free)
+            peak["trainer"] = max(peak["trainer"], torch.cuda.max_memory_allocated(self.device))
 
     @property
     def source(self):
@@ -165,6 +191,8 @@ class MemoryPhases:
 
     def metrics(self):
         out = {f"memory/{phase}_peak_bytes_{self.source}": peak[self.source] for phase, peak in self.peaks.items()}
+        if self.device.type == "cuda":
+            out |= {f"memory/{phase}_trainer_peak_bytes": peak["trainer"] for phase, peak in self.peaks.items()}
         for name in ("engine_weights", "kv_cache", "trainer_params", "optimizer_state"):
             out[f"memory/resident_{name}"] = float(name in self.resident)
         return out

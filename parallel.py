@@ -110,9 +110,12 @@ def full_tensor(tensor):
 # ---------------------------------------------------------------- reductions
 def all_reduce(values, op="sum"):
     """Sum (or max) a list of numbers over ranks, returned as floats on every rank."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    if not dist.is_initialized():
+        return [float(v) for v in values]
+    # NCCL reduces device tensors only (one small copy each way); gloo reduces CPU tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
 
 

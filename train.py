@@ -27,7 +27,7 @@ import tasks
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import RolloutEngine, RolloutError, plan_launch
+from rollout import RolloutEngine, RolloutError, Sample, plan_launch
 
 log = logging.getLogger("train")
 
@@ -51,20 +51,25 @@ def build_policy(cfg, init_dir):
             # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer (shared/notes/tiny-demo.md)
             tokenizer = tasks.build_char_tokenizer()
             if init_dir:
-                return AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32), tokenizer
-            m = cfg.model
-            torch.manual_seed(cfg.train.seed)
-            config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                                 intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
-                                 num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
-                                 max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
-                                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
-            return Qwen2ForCausalLM(config).float(), tokenizer
-        return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                AutoTokenizer.from_pretrained(path))
+                model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+            else:
+                m = cfg.model
+                torch.manual_seed(cfg.train.seed)
+                config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
+                                     intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+                                     num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
+                                     max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
+                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+                model = Qwen2ForCausalLM(config).float()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise ModelError(f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    if cfg.train.gradient_checkpointing:  # each decoder layer's activations recomputed in the backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 
 def build_task(cfg, tokenizer):
@@ -164,26 +169,45 @@ def collate(samples, pad_id):
 
 
 def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
-    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32. With one
-    rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its mixed
-    precision policy does that, and autocast stays off)."""
-    device_type = batch["input_ids"].device.type
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    return grpo.token_logprobs(logits, batch["targets"], temperature)
+    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
+
+    For this call the model's output head returns log-probs (grpo.head_logprobs, chunked over positions)
+    instead of [B, T, V] logits: it still runs inside the model's forward, where FSDP2 has gathered the
+    head's weight as for the usual logits, but the full logits never exist. With one rank,
+    `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its mixed precision
+    policy does that, and autocast stays off).
+    """
+    head = model.get_output_embeddings()
+
+    def logprobs_head(hidden):  # hidden: [B, T, H]; position t predicts target t (= input t + 1)
+        logprobs, entropy = grpo.head_logprobs(hidden[:, :-1], head.weight, head.bias, batch["targets"], temperature)
+        return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2], returned where the logits would be
+
+    head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
+    try:
+        device_type = batch["input_ids"].device.type
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    finally:
+        del head.forward
+    return out[..., 0], out[..., 1].detach()
 
 
-def micro_batches(batch, size, count):
-    """Exactly `count` micro-batches of at most `size` rows: the batch's own, then padding ones (one row,
+def micro_batches(samples, advantages, size, count, pad_id):
+    """Exactly `count` collated micro-batches of at most `size` samples, each padded only to its own longest
+    row (not the step's: one long response would widen every row), then padding micro-batches (one row,
     nothing trained). With FSDP every forward and backward is a collective, so every rank must run the
     same number of them, whatever its share of the step's samples (verl equalises the same way)."""
-    num_rows = len(batch["input_ids"])
-    for start in range(0, num_rows, size):
-        yield {key: value[start:start + size] for key, value in batch.items()}
-    for _ in range(count - math.ceil(num_rows / size)):
-        # attention on every position keeps the padding row's log-probs finite: 0 x NaN would poison the sum
-        yield {key: (value.new_ones if key == "attention_mask" else value.new_zeros)((1, *value.shape[1:]))
-               for key, value in batch.items()}
+    out = []
+    for start in range(0, len(samples), size):
+        mb = collate(samples[start:start + size], pad_id)
+        mb["advantages"] = advantages[start:start + size].float()
+        out.append(mb)
+    while len(out) < count:
+        mb = collate([Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)], pad_id)
+        mb["advantages"] = torch.zeros(1)
+        out.append(mb)
+    return out
 
 
 def num_micro_batches(num_rows, size):
@@ -202,28 +226,32 @@ def train_on_rollout(run, samples, advantages):
     cfg, t, policy, optimizer, scheduler = run.cfg, run.cfg.train, run.policy, run.optimizer, run.scheduler
     r = cfg.rollout
     norm_length = r.max_response_tokens or r.max_new_tokens * r.max_turns  # Dr. GRPO's constant: the budget
-    batch = collate(samples, pad_id=policy.config.pad_token_id or 0)
-    batch["advantages"] = advantages.float()
-    batch = {key: value.to(run.device) for key, value in batch.items()}
+    pad_id = policy.config.pad_token_id or 0
     logprobs_of = lambda model, mb: sequence_logprobs(model, mb, r.temperature, run.autocast_dtype)  # noqa: E731
-    count = num_micro_batches(len(samples), t.micro_batch_size)
-    with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
-        batch["old_logprobs"] = torch.cat([logprobs_of(policy, mb)[0]
-                                           for mb in micro_batches(batch, t.micro_batch_size, count)])[:len(samples)]
-        if run.reference is not None:
-            batch["ref_logprobs"] = torch.cat([logprobs_of(run.reference, mb)[0]
-                                               for mb in micro_batches(batch, t.micro_batch_size, count)])[:len(samples)]
-    gap = masked_mean((batch["old_logprobs"] - batch["engine_logprobs"]).abs(), batch["loss_mask"])
-    stats = {"train/logprob_gap": gap.item()}
     minibatch_size = max(math.ceil(len(samples) / t.num_minibatches), 1)
+    minibatches = []  # [num_minibatches][micro-batches]: collated once, used by both passes below
     for i in range(t.num_minibatches):  # the same count on every rank: clip_grad_norm_ is a collective too
-        minibatch = {key: value[i * minibatch_size:(i + 1) * minibatch_size] for key, value in batch.items()}
+        rows = slice(i * minibatch_size, (i + 1) * minibatch_size)
+        count = num_micro_batches(len(samples[rows]), t.micro_batch_size)
+        minibatches.append([{key: value.to(run.device) for key, value in mb.items()} for mb in
+                            micro_batches(samples[rows], advantages[rows], t.micro_batch_size, count, pad_id)])
+    every_mb = [mb for minibatch in minibatches for mb in minibatch]
+    with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
+        for mb in every_mb:
+            mb["old_logprobs"] = logprobs_of(policy, mb)[0]
+            if run.reference is not None:
+                mb["ref_logprobs"] = logprobs_of(run.reference, mb)[0]
+    gap = sum(((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * mb["loss_mask"]).sum() for mb in every_mb)
+    num_tokens = sum(mb["loss_mask"].sum() for mb in every_mb)
+    padded = sum(int((mb["attention_mask"] == 0).sum()) for mb in every_mb)
+    stats = {"train/logprob_gap": (gap / max(num_tokens, 1)).item(),
+             "train/padded_fraction": padded / sum(mb["attention_mask"].numel() for mb in every_mb)}
+    for minibatch in minibatches:
         optimizer.zero_grad(set_to_none=True)
-        local_count = grpo.aggregation_count(minibatch["loss_mask"], t.loss_agg).item()
+        local_count = sum(grpo.aggregation_count(mb["loss_mask"], t.loss_agg).item() for mb in minibatch)
         total = max(parallel.all_reduce([local_count])[0], 1)  # the loss denominator of the whole step
-        count = num_micro_batches(len(minibatch["input_ids"]), t.micro_batch_size)
         minibatch_loss = 0.0
-        for mb in micro_batches(minibatch, t.micro_batch_size, count):
+        for mb in minibatch:
             logprobs, entropy = logprobs_of(policy, mb)
             loss, loss_stats = grpo.policy_loss(
                 logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], t.clip_eps, t.loss_agg,
@@ -237,7 +265,7 @@ def train_on_rollout(run, samples, advantages):
         optimizer.step()
         scheduler.step()
         stats.update({"train/loss": parallel.all_reduce([minibatch_loss])[0], "train/grad_norm": grad_norm.item(),
-                      "train/entropy": masked_mean(entropy.detach(), mb["loss_mask"]).item(),
+                      "train/entropy": masked_mean(entropy, mb["loss_mask"]).item(),
                       **{f"train/{k}": v.item() for k, v in loss_stats.items()}})
     stats["train/lr"] = scheduler.get_last_lr()[0]
     return stats
@@ -403,7 +431,7 @@ def train(run):
     logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
     plan = plan_launch(r, r.prompts_per_step // parallel.world_size())  # per rank: over-sampling, cancelling
     phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
-                          engine_dtype=engine.dtype)
+                          engine_dtype=engine.dtype, reference=run.reference)
     max_seq_len = run.policy.config.max_position_embeddings
     for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                             disable=not is_writer):

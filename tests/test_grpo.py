@@ -103,6 +103,44 @@ def test_token_logprobs_temperature():
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1))
 
 
+def _full_size_token_logprobs(logits, target_ids, temperature):
+    """The log-prob path before chunking (bench/train_memory.py keeps it too): the reference values."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_chunked_head_logprobs_equal_the_full_size_path(seed):
+    # values and gradients (to the hidden states and the head's weight) against the path before chunking
+    torch.manual_seed(seed)
+    batch, length, vocab = (int(x) for x in torch.randint(1, 9, (3,)) * torch.tensor([1, 7, 13]))
+    hidden_size, chunk_tokens = 8, int(torch.randint(1, 40, (1,)))  # chunks of 1 position up to all of them
+    hidden, weight = torch.randn(batch, length, hidden_size), torch.randn(vocab, hidden_size)
+    targets = torch.randint(0, vocab, (batch, length))
+    weights = torch.randn(batch, length)
+    results = []
+    for chunked in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if chunked:
+            logprobs, entropy = grpo.head_logprobs(h, w, None, targets, 0.8, chunk_tokens=chunk_tokens)
+        else:
+            logprobs, entropy = _full_size_token_logprobs(h @ w.T, targets, 0.8)
+        (logprobs * weights).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), h.grad, w.grad))
+    torch.testing.assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+def test_entropy_carries_no_autograd_graph():
+    logits = torch.randn(2, 6, 11, requires_grad=True)
+    logprobs, entropy = grpo.token_logprobs(logits, torch.zeros(2, 6, dtype=torch.long))
+    assert logprobs.requires_grad and logprobs.dtype == torch.float32
+    assert not entropy.requires_grad and entropy.grad_fn is None
+    weight = torch.randn(11, 3, requires_grad=True)
+    logprobs, entropy = grpo.head_logprobs(torch.randn(2, 6, 3), weight, None, torch.zeros(2, 6, dtype=torch.long),
+                                           chunk_tokens=4)
+    assert logprobs.requires_grad and not entropy.requires_grad
+
+
 def _loss_grad(logits, old, adv, mask, mode, ref=None):
     logits = logits.clone().requires_grad_(True)
     targets = torch.zeros(logits.shape[:2], dtype=torch.long)

@@ -107,3 +107,43 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
     assert peaks["all_at_once"] == ledger.trainer_params + ledger.engine_weights + ledger.kv_cache + \
         min(256 << 20, ledger.trainer_params)
     assert peaks["all_at_once"] - peaks["staged"] >= ledger.engine_weights
+
+
+def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train_peak(run, tmp_path):
+    reference = train.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", reference=reference)
+    assert phases.ledger.reference_params == sum(p.numel() * 4 for p in reference.parameters())
+    assert "reference_params" not in phases.resident  # offloaded with the trainer for the rollout
+    phases.to_train()
+    assert "reference_params" in phases.resident
+    noted_in = []
+    note = phases._note
+    phases._note = lambda extra=0: (noted_in.append(phases.phase), note(extra))
+    start = len(phases.events)
+    phases.sync(version=1)
+    assert noted_in[0] == "train"  # the train phase's peak is taken after the update, before sync begins
+    events = phases.events[start:]
+    assert events == ["offload optimizer", "empty cache", "resume weights", "offload params", "empty cache",
+                      "resume kv_cache"]
+    assert "reference_params" not in phases.resident
+
+
+def test_release_waits_for_an_idle_engine(run):
+    # right after a rollout the engine is idle: the wait returns at once, and the release goes through
+    run.engine.generate(PROMPTS, 1, 0.0, 8)
+    run.engine.wait_until_idle()
+    assert run.engine.num_in_flight() == 0
+
+
+def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
+    import rollout
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    rollout.prepare_engine_environment()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert "expandable_segments" in caplog.text and "torch_memory_saver" in caplog.text
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    rollout.prepare_engine_environment()  # anything else is left alone
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"

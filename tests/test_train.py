@@ -122,3 +122,49 @@ def test_golden_first_steps(engine, tmp_path):
 
 GOLDEN_REWARDS = [0.0199, 0.0118, 0.0133]  # recorded with torch 2.14.1, transformers 5.19.0
 GOLDEN_LOSSES = [-0.0402, 0.0590, 0.0897]
+
+
+def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
+    # the head swap computes the same values and gradients as logits -> log-softmax, and is undone after
+    cfg = tiny_config(tmp_path)
+    policy, _ = train.build_policy(cfg, None)
+    samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
+               Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
+    batch = train.collate(samples, pad_id=0)
+    grads = []
+    for swapped in (True, False):
+        policy.zero_grad()
+        if swapped:
+            logprobs, entropy = train.sequence_logprobs(policy, batch, 0.7)
+        else:
+            logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            logprobs, entropy = train.grpo.token_logprobs(logits, batch["targets"], 0.7)
+        (logprobs * batch["loss_mask"]).sum().backward()
+        grads.append(({n: p.grad.clone() for n, p in policy.named_parameters()}, logprobs.detach(), entropy))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+    assert policy(input_ids=batch["input_ids"]).logits.shape[-1] == policy.config.vocab_size  # head restored
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
+               Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
+    batch = train.collate(samples, pad_id=0)
+    grads = []
+    for switch in ("false", "true"):
+        policy, _ = train.build_policy(tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None)
+        assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
+        logprobs, _ = train.sequence_logprobs(policy, batch, 1.0)
+        (logprobs * batch["loss_mask"]).sum().backward()
+        grads.append({n: p.grad for n, p in policy.named_parameters()})
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_micro_batches_are_padded_to_their_own_longest_row():
+    lengths = [3, 30, 4, 5, 6, 7, 2]  # one long response must not widen the other micro-batches
+    samples = [Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths]
+    mbs = train.micro_batches(samples, torch.zeros(len(samples)), size=2, count=5, pad_id=0)
+    assert len(mbs) == 5  # 4 of samples, then one padding micro-batch for the collectives
+    for i, mb in enumerate(mbs[:4]):
+        longest = max(2 + n for n in lengths[2 * i:2 * i + 2])
+        assert mb["input_ids"].shape[1] == longest
+    assert mbs[4]["loss_mask"].sum() == 0 and mbs[4]["input_ids"].shape == (1, 2)

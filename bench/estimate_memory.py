@@ -1,0 +1,119 @@
+"""Per-GPU memory of a config, estimated without a GPU: what each phase of a step holds on one rank, for
+1 rank and for N ranks (FSDP2 shards the trainer's fp32 state; every rank holds a whole engine).
+
+    python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 80]
+
+Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
+comments, and the activation term is an estimate (SDPA attention, bf16 activations). The model's shape
+comes from its HF config (`model.path`), or, offline, from the public configs of the models the shipped
+configs name. Ends with one line per rank count:
+  estimate: config=<path> ranks=<n> rollout_gib=<f> train_gib=<f> sync_gib=<f> peak_gib=<f> headroom=<f>
+"""
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+from config import load_config  # noqa: E402
+
+# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab), for offline use.
+KNOWN_SHAPES = {"Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936),
+                "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936)}
+CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
+CUDA_GRAPH_GIB = 2.0  # the engine's captured decode graphs (released with the "cuda_graph" tag)
+CHUNK_TOKENS = 1024  # grpo.head_logprobs' default
+
+
+def model_shape(path):
+    """(hidden, intermediate, layers, heads, KV heads, vocab): a local HF folder's config, else a known public
+    shape, else the hub (where reachable)."""
+    if not os.path.isdir(path) and path in KNOWN_SHAPES:
+        return KNOWN_SHAPES[path]
+    try:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        raise SystemExit(f"model.path={path!r}: no HF config reachable and no known shape; add it to KNOWN_SHAPES")
+    return c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+
+
+def estimate(cfg, ranks, gpu_bytes):
+    """{component: bytes} per rank, and the three phase totals."""
+    hidden, inter, layers, heads, kv_heads, vocab = model_shape(cfg.model.path)
+    head_dim = hidden // heads
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    params = vocab * hidden + layers * per_layer + hidden  # tied embeddings (Qwen2.5 <= 3B)
+    compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
+    r, t = cfg.rollout, cfg.train
+    seq_len = cfg.data.max_prompt_len + (r.max_response_tokens or r.max_new_tokens * r.max_turns)
+    tokens = t.micro_batch_size * seq_len
+    # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4 I values)
+    per_token_layer = (10 * hidden + 4 * inter) * compute
+    if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
+        activations = tokens * (layers * hidden * compute + per_token_layer)
+    else:
+        activations = tokens * layers * per_token_layer
+    kv_per_token = layers * 2 * kv_heads * head_dim * engine
+    weights_engine = params * engine
+    if r.max_total_tokens:
+        kv_cache = r.max_total_tokens * kv_per_token
+    else:  # SGLang sizes weights + KV pool to mem_fraction_static of the card
+        kv_cache = max(r.mem_fraction_static * gpu_bytes - weights_engine, 0)
+    parts = {
+        "trainer params (fp32, sharded)": params * 4 / ranks,
+        "gradients (fp32, sharded)": params * 4 / ranks,
+        "AdamW state (fp32, sharded)": 2 * params * 4 / ranks,
+        "FSDP gathered units (2 in flight)": 0 if ranks == 1 else 2 * max(per_layer, vocab * hidden) * compute,
+        f"activations ({t.micro_batch_size} x {seq_len} tokens)": activations,
+        "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
+        "engine weights": weights_engine,
+        "engine KV cache": kv_cache,
+        "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
+        "CUDA contexts (trainer + engine)": 2 * CONTEXT_GIB * 2**30,
+    }
+    trainer_state = sum(v for k, v in parts.items() if k.startswith(("trainer", "gradients", "AdamW")))
+    contexts = parts["CUDA contexts (trainer + engine)"]
+    phases = {
+        # rollout: engine resident, trainer params and optimizer offloaded to the CPU
+        "rollout": weights_engine + kv_cache + parts["engine CUDA graphs"] + contexts,
+        # train: engine released; trainer state, gathered units, activations and the log-prob path
+        "train": trainer_state + parts["FSDP gathered units (2 in flight)"] + activations
+        + parts["log-prob path (chunked head)"] + contexts,
+        # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one bucket
+        "sync": params * 4 / ranks + weights_engine + cfg.memory.bucket_mb * 2**20 + contexts,
+    }
+    if cfg.memory.mode == "off":  # nothing released: everything at once
+        phases = {name: sum(parts.values()) for name in phases}
+    return parts, phases
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/gsm8k.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--ranks", type=int, default=8, help="N, shown beside 1 rank")
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.set + ["data.train_path=unused-by-the-estimate"])
+    gpu_bytes = args.gpu_gib * 2**30
+    results = {n: estimate(cfg, n, gpu_bytes) for n in sorted({1, args.ranks})}
+    gib = lambda b: f"{b / 2**30:8.2f}"  # noqa: E731
+    print(f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), {args.gpu_gib:g} GiB card")
+    print(f"{'component':<40}" + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results))
+    for name in results[1][0]:
+        print(f"{name:<40}" + "".join(f"{gib(parts[name]):>10}" for parts, _ in results.values()))
+    for phase in ("rollout", "train", "sync"):
+        print(f"{'peak: ' + phase + ' phase':<40}" + "".join(f"{gib(ph[phase]):>10}" for _, ph in results.values()))
+    for n, (_, phases) in results.items():
+        peak = max(phases.values())
+        print(f"estimate: config={args.config} ranks={n} rollout_gib={phases['rollout'] / 2**30:.2f} "
+              f"train_gib={phases['train'] / 2**30:.2f} sync_gib={phases['sync'] / 2**30:.2f} "
+              f"peak_gib={peak / 2**30:.2f} headroom={1 - peak / gpu_bytes:.3f}")
+
+
+if __name__ == "__main__":
+    main()
