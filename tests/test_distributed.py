@@ -122,3 +122,14 @@ def test_train_py_reports_a_rank_error_and_exits_non_zero(tmp_path):
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "RankError" in done.stderr and "must divide evenly over 2 ranks" in done.stderr
+
+
+def test_torchrun_starts_the_same_ranks(tmp_path):
+    # under torchrun, train.py does not launch: each process joins the process group torchrun set up
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
+               "--config", "configs/tiny.yaml", "--out", str(tmp_path), "--set", "train.steps=1",
+               "--set", "rollout.prompts_per_step=4", "--set", "data.num_val_prompts=4", "--set", "run.val_every=100"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert scalars(tmp_path)["rollout/launched"] == [32]  # 4 prompts x 8 samples over both ranks
+    assert os.path.isdir(tmp_path / "checkpoints" / "step_000001" / "sharded")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import plot
 import train
 from rollout import Sample
 from conftest import tiny_config
@@ -53,6 +54,11 @@ def test_three_steps_write_metrics(engine, tmp_path):
     assert logged["train/tis_capped_frac"] == [0.0, 0.0, 0.0]
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.path.isdir(tmp_path / "checkpoints" / "step_000003")  # the last step is always saved
+    # plot.py turns these events into one PNG with the named curves
+    drawn = plot.plot(str(tmp_path), str(tmp_path / "curves.png"))
+    assert os.path.getsize(tmp_path / "curves.png") > 10_000
+    assert {"train/reward_mean_completed", "train/reward_mean_launched", "val/reward_mean", "val/reward_mean_sampled",
+            "rollout/response_len_mean", "rollout/aborted_ratio", "timing/step_s"} <= set(drawn)
 
 
 def rollout_batch(run, step):
