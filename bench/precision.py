@@ -51,7 +51,8 @@ def main():
     args = parser.parse_args()
     device = parallel.init() if parallel.under_launcher() else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    cfg = load_config("configs/tiny.yaml", [f"train.lr={args.lr}", "train.weight_decay=0.01", "model.compute_dtype=bfloat16",
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
+    cfg = load_config(tiny, [f"train.lr={args.lr}", "train.weight_decay=0.01", "model.compute_dtype=bfloat16",
                                             f"model.hidden_size={args.hidden}", f"model.intermediate_size={4 * args.hidden}",
                                             f"model.num_layers={args.layers}", "run.out=/tmp/precision"])
     samples, advantages = dist_worker.fixed_batch(num_groups=8)

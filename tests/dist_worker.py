@@ -9,7 +9,9 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")  # absolute: ranks may start in any directory
+sys.path.insert(0, REPO)
 
 import grpo  # noqa: E402
 import parallel  # noqa: E402
@@ -57,7 +59,7 @@ def update_once(cfg, samples, advantages, shard):
 
 
 def parity_config(out_dir, mode, *sets):
-    return load_config("configs/tiny.yaml", [f"run.out={out_dir}", f"train.loss_agg={mode}",
+    return load_config(TINY_CONFIG, [f"run.out={out_dir}", f"train.loss_agg={mode}",
                                              "train.micro_batch_size=3", *sets])
 
 
@@ -107,7 +109,7 @@ def check_ranks(out_dir):
 
     # a real step through the loop: rollout on each rank's engine, update, weight sync, log, checkpoint
     run_dir = os.path.join(out_dir, "run")
-    cfg = load_config("configs/tiny.yaml", [f"run.out={run_dir}", "rollout.prompts_per_step=4",
+    cfg = load_config(TINY_CONFIG, [f"run.out={run_dir}", "rollout.prompts_per_step=4",
                                             "data.num_val_prompts=8", "train.steps=1", "run.val_every=100",
                                             "rollout.cancel=count", "rollout.drop_rate=0.25"])
     run = train.setup(cfg)
