@@ -63,11 +63,11 @@ def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_token
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V] logits.
 
     hidden: [B, T, H], weight: [V, H], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]), fp32.
-    The output projection runs on about `chunk_tokens` positions at a time, and with autograd each chunk
-    is checkpointed: its logits and their fp32 copies are freed after the forward and recomputed in the
-    backward. Peak memory is then a few chunks of [chunk_tokens, V], not several full [B, T, V] fp32
-    tensors (at Qwen's vocabulary 151,936: 0.6 GB per fp32 copy of 1,024 positions, against 2.5 GB per
-    copy of a micro-batch of 4 x 1,024). The cost: the projection runs twice in training.
+    The output projection runs on about `chunk_tokens` tokens (over the batch) at a time, and with
+    autograd each chunk is checkpointed: its logits and their fp32 copies are freed after the forward
+    and recomputed in the backward. Peak memory is then a few chunks of [chunk_tokens, V], not several
+    full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB per fp32 copy of 1,024 tokens,
+    against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost: the projection runs twice.
     """
     step = max(chunk_tokens // max(hidden.shape[0], 1), 1)
     logprobs, entropies = [], []
