@@ -9,7 +9,7 @@ import array
 import dataclasses
 import warnings
 
-from rollout import PER_TOKEN_TYPECODES, Sample
+from sample import PER_TOKEN_TYPECODES, Sample
 
 # What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
 LAST_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Sample)

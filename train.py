@@ -8,18 +8,17 @@ processes and the launcher's ranks re-import the main module.
 """
 import argparse
 import dataclasses
-import glob
 import logging
 import math
 import os
 import random
-import shutil
 import sys
 import time
 
 import torch
 import tqdm
 
+import checkpoint
 import grpo
 import merge
 import parallel
@@ -27,7 +26,8 @@ import tasks
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import RolloutEngine, RolloutError, Sample, plan_launch
+from rollout import RolloutEngine, RolloutError, plan_launch
+from sample import Sample
 
 log = logging.getLogger("train")
 
@@ -298,52 +298,6 @@ def validate(run):
     return out
 
 
-# ---------------------------------------------------------------- checkpoints
-def save_checkpoint(out_dir, step, run):
-    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
-    any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
-    trainer state (step, scheduler, RNG; tensors and plain values only, loaded with weights_only=True).
-    The step's prompts are a function of (seed, step), so the step is the data position. Written to a
-    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
-    final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
-    tmp, is_writer = final + ".tmp", parallel.rank() == 0
-    if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-    parallel.barrier()
-    parallel.save_state(os.path.join(tmp, "sharded"), run.policy, run.optimizer)
-    full_state = parallel.full_state_dict(run.policy)  # a collective: gathered one tensor at a time to rank 0
-    if is_writer:
-        save_hf(run.policy, run.tokenizer, tmp, full_state)
-        torch.save({"step": step, "world_size": parallel.world_size(), "scheduler": run.scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
-                   os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
-    return final
-
-
-def latest_checkpoint(out_dir):
-    found = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_[0-9]*[0-9]")))
-    return found[-1] if found else None
-
-
-def save_hf(policy, tokenizer, folder, state_dict=None):
-    """A HF folder (safetensors, fp32) that `from_pretrained` and the engine load."""
-    policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-
-
-def export_for_engine(policy, tokenizer, out_dir):
-    """The engine loads weights from a folder, like any checkpoint: rank 0 writes the initial policy
-    there (every rank holds the same unsharded one at this point), the others wait for it."""
-    model_dir = os.path.join(out_dir, "model")
-    if parallel.rank() == 0:
-        save_hf(policy, tokenizer, model_dir)
-    parallel.barrier()
-    return model_dir
-
-
 # ---------------------------------------------------------------- main loop
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -382,15 +336,14 @@ def setup(cfg, resume=False, engine=None):
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
                           f"{world} ranks (each rank takes whole GRPO groups)")
     device = torch.device("cuda", parallel.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
-    resume_dir = latest_checkpoint(cfg.run.out) if resume else None
+    resume_dir = checkpoint.latest(cfg.run.out) if resume else None
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
-    # plain tensors and values only: loading never runs pickled code from a checkpoint folder
-    state = torch.load(os.path.join(resume_dir, "trainer_state.pt"), weights_only=True) if resume_dir else None
+    state = checkpoint.read_trainer_state(resume_dir) if resume_dir else None
     start_step = state["step"] if state else 0
     policy, tokenizer = build_policy(cfg, resume_dir)
     train_prompts, val_prompts, reward_fn, tool = build_task(cfg, tokenizer)
-    engine_dir = resume_dir or export_for_engine(policy, tokenizer, cfg.run.out)
+    engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
     shared_engine = engine is not None
     if engine is None:  # before the trainer takes device memory: the engine sizes its KV cache from what is free
         engine = RolloutEngine(engine_dir, cfg.rollout, dtype=cfg.model.engine_dtype,
@@ -412,12 +365,7 @@ def setup(cfg, resume=False, engine=None):
     warmup = lambda step: min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
     if resume_dir:
-        parallel.load_state(os.path.join(resume_dir, "sharded"), policy, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])  # rank 0's, on every rank
-        random.setstate(state["python_rng"])
-        log.info("resumed from %s at step %d (written by %d ranks, now %d)", resume_dir, start_step,
-                 state["world_size"], world)
+        checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
     if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
         engine.update_weights(policy.named_parameters(), version=start_step, gather=parallel.full_tensor)
     autocast_dtype = compute_dtype if world == 1 and compute_dtype != torch.float32 else None
@@ -462,7 +410,7 @@ def train(run):
         if logger:
             logger.log(step, scalars, echo=tqdm.tqdm.write)
         if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-            save_checkpoint(cfg.run.out, step + 1, run)
+            checkpoint.save(cfg.run.out, step + 1, run)
     scalars = validate(run)
     if logger:
         logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)

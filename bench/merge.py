@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from merge import merge_batch, unmerged  # noqa: E402  (needs the sys.path line above)
-from rollout import Sample  # noqa: E402
+from sample import Sample  # noqa: E402
 
 VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary
 

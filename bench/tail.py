@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tasks  # noqa: E402  (needs the sys.path line above)
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from rollout import RolloutEngine, plan_launch  # noqa: E402
@@ -75,7 +76,7 @@ def main():
         f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.engine_threads={args.engine_threads}"])
     policy, tokenizer = train.build_policy(cfg, None)
-    model_dir = train.export_for_engine(policy, tokenizer, out_dir)
+    model_dir = checkpoint.export_for_engine(policy, tokenizer, out_dir)
     plan = plan_launch(dataclasses.replace(cfg.rollout, cancel=args.policy, drop_rate=args.drop_rate,
                                            over_sample_rate=args.over_sample_rate), args.prompts)
     # over-sampling launches more prompts than the batch; the baseline launches just the batch

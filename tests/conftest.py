@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 
@@ -25,7 +26,7 @@ def engine(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine")
     cfg = tiny_config(out)
     policy, tokenizer = train.build_policy(cfg, None)
-    model_dir = train.export_for_engine(policy, tokenizer, str(out))
+    model_dir = checkpoint.export_for_engine(policy, tokenizer, str(out))
     engine = train.RolloutEngine(model_dir, cfg.rollout, dtype="float32", seed=0)
     yield engine
     engine.shutdown()

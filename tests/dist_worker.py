@@ -17,7 +17,7 @@ import grpo  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
-from rollout import Sample  # noqa: E402
+from sample import Sample  # noqa: E402
 
 MODES = grpo.LOSS_AGG_MODES
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import dist_worker
 import parallel
 import train
@@ -88,7 +89,7 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     assert all(torch.equal(trained[name], p) for name, p in one.policy.state_dict().items())
     assert one.optimizer.state  # AdamW moments came back too
     # the HF export loads with from_pretrained and scores like the resumed trainer
-    exported = AutoModelForCausalLM.from_pretrained(train.latest_checkpoint(str(run_dir)), dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(run_dir)), dtype=torch.float32)
     samples, _ = dist_worker.fixed_batch()
     batch = train.collate(samples, pad_id=0)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from merge import MergeError, MergeStats, merge_batch, merge_trajectory, unmerged
-from rollout import Sample
+from sample import Sample
 
 
 def make_turns(responses: list[list[int]], observations: list[list[int]], breaks: frozenset[int] = frozenset(),

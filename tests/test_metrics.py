@@ -2,7 +2,8 @@
 import pytest
 
 from metrics import length_stats, masked_mean, rollout_metrics
-from rollout import RolloutStats, Sample
+from rollout import RolloutStats
+from sample import Sample
 
 
 def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop", turn=0):

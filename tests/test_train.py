@@ -7,9 +7,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import checkpoint
 import plot
 import train
-from rollout import Sample
+from sample import Sample
 from conftest import tiny_config
 
 
@@ -92,8 +93,8 @@ def test_checkpoint_is_written_atomically(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
     run = train.setup(cfg, engine=engine)
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
-    path = train.save_checkpoint(str(tmp_path), 1, run)
-    assert train.latest_checkpoint(str(tmp_path)) == path  # half-written dirs are never picked up
+    path = checkpoint.save(str(tmp_path), 1, run)
+    assert checkpoint.latest(str(tmp_path)) == path  # half-written dirs are never picked up
     assert sorted(os.listdir(path)) == sorted(["config.json", "generation_config.json", "model.safetensors", "sharded",
                                                "tokenizer.json", "tokenizer_config.json", "trainer_state.pt"])
 

@@ -1,0 +1,78 @@
+"""Checkpoints: writing one atomically (sharded model + optimizer state, an HF export, the trainer state),
+finding the latest, and restoring a run from it; and the HF folder the engine starts from.
+
+Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves and
+reshards it with torch.distributed.checkpoint) nor when checkpoints are taken (train.py).
+"""
+import glob
+import logging
+import os
+import random
+import shutil
+
+import torch
+
+import parallel
+
+log = logging.getLogger("checkpoint")
+
+
+def save(out_dir, step, run):
+    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
+    any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
+    trainer state (step, scheduler, RNG; tensors and plain values only, loaded with weights_only=True).
+    The step's prompts are a function of (seed, step), so the step is the data position. Written to a
+    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
+    tmp, is_writer = final + ".tmp", parallel.rank() == 0
+    if is_writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+    parallel.barrier()
+    parallel.save_state(os.path.join(tmp, "sharded"), run.policy, run.optimizer)
+    full_state = parallel.full_state_dict(run.policy)  # a collective: gathered one tensor at a time to rank 0
+    if is_writer:
+        save_hf(run.policy, run.tokenizer, tmp, full_state)
+        torch.save({"step": step, "world_size": parallel.world_size(), "scheduler": run.scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()},
+                   os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
+    return final
+
+
+def latest(out_dir):
+    """The newest complete checkpoint folder (half-written `.tmp` ones never match), or None."""
+    found = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_[0-9]*[0-9]")))
+    return found[-1] if found else None
+
+
+def read_trainer_state(folder):
+    """Step, scheduler and RNG state. Plain tensors and values only: loading never runs pickled code."""
+    return torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=True)
+
+
+def restore(folder, state, policy, optimizer, scheduler):
+    """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on every rank)."""
+    parallel.load_state(os.path.join(folder, "sharded"), policy, optimizer)
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    log.info("resumed from %s at step %d (written by %d ranks, now %d)", folder, state["step"],
+             state["world_size"], parallel.world_size())
+
+
+def save_hf(policy, tokenizer, folder, state_dict=None):
+    """A HF folder (safetensors, fp32) that `from_pretrained` and the engine load."""
+    policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+def export_for_engine(policy, tokenizer, out_dir):
+    """The engine loads weights from a folder, like any checkpoint: rank 0 writes the initial policy
+    there (every rank holds the same unsharded one at this point), the others wait for it."""
+    model_dir = os.path.join(out_dir, "model")
+    if parallel.rank() == 0:
+        save_hf(policy, tokenizer, model_dir)
+    parallel.barrier()
+    return model_dir
