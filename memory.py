@@ -67,7 +67,9 @@ class MemoryPhases:
         self.ledger = Ledger.measure(policy, optimizer, engine.kv_cache_tokens(), engine_dtype, reference)
         self.phase = "rollout"
         # what is resident now; trainer_grads only exist between backward and zero_grad
-        self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state", "reference_params"}
+        self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state"}
+        if reference is not None:
+            self.resident.add("reference_params")
         self.engine_released = set()
         self.events = []  # every action in order ("release weights", "offload optimizer", "empty cache", ...)
         # phase -> {"modelled": ledger bytes, "measured": device-wide bytes in use, "trainer": this process's

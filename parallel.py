@@ -61,7 +61,7 @@ def launch(nproc, entrypoint, *args):
         raise RankError("; ".join(failures)) from None
 
 
-def init(backend=None):
+def init():
     """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one per
     local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer matches it so
     both sides' NCCL communicators use the same memory path."""
@@ -69,7 +69,7 @@ def init(backend=None):
     if on_gpu:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     return torch.device("cuda", local_rank()) if on_gpu else torch.device("cpu")
 
 

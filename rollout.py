@@ -284,14 +284,6 @@ class RolloutEngine:
                 raise RolloutError(f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
                                    f"model ({self.weight_shapes.get(name, 'no such tensor')})")
 
-        def push(bucket, is_last):
-            request = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],  # one per TP rank
-                flush_cache=is_last, weight_version=str(version) if is_last else None)
-            ok, message = self._run(self.tokenizer_manager.update_weights_from_tensor(request, None))
-            if not ok:
-                raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
-
         self.engine.begin_weight_update()
         bucket, size, num_buckets = [], 0, 0
         for i, (name, param) in enumerate(named_params):
@@ -299,9 +291,15 @@ class RolloutEngine:
             bucket.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
             is_last = i == len(named_params) - 1
-            if size >= bucket_bytes or is_last:
-                push(bucket, is_last)
-                bucket, size, num_buckets = [], 0, num_buckets + 1  # the pushed tensors are freed here
+            if size < bucket_bytes and not is_last:
+                continue
+            request = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],  # one per TP rank
+                flush_cache=is_last, weight_version=str(version) if is_last else None)
+            ok, message = self._run(self.tokenizer_manager.update_weights_from_tensor(request, None))
+            if not ok:
+                raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
+            bucket, size, num_buckets = [], 0, num_buckets + 1  # the pushed tensors are freed here
         self.engine.end_weight_update()
         self.weight_version = version
         return num_buckets
