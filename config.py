@@ -57,6 +57,10 @@ class RolloutConfig:
     over_sample_rate: float = 0.0  # count/group: launch (1 + rate) x batch, stop once the batch finished
     time_quantile: float = 0.8  # time: once this fraction of the target finished at t ...
     time_factor: float = 1.5  # ... wait at most factor * t more, then cancel the rest
+    # partial rollout (buffer.py): a cancelled sample is suspended, not dropped, and continued in the next
+    # step under the new weights; its group is trained once every member finished
+    partial: bool = False
+    max_staleness: int = 4  # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
     max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
     abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
 
@@ -81,6 +85,7 @@ class TrainConfig:
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
     tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
+    max_token_staleness: int = -1  # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
@@ -124,6 +129,12 @@ class Config:
             raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
             raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
+        if self.rollout.partial and self.rollout.cancel == "none":
+            raise ConfigError("rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
+                              "nothing: choose a cancel policy (count, time or group)")
+        if self.rollout.max_staleness < 0 or self.train.max_token_staleness < -1:
+            raise ConfigError(f"rollout.max_staleness={self.rollout.max_staleness} must be >= 0 and "
+                              f"train.max_token_staleness={self.train.max_token_staleness} >= -1 (-1 = off)")
         if self.run.nproc < 0:
             raise ConfigError(f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1")
         if self.rollout.group_size < 2:

@@ -9,13 +9,14 @@ import array
 import dataclasses
 import warnings
 
-from sample import PER_TOKEN_TYPECODES, Sample
+from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
 # What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
 LAST_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Sample)
                          if f.name not in PER_TOKEN_TYPECODES)
 
-NO_LOGPROB, NOT_TRAINED = array.array("f", [0.0]), array.array("B", [0])  # one observation token's entries
+# one observation token's entries
+NO_LOGPROB, NOT_TRAINED, NO_VERSION = array.array("f", [0.0]), array.array("B", [0]), array.array("i", [NOT_GENERATED])
 
 
 class MergeError(ValueError):
@@ -51,9 +52,9 @@ def _validate(turns: list[Sample]) -> None:
             raise MergeError(f"turns mix trajectories {prev.trajectory_id} and {t.trajectory_id}")
         if prev is not None and t.turn <= prev.turn:
             raise MergeError(f"trajectory {t.trajectory_id}: turn {t.turn} follows turn {prev.turn}")
-        if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask):
-            lengths = (len(t.response_ids), len(t.logprobs), len(t.loss_mask))
-            raise MergeError(f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask "
+        if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask) == len(t.versions):
+            lengths = (len(t.response_ids), len(t.logprobs), len(t.loss_mask), len(t.versions))
+            raise MergeError(f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask/versions "
                              f"lengths {lengths} differ")
         prev = t
 
@@ -63,7 +64,7 @@ def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
     Returns the merged sequence and the index of the first turn it did not take (a prefix break, or the end)."""
     first = turns[start]
     context = first.prompt_ids + first.response_ids  # the sequence so far: prompt, then response (a copy)
-    logprobs, mask = first.logprobs[:], first.loss_mask[:]
+    logprobs, mask, versions = first.logprobs[:], first.loss_mask[:], first.versions[:]
     end = start + 1
     for turn in turns[start + 1:]:
         # The turn extends the sequence iff its prompt = context + something (tool output, template glue).
@@ -80,6 +81,8 @@ def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
         logprobs += turn.logprobs
         mask += NOT_TRAINED * num_observation  # ... and are not trained
         mask += turn.loss_mask
+        versions += NO_VERSION * num_observation
+        versions += turn.versions
         end += 1
     split = len(first.prompt_ids)
     prompt = context[:split]
@@ -87,7 +90,7 @@ def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
     # Per-turn scalars (reward, finish_reason, weight_version, ...) come from the last merged turn;
     # trajectory_id/group_id are shared by all turns, so each sequence keeps its trajectory's credit.
     last = turns[end - 1]  # built directly: dataclasses.replace costs twice as much
-    return Sample(prompt_ids=prompt, response_ids=context, logprobs=logprobs, loss_mask=mask,
+    return Sample(prompt_ids=prompt, response_ids=context, logprobs=logprobs, loss_mask=mask, versions=versions,
                   **{name: getattr(last, name) for name in LAST_TURN_FIELDS}), end
 
 

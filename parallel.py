@@ -144,7 +144,7 @@ def reduce_metrics(scalars):
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
-        if key in SUMMED_METRICS:
+        if key in SUMMED_METRICS or key.startswith(("partial/", "staleness/")):
             out[key] = sum(values)
         elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max")):
             out[key] = max(values)

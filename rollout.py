@@ -36,13 +36,14 @@ class LaunchPlan:
     target_groups: int    # group: entirely finished groups that end the rollout
     time_quantile: float = 0.8
     time_factor: float = 1.5
+    partial: bool = False  # cancelled samples are suspended and resumed later (buffer.py), not dropped
 
 
 def plan_launch(cfg, num_prompts):
     """Over-sampling arithmetic. `over_sample_rate` launches extra prompts and stops at the batch size;
     `drop_rate` launches the batch and stops once all but its slowest fraction (samples or groups) finished."""
     batch, group_size = num_prompts * cfg.group_size, cfg.group_size
-    extra = (cfg.time_quantile, cfg.time_factor)
+    extra = (cfg.time_quantile, cfg.time_factor, cfg.partial and cfg.max_staleness > 0)
     if cfg.cancel == "none":
         return LaunchPlan("none", num_prompts, group_size, batch, num_prompts, *extra)
     if cfg.over_sample_rate > 0:
@@ -118,20 +119,28 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
-                 max_response_tokens=0):
+                 max_response_tokens=0, resumes=()):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
 
         prompts: list of token-id lists. A trajectory is one turn, or with a `tool` (response ids ->
         (observation ids, is_error), or None when the response makes no tool call) up to `max_turns`
-        turns within `max_response_tokens` generated + observation tokens. Returns (every turn of every
-        trajectory, in launch order, `trajectory_id` numbering the trajectories 0.., RolloutStats).
+        turns within `max_response_tokens` generated + observation tokens. `resumes` (partial rollout,
+        single-turn only): unfinished samples launched first, each continued from its prompt + partial
+        response with what is left of the budget; the caller gives them group ids apart from the new
+        prompts' (0..). Returns (every turn of every trajectory in launch order, resumes first, with
+        `trajectory_id` numbering the trajectories 0.., RolloutStats).
         """
         sampling = {"temperature": temperature, "top_p": self.cfg.top_p if temperature > 0 else 1.0,
                     "max_new_tokens": max_new_tokens}
         if tool is not None:
             sampling["stop_token_ids"] = [tool.call_end_id]  # pause generation at the end of a tool call
         budget = max_response_tokens or max_new_tokens * max_turns
-        units = [(group_id, ids) for group_id, ids in enumerate(prompts) for _ in range(group_size)]
+        for s in resumes:  # a sample cut exactly at the budget ends "length", never "abort": a caller's bug
+            if len(s.response_ids) >= min(max_new_tokens, budget) or tool is not None:
+                raise RolloutError(f"cannot resume a sample of group {s.group_id} with {len(s.response_ids)} "
+                                   f"tokens (budget {min(max_new_tokens, budget)}, multi-turn: {tool is not None})")
+        units = [(s.group_id, s.prompt_ids, s) for s in resumes]
+        units += [(group_id, ids, None) for group_id, ids in enumerate(prompts) for _ in range(group_size)]
         if self.cfg.max_total_tokens and len(units) * max_new_tokens > self.cfg.max_total_tokens:
             # SGLang admits a request only if the KV pool can reserve most of its max_new_tokens: the
             # rest queue, and a "tail" cancellation would then cancel requests that never started
@@ -142,8 +151,11 @@ class RolloutEngine:
     async def _generate_all(self, units, sampling, plan, tool, max_turns, budget):
         stats, start = RolloutStats(), time.perf_counter()
         self._current_rid, self._cancelled = {}, set()
-        tasks = {asyncio.create_task(self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start)): i
-                 for i, (group_id, ids) in enumerate(units)}
+        tasks = {}
+        for i, (group_id, ids, partial) in enumerate(units):
+            work = (self._resume(i, partial, sampling, budget, start) if partial is not None else
+                    self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
+            tasks[asyncio.create_task(work)] = i
         pending, finished = set(tasks), []
         if plan is not None and plan.cancel != "none":
             pending = await self._wait_for_enough(pending, finished, plan, start)
@@ -176,7 +188,7 @@ class RolloutEngine:
         await asyncio.gather(*tasks)  # every task is done here; re-raises nothing (errors became samples)
         stats.rollout_s = time.perf_counter() - start
         samples = [turn for t in tasks for turn in t.result()]
-        if plan is not None and plan.cancel == "group":
+        if plan is not None and plan.cancel == "group" and not plan.partial:  # partial: finished ones wait
             keep_first_complete_groups(samples, finished, plan.group_size, plan.target_groups)
         stats.num_failed = sum(s.finish_reason == "error" for s in samples)
         if stats.num_failed > self.cfg.max_failed_ratio * len(samples):
@@ -233,6 +245,16 @@ class RolloutEngine:
             for t in turns:  # a trajectory is trained whole or not at all
                 t.is_aborted = True
         return turns
+
+    async def _resume(self, trajectory_id, partial, sampling, budget, start):
+        """Continue an unfinished single-turn sample: its prompt + partial response go in as token ids,
+        `max_new_tokens` is what is left of the budget, and the result holds every token of both."""
+        remaining = min(sampling["max_new_tokens"], budget) - len(partial.response_ids)  # > 0: checked at launch
+        rid = self._current_rid[trajectory_id] = uuid.uuid4().hex
+        more = await self._generate_one(rid, partial.prompt_ids + partial.response_ids, partial.group_id,
+                                        {**sampling, "max_new_tokens": remaining}, start)
+        more.trajectory_id = trajectory_id
+        return [partial.continued_by(more)]
 
     async def _generate_one(self, rid, prompt_ids, group_id, sampling, start):
         """One request; an engine exception becomes a sample marked "error" (counted, logged, dropped)."""

@@ -9,7 +9,8 @@ import dataclasses
 
 # Per-token fields are typed arrays, not lists: 4 bytes a token (a list holds an 8-byte pointer to a 28-byte
 # int), copied and compared at memcpy speed, and invisible to the garbage collector. merge.py depends on it.
-PER_TOKEN_TYPECODES = {"prompt_ids": "i", "response_ids": "i", "logprobs": "f", "loss_mask": "B"}
+PER_TOKEN_TYPECODES = {"prompt_ids": "i", "response_ids": "i", "logprobs": "f", "loss_mask": "B", "versions": "i"}
+NOT_GENERATED = -1  # the `versions` entry of a token no policy sampled (a tool observation)
 
 
 @dataclasses.dataclass
@@ -28,9 +29,32 @@ class Sample:
     weight_version: int = 0      # policy version that generated the tokens
     reward: float = 0.0
     latency_s: float = 0.0       # launch -> returned
+    # int32 per response token: the weight version that sampled it. A sample resumed across steps (partial
+    # rollout, buffer.py) mixes versions; left empty, every token gets `weight_version`.
+    versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
+    times_resumed: int = 0       # partial rollout: steps this sample was continued in after a cancellation
 
     def __post_init__(self):
         for name, typecode in PER_TOKEN_TYPECODES.items():
             value = getattr(self, name)
             if not (isinstance(value, array.array) and value.typecode == typecode):
                 setattr(self, name, array.array(typecode, value))
+        if not self.versions and self.response_ids:
+            self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
+
+    def continued_by(self, more):
+        """This unfinished sample followed by `more`, which the engine generated from prompt + this response:
+        one sample holding every token with its own log-prob and version; scalars but the group (finish
+        reason, version, trajectory id, latency) are the continuation's. Token ids are concatenated, never re-tokenised."""
+        return dataclasses.replace(
+            more, prompt_ids=self.prompt_ids, response_ids=self.response_ids + more.response_ids,
+            logprobs=self.logprobs + more.logprobs, loss_mask=self.loss_mask + more.loss_mask,
+            versions=self.versions + more.versions, group_id=self.group_id, times_resumed=self.times_resumed + 1)
+
+    def to_state(self):
+        """Plain lists and values (what `torch.load(weights_only=True)` reads back); `Sample(**state)` inverts it."""
+        state = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            state[field.name] = value.tolist() if isinstance(value, array.array) else value
+        return state

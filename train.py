@@ -23,6 +23,7 @@ import grpo
 import merge
 import parallel
 import tasks
+from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
@@ -157,6 +158,7 @@ def collate(samples, pad_id):
     attention_mask = torch.zeros_like(input_ids)
     loss_mask = torch.zeros(len(samples), width - 1)
     engine_logprobs = torch.zeros(len(samples), width - 1)
+    versions = torch.zeros(len(samples), width - 1, dtype=torch.long)  # weight version that sampled each target
     for row, (s, ids) in enumerate(zip(samples, full)):
         input_ids[row, :len(ids)] = tensor_view(ids)  # copies, casting int32 -> int64
         attention_mask[row, :len(ids)] = 1
@@ -164,8 +166,9 @@ def collate(samples, pad_id):
         if not s.is_aborted:  # aborted rows keep an all-zero mask: they count in no loss or denominator
             loss_mask[row, first:first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first:first + len(s.response_ids)] = tensor_view(s.logprobs)
+        versions[row, first:first + len(s.response_ids)] = tensor_view(s.versions)
     return dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
-                loss_mask=loss_mask, engine_logprobs=engine_logprobs)
+                loss_mask=loss_mask, engine_logprobs=engine_logprobs, versions=versions)
 
 
 def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
@@ -215,6 +218,38 @@ def num_micro_batches(num_rows, size):
     return max(int(parallel.all_reduce([math.ceil(num_rows / size)], op="max")[0]), 1)
 
 
+def mask_stale_tokens(micro_batches, version, max_staleness):
+    """Each micro-batch's per-token staleness (weight versions between the policy being trained, `version`,
+    and the one that sampled the token; 0 where nothing is trained). With `max_staleness` >= 0, older
+    tokens leave the loss mask (the alternative to weighting them by TIS). Returns the count masked."""
+    masked = 0
+    for mb in micro_batches:
+        mb["staleness"] = (version - mb["versions"]) * (mb["loss_mask"] > 0)
+        if max_staleness >= 0:
+            too_old = (mb["staleness"] > max_staleness) & (mb["loss_mask"] > 0)
+            masked += int(too_old.sum())
+            mb["loss_mask"] = mb["loss_mask"] * ~too_old
+    return {"staleness/masked_tokens": masked}
+
+
+def offpolicy_stats(micro_batches, tis_cap):
+    """How much of the batch an older policy sampled (partial rollout resumes): the trained tokens per
+    staleness (a histogram as staleness/tokens_<k> counts), and on the stale tokens the importance
+    weight pi_old / pi_engine (capped by `tis_cap` when on) and the fraction the cap cut."""
+    trained = [mb["loss_mask"] > 0 for mb in micro_batches]
+    staleness = torch.cat([mb["staleness"][m] for mb, m in zip(micro_batches, trained)])
+    log_weight = torch.cat([(mb["old_logprobs"] - mb["engine_logprobs"])[m & (mb["staleness"] > 0)]
+                            for mb, m in zip(micro_batches, trained)])
+    stats = {f"staleness/tokens_{k}": int((staleness == k).sum()) for k in range(4)}
+    stats["staleness/tokens_4+"] = int((staleness >= 4).sum())
+    stats["train/stale_token_frac"] = (staleness > 0).float().mean().item() if len(staleness) else 0.0
+    if len(log_weight):
+        cap = math.log(tis_cap) if tis_cap else math.inf
+        stats["train/stale_is_weight"] = log_weight.clamp(max=cap).exp().mean().item()
+        stats["train/stale_is_capped_frac"] = (log_weight > cap).float().mean().item()
+    return stats
+
+
 def train_on_rollout(run, samples, advantages):
     """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps.
 
@@ -236,16 +271,20 @@ def train_on_rollout(run, samples, advantages):
         minibatches.append([{key: value.to(run.device) for key, value in mb.items()} for mb in
                             micro_batches(samples[rows], advantages[rows], t.micro_batch_size, count, pad_id)])
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
+    stats = mask_stale_tokens(every_mb, run.engine.weight_version, t.max_token_staleness)
     with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
         for mb in every_mb:
             mb["old_logprobs"] = logprobs_of(policy, mb)[0]
             if run.reference is not None:
                 mb["ref_logprobs"] = logprobs_of(run.reference, mb)[0]
-    gap = sum(((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * mb["loss_mask"]).sum() for mb in every_mb)
-    num_tokens = sum(mb["loss_mask"].sum() for mb in every_mb)
+    # engine vs trainer on the tokens the current weights sampled (older tokens differ by design)
+    fresh = [mb["loss_mask"] * (mb["staleness"] == 0) for mb in every_mb]
+    gap = sum(((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * m).sum() for mb, m in zip(every_mb, fresh))
+    num_tokens = sum(m.sum() for m in fresh)
     padded = sum(int((mb["attention_mask"] == 0).sum()) for mb in every_mb)
-    stats = {"train/logprob_gap": (gap / max(num_tokens, 1)).item(),
-             "train/padded_fraction": padded / sum(mb["attention_mask"].numel() for mb in every_mb)}
+    stats |= {"train/logprob_gap": (gap / max(num_tokens, 1)).item(),
+              "train/padded_fraction": padded / sum(mb["attention_mask"].numel() for mb in every_mb),
+              **offpolicy_stats(every_mb, t.tis_cap)}
     for minibatch in minibatches:
         optimizer.zero_grad(set_to_none=True)
         local_count = sum(grpo.aggregation_count(mb["loss_mask"], t.loss_agg).item() for mb in minibatch)
@@ -271,11 +310,23 @@ def train_on_rollout(run, samples, advantages):
     return stats
 
 
-def generate(run, prompts, group_size, temperature, plan=None):
+def generate(run, prompts, group_size, temperature, plan=None, resumes=()):
     """The engine call of both training and validation: single- or multi-turn per the config."""
     r = run.cfg.rollout
     return run.engine.generate([p.prompt_ids for p in prompts], group_size, temperature, r.max_new_tokens, plan,
-                               run.tool, r.max_turns, r.max_response_tokens)
+                               run.tool, r.max_turns, r.max_response_tokens, resumes)
+
+
+def rollout(run, prompts, plan):
+    """The step's training rollout: (prompts, samples, stats). With partial rollout, unfinished samples of
+    earlier steps are continued first, new prompts fill the batch, and only groups whose every member has
+    finished come back (buffer.py); the prompts returned are those groups'."""
+    r = run.cfg.rollout
+    if run.buffer is None:
+        return (prompts, *generate(run, prompts, r.group_size, r.temperature, plan))
+    resumes, prompts = run.buffer.launch(prompts, plan.num_prompts, run.engine.weight_version)
+    samples, stats = generate(run, prompts, r.group_size, r.temperature, plan, resumes)
+    return (*run.buffer.collect(samples, prompts), stats)
 
 
 def rank_share(items):
@@ -324,6 +375,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
     autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
+    buffer: PartialBuffer | None  # partial rollout's unfinished samples and held groups; None when off
     start_step: int = 0
 
 
@@ -369,8 +421,15 @@ def setup(cfg, resume=False, engine=None):
     if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
         engine.update_weights(policy.named_parameters(), version=start_step, gather=parallel.full_tensor)
     autocast_dtype = compute_dtype if world == 1 and compute_dtype != torch.float32 else None
+    buffer = PartialBuffer(cfg.rollout.group_size, cfg.rollout.max_staleness) if plan_launch(cfg.rollout, 1).partial else None
+    if state and state.get("buffer"):  # unfinished samples and held groups of the checkpointed step
+        if buffer is None:
+            log.warning("the checkpoint holds %d partial-rollout groups; rollout.partial is off: not resumed",
+                        len(state["buffer"]["groups"]))
+        else:
+            buffer.load_state_dict(share_state(state["buffer"], parallel.rank(), world))
     return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
-               scheduler, device, autocast_dtype, start_step)
+               scheduler, device, autocast_dtype, buffer, start_step)
 
 
 def train(run):
@@ -387,9 +446,9 @@ def train(run):
         scalars = validate(run) if step % cfg.run.val_every == 0 else {}
         # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
         #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
+        #    (with partial rollout the tail is suspended instead, and continued first next step)
         step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
-        prompts = rank_share(step_prompts)
-        samples, stats = generate(run, prompts, r.group_size, r.temperature, plan)
+        prompts, samples, stats = rollout(run, rank_share(step_prompts), plan)
         # 2. reward, 3. group-relative advantage over each group's surviving trajectories
         trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
         advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
@@ -403,7 +462,8 @@ def train(run):
         phases.sync(version=step + 1)
         # 6. log (reduced over ranks: counts summed, times the slowest rank's), 7. checkpoint
         now = time.perf_counter()
-        scalars |= rollout_metrics(samples, stats) | merge_metrics | phases.metrics() | {
+        scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
+            **phases.metrics(),
             "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
             "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
         scalars = parallel.reduce_metrics(scalars)

@@ -1,0 +1,209 @@
+"""Partial rollout on the real engine: a cancelled sample continues from its token ids in a later step
+with every token's log-prob and version aligned, within its budget; groups wait for their slowest member;
+the staleness bound restarts old samples; old tokens are importance-weighted or masked; the buffer
+survives a checkpoint."""
+import dataclasses
+
+import pytest
+import torch
+
+import grpo
+import train
+from buffer import PartialBuffer
+from conftest import tiny_config
+from rollout import plan_launch
+from sample import Sample
+from test_train import scalars
+
+PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
+BUDGET = 64
+
+
+@pytest.fixture
+def policy(engine, tmp_path):
+    """A fresh seeded tiny policy, pushed into the shared engine as version 0."""
+    policy, _ = train.build_policy(tiny_config(tmp_path), None)
+    engine.update_weights(policy.named_parameters(), version=0)
+    return policy
+
+
+def cancelling_plan(tmp_path, num_prompts, drop_rate=0.5):
+    cfg = tiny_config(tmp_path, "rollout.cancel=count", f"rollout.drop_rate={drop_rate}", "rollout.partial=true",
+                      f"rollout.max_new_tokens={BUDGET}")
+    return plan_launch(cfg.rollout, num_prompts)
+
+
+def perturb_and_sync(engine, policy, version):
+    """A new policy version in trainer and engine (as a training step would make)."""
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.update_weights(policy.named_parameters(), version=version)
+
+
+def trainer_logprobs(policy, samples):
+    batch = train.collate(samples, pad_id=0)
+    with torch.no_grad():
+        logprobs, _ = train.sequence_logprobs(policy, batch, temperature=1.0)
+    return logprobs, batch
+
+
+def aborted_samples(engine, tmp_path, min_tokens=2):
+    """Real cancellations: half of 32 samples aborted inside the engine mid-generation."""
+    samples, stats = engine.generate(PROMPTS, 8, 1.0, BUDGET, cancelling_plan(tmp_path, len(PROMPTS)))
+    assert engine.num_in_flight() == 0
+    aborted = [s for s in samples if s.finish_reason == "abort" and len(s.response_ids) >= min_tokens]
+    assert len(aborted) >= 4, f"only {len(aborted)} samples were cancelled with >= {min_tokens} tokens"
+    return aborted
+
+
+def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
+    partial = aborted_samples(engine, tmp_path)
+    old_logprobs, batch = trainer_logprobs(policy, partial)  # the cancelled tokens, under version 0
+    assert ((old_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
+    perturb_and_sync(engine, policy, version=1)
+    resumes = [dataclasses.replace(s, group_id=i, is_aborted=False) for i, s in enumerate(partial)]
+    resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
+    assert engine.num_in_flight() == 0
+    assert len(resumed) == len(partial)
+    for before, after in zip(partial, resumed):
+        k = len(before.response_ids)
+        assert after.prompt_ids == before.prompt_ids  # the prompt, not prompt + partial
+        assert after.response_ids[:k] == before.response_ids and len(after.response_ids) > k
+        assert after.logprobs[:k] == before.logprobs  # the old tokens keep their engine log-probs ...
+        assert after.versions.tolist() == [0] * k + [1] * (len(after.response_ids) - k)  # ... and versions
+        assert len(after.logprobs) == len(after.loss_mask) == len(after.versions) == len(after.response_ids)
+        assert after.loss_mask.tolist() == [1] * len(after.response_ids)
+        assert after.times_resumed == 1 and after.finish_reason in ("stop", "length")
+    # Under the new weights, the trainer's forward over prompt + all tokens gives the engine's log-probs
+    # of the resumed tokens: a duplicated or lost boundary token would shift every one of them.
+    new_logprobs, batch = trainer_logprobs(policy, resumed)
+    fresh = batch["loss_mask"] * (batch["versions"] == 1)
+    assert fresh.sum() > 0
+    assert ((new_logprobs - batch["engine_logprobs"]).abs() * fresh).max() < 1e-4
+    stale = batch["loss_mask"] * (batch["versions"] == 0)
+    assert ((new_logprobs - batch["engine_logprobs"]).abs() * stale).max() > 1e-3  # older policy's numbers
+
+
+def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_path):
+    """Six steps of launch -> generate (half cancelled) -> collect, with a version bump between them."""
+    plan = cancelling_plan(tmp_path, num_prompts=2)
+    buffer = PartialBuffer(group_size=8, max_staleness=10)
+    prompts = [train.tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
+    finished_seen, trained, resumed_any = {}, [], 0
+    for step in range(6):
+        if step:
+            perturb_and_sync(engine, policy, version=step)
+        resumes, new = buffer.launch(prompts[2 * step:2 * step + 2], plan.num_prompts, version=step)
+        resumed_any += sum(s.times_resumed > 0 for s in resumes)
+        samples, _ = engine.generate([p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes)
+        assert engine.num_in_flight() == 0
+        # only unfinished samples and new prompts were launched: finished members are never regenerated
+        assert len(samples) == len(resumes) + 8 * len(new)
+        for s in samples:
+            assert len(s.response_ids) <= BUDGET  # every resume together stays within the budget
+            assert s.finish_reason != "length" or len(s.response_ids) == BUDGET
+            if s.finish_reason != "abort":
+                finished_seen[id(s)] = (s.response_ids.tolist(), s.versions.tolist())
+        out_prompts, out = buffer.collect(samples, new)
+        trained += out
+        for group in buffer.groups:  # a held group has at least one member still waiting
+            assert any(m[-1].finish_reason == "abort" for m in group.members)
+        assert not any(s.finish_reason == "abort" for s in out)  # a trained group is complete
+        assert len(out) == 8 * len(out_prompts)
+        assert all(out_prompts[s.group_id] is not None for s in out)
+    assert resumed_any > 0 and trained
+    for s in trained:  # every trained sample is the one that finished (same object, tokens unchanged)
+        assert finished_seen[id(s)] == (s.response_ids.tolist(), s.versions.tolist())
+    assert len({id(s) for s in trained}) == len(trained)  # nothing trained twice
+    assert max(s.times_resumed for s in trained) >= 1
+
+
+def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
+    partial = aborted_samples(engine, tmp_path)
+    buffer = PartialBuffer(group_size=8, max_staleness=2)
+    buffer.collect(partial, [train.tasks.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
+    assert len(buffer.waiting) == len(partial)
+    state = buffer.state_dict()
+    resumes, _ = buffer.launch([], 0, version=2)  # 2 versions old: within the bound, continued
+    assert [len(s.response_ids) for s in resumes] == [len(s.response_ids) for s in partial]
+    assert buffer.counters["restarts"] == 0
+    buffer.load_state_dict(state)  # as if not launched then: 3 versions old now
+    resumes, _ = buffer.launch([], 0, version=3)
+    assert [len(s.response_ids) for s in resumes] == [0] * len(partial)  # restarted from the prompt
+    assert buffer.counters["restarts"] == len(partial)
+    assert buffer.counters["wasted_tokens"] == sum(len(s.response_ids) for s in partial)
+    perturb_and_sync(engine, policy, version=3)
+    restarted, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
+    assert engine.num_in_flight() == 0
+    assert all(set(s.versions) == {3} for s in restarted)  # only tokens of the current policy
+    assert all(s.prompt_ids == p.prompt_ids for s, p in zip(restarted, partial))
+    # max_staleness 0 is plain dropping: no buffer
+    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.2", "rollout.partial=true",
+                      "rollout.max_staleness=0")
+    assert not plan_launch(cfg.rollout, 8).partial
+
+
+def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
+    partial = aborted_samples(engine, tmp_path)
+    perturb_and_sync(engine, policy, version=1)
+    resumes = [dataclasses.replace(s, group_id=i) for i, s in enumerate(partial)]
+    resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
+    batch = train.collate(resumed, pad_id=0)
+    with torch.no_grad():
+        batch["old_logprobs"], _ = train.sequence_logprobs(policy, batch, temperature=1.0)
+    train.mask_stale_tokens([batch], version=1, max_staleness=-1)
+    log_ratio = batch["old_logprobs"] - batch["engine_logprobs"]
+    stale = (batch["staleness"] > 0) & (batch["loss_mask"] > 0)
+    fresh = (batch["staleness"] == 0) & (batch["loss_mask"] > 0)
+    for cap in (1.0, 2.0):
+        stats = train.offpolicy_stats([batch], cap)
+        expected = log_ratio[stale].exp().clamp(max=cap)
+        assert stats["train/stale_is_weight"] == pytest.approx(expected.mean().item(), rel=1e-5)
+        assert stats["train/stale_is_capped_frac"] == pytest.approx((log_ratio[stale].exp() > cap).float().mean().item())
+        # the loss weights tokens the same way: 1 where engine and trainer agree, min(ratio, cap) on old ones
+        _, loss_stats = grpo.policy_loss(batch["old_logprobs"], batch["old_logprobs"], torch.ones(len(resumed)),
+                                         fresh, engine_logprobs=batch["engine_logprobs"], tis_cap=cap)
+        assert loss_stats["tis_weight"].item() == pytest.approx(1.0, abs=1e-4)
+        _, loss_stats = grpo.policy_loss(batch["old_logprobs"], batch["old_logprobs"], torch.ones(len(resumed)),
+                                         stale, engine_logprobs=batch["engine_logprobs"], tis_cap=cap)
+        assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
+    assert train.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
+    num_stale = int(stale.sum())
+    assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(num_stale / int(batch["loss_mask"].sum()))
+    # masking instead: tokens more than 0 versions old leave the loss
+    masked = train.mask_stale_tokens([batch], version=1, max_staleness=0)
+    assert masked["staleness/masked_tokens"] == num_stale
+    assert batch["loss_mask"][stale].sum() == 0 and batch["loss_mask"][fresh].sum() == fresh.sum()
+
+
+def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
+    sets = ["rollout.cancel=count", "rollout.drop_rate=0.3", "rollout.partial=true", "train.tis_cap=2",
+            "run.val_every=100", "run.checkpoint_every=0"]
+    run = train.setup(tiny_config(tmp_path, "train.steps=2", *sets), engine=engine)
+    train.train(run)
+    assert engine.num_in_flight() == 0
+    saved = run.buffer.state_dict()
+    assert saved["waiting"], "nothing was suspended: the test would prove nothing"
+    resumed = train.setup(tiny_config(tmp_path, "train.steps=3", *sets), resume=True, engine=engine)
+    assert resumed.start_step == 2 and resumed.buffer.state_dict() == saved
+    train.train(resumed)
+    values = scalars(tmp_path)
+    assert len(values["train/loss"]) == 3
+    # step 2 continued exactly the suspended samples of the checkpoint, first
+    assert values["partial/resumed"][-1] + values["partial/restarts"][-1] == len(saved["waiting"])
+    assert values["staleness/tokens_1"][-1] > 0  # and trained tokens that version 1 sampled
+    assert all(v < 1e-4 for v in values["train/logprob_gap"])  # fresh tokens: engine == trainer
+
+
+def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
+    buffer = PartialBuffer(group_size=2, max_staleness=4)
+    # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
+    turns = [Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, is_aborted=True),
+             Sample([1, 2, 3, 4], [5, 6], [-0.1, -0.2], [1, 1], group_id=0, trajectory_id=0, turn=1,
+                    finish_reason="abort", is_aborted=True),
+             Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1)]
+    prompts, out = buffer.collect(turns, [train.tasks.Prompt([1, 2], "1")])
+    assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
+    assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
+    assert [s.is_aborted for s in out] == [True, True, False]
