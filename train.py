@@ -250,8 +250,9 @@ def offpolicy_stats(micro_batches, tis_cap):
     return stats
 
 
-def train_on_rollout(run, samples, advantages):
-    """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps.
+def train_on_rollout(run, samples, advantages, version=0):
+    """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps. `version` is
+    the weight version being trained: tokens an older one sampled (partial rollout) are stale.
 
     With several ranks each holds its own samples (whole GRPO groups, so advantages were computed
     locally). Each rank's loss is divided by the *global* count of trained tokens (or sequences) and FSDP
@@ -271,7 +272,7 @@ def train_on_rollout(run, samples, advantages):
         minibatches.append([{key: value.to(run.device) for key, value in mb.items()} for mb in
                             micro_batches(samples[rows], advantages[rows], t.micro_batch_size, count, pad_id)])
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
-    stats = mask_stale_tokens(every_mb, run.engine.weight_version, t.max_token_staleness)
+    stats = mask_stale_tokens(every_mb, version, t.max_token_staleness)
     with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
         for mb in every_mb:
             mb["old_logprobs"] = logprobs_of(policy, mb)[0]
@@ -456,7 +457,7 @@ def train(run):
         sequences, sequence_advantages, merge_metrics = training_sequences(trajectories, advantages, cfg, max_seq_len)
         train_start = time.perf_counter()
         phases.to_train()
-        scalars |= train_on_rollout(run, sequences, sequence_advantages)
+        scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
         # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
         sync_start = time.perf_counter()
         phases.sync(version=step + 1)

@@ -1,8 +1,10 @@
-"""Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for.
+"""Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for, and
+(`--partial`) useful tokens per second over a multi-step workload for no cancellation, dropping the tail,
+and partial rollout (the tail suspended and continued next step, buffer.py).
 
 One real SGLang engine (CPU) serves a random-init tiny model whose lengths are geometric (median ~11,
-a few samples several times longer); the two arms alternate on the same prompts, medians are reported.
-Run from the repo root: `python bench/tail.py`. The last line is the machine-readable summary.
+a few samples several times longer); the arms alternate on the same prompts, medians are reported.
+Run from the repo root: `python bench/tail.py [--partial]`. The last line is the machine-readable summary.
 """
 import argparse
 import dataclasses
@@ -21,6 +23,7 @@ import tasks  # noqa: E402  (needs the sys.path line above)
 import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
+from buffer import PartialBuffer  # noqa: E402
 from rollout import RolloutEngine, plan_launch  # noqa: E402
 
 
@@ -67,6 +70,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="baseline/cancel pairs, alternated")
     parser.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine process")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--partial", action="store_true", help="multi-step: baseline vs drop vs partial rollout")
+    parser.add_argument("--steps", type=int, default=10, help="--partial: steps per arm, the arms alternated")
+    parser.add_argument("--max-staleness", type=int, default=4, help="--partial: rollout.max_staleness")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # this process shares the 2 cores with the engine's scheduler process
@@ -90,6 +96,12 @@ def main():
           f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')")
 
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.engine_dtype, seed=args.seed)
+    if args.partial:
+        try:
+            return multi_step(engine, policy, tokenizer, cfg, plan, args)
+        finally:
+            engine.shutdown()
+            shutil.rmtree(out_dir)
     try:
         samples, _, _ = run_arm(engine, base_prompts, args, None)  # warm-up: first-call costs, not measured
         lengths = sorted(len(s.response_ids) for s in samples)
@@ -118,6 +130,52 @@ def main():
     print(f"tail: baseline_s={baseline:.3f} cancel_s={cancel:.3f} speedup={speedup:.3f} ideal={ideal:.3f} "
           f"efficiency={speedup / ideal:.3f} cancel_latency_ms={statistics.median(latencies_ms):.1f} "
           f"wasted_tokens={round(statistics.median(wasted))}")
+
+
+def multi_step(engine, policy, tokenizer, cfg, plan, args):
+    """`--steps` rollouts per arm on fresh prompts each step, the three arms alternated inside every step.
+    Useful tokens: response tokens of the samples that step trains (baseline: all; drop: the finished;
+    partial: the groups that completed, tokens from earlier steps included). Wasted: generated, then
+    thrown away (drop: every cancelled sample; partial: restarts for staleness). Partial's buffer at the
+    end still holds tokens not yet trained: counted as neither (this only lowers its useful tokens/s)."""
+    plan = dataclasses.replace(plan, partial=True)
+    buffer = PartialBuffer(args.group_size, args.max_staleness)
+    arms = {"baseline": None, "drop": dataclasses.replace(plan, partial=False), "partial": plan}
+    seconds = {arm: [] for arm in arms}
+    useful, wasted = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0)
+    for step in range(args.steps + 1):  # step 0 warms the engine up, not measured
+        # a weight sync between steps (the same weights: rollouts are what is measured), version = step
+        engine.update_weights(policy.named_parameters(), version=step)
+        prompts = [p.prompt_ids for p in tasks.tiny_prompts(tokenizer, plan.num_prompts, cfg.data.tiny_max_count,
+                                                             args.seed + 1000 * step)]
+        line = []
+        for arm, arm_plan in arms.items():
+            engine.flush_cache()
+            resumes, launch = buffer.launch(prompts, plan.num_prompts, step) if arm == "partial" else ((), prompts)
+            samples, stats = engine.generate(launch, args.group_size, args.temperature, args.max_new_tokens,
+                                             arm_plan, resumes=resumes)
+            assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
+            if arm == "partial":
+                trained, lost = buffer.collect(samples, launch)[1], buffer.counters["wasted_tokens"]
+            else:
+                trained = [s for s in samples if not s.is_aborted]
+                lost = sum(len(s.response_ids) for s in samples if s.is_aborted)
+            tokens = sum(len(s.response_ids) for s in trained)
+            line.append(f"{arm} {stats.rollout_s:.3f} s {tokens} useful {lost} wasted")
+            if step > 0:
+                seconds[arm].append(stats.rollout_s)
+                useful[arm] += tokens
+                wasted[arm] += lost
+        print(f"step {step}{' (warm-up)' if step == 0 else ''}: " + ", ".join(line))
+    rate = {arm: useful[arm] / sum(seconds[arm]) for arm in arms}
+    for arm in arms:
+        print(f"{arm}: median_step_s={statistics.median(seconds[arm]):.3f} useful_tokens_per_s={rate[arm]:.1f} "
+              f"useful_tokens={useful[arm]} wasted_tokens={wasted[arm]}")
+    in_buffer = sum(len(g.members[i][-1].response_ids) for g, i in buffer.waiting)
+    print(f"partial: buffer at the end holds {len(buffer.waiting)} unfinished samples ({in_buffer} tokens) "
+          f"and {len(buffer.groups)} groups; max_staleness={args.max_staleness}")
+    print(f"partial: speedup_vs_baseline={rate['partial'] / rate['baseline']:.3f} "
+          f"speedup_vs_drop={rate['partial'] / rate['drop']:.3f} wasted_tokens={wasted['partial']}")
 
 
 if __name__ == "__main__":
