@@ -10,7 +10,6 @@ configs name. Ends with one line per rank count:
   estimate: config=<path> ranks=<n> rollout_gib=<f> train_gib=<f> sync_gib=<f> peak_gib=<f> headroom=<f>
 """
 import argparse
-import math
 import os
 import sys
 

@@ -13,6 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")  # absolute: ranks may start in any directory
 sys.path.insert(0, REPO)
 
+import batching  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
@@ -117,9 +118,9 @@ def check_ranks(out_dir):
     # the engine now holds the updated weights: it must score its own samples like the trainer does
     prompts = train.rank_share(run.val_prompts)
     fresh, _ = train.generate(run, prompts, 2, 1.0)
-    batch = train.collate(fresh, pad_id=0)
+    batch = batching.collate(fresh, pad_id=0)
     with torch.no_grad():
-        trainer_logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+        trainer_logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
     gap = ((trainer_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max().item()
     results["engine_gap"] = gap
     results["engine_version"] = run.engine.weight_version

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import batching
 import checkpoint
 import dist_worker
 import parallel
@@ -91,10 +92,10 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     # the HF export loads with from_pretrained and scores like the resumed trainer
     exported = AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(run_dir)), dtype=torch.float32)
     samples, _ = dist_worker.fixed_batch()
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     with torch.no_grad():
-        expected, _ = train.sequence_logprobs(one.policy, batch, 1.0)
-        got, _ = train.sequence_logprobs(exported, batch, 1.0)
+        expected, _ = batching.sequence_logprobs(one.policy, batch, 1.0)
+        got, _ = batching.sequence_logprobs(exported, batch, 1.0)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 

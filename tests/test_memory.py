@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import batching
 import train
 from conftest import tiny_config
 from memory import Ledger, MemoryPhases, PhaseError
@@ -45,9 +46,9 @@ def test_phase_cycle_release_resume_and_parity(run):
     num_buckets = phases.sync(version=3)
     assert num_buckets > 1  # staged push, several buckets
     samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 16)
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+        logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
     assert ((logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
 
 

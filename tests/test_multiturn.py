@@ -3,6 +3,7 @@ import math
 
 import torch
 
+import batching
 import grpo
 import train
 from conftest import tiny_config
@@ -46,9 +47,9 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
         sum(len(s.prompt_ids) + len(s.response_ids) for s in stepwise)
 
     def token_mean_loss(sequences, seq_advantages):
-        batch = train.collate(sequences, pad_id=0)
+        batch = batching.collate(sequences, pad_id=0)
         with torch.no_grad():
-            logprobs, _ = train.sequence_logprobs(run.policy, batch, 1.0)
+            logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
         old = logprobs - 0.1  # any fixed old policy: ratio exp(0.1) on every trained token
         loss, _ = grpo.policy_loss(logprobs, old, seq_advantages, batch["loss_mask"], clip_eps=0.2)
         return loss.item(), batch["loss_mask"].sum().item()

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import batching
 import grpo
 import train
 from buffer import PartialBuffer
@@ -42,9 +43,9 @@ def perturb_and_sync(engine, policy, version):
 
 
 def trainer_logprobs(policy, samples):
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = train.sequence_logprobs(policy, batch, temperature=1.0)
+        logprobs, _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
     return logprobs, batch
 
 
@@ -149,15 +150,15 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
     perturb_and_sync(engine, policy, version=1)
     resumes = [dataclasses.replace(s, group_id=i) for i, s in enumerate(partial)]
     resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
-    batch = train.collate(resumed, pad_id=0)
+    batch = batching.collate(resumed, pad_id=0)
     with torch.no_grad():
-        batch["old_logprobs"], _ = train.sequence_logprobs(policy, batch, temperature=1.0)
-    train.mask_stale_tokens([batch], version=1, max_staleness=-1)
+        batch["old_logprobs"], _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
+    batching.mask_stale_tokens([batch], version=1, max_staleness=-1)
     log_ratio = batch["old_logprobs"] - batch["engine_logprobs"]
     stale = (batch["staleness"] > 0) & (batch["loss_mask"] > 0)
     fresh = (batch["staleness"] == 0) & (batch["loss_mask"] > 0)
     for cap in (1.0, 2.0):
-        stats = train.offpolicy_stats([batch], cap)
+        stats = batching.offpolicy_stats([batch], cap)
         expected = log_ratio[stale].exp().clamp(max=cap)
         assert stats["train/stale_is_weight"] == pytest.approx(expected.mean().item(), rel=1e-5)
         assert stats["train/stale_is_capped_frac"] == pytest.approx((log_ratio[stale].exp() > cap).float().mean().item())
@@ -168,11 +169,11 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
         _, loss_stats = grpo.policy_loss(batch["old_logprobs"], batch["old_logprobs"], torch.ones(len(resumed)),
                                          stale, engine_logprobs=batch["engine_logprobs"], tis_cap=cap)
         assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
-    assert train.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
+    assert batching.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
     num_stale = int(stale.sum())
     assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(num_stale / int(batch["loss_mask"].sum()))
     # masking instead: tokens more than 0 versions old leave the loss
-    masked = train.mask_stale_tokens([batch], version=1, max_staleness=0)
+    masked = batching.mask_stale_tokens([batch], version=1, max_staleness=0)
     assert masked["staleness/masked_tokens"] == num_stale
     assert batch["loss_mask"][stale].sum() == 0 and batch["loss_mask"][fresh].sum() == fresh.sum()
 

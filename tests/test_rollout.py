@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+import batching
 import train
 from conftest import tiny_config
 from rollout import RolloutError, count_complete_groups, plan_launch
@@ -24,9 +25,9 @@ def policy(engine, tmp_path):
 
 
 def trainer_logprobs(policy, samples):
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = train.sequence_logprobs(policy, batch, temperature=1.0)
+        logprobs, _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
     return logprobs, batch
 
 

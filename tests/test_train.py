@@ -7,6 +7,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import batching
 import checkpoint
 import plot
 import train
@@ -25,7 +26,7 @@ def test_collate_places_per_token_arrays():
     # (here a failed request with an empty response) keeps an all-zero mask.
     samples = [Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
                Sample([1], [], [], [], group_id=0, is_aborted=True)]
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     assert batch["input_ids"].dtype == torch.long
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
@@ -137,12 +138,12 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
     policy, _ = train.build_policy(cfg, None)
     samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
                Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     grads = []
     for swapped in (True, False):
         policy.zero_grad()
         if swapped:
-            logprobs, entropy = train.sequence_logprobs(policy, batch, 0.7)
+            logprobs, entropy = batching.sequence_logprobs(policy, batch, 0.7)
         else:
             logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
             logprobs, entropy = train.grpo.token_logprobs(logits, batch["targets"], 0.7)
@@ -155,12 +156,12 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
                Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
-    batch = train.collate(samples, pad_id=0)
+    batch = batching.collate(samples, pad_id=0)
     grads = []
     for switch in ("false", "true"):
         policy, _ = train.build_policy(tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None)
         assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
-        logprobs, _ = train.sequence_logprobs(policy, batch, 1.0)
+        logprobs, _ = batching.sequence_logprobs(policy, batch, 1.0)
         (logprobs * batch["loss_mask"]).sum().backward()
         grads.append({n: p.grad for n, p in policy.named_parameters()})
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
@@ -169,7 +170,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
 def test_micro_batches_are_padded_to_their_own_longest_row():
     lengths = [3, 30, 4, 5, 6, 7, 2]  # one long response must not widen the other micro-batches
     samples = [Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths]
-    mbs = train.micro_batches(samples, torch.zeros(len(samples)), size=2, count=5, pad_id=0)
+    mbs = batching.micro_batches(samples, torch.zeros(len(samples)), size=2, count=5, pad_id=0)
     assert len(mbs) == 5  # 4 of samples, then one padding micro-batch for the collectives
     for i, mb in enumerate(mbs[:4]):
         longest = max(2 + n for n in lengths[2 * i:2 * i + 2])
