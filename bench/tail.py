@@ -151,7 +151,10 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
         line = []
         for arm, arm_plan in arms.items():
             engine.flush_cache()
-            resumes, launch = buffer.launch(prompts, plan.num_prompts, step) if arm == "partial" else ((), prompts)
+            if arm == "partial":
+                resumes, launch = buffer.launch(prompts, plan.num_prompts, step)
+            else:  # over-sampling launches more prompts than the batch; the baseline launches just the batch
+                resumes, launch = (), prompts if arm_plan else prompts[:args.prompts]
             samples, stats = engine.generate(launch, args.group_size, args.temperature, args.max_new_tokens,
                                              arm_plan, resumes=resumes)
             assert engine.num_in_flight() == 0, "a rollout left requests in the engine"

@@ -130,8 +130,13 @@ def test_torchrun_starts_the_same_ranks(tmp_path):
     # under torchrun, train.py does not launch: each process joins the process group torchrun set up
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py",
                "--config", "configs/tiny.yaml", "--out", str(tmp_path), "--set", "train.steps=1",
-               "--set", "rollout.prompts_per_step=4", "--set", "data.num_val_prompts=4", "--set", "run.val_every=100"]
+               "--set", "rollout.prompts_per_step=4", "--set", "data.num_val_prompts=4", "--set", "run.val_every=100",
+               # partial rollout: each rank suspends its own tail, the checkpoint holds both ranks' buffers
+               "--set", "rollout.cancel=count", "--set", "rollout.drop_rate=0.3", "--set", "rollout.partial=true"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert scalars(tmp_path)["rollout/launched"] == [32]  # 4 prompts x 8 samples over both ranks
+    logged = scalars(tmp_path)
+    assert logged["rollout/launched"] == [32]  # 4 prompts x 8 samples over both ranks
+    state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
+    assert logged["partial/buffer_samples"] == [len(state["buffer"]["waiting"])] and state["buffer"]["waiting"]
     assert os.path.isdir(tmp_path / "checkpoints" / "step_000001" / "sharded")

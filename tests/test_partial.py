@@ -9,11 +9,12 @@ import torch
 
 import batching
 import grpo
+import merge
 import train
 from buffer import PartialBuffer
 from conftest import tiny_config
 from rollout import plan_launch
-from sample import Sample
+from sample import NOT_GENERATED, Sample
 from test_train import scalars
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
@@ -208,3 +209,12 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
     assert [s.is_aborted for s in out] == [True, True, False]
+
+
+def test_merged_turns_carry_their_token_versions():
+    first = Sample([1, 2], [3, 4], [-0.1, -0.2], [1, 1], group_id=0, weight_version=5, versions=[4, 5])
+    second = Sample([1, 2, 3, 4, 9, 9], [6], [-0.3], [1], group_id=0, turn=1, weight_version=6)
+    (merged,), _ = merge.merge_trajectory([first, second], max_seq_len=64)
+    assert merged.response_ids.tolist() == [3, 4, 9, 9, 6]
+    assert merged.versions.tolist() == [4, 5, NOT_GENERATED, NOT_GENERATED, 6]  # observations: no version
+    assert merged.loss_mask.tolist() == [1, 1, 0, 0, 1]
