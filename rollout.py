@@ -272,6 +272,8 @@ class RolloutEngine:
             log.error("request %s aborted by the engine: %s", rid, meta.get("finish_reason"))
             reason = "error"
         response_ids = array.array("i", out["output_ids"])
+        if reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
+            reason = "length"  # the abort came after its last token: complete (and a resume would have no budget)
         logprobs = array.array("f", [lp for lp, _token, _ in meta["output_token_logprobs"]])
         assert len(logprobs) == len(response_ids), f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
         version = meta.get("weight_version", "0")

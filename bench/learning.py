@@ -5,7 +5,7 @@ the same step and median step / rollout time.
 Each run is `python train.py --config configs/tiny.yaml` in a subprocess (its own engine, exactly what a
 user runs), the arms of a seed back to back so machine drift hits them alike. A script, not a test: 200
 steps take ~7-8 minutes a run on 2 CPU cores. Run from the repo root:
-    python bench/learning.py --seeds 0,1,2 --arms baseline,drop,partial
+    python bench/learning.py --seeds 0,1,2 --arms baseline,partial,drop
 The last line is the machine-readable summary (means over the seeds).
 """
 import argparse
@@ -18,11 +18,12 @@ import tempfile
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# drop and partial cut the same tail (the slowest 20% of samples); partial weights the tokens an older
-# policy sampled by truncated importance sampling (train.tis_cap), as its README section recommends
+# drop and partial over-provision alike (APRIL, arXiv 2509.18521): launch 1.25x the batch's prompts, stop
+# once a batch of samples finished; drop throws the rest away, partial suspends and continues it, weighting
+# tokens an older policy sampled by truncated importance sampling (train.tis_cap)
 ARMS = {"baseline": ["rollout.cancel=none"],
-        "drop": ["rollout.cancel=count", "rollout.drop_rate=0.2"],
-        "partial": ["rollout.cancel=count", "rollout.drop_rate=0.2", "rollout.partial=true", "train.tis_cap=2"]}
+        "drop": ["rollout.cancel=count", "rollout.over_sample_rate=0.25"],
+        "partial": ["rollout.cancel=count", "rollout.over_sample_rate=0.25", "rollout.partial=true", "train.tis_cap=2"]}
 
 
 def train_once(arm, seed, steps, out_dir):
@@ -31,7 +32,9 @@ def train_once(arm, seed, steps, out_dir):
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out_dir]
     for item in sets:
         cmd += ["--set", item]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{arm} seed {seed} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     events = EventAccumulator(os.path.join(out_dir, "tb"))
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
@@ -48,7 +51,7 @@ def summarize(logged):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
-    parser.add_argument("--arms", default="baseline,drop,partial", help=f"comma-separated, of {sorted(ARMS)}")
+    parser.add_argument("--arms", default="baseline,partial,drop", help=f"comma-separated, of {sorted(ARMS)}")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (the demo's 200)")
     args = parser.parse_args()
     seeds, arms = [int(s) for s in args.seeds.split(",")], args.arms.split(",")
