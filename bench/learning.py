@@ -18,17 +18,20 @@ import tempfile
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# drop and partial over-provision alike (APRIL, arXiv 2509.18521): launch 1.25x the batch's prompts, stop
-# once a batch of samples finished; drop throws the rest away, partial suspends and continues it, weighting
-# tokens an older policy sampled by truncated importance sampling (train.tis_cap)
+# drop and partial cut the same tail: launch the batch, stop once 80% of its samples finished; drop throws
+# the rest away, partial suspends and continues it, weighting tokens an older policy sampled by truncated
+# importance sampling (train.tis_cap). `--over-sample` makes both over-provision instead (APRIL, arXiv
+# 2509.18521): launch 1.25x the prompts, stop once a batch of samples finished.
 ARMS = {"baseline": ["rollout.cancel=none"],
-        "drop": ["rollout.cancel=count", "rollout.over_sample_rate=0.25"],
-        "partial": ["rollout.cancel=count", "rollout.over_sample_rate=0.25", "rollout.partial=true", "train.tis_cap=2"]}
+        "drop": ["rollout.cancel=count", "rollout.drop_rate=0.2"],
+        "partial": ["rollout.cancel=count", "rollout.drop_rate=0.2", "rollout.partial=true", "train.tis_cap=2"]}
 
 
-def train_once(arm, seed, steps, out_dir):
+def train_once(arm, seed, steps, out_dir, over_sample):
     """Train one arm; returns {tag: [(step, value)]} from its TensorBoard events."""
     sets = [f"train.seed={seed}", f"train.steps={steps}", "run.checkpoint_every=0", *ARMS[arm]]
+    if over_sample and arm != "baseline":
+        sets = [s.replace("rollout.drop_rate=0.2", "rollout.over_sample_rate=0.25") for s in sets]
     cmd = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out_dir]
     for item in sets:
         cmd += ["--set", item]
@@ -53,6 +56,7 @@ def main():
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     parser.add_argument("--arms", default="baseline,partial,drop", help=f"comma-separated, of {sorted(ARMS)}")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (the demo's 200)")
+    parser.add_argument("--over-sample", action="store_true", help="drop and partial launch 1.25x the prompts")
     args = parser.parse_args()
     seeds, arms = [int(s) for s in args.seeds.split(",")], args.arms.split(",")
     unknown = set(arms) - set(ARMS)
@@ -63,7 +67,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
         for seed in seeds:
             for arm in arms:
-                row = summarize(train_once(arm, seed, args.steps, os.path.join(tmp, f"{arm}-{seed}")))
+                row = summarize(train_once(arm, seed, args.steps, os.path.join(tmp, f"{arm}-{seed}"), args.over_sample))
                 rows[arm].append(row)
                 print(f"seed {seed} {arm:8s}: val greedy {row['val_greedy']:.3f} sampled {row['val_sampled']:.3f} "
                       f"at step {row['last_step']}, median step {row['step_s']:.2f} s, rollout {row['rollout_s']:.2f} s",
