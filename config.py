@@ -20,6 +20,7 @@ class ModelConfig:
     # is below bfloat16's spacing for almost every weight and would round away. These two say what runs in:
     compute_dtype: str = "float32"  # trainer forward/backward: float32 | bfloat16 (autocast, or FSDP2 mixed precision)
     engine_dtype: str = "float32"  # the rollout engine's weights, cast from the masters at every weight sync
+    trust_remote_code: bool = False  # run Python code shipped in a model folder (trainer and engine): only if you trust it
     hidden_size: int = 64  # tiny model only, from here on
     intermediate_size: int = 256
     num_layers: int = 2
@@ -89,6 +90,9 @@ class TrainConfig:
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
+    # a non-finite loss or gradient norm skips that update (logged, counted in train/skipped_updates); this many
+    # in a row stop the run with a NonFiniteError: the policy is broken, not unlucky
+    max_bad_updates: int = 3
     threads: int = 1  # torch threads of the trainer process
     seed: int = 0
 
@@ -139,6 +143,35 @@ class Config:
             raise ConfigError(f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1")
         if self.rollout.group_size < 2:
             raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
+        for key, value, low in self._bounds():
+            if not value >= low:  # also rejects NaN
+                raise ConfigError(f"{key}={value!r}: expected >= {low}")
+        if self.rollout.over_sample_rate < 0 or self.rollout.time_factor <= 0 or not 0 < self.rollout.time_quantile <= 1:
+            raise ConfigError("rollout.over_sample_rate must be >= 0, time_factor > 0 and 0 < time_quantile <= 1")
+        if self.train.lr <= 0 or self.train.clip_eps <= 0 or self.train.grad_clip <= 0:
+            raise ConfigError(f"train.lr={self.train.lr}, clip_eps={self.train.clip_eps} and "
+                              f"grad_clip={self.train.grad_clip} must all be > 0")
+
+    def _bounds(self):
+        """(key, value, smallest allowed) of every count and size."""
+        r, t, m, d = self.rollout, self.train, self.model, self.data
+        return [("rollout.prompts_per_step", r.prompts_per_step, 1), ("rollout.max_new_tokens", r.max_new_tokens, 1),
+                ("rollout.max_turns", r.max_turns, 1), ("rollout.max_response_tokens", r.max_response_tokens, 0),
+                ("rollout.engine_threads", r.engine_threads, 1), ("rollout.max_total_tokens", r.max_total_tokens, 0),
+                ("rollout.temperature", r.temperature, 0), ("rollout.top_p", r.top_p, 1e-9),
+                ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3), ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
+                ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
+                ("train.steps", t.steps, 0), ("train.micro_batch_size", t.micro_batch_size, 1),
+                ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),
+                ("train.warmup_steps", t.warmup_steps, 0), ("train.kl_coef", t.kl_coef, 0),
+                ("train.weight_decay", t.weight_decay, 0), ("train.max_bad_updates", t.max_bad_updates, 1),
+                ("model.hidden_size", m.hidden_size, 1), ("model.intermediate_size", m.intermediate_size, 1),
+                ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
+                ("model.max_position_embeddings", m.max_position_embeddings, 2),
+                ("data.max_prompt_len", d.max_prompt_len, 1), ("data.tiny_max_count", d.tiny_max_count, 1),
+                ("data.tiny_max_operand", d.tiny_max_operand, 1), ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
+                ("data.num_val_prompts", d.num_val_prompts, 1), ("memory.bucket_mb", self.memory.bucket_mb, 1),
+                ("run.val_every", self.run.val_every, 1), ("run.checkpoint_every", self.run.checkpoint_every, 0)]
 
 
 RENAMED = {"model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "

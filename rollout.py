@@ -67,7 +67,7 @@ class RolloutStats:
 class RolloutEngine:
     """An SGLang `Engine` in this process (its scheduler runs in child processes), used by the trainer."""
 
-    def __init__(self, model_path, cfg, dtype="float32", seed=0, gpu_id=0):
+    def __init__(self, model_path, cfg, dtype="float32", seed=0, gpu_id=0, trust_remote_code=False):
         self.cfg = cfg
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
@@ -102,7 +102,7 @@ class RolloutEngine:
             # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
             # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
             # trained 2-3x slower with spinning schedulers)
-            sleep_on_idle=True, nccl_port=free_port(), **device_args)
+            sleep_on_idle=True, nccl_port=free_port(), trust_remote_code=trust_remote_code, **device_args)
         root_logger.setLevel(root_level)
         root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager

@@ -169,23 +169,20 @@ def gsm8k_reward(response_text, answer, finished):
 
 
 def read_rows(source, split):
-    """Rows {question, answer} from a local .jsonl (bad lines counted and skipped) or via `datasets`."""
+    """Rows {question, answer} from a local .jsonl (unparseable lines counted and skipped) or via `datasets`."""
     if source.endswith(".jsonl"):
         if not os.path.isfile(source):
             raise DataError(f"dataset file not found: {source}")
         rows, num_bad = [], 0
-        with open(source) as f:
+        with open(source, errors="replace") as f:  # undecodable bytes become U+FFFD, not a crash
             for line_no, line in enumerate(f, 1):
                 try:
-                    row = json.loads(line)
-                    if not (isinstance(row.get("question"), str) and isinstance(row.get("answer"), str)):
-                        raise ValueError("needs string fields 'question' and 'answer'")
-                    rows.append(row)
-                except (ValueError, AttributeError) as e:
+                    rows.append(json.loads(line))
+                except ValueError as e:
                     num_bad += 1
-                    log.warning("skipping malformed row %s:%d (%s)", source, line_no, e)
+                    log.warning("skipping unparseable row %s:%d (%s)", source, line_no, e)
         if num_bad:
-            log.warning("%s: skipped %d malformed rows of %d", source, num_bad, num_bad + len(rows))
+            log.warning("%s: skipped %d unparseable rows of %d", source, num_bad, num_bad + len(rows))
         return rows
     import datasets  # parquet files and hub names ("openai/gsm8k") go through the library
 
@@ -194,11 +191,34 @@ def read_rows(source, split):
     return list(datasets.load_dataset(source, "main", split=split))
 
 
+def row_problem(row, max_chars):
+    """Why a row cannot be used (None if it can): not a mapping, a missing or non-string field, or a field
+    longer than `max_chars` (checked before tokenizing: a huge field is never tokenized)."""
+    if not isinstance(row, dict):
+        return f"expected an object, got {type(row).__name__}"
+    for field in ("question", "answer"):
+        if not isinstance(row.get(field), str):
+            return f"needs a string field {field!r}"
+        if len(row[field]) > max_chars:
+            return f"field {field!r} has {len(row[field])} characters (limit {max_chars})"
+    return None
+
+
 def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
     """Chat-formatted GSM8K prompts (with tool descriptions when `tools` is given); prompts longer
     than `max_prompt_len` tokens are counted and skipped."""
-    prompts, num_too_long = [], 0
-    for row in read_rows(source, split):
+    rows = read_rows(source, split)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat template: GSM8K prompts are chat-formatted (use an "
+                        "instruct model's tokenizer, or give the tokenizer a chat_template)")
+    prompts, num_too_long, num_bad = [], 0, 0
+    max_chars = 32 * max_prompt_len  # far more than a prompt of max_prompt_len tokens can hold
+    for row_no, row in enumerate(rows, 1):
+        problem = row_problem(row, max_chars)
+        if problem:
+            num_bad += 1
+            log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
+            continue
         messages = [{"role": "user", "content": f"{row['question']}\n{GSM8K_INSTRUCTION}"}]
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -206,6 +226,8 @@ def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
             num_too_long += 1
             continue
         prompts.append(Prompt(prompt_ids=ids, answer=row["answer"].rsplit("####", 1)[-1].strip()))
+    if num_bad:
+        log.warning("%s: skipped %d malformed rows", source, num_bad)
     if num_too_long:
         log.warning("%s: skipped %d prompts longer than %d tokens", source, num_too_long, max_prompt_len)
     if not prompts:

@@ -36,6 +36,10 @@ class ModelError(RuntimeError):
     """The policy model cannot be built or loaded."""
 
 
+class NonFiniteError(RuntimeError):
+    """`train.max_bad_updates` steps in a row had a non-finite loss or gradient: the policy is broken."""
+
+
 # ---------------------------------------------------------------- setup
 def build_policy(cfg, init_dir):
     """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master weights
@@ -51,7 +55,7 @@ def build_policy(cfg, init_dir):
             # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer (shared/notes/tiny-demo.md)
             tokenizer = tasks.build_char_tokenizer()
             if init_dir:
-                model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, trust_remote_code=False)
             else:
                 m = cfg.model
                 torch.manual_seed(cfg.train.seed)
@@ -63,8 +67,9 @@ def build_policy(cfg, init_dir):
                                      pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
                 model = Qwen2ForCausalLM(config).float()
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            trust = cfg.model.trust_remote_code  # off unless the config turns it on: a folder's code runs here
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except OSError as e:
         raise ModelError(f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}") from None
     if cfg.train.gradient_checkpointing:  # each decoder layer's activations recomputed in the backward
@@ -173,7 +178,7 @@ def train_on_rollout(run, samples, advantages, version=0):
     gap = sum(((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * m).sum() for mb, m in zip(every_mb, fresh))
     num_tokens = sum(m.sum() for m in fresh)
     padded = sum(int((mb["attention_mask"] == 0).sum()) for mb in every_mb)
-    stats |= {"train/logprob_gap": (gap / max(num_tokens, 1)).item(),
+    stats |= {"train/skipped_updates": 0, "train/logprob_gap": (gap / max(num_tokens, 1)).item(),
               "train/padded_fraction": padded / sum(mb["attention_mask"].numel() for mb in every_mb),
               **batching.offpolicy_stats(every_mb, t.tis_cap)}
     for minibatch in minibatches:
@@ -192,9 +197,15 @@ def train_on_rollout(run, samples, advantages, version=0):
             weighted.backward()
             minibatch_loss += weighted.item()
         grad_norm = parallel.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip))
-        optimizer.step()
-        scheduler.step()
-        stats.update({"train/loss": parallel.all_reduce([minibatch_loss])[0], "train/grad_norm": grad_norm.item(),
+        minibatch_loss = parallel.all_reduce([minibatch_loss])[0]
+        if math.isfinite(minibatch_loss) and math.isfinite(grad_norm.item()):
+            optimizer.step()
+            scheduler.step()
+        else:  # the loss and norm are global, so every rank skips alike; NaN moments would poison AdamW for good
+            log.warning("non-finite loss %s or grad norm %s: update skipped", minibatch_loss, grad_norm.item())
+            optimizer.zero_grad(set_to_none=True)
+            stats["train/skipped_updates"] += 1
+        stats.update({"train/loss": minibatch_loss, "train/grad_norm": grad_norm.item(),
                       "train/entropy": masked_mean(entropy, mb["loss_mask"]).item(),
                       **{f"train/{k}": v.item() for k, v in loss_stats.items()}})
     stats["train/lr"] = scheduler.get_last_lr()[0]
@@ -290,7 +301,8 @@ def setup(cfg, resume=False, engine=None):
     shared_engine = engine is not None
     if engine is None:  # before the trainer takes device memory: the engine sizes its KV cache from what is free
         engine = RolloutEngine(engine_dir, cfg.rollout, dtype=cfg.model.engine_dtype,
-                               seed=t.seed + start_step + 100_003 * parallel.rank(), gpu_id=parallel.local_rank())
+                               seed=t.seed + start_step + 100_003 * parallel.rank(), gpu_id=parallel.local_rank(),
+                               trust_remote_code=cfg.model.trust_remote_code)
         engine.weight_version = start_step
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     reference = None
@@ -331,6 +343,7 @@ def train(run):
     phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
                           engine_dtype=engine.dtype, reference=run.reference)
     max_seq_len = run.policy.config.max_position_embeddings
+    bad_steps = 0  # consecutive steps with a skipped (non-finite) update
     for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                             disable=not is_writer):
         step_start = time.perf_counter()
@@ -348,6 +361,10 @@ def train(run):
         train_start = time.perf_counter()
         phases.to_train()
         scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
+        bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
+        if bad_steps >= cfg.train.max_bad_updates:
+            raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (step {step}); "
+                                 "last checkpoint: " + str(checkpoint.latest(cfg.run.out)))
         # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
         sync_start = time.perf_counter()
         phases.sync(version=step + 1)
@@ -409,6 +426,6 @@ if __name__ == "__main__":
     configure_logging()
     try:
         main()
-    except (ConfigError, tasks.DataError, ModelError, RolloutError, parallel.RankError) as e:
+    except (ConfigError, tasks.DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

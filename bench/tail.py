@@ -65,8 +65,8 @@ def main():
     parser.add_argument("--max-positions", type=int, default=512, help="model.max_position_embeddings")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--policy", default="count", choices=("count", "time", "group"))
-    parser.add_argument("--drop-rate", type=float, default=0.2)
-    parser.add_argument("--over-sample-rate", type=float, default=0.0, help="use with --drop-rate 0")
+    parser.add_argument("--drop-rate", type=float, help="default 0.2 (0 with --partial or --over-sample-rate)")
+    parser.add_argument("--over-sample-rate", type=float, help="use with --drop-rate 0; --partial's default 0.25")
     parser.add_argument("--repeats", type=int, default=5, help="baseline/cancel pairs, alternated")
     parser.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine process")
     parser.add_argument("--seed", type=int, default=0)
@@ -74,6 +74,12 @@ def main():
     parser.add_argument("--steps", type=int, default=10, help="--partial: steps per arm, the arms alternated")
     parser.add_argument("--max-staleness", type=int, default=4, help="--partial: rollout.max_staleness")
     args = parser.parse_args()
+    if args.partial and args.drop_rate is None and args.over_sample_rate is None:
+        # APRIL's over-provisioning (arXiv 2509.18521): launch 1.25x the prompts, stop at a batch, suspend the rest
+        args.over_sample_rate = 0.25
+    args.over_sample_rate = args.over_sample_rate or 0.0
+    if args.drop_rate is None:
+        args.drop_rate = 0.0 if args.over_sample_rate else 0.2
 
     torch.set_num_threads(1)  # this process shares the 2 cores with the engine's scheduler process
     out_dir = tempfile.mkdtemp(prefix="bench-tail-")

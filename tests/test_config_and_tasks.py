@@ -84,9 +84,9 @@ def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
     path.write_text("\n".join([json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]))
-    rows = tasks.read_rows(str(path), "train")
-    assert len(rows) == 2
-    assert "skipped 3 malformed rows of 5" in caplog.text
+    prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+    assert len(prompts) == 2
+    assert "skipped 1 unparseable rows of 5" in caplog.text and "skipped 2 malformed rows" in caplog.text
 
 
 def _wide_char_tokenizer():

@@ -3,6 +3,10 @@ with every token's log-prob and version aligned, within its budget; groups wait 
 the staleness bound restarts old samples; old tokens are importance-weighted or masked; the buffer
 survives a checkpoint."""
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from test_train import scalars
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
 BUDGET = 64
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -218,3 +223,21 @@ def test_merged_turns_carry_their_token_versions():
     assert merged.response_ids.tolist() == [3, 4, 9, 9, 6]
     assert merged.versions.tolist() == [4, 5, NOT_GENERATED, NOT_GENERATED, 6]  # observations: no version
     assert merged.loss_mask.tolist() == [1, 1, 0, 0, 1]
+
+
+def run_script(*args, timeout=300):
+    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
+def test_tail_bench_partial_prints_the_issue_line():
+    lines = run_script("bench/tail.py", "--partial", "--prompts", "4", "--group-size", "4", "--steps", "2",
+                       "--max-new-tokens", "32")
+    assert re.fullmatch(r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", lines[-1])
+
+
+def test_learning_bench_prints_the_issue_line():
+    lines = run_script("bench/learning.py", "--seeds", "0", "--arms", "baseline,partial", "--steps", "2")
+    assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ partial_val_sampled=[\d.]+ "
+                        r"baseline_step_s=[\d.]+ partial_step_s=[\d.]+", lines[-1])

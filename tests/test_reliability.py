@@ -1,0 +1,198 @@
+"""Reliability: faults injected into the real engine and the trainer, hostile input, and the security
+rules. Each test breaks one guarantee on purpose and checks the named error, the counted skip, or that
+nothing hangs and nothing is lost (README "Guarantees" lists them)."""
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import tokenize
+import typing
+
+import pytest
+import torch
+
+import grpo
+import tasks
+import train
+from config import Config, ConfigError, load_config
+from conftest import tiny_config
+from test_config_and_tasks import _wide_char_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- hostile input
+def every_field(config=None, prefix=""):
+    """(dotted key, type) of every leaf of the config tree."""
+    config = config or Config()
+    for field in dataclasses.fields(config):
+        kind = typing.get_type_hints(type(config))[field.name]
+        if dataclasses.is_dataclass(kind):
+            yield from every_field(getattr(config, field.name), f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}", kind
+
+
+HOSTILE_VALUES = ["", "abc", "[1, 2]", "{a: 1}", "null", "-1", "0", "-0.5", "1e309", ".nan", "-.inf",
+                  "99999999999999999999", "true", "1.5", "'; rm -rf /'"]
+
+
+def test_config_fuzzing_gives_a_config_or_a_config_error():
+    """Every field x hostile value (wrong types, negatives, zeros, NaN, inf, huge): the only outcomes are
+    a valid config or a ConfigError naming the key; never another exception."""
+    tried = rejected = 0
+    for key, _ in every_field():
+        for value in HOSTILE_VALUES:
+            tried += 1
+            try:
+                cfg = load_config("configs/tiny.yaml", [f"{key}={value}"])
+            except ConfigError as e:
+                rejected += 1
+                assert key.split(".")[-1] in str(e) or "not a valid YAML" in str(e), (key, value, str(e))
+                continue
+            for k, v, low in cfg._bounds():  # accepted: every size still in range
+                assert v >= low, (key, value, k, v)
+    assert tried > 700 and rejected > tried // 2
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["rollout.prompts_per_step=0"], "rollout.prompts_per_step=0: expected >= 1"),
+    (["train.micro_batch_size=-4"], "train.micro_batch_size=-4"),
+    (["train.lr=0"], "train.lr=0.0"),
+    (["rollout.temperature=.nan"], "rollout.temperature=nan"),
+    (["rollout.partial=true"], "rollout.partial=true suspends cancelled samples, but rollout.cancel=none"),
+    (["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"], "not both"),
+    (["rollout.group_size=1"], "group_size must be >= 2"),
+    (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
+    (["data.task=gsm8k"], "needs data.train_path"),
+    (["model.dtype=bfloat16"], "was replaced by"),
+])
+def test_impossible_configs_name_the_problem(sets, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.yaml", sets)
+
+
+def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
+    path = tmp_path / "rows.jsonl"
+    good = {"question": "What is 2 + 3?", "answer": "#### 5"}
+    hostile = [json.dumps(good), "{not json", json.dumps({"question": 1, "answer": "#### 1"}), "[]", "null",
+               json.dumps({"answer": "#### 2"}), json.dumps({"question": "q", "answer": ["#### 3"]}),
+               json.dumps({"question": "x" * 100_000, "answer": "#### 4"}),  # a huge field: never tokenized
+               json.dumps({"question": "y " * 400, "answer": "#### 6"}),  # over the prompt limit once tokenized
+               "\udcff\udcfe garbage", json.dumps(good)]
+    path.write_text("\n".join(hostile), errors="surrogateescape")
+    prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+    assert [p.answer for p in prompts] == ["5", "5"]
+    assert "skipped 2 unparseable rows of 11" in caplog.text
+    assert "skipped 6 malformed rows" in caplog.text and "skipped 1 prompts longer than 512" in caplog.text
+    path.write_text("{not json\n[]\n")
+    with pytest.raises(tasks.DataError, match="no usable prompts"):
+        tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+
+
+def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}))
+    with pytest.raises(tasks.DataError, match="no chat template"):
+        tasks.gsm8k_prompts(tasks.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
+
+
+def test_tool_call_fuzzing_through_the_qwen_json_adapter():
+    """Random and adversarial model-written calls: each gives an observation (an answer or an error
+    text) or None (no call); the calculator never raises and never evaluates code."""
+    tokenizer = _wide_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|im_end|>",
+                                                                "<|im_start|>", "<tool_response>", "</tool_response>"]})
+    tool = tasks.qwen_calculator(tokenizer)
+    adversarial = ['{"arguments": {"expression": "9**9**9**9"}}', '{"arguments": {"expression": "(" * 5000}}',
+                   '{"arguments": {"expression": "__import__(\'os\').system(\'echo pwned\')"}}',
+                   '{"arguments": {"expression": "1/0"}}', '{"arguments": {"expression": "' + "1+" * 20000 + '1"}}',
+                   '{"arguments": {"expression": [1, 2]}}', '{"arguments": null}', '[]', '"str"', '{' * 3000,
+                   '{"arguments": {"expression": "0x1p1023 * 2"}}', '{"arguments": {"expression": "1e308*10"}}']
+    rng = random.Random(0)
+    alphabet = '0123456789+-*/(). e"{}[]:,abcxyz_\\'
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
+    outcomes = {"answer": 0, "error": 0}
+    for body in adversarial + fuzz:
+        result = tool(tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids)
+        observation, is_error = result
+        text = tokenizer.decode(observation)
+        assert "<tool_response>" in text and "pwned" not in text
+        outcomes["error" if is_error else "answer"] += 1
+    assert outcomes["error"] >= len(adversarial)  # each adversarial call was refused with an error text
+
+
+# ---------------------------------------------------------------- security
+PROJECT_FILES = [os.path.join(root, f) for root, _, files in os.walk(REPO) for f in files
+                 if f.endswith(".py") and "/." not in root and "cpu_compat" not in root]
+
+
+def calls(code, opening):
+    """The text of every call that starts with `opening`, up to its matching parenthesis."""
+    for match in re.finditer(re.escape(opening), code):
+        depth, end = 0, match.start()
+        for end in range(match.end() - 1, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+        yield code[match.start():end + 1]
+
+
+def test_no_eval_exec_or_unsafe_loading_anywhere():
+    """No eval/exec/pickle in the code; every torch.load reads weights only; remote code stays off."""
+    for path in PROJECT_FILES:
+        with open(path, "rb") as f:  # tokens, not text: strings and comments may name what we avoid
+            tokens = [t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)]
+        for before, name, after in zip(tokens, tokens[1:], tokens[2:]):
+            is_builtin_call = name.string in ("eval", "exec", "compile", "__import__") and after.string == "("
+            assert not (is_builtin_call and before.string != "."), f"{path}:{name.start[0]}: {name.string}("
+        if os.path.samefile(path, __file__):
+            continue  # the patterns below are spelled out here
+        code = re.sub(r"#.*", "", open(path).read())
+        assert "import pickle" not in code and "pickle.load" not in code, path
+        for call in calls(code, "torch.load("):
+            assert "weights_only=True" in call, (path, call)
+        assert "trust_remote_code=True" not in code, path
+    assert Config().model.trust_remote_code is False
+
+
+# ---------------------------------------------------------------- numerics
+@pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
+def test_degenerate_batches_give_finite_zeros(mode):
+    rewards, groups = torch.tensor([1.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
+    for alive in ([True] * 4, [False] * 4, [True, False, False, False]):  # zero variance, all aborted, one left
+        advantages, _ = grpo.group_advantages(rewards, groups, torch.tensor(alive), scale_by_std=True)
+        assert advantages.tolist() == [0.0] * 4
+    empty, _ = grpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), True)
+    assert empty.numel() == 0
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    for mask in (torch.zeros(2, 3), torch.zeros(0, 3)):  # nothing trained; an empty batch
+        lp = logprobs[:len(mask)]
+        loss, stats = grpo.policy_loss(lp, lp.detach(), torch.zeros(len(mask)), mask, agg_mode=mode, norm_length=4,
+                                       engine_logprobs=lp.detach(), tis_cap=2.0, ref_logprobs=lp.detach(), kl_coef=0.1)
+        loss.backward()
+        assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
+        assert torch.isfinite(logprobs.grad).all()
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog):
+    from test_train import rollout_batch
+    cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
+    run = train.setup(cfg, engine=engine)
+    samples, advantages = rollout_batch(run, step=0)
+    before = {name: p.detach().clone() for name, p in run.policy.named_parameters()}
+    advantages[0] = math.nan  # one poisoned advantage: the loss and every gradient become NaN
+    stats = train.train_on_rollout(run, samples, advantages)
+    assert stats["train/skipped_updates"] == 1 and "update skipped" in caplog.text
+    assert all(torch.equal(before[name], p) for name, p in run.policy.named_parameters())  # untouched
+    assert not any(torch.isnan(s).any() for group in run.optimizer.state.values() for s in group.values()
+                   if torch.is_tensor(s))  # AdamW's moments stay clean
+    advantages[0] = 0.0
+    assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0  # and it trains on
+    # in the loop: max_bad_updates steps in a row stop the run with a named error
+    with torch.no_grad():
+        next(run.policy.parameters()).fill_(math.nan)
+    with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
+        train.train(run)
