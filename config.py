@@ -64,6 +64,8 @@ class RolloutConfig:
     max_staleness: int = 4  # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
     max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
     abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
+    request_timeout_s: float = 0.0  # a request running longer is aborted and counts as failed (0 = no limit)
+    rollout_timeout_s: float = 0.0  # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
 
 
 @dataclasses.dataclass
@@ -160,6 +162,7 @@ class Config:
                 ("rollout.engine_threads", r.engine_threads, 1), ("rollout.max_total_tokens", r.max_total_tokens, 0),
                 ("rollout.temperature", r.temperature, 0), ("rollout.top_p", r.top_p, 1e-9),
                 ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3), ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
+                ("rollout.request_timeout_s", r.request_timeout_s, 0), ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
                 ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
                 ("train.steps", t.steps, 0), ("train.micro_batch_size", t.micro_batch_size, 1),
                 ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),

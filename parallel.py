@@ -128,7 +128,7 @@ def gather_objects(obj):
     return out
 
 
-SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens",
+SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens", "rollout/timed_out",
                   "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
                   "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
                   "perf/rollout_tokens_per_s"}

@@ -7,9 +7,11 @@ or phase ordering (memory.py decides when release/resume happen; this file only 
 import array
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import uuid
@@ -24,6 +26,25 @@ CPU_COMPAT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_c
 
 class RolloutError(RuntimeError):
     """The engine failed in a way the step cannot survive (too many failed requests, a stuck abort)."""
+
+
+class EngineDiedError(RolloutError):
+    """A process of the SGLang engine (scheduler, detokenizer) exited while the trainer needed it."""
+
+
+def talks_to_engine(method):
+    """Marks a RolloutEngine method that waits on the engine's processes: if one of them dies meanwhile, the
+    SIGQUIT handler raises EngineDiedError inside the wait (which would otherwise never end)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.died:
+            raise EngineDiedError(self.died)
+        self._waiting_on_engine += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._waiting_on_engine -= 1
+    return wrapper
 
 
 @dataclasses.dataclass
@@ -62,6 +83,7 @@ class RolloutStats:
     num_failed: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    num_timed_out: int = 0          # requests aborted by rollout.rollout_timeout_s
 
 
 class RolloutEngine:
@@ -72,6 +94,7 @@ class RolloutEngine:
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         self._cancelling = set()  # rids this side aborted on purpose (any other abort is a failure)
+        self.died, self._waiting_on_engine = None, 0  # set by _on_engine_death; depth of `talks_to_engine` calls
         on_gpu = torch.cuda.is_available()
         # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
         # being oversubscribed (measured 70x faster generation than the default thread count).
@@ -94,15 +117,22 @@ class RolloutEngine:
         # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
         root_logger = logging.getLogger()
         root_level, root_handlers = root_logger.level, root_logger.handlers[:]
-        self.engine = sglang.Engine(
-            model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
-            # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
-            enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
-            max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
-            # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
-            # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
-            # trained 2-3x slower with spinning schedulers)
-            sleep_on_idle=True, nccl_port=free_port(), trust_remote_code=trust_remote_code, **device_args)
+        # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides how
+        # to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for SIGINT.)
+        previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.engine = sglang.Engine(
+                model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
+                # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
+                enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
+                max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
+                # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
+                # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
+                # trained 2-3x slower with spinning schedulers)
+                sleep_on_idle=True, nccl_port=free_port(), trust_remote_code=trust_remote_code, **device_args)
+        finally:
+            signal.signal(signal.SIGINT, previous_sigint)
+        self._take_over_signals()
         root_logger.setLevel(root_level)
         root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager
@@ -113,11 +143,33 @@ class RolloutEngine:
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
+    def _take_over_signals(self):
+        """SGLang's SIGQUIT handler (its watchdog sends SIGQUIT when an engine process dies) kills this whole
+        process tree: exit 137, no message, nothing saved. Its SIGTERM handler drains and exits. Both are
+        replaced: a dead engine becomes EngineDiedError (the trainer saves and exits with a message), and
+        SIGTERM is the trainer's to handle. SGLang installs its loop's handlers on first use: done here first."""
+        self.engine.tokenizer_manager.auto_create_handle_loop()
+        loop = self.engine.tokenizer_manager.event_loop
+        for sig in (signal.SIGQUIT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGQUIT, self._on_engine_death)
+
+    def _on_engine_death(self, signum, frame):
+        watchdog = self.engine.tokenizer_manager._subprocess_watchdog  # sglang 0.5.23: the processes it polls
+        dead = [f"{name} (pid {p.pid}, exit code {p.exitcode})" for p, name in
+                zip(watchdog._processes, watchdog._names) if not p.is_alive()] if watchdog else []
+        self.died = f"the SGLang engine died: {', '.join(dead) or 'one of its processes failed'}"
+        log.error(self.died)
+        if self._waiting_on_engine:  # the trainer is blocked on a reply that will never come
+            raise EngineDiedError(self.died)
+
     def _run(self, coroutine):
         """Run an engine coroutine to completion on the engine's own event loop (we are not inside one)."""
         return self.engine.loop.run_until_complete(coroutine)
 
     # ------------------------------------------------------------------ generation
+    @talks_to_engine
     def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
                  max_response_tokens=0, resumes=()):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
@@ -157,12 +209,16 @@ class RolloutEngine:
                     self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
             tasks[asyncio.create_task(work)] = i
         pending, finished = set(tasks), []
+        timeout = self.cfg.rollout_timeout_s or None  # a hung request must not hang the run: it is aborted
         if plan is not None and plan.cancel != "none":
-            pending = await self._wait_for_enough(pending, finished, plan, start)
+            pending = await self._wait_for_enough(pending, finished, plan, start, timeout)
         else:
-            await asyncio.wait(pending)
-            pending = set()
+            _, pending = await asyncio.wait(pending, timeout=timeout)
         stats.decision_s = time.perf_counter() - start
+        if pending and timeout and stats.decision_s >= timeout:
+            stats.num_timed_out = len(pending)
+            log.warning("rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
+                        timeout, len(pending))
         if pending:
             # Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
             # request decoding in the scheduler, burning the compute we wanted back.
@@ -196,12 +252,17 @@ class RolloutEngine:
                                f"(rollout.max_failed_ratio={self.cfg.max_failed_ratio}); see the log for rids")
         return samples, stats
 
-    async def _wait_for_enough(self, pending, finished, plan, start):
-        """Event-driven: wake on each completion (or the time deadline), decide, return what is left.
+    async def _wait_for_enough(self, pending, finished, plan, start, limit_s=None):
+        """Event-driven: wake on each completion (or a deadline), decide, return what is left.
         `finished` collects the last turn of each finished trajectory, in completion order."""
-        deadline = None
+        deadline = None  # the time policy's, once set
+        hard_deadline = start + limit_s if limit_s else None  # rollout.rollout_timeout_s
         while pending:
-            timeout = None if deadline is None else max(deadline - time.perf_counter(), 0)
+            now = time.perf_counter()
+            if hard_deadline is not None and now >= hard_deadline:
+                break
+            deadlines = [d for d in (deadline, hard_deadline) if d is not None]
+            timeout = max(min(deadlines) - now, 0) if deadlines else None
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             finished.extend(t.result()[-1] for t in done)
             num_ok = sum(not s.is_aborted for s in finished)
@@ -259,8 +320,17 @@ class RolloutEngine:
     async def _generate_one(self, rid, prompt_ids, group_id, sampling, start):
         """One request; an engine exception becomes a sample marked "error" (counted, logged, dropped)."""
         try:
-            out = await self.engine.async_generate(input_ids=list(prompt_ids), sampling_params=sampling,
-                                                   return_logprob=True, rid=rid)
+            out = await asyncio.wait_for(self.engine.async_generate(
+                input_ids=list(prompt_ids), sampling_params=sampling, return_logprob=True, rid=rid),
+                timeout=self.cfg.request_timeout_s or None)
+        except asyncio.TimeoutError:  # abort it inside the engine too, and wait until the engine let it go
+            self.tokenizer_manager.abort_request(rid=rid)
+            deadline = time.perf_counter() + self.cfg.abort_timeout_s
+            while rid in self.tokenizer_manager.rid_to_state and time.perf_counter() < deadline:
+                await asyncio.sleep(0.01)
+            log.error("request %s timed out after rollout.request_timeout_s=%s", rid, self.cfg.request_timeout_s)
+            return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
+                          weight_version=self.weight_version, latency_s=time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - counted and logged: never silently turned into padding
             log.error("request %s failed inside the engine: %r", rid, e)
             return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
@@ -288,6 +358,7 @@ class RolloutEngine:
         return len(self.tokenizer_manager.rid_to_state)
 
     # ------------------------------------------------------------------ weights and memory
+    @talks_to_engine
     def update_weights(self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor):
         """Push the trainer's parameters bucket by bucket, then stamp `version`.
 
@@ -328,10 +399,12 @@ class RolloutEngine:
         self.weight_version = version
         return num_buckets
 
+    @talks_to_engine
     def flush_cache(self):
         """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
         self.engine.flush_cache()
 
+    @talks_to_engine
     def release(self, tags):
         """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"), once the engine is idle."""
         self.wait_until_idle()
@@ -348,9 +421,11 @@ class RolloutEngine:
                                    "cannot release its memory")
             time.sleep(poll_s)
 
+    @talks_to_engine
     def resume(self, tags):
         self.engine.resume_memory_occupation(tags=tags)
 
+    @talks_to_engine
     def kv_cache_tokens(self):
         """Token capacity of the engine's KV pool (what `kv_cache` release frees)."""
         return self.engine.get_server_info()["max_total_num_tokens"]

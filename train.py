@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import random
+import signal
 import sys
 import time
 
@@ -27,7 +28,7 @@ from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import RolloutEngine, RolloutError, plan_launch
+from rollout import EngineDiedError, RolloutEngine, RolloutError, plan_launch
 
 log = logging.getLogger("train")
 
@@ -279,6 +280,7 @@ class Run:
     autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
     buffer: PartialBuffer | None  # partial rollout's unfinished samples and held groups; None when off
     start_step: int = 0
+    updates_done: int = 0  # optimizer steps the policy holds (what a checkpoint after a fault records)
 
 
 def setup(cfg, resume=False, engine=None):
@@ -332,57 +334,100 @@ def setup(cfg, resume=False, engine=None):
         else:
             buffer.load_state_dict(share_state(state["buffer"], parallel.rank(), world))
     return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
-               scheduler, device, autocast_dtype, buffer, start_step)
+               scheduler, device, autocast_dtype, buffer, start_step, updates_done=start_step)
+
+
+def train_step(run, step, plan, phases):
+    """One GRPO step on this rank: rollout -> reward -> advantage -> update -> weight sync. Returns its
+    metrics, reduced over ranks (counts summed, times the slowest rank's)."""
+    cfg, max_seq_len = run.cfg, run.policy.config.max_position_embeddings
+    step_start = time.perf_counter()
+    scalars = validate(run) if step % cfg.run.val_every == 0 else {}
+    # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
+    #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
+    #    (with partial rollout the tail is suspended instead, and continued first next step)
+    step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
+    prompts, samples, stats = rollout(run, rank_share(step_prompts), plan)
+    # 2. reward, 3. group-relative advantage over each group's surviving trajectories
+    trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+    advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
+    # 4. policy update on (merged) sequences, with the engine's memory released
+    sequences, sequence_advantages, merge_metrics = training_sequences(trajectories, advantages, cfg, max_seq_len)
+    train_start = time.perf_counter()
+    phases.to_train()
+    scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
+    run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
+    # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
+    sync_start = time.perf_counter()
+    phases.sync(version=step + 1)
+    now = time.perf_counter()
+    scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
+        **phases.metrics(), "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
+        "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
+    return parallel.reduce_metrics(scalars)
 
 
 def train(run):
-    """The GRPO loop: rollout -> reward -> advantage -> update -> weight sync -> log -> checkpoint."""
-    cfg, engine, r, is_writer = run.cfg, run.engine, run.cfg.rollout, parallel.rank() == 0
+    """The step loop: log, checkpoint, and stop cleanly: after the step on SIGINT/SIGTERM (returns the
+    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError), and with a
+    final checkpoint when the engine dies (EngineDiedError). Returns None when all steps ran."""
+    cfg, is_writer = run.cfg, parallel.rank() == 0
     logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
-    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())  # per rank: over-sampling, cancelling
-    phases = MemoryPhases(engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
-                          engine_dtype=engine.dtype, reference=run.reference)
-    max_seq_len = run.policy.config.max_position_embeddings
-    bad_steps = 0  # consecutive steps with a skipped (non-finite) update
-    for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
-                            disable=not is_writer):
-        step_start = time.perf_counter()
-        scalars = validate(run) if step % cfg.run.val_every == 0 else {}
-        # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
-        #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
-        #    (with partial rollout the tail is suspended instead, and continued first next step)
-        step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
-        prompts, samples, stats = rollout(run, rank_share(step_prompts), plan)
-        # 2. reward, 3. group-relative advantage over each group's surviving trajectories
-        trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
-        advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
-        # 4. policy update on (merged) sequences, with the engine's memory released
-        sequences, sequence_advantages, merge_metrics = training_sequences(trajectories, advantages, cfg, max_seq_len)
-        train_start = time.perf_counter()
-        phases.to_train()
-        scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
-        bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
-        if bad_steps >= cfg.train.max_bad_updates:
-            raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (step {step}); "
-                                 "last checkpoint: " + str(checkpoint.latest(cfg.run.out)))
-        # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
-        sync_start = time.perf_counter()
-        phases.sync(version=step + 1)
-        # 6. log (reduced over ranks: counts summed, times the slowest rank's), 7. checkpoint
-        now = time.perf_counter()
-        scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
-            **phases.metrics(),
-            "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
-            "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
-        scalars = parallel.reduce_metrics(scalars)
+    plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())  # per rank
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
+                          engine_dtype=run.engine.dtype, reference=run.reference)
+    stop, bad_steps = StopSignal(), 0
+    try:
+        for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
+                                disable=not is_writer):
+            scalars = train_step(run, step, plan, phases)
+            if logger:
+                logger.log(step, scalars, echo=tqdm.tqdm.write)
+            bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
+            if bad_steps >= cfg.train.max_bad_updates:
+                raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (step {step}); "
+                                     f"last checkpoint: {checkpoint.latest(cfg.run.out)}")
+            stopping = parallel.all_reduce([stop.received is not None], op="max")[0] > 0  # all ranks, same step
+            if stopping or step + 1 == cfg.train.steps or (
+                    cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+                checkpoint.save(cfg.run.out, step + 1, run)
+            if stopping:
+                return stop.received or "a signal on another rank"
+        scalars = validate(run)
         if logger:
-            logger.log(step, scalars, echo=tqdm.tqdm.write)
-        if step + 1 == cfg.train.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-            checkpoint.save(cfg.run.out, step + 1, run)
-    scalars = validate(run)
-    if logger:
-        logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
-        logger.close()
+            logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
+        return None
+    except EngineDiedError as e:
+        if parallel.world_size() > 1:  # the other ranks wait in collectives: the last periodic checkpoint stands
+            raise
+        path = checkpoint.save(cfg.run.out, run.updates_done, run)  # the trainer's state is intact: keep it
+        raise EngineDiedError(f"{e}. The trainer's state after {run.updates_done} updates is saved in {path}; "
+                              "--resume continues from it") from None
+    finally:
+        stop.restore()
+        if logger:
+            logger.close()
+
+
+class StopSignal:
+    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save a checkpoint
+    and return; a second one exits at once (KeyboardInterrupt, no checkpoint). The engine's processes
+    ignore SIGINT (rollout.py), so a Ctrl-C in the terminal reaches only this decision."""
+
+    def __init__(self):
+        self.received = None
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received:
+            raise KeyboardInterrupt(f"second signal ({name})")
+        self.received = name
+        log.warning("%s: finishing this step, then a checkpoint and exit (send it again to exit at once)", name)
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def configure_logging():
@@ -392,7 +437,7 @@ def configure_logging():
 
 def run_rank(argv):
     """One rank's whole job (the only one with `run.nproc: 1`): join the process group when a launcher
-    started us, set up, train, shut the engine down."""
+    started us, set up, train, shut the engine down. Returns what `train` returns."""
     configure_logging()
     args = parse_args(argv)
     cfg = load_config(args.config, args.set + ([f"run.out={args.out}"] if args.out else []))
@@ -401,7 +446,7 @@ def run_rank(argv):
     try:
         run = setup(cfg, resume=args.resume)
         try:
-            train(run)
+            return train(run)
         finally:
             run.engine.shutdown()
     finally:
@@ -409,7 +454,8 @@ def run_rank(argv):
 
 
 def main(argv=None):
-    """`run.nproc > 1` outside torchrun: start the ranks here (each runs `run_rank` on the same arguments)."""
+    """`run.nproc > 1` outside torchrun: start the ranks here (each runs `run_rank` on the same arguments).
+    Returns the name of the signal that stopped training early, or None."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     cfg = load_config(args.config, args.set + ([f"run.out={args.out}"] if args.out else []))
@@ -417,15 +463,21 @@ def main(argv=None):
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(f"run.nproc={nproc} but only {torch.cuda.device_count()} GPUs are visible")
     if nproc > 1 and not parallel.under_launcher():
-        parallel.launch(nproc, run_rank, argv)
-    else:
-        run_rank(argv)
+        stopped_by = parallel.launch(nproc, run_rank, argv).values()  # each rank's run_rank result
+        return next((name for name in stopped_by if name), None)
+    return run_rank(argv)
 
 
 if __name__ == "__main__":
     configure_logging()
     try:
-        main()
+        stopped_by = main()
     except (ConfigError, tasks.DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e or 'SIGINT'}): exited at once; the last checkpoint stands", file=sys.stderr)
+        sys.exit(130)
+    if stopped_by:
+        print(f"stopped by {stopped_by} after a checkpoint; --resume continues", file=sys.stderr)
+        sys.exit(128 + getattr(signal, stopped_by, signal.SIGTERM))

@@ -7,12 +7,19 @@ import math
 import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import time
 import tokenize
 import typing
 
+import psutil
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+import checkpoint
 import grpo
 import tasks
 import train
@@ -196,3 +203,126 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
         next(run.policy.parameters()).fill_(math.nan)
     with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
         train.train(run)
+
+
+# ---------------------------------------------------------------- engine faults and load
+PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]
+
+
+@pytest.fixture
+def engine_limits(engine):
+    """Change the shared engine's rollout settings for one test, then put them back."""
+    original = engine.cfg
+
+    def set_limits(**changes):
+        engine.cfg = dataclasses.replace(original, **changes)
+    yield set_limits
+    engine.cfg = original
+
+
+def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits, caplog):
+    engine_limits(request_timeout_s=0.05)
+    with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
+        engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
+    assert engine.num_in_flight() == 0 and "timed out after rollout.request_timeout_s=0.05" in caplog.text
+    engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)  # tolerated: failures are counted, not raised
+    samples, stats = engine.generate(PROMPTS, 8, 1.0, 200)
+    assert stats.num_failed > 0 and all(s.is_aborted for s in samples if s.finish_reason == "error")
+    assert engine.num_in_flight() == 0
+
+
+def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
+    engine_limits(rollout_timeout_s=0.3)
+    samples, stats = engine.generate(PROMPTS * 8, 8, 1.0, 200)  # 256 requests of up to 200 tokens
+    assert stats.num_timed_out > 0 and stats.num_cancelled > 0 and stats.rollout_s < 0.3 + engine.cfg.abort_timeout_s
+    assert sum(s.is_aborted for s in samples) == stats.num_cancelled  # masked like any cancelled sample
+    assert engine.num_in_flight() == 0
+
+
+def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
+    import resource
+    from rollout import plan_launch
+    prompts = [[1, 5 + i % 10, 12] for i in range(512)]
+    plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 512)
+    start = time.perf_counter()
+    samples, stats = engine.generate(prompts, 8, 1.0, 4, plan)  # 4,096 requests at once
+    seconds = time.perf_counter() - start
+    assert len(samples) == 4096 and engine.num_in_flight() == 0
+    assert sum(not s.is_aborted for s in samples) >= plan.target_samples
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB")
+
+
+# ---------------------------------------------------------------- the process: engine death, signals
+def start_training(out_dir, *sets, new_session=False, resume=False):
+    """`python train.py` on the CPU demo as a user starts it; stdout is read line by line."""
+    command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(out_dir), *["--resume"] * resume,
+               "--set", "run.val_every=1000", "--set", "run.checkpoint_every=0", "--set", "train.steps=400"]
+    for item in sets:
+        command += ["--set", item]
+    stderr = open(out_dir / "stderr.txt", "w+")
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                               start_new_session=new_session)
+    return process, stderr
+
+
+def wait_for_step(process, step, timeout=240):
+    """Read the console until the line of `step` (the trainer is then in step + 1)."""
+    deadline = time.monotonic() + timeout
+    for line in process.stdout:
+        if line.startswith(f"step {step:4d} |"):
+            return
+        assert time.monotonic() < deadline, f"the run did not reach step {step}"
+    raise AssertionError(f"train.py exited before step {step}: rc {process.wait()}")
+
+
+def finish(process, stderr, timeout):
+    """(exit code, stderr text, seconds it took to exit)."""
+    start = time.monotonic()
+    try:
+        rc = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError(f"train.py did not exit within {timeout}s")
+    stderr.seek(0)
+    return rc, stderr.read(), time.monotonic() - start
+
+
+def engine_processes(process):
+    return [p for p in psutil.Process(process.pid).children(recursive=True)]
+
+
+def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(tmp_path):
+    process, stderr = start_training(tmp_path)
+    wait_for_step(process, 2)
+    schedulers = [p for p in engine_processes(process) if "scheduler" in " ".join(p.cmdline()) + p.name()]
+    assert schedulers, [p.cmdline() for p in engine_processes(process)]
+    schedulers[0].kill()  # SIGKILL: no chance to say goodbye
+    rc, err, seconds = finish(process, stderr, timeout=60)
+    assert rc == 2 and seconds < 60
+    assert "EngineDiedError: the SGLang engine died: scheduler_0" in err and "Traceback" not in err
+    saved = checkpoint.latest(str(tmp_path))
+    state = checkpoint.read_trainer_state(saved)  # loadable: weights_only, and the model folder too
+    assert state["step"] >= 3 and f"saved in {saved}" in err
+    AutoModelForCausalLM.from_pretrained(saved)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
+    process, stderr = start_training(tmp_path, new_session=True)
+    wait_for_step(process, 1)
+    children = engine_processes(process)
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
+    rc, err, seconds = finish(process, stderr, timeout=60)
+    assert rc == 128 + signal.SIGINT and "stopped by SIGINT after a checkpoint; --resume continues" in err
+    assert "EngineDiedError" not in err and "Traceback" not in err  # the engine ignored Ctrl-C; we shut it down
+    saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
+    assert saved >= 2
+    assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # --resume continues from that step; SIGTERM twice exits at once, leaving the checkpoint as it was
+    process, stderr = start_training(tmp_path, resume=True)
+    wait_for_step(process, saved)
+    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGTERM)
+    rc, err, seconds = finish(process, stderr, timeout=30)
+    assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30
+    assert checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"] == saved
