@@ -7,7 +7,6 @@ or phase ordering (memory.py decides when release/resume happen; this file only 
 import array
 import asyncio
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -26,25 +25,6 @@ CPU_COMPAT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_c
 
 class RolloutError(RuntimeError):
     """The engine failed in a way the step cannot survive (too many failed requests, a stuck abort)."""
-
-
-class EngineDiedError(RolloutError):
-    """A process of the SGLang engine (scheduler, detokenizer) exited while the trainer needed it."""
-
-
-def talks_to_engine(method):
-    """Marks a RolloutEngine method that waits on the engine's processes: if one of them dies meanwhile, the
-    SIGQUIT handler raises EngineDiedError inside the wait (which would otherwise never end)."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if self.died:
-            raise EngineDiedError(self.died)
-        self._waiting_on_engine += 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._waiting_on_engine -= 1
-    return wrapper
 
 
 @dataclasses.dataclass
@@ -94,7 +74,6 @@ class RolloutEngine:
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         self._cancelling = set()  # rids this side aborted on purpose (any other abort is a failure)
-        self.died, self._waiting_on_engine = None, 0  # set by _on_engine_death; depth of `talks_to_engine` calls
         on_gpu = torch.cuda.is_available()
         # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
         # being oversubscribed (measured 70x faster generation than the default thread count).
@@ -132,10 +111,13 @@ class RolloutEngine:
                 sleep_on_idle=True, nccl_port=free_port(), trust_remote_code=trust_remote_code, **device_args)
         finally:
             signal.signal(signal.SIGINT, previous_sigint)
-        self._take_over_signals()
         root_logger.setLevel(root_level)
         root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager
+        # On its first request SGLang's tokenizer manager hooks SIGTERM to drain the engine and exit 0: the run
+        # would end without a checkpoint. SIGTERM goes to `on_sigterm` instead (the trainer's StopSignal).
+        self.on_sigterm = None
+        self.tokenizer_manager.signal_handler_class = sigterm_to_trainer(self.tokenizer_manager.signal_handler_class, self)
         # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
         # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.
         self.engine.freeze_gc()
@@ -143,33 +125,11 @@ class RolloutEngine:
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
-    def _take_over_signals(self):
-        """SGLang's SIGQUIT handler (its watchdog sends SIGQUIT when an engine process dies) kills this whole
-        process tree: exit 137, no message, nothing saved. Its SIGTERM handler drains and exits. Both are
-        replaced: a dead engine becomes EngineDiedError (the trainer saves and exits with a message), and
-        SIGTERM is the trainer's to handle. SGLang installs its loop's handlers on first use: done here first."""
-        self.engine.tokenizer_manager.auto_create_handle_loop()
-        loop = self.engine.tokenizer_manager.event_loop
-        for sig in (signal.SIGQUIT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGQUIT, self._on_engine_death)
-
-    def _on_engine_death(self, signum, frame):
-        watchdog = self.engine.tokenizer_manager._subprocess_watchdog  # sglang 0.5.23: the processes it polls
-        dead = [f"{name} (pid {p.pid}, exit code {p.exitcode})" for p, name in
-                zip(watchdog._processes, watchdog._names) if not p.is_alive()] if watchdog else []
-        self.died = f"the SGLang engine died: {', '.join(dead) or 'one of its processes failed'}"
-        log.error(self.died)
-        if self._waiting_on_engine:  # the trainer is blocked on a reply that will never come
-            raise EngineDiedError(self.died)
-
     def _run(self, coroutine):
         """Run an engine coroutine to completion on the engine's own event loop (we are not inside one)."""
         return self.engine.loop.run_until_complete(coroutine)
 
     # ------------------------------------------------------------------ generation
-    @talks_to_engine
     def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
                  max_response_tokens=0, resumes=()):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
@@ -358,7 +318,6 @@ class RolloutEngine:
         return len(self.tokenizer_manager.rid_to_state)
 
     # ------------------------------------------------------------------ weights and memory
-    @talks_to_engine
     def update_weights(self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor):
         """Push the trainer's parameters bucket by bucket, then stamp `version`.
 
@@ -399,12 +358,10 @@ class RolloutEngine:
         self.weight_version = version
         return num_buckets
 
-    @talks_to_engine
     def flush_cache(self):
         """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
         self.engine.flush_cache()
 
-    @talks_to_engine
     def release(self, tags):
         """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"), once the engine is idle."""
         self.wait_until_idle()
@@ -421,17 +378,31 @@ class RolloutEngine:
                                    "cannot release its memory")
             time.sleep(poll_s)
 
-    @talks_to_engine
     def resume(self, tags):
         self.engine.resume_memory_occupation(tags=tags)
 
-    @talks_to_engine
     def kv_cache_tokens(self):
         """Token capacity of the engine's KV pool (what `kv_cache` release frees)."""
         return self.engine.get_server_info()["max_total_num_tokens"]
 
     def shutdown(self):
         self.engine.shutdown()
+
+    def kill(self):
+        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown)."""
+        from sglang.srt.utils import kill_process_tree
+
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+def sigterm_to_trainer(sglang_signal_handler, rollout_engine):
+    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop), with SIGTERM
+    handed to `rollout_engine.on_sigterm`; SIGQUIT (an engine process died) keeps SGLang's handling."""
+    class SigtermToTrainer(sglang_signal_handler):
+        def sigterm_handler(self, signum=None, frame=None):
+            if rollout_engine.on_sigterm is not None:
+                rollout_engine.on_sigterm(signal.SIGTERM, frame)
+    return SigtermToTrainer
 
 
 def prepare_engine_environment():

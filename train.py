@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import random
 import signal
 import sys
@@ -28,7 +29,7 @@ from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import EngineDiedError, RolloutEngine, RolloutError, plan_launch
+from rollout import RolloutEngine, RolloutError, plan_launch
 
 log = logging.getLogger("train")
 
@@ -280,7 +281,6 @@ class Run:
     autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
     buffer: PartialBuffer | None  # partial rollout's unfinished samples and held groups; None when off
     start_step: int = 0
-    updates_done: int = 0  # optimizer steps the policy holds (what a checkpoint after a fault records)
 
 
 def setup(cfg, resume=False, engine=None):
@@ -334,7 +334,7 @@ def setup(cfg, resume=False, engine=None):
         else:
             buffer.load_state_dict(share_state(state["buffer"], parallel.rank(), world))
     return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
-               scheduler, device, autocast_dtype, buffer, start_step, updates_done=start_step)
+               scheduler, device, autocast_dtype, buffer, start_step)
 
 
 def train_step(run, step, plan, phases):
@@ -356,7 +356,6 @@ def train_step(run, step, plan, phases):
     train_start = time.perf_counter()
     phases.to_train()
     scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
-    run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
     # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
     sync_start = time.perf_counter()
     phases.sync(version=step + 1)
@@ -369,14 +368,14 @@ def train_step(run, step, plan, phases):
 
 def train(run):
     """The step loop: log, checkpoint, and stop cleanly: after the step on SIGINT/SIGTERM (returns the
-    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError), and with a
-    final checkpoint when the engine dies (EngineDiedError). Returns None when all steps ran."""
+    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError). Returns None
+    when all steps ran."""
     cfg, is_writer = run.cfg, parallel.rank() == 0
     logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
     plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())  # per rank
     phases = MemoryPhases(run.engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
                           engine_dtype=run.engine.dtype, reference=run.reference)
-    stop, bad_steps = StopSignal(), 0
+    stop, bad_steps = StopSignal(run.engine), 0
     try:
         for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                                 disable=not is_writer):
@@ -397,12 +396,6 @@ def train(run):
         if logger:
             logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
         return None
-    except EngineDiedError as e:
-        if parallel.world_size() > 1:  # the other ranks wait in collectives: the last periodic checkpoint stands
-            raise
-        path = checkpoint.save(cfg.run.out, run.updates_done, run)  # the trainer's state is intact: keep it
-        raise EngineDiedError(f"{e}. The trainer's state after {run.updates_done} updates is saved in {path}; "
-                              "--resume continues from it") from None
     finally:
         stop.restore()
         if logger:
@@ -411,23 +404,28 @@ def train(run):
 
 class StopSignal:
     """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save a checkpoint
-    and return; a second one exits at once (KeyboardInterrupt, no checkpoint). The engine's processes
-    ignore SIGINT (rollout.py), so a Ctrl-C in the terminal reaches only this decision."""
+    and return; a second one exits at once (the engine killed, no checkpoint, exit 130). The engine's
+    processes ignore SIGINT and hand SIGTERM here (rollout.py), so only the trainer decides."""
 
-    def __init__(self):
-        self.received = None
+    def __init__(self, engine):
+        self.received, self.engine = None, engine
         self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        engine.on_sigterm = self._handle
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.received:
-            raise KeyboardInterrupt(f"second signal ({name})")
+        if self.received:  # may run inside the engine's event loop, which swallows exceptions: exit from here
+            print(f"interrupted (second signal ({name})): exited at once; the last checkpoint stands",
+                  file=sys.stderr, flush=True)
+            self.engine.kill()
+            os._exit(130)
         self.received = name
         log.warning("%s: finishing this step, then a checkpoint and exit (send it again to exit at once)", name)
 
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self.engine.on_sigterm = None
 
 
 def configure_logging():

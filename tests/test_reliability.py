@@ -17,7 +17,6 @@ import typing
 import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import checkpoint
 import grpo
@@ -184,7 +183,7 @@ def test_degenerate_batches_give_finite_zeros(mode):
         assert torch.isfinite(logprobs.grad).all()
 
 
-def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog):
+def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog, monkeypatch):
     from test_train import rollout_batch
     cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
     run = train.setup(cfg, engine=engine)
@@ -198,11 +197,13 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
                    if torch.is_tensor(s))  # AdamW's moments stay clean
     advantages[0] = 0.0
     assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0  # and it trains on
-    # in the loop: max_bad_updates steps in a row stop the run with a named error
-    with torch.no_grad():
-        next(run.policy.parameters()).fill_(math.nan)
+    # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself stays
+    # finite: a skipped update never reaches the engine)
+    poisoned = lambda trajectories, scale: (torch.full((len(trajectories),), math.nan), 0)  # noqa: E731
+    monkeypatch.setattr(train, "trajectory_advantages", poisoned)
     with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
         train.train(run)
+    assert all(torch.isfinite(p).all() for p in run.policy.parameters())
 
 
 # ---------------------------------------------------------------- engine faults and load
@@ -253,7 +254,7 @@ def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     print(f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB")
 
 
-# ---------------------------------------------------------------- the process: engine death, signals
+# ---------------------------------------------------------------- the process: signals
 def start_training(out_dir, *sets, new_session=False, resume=False):
     """`python train.py` on the CPU demo as a user starts it; stdout is read line by line."""
     command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(out_dir), *["--resume"] * resume,
@@ -292,21 +293,6 @@ def engine_processes(process):
     return [p for p in psutil.Process(process.pid).children(recursive=True)]
 
 
-def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(tmp_path):
-    process, stderr = start_training(tmp_path)
-    wait_for_step(process, 2)
-    schedulers = [p for p in engine_processes(process) if "scheduler" in " ".join(p.cmdline()) + p.name()]
-    assert schedulers, [p.cmdline() for p in engine_processes(process)]
-    schedulers[0].kill()  # SIGKILL: no chance to say goodbye
-    rc, err, seconds = finish(process, stderr, timeout=60)
-    assert rc == 2 and seconds < 60
-    assert "EngineDiedError: the SGLang engine died: scheduler_0" in err and "Traceback" not in err
-    saved = checkpoint.latest(str(tmp_path))
-    state = checkpoint.read_trainer_state(saved)  # loadable: weights_only, and the model folder too
-    assert state["step"] >= 3 and f"saved in {saved}" in err
-    AutoModelForCausalLM.from_pretrained(saved)
-
-
 def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
@@ -314,7 +300,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     rc, err, seconds = finish(process, stderr, timeout=60)
     assert rc == 128 + signal.SIGINT and "stopped by SIGINT after a checkpoint; --resume continues" in err
-    assert "EngineDiedError" not in err and "Traceback" not in err  # the engine ignored Ctrl-C; we shut it down
+    assert "Traceback" not in err  # the engine's processes ignored Ctrl-C; the trainer shut them down
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -322,6 +308,10 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     process, stderr = start_training(tmp_path, resume=True)
     wait_for_step(process, saved)
     process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while "SIGTERM: finishing this step" not in open(tmp_path / "stderr.txt").read():  # one signal, seen
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     rc, err, seconds = finish(process, stderr, timeout=30)
     assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30
