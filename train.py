@@ -126,8 +126,10 @@ def score(samples, prompts, tokenizer, reward_fn):
 def trajectory_advantages(trajectories, scale_by_std):
     """GRPO advantage per trajectory, from its group's surviving trajectories: ([N], #degenerate groups)."""
     last = [turns[-1] for turns in trajectories]
-    return grpo.group_advantages(torch.tensor([s.reward for s in last]), torch.tensor([s.group_id for s in last]),
-                                 torch.tensor([not s.is_aborted for s in last]), scale_by_std)
+    # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
+    return grpo.group_advantages(torch.tensor([s.reward for s in last], dtype=torch.float),
+                                 torch.tensor([s.group_id for s in last], dtype=torch.long),
+                                 torch.tensor([not s.is_aborted for s in last], dtype=torch.bool), scale_by_std)
 
 
 def training_sequences(trajectories, advantages, cfg, max_seq_len):

@@ -173,6 +173,7 @@ def test_degenerate_batches_give_finite_zeros(mode):
         assert advantages.tolist() == [0.0] * 4
     empty, _ = grpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), True)
     assert empty.numel() == 0
+    assert train.trajectory_advantages([], scale_by_std=True)[0].numel() == 0  # a partial step with no group done
     logprobs = torch.zeros(2, 3, requires_grad=True)
     for mask in (torch.zeros(2, 3), torch.zeros(0, 3)):  # nothing trained; an empty batch
         lp = logprobs[:len(mask)]
