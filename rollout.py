@@ -27,6 +27,10 @@ class RolloutError(RuntimeError):
     """The engine failed in a way the step cannot survive (too many failed requests, a stuck abort)."""
 
 
+class EngineDiedError(RolloutError):
+    """A process of the SGLang engine (its scheduler) exited while the trainer needed it."""
+
+
 @dataclasses.dataclass
 class LaunchPlan:
     """What to launch for one training rollout and when to stop waiting (validation uses none)."""
@@ -114,6 +118,13 @@ class RolloutEngine:
         root_logger.setLevel(root_level)
         root_logger.handlers[:] = root_handlers
         self.tokenizer_manager = self.engine.tokenizer_manager
+        # SGLang's watchdog sends this process SIGQUIT when a scheduler dies, and SGLang's SIGQUIT handler then
+        # kills the whole process tree (exit 137, nothing saved). We stop it and watch the same processes
+        # ourselves, from inside every wait on the engine, to end the step with EngineDiedError instead.
+        watchdog = self.tokenizer_manager._subprocess_watchdog  # sglang 0.5.23: the scheduler processes it polls
+        self._engine_processes = list(zip(watchdog._processes, watchdog._names)) if watchdog else []
+        if watchdog:
+            watchdog.stop()
         # On its first request SGLang's tokenizer manager hooks SIGTERM to drain the engine and exit 0: the run
         # would end without a checkpoint. SIGTERM goes to `on_sigterm` instead (the trainer's StopSignal).
         self.on_sigterm = None
@@ -126,8 +137,26 @@ class RolloutEngine:
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
     def _run(self, coroutine):
-        """Run an engine coroutine to completion on the engine's own event loop (we are not inside one)."""
-        return self.engine.loop.run_until_complete(coroutine)
+        """Run an engine coroutine to completion on the engine's own event loop (we are not inside one),
+        checking twice a second that the engine's processes are alive: a dead scheduler never answers."""
+        return self.engine.loop.run_until_complete(self._while_alive(coroutine))
+
+    async def _while_alive(self, coroutine):
+        task = asyncio.ensure_future(coroutine)
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done():
+                self.check_alive(cancel=task)
+        return task.result()
+
+    def check_alive(self, cancel=None):
+        """Raise EngineDiedError if a process of the engine has exited (cancelling `cancel` first)."""
+        dead = [f"{name} (pid {p.pid}, exit code {p.exitcode})" for p, name in self._engine_processes
+                if not p.is_alive()]
+        if dead:
+            if cancel is not None:
+                cancel.cancel()
+            raise EngineDiedError(f"the SGLang engine died: {', '.join(dead)}")
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
@@ -338,6 +367,7 @@ class RolloutEngine:
                 raise RolloutError(f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
                                    f"model ({self.weight_shapes.get(name, 'no such tensor')})")
 
+        self.check_alive()  # SGLang's own blocking call: it would wait forever on a dead engine
         self.engine.begin_weight_update()
         bucket, size, num_buckets = [], 0, 0
         for i, (name, param) in enumerate(named_params):
@@ -354,17 +384,20 @@ class RolloutEngine:
             if not ok:
                 raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
             bucket, size, num_buckets = [], 0, num_buckets + 1  # the pushed tensors are freed here
+        self.check_alive()
         self.engine.end_weight_update()
         self.weight_version = version
         return num_buckets
 
     def flush_cache(self):
         """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
+        self.check_alive()
         self.engine.flush_cache()
 
     def release(self, tags):
         """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"), once the engine is idle."""
         self.wait_until_idle()
+        self.check_alive()
         self.engine.release_memory_occupation(tags=tags)
 
     def wait_until_idle(self, poll_s=0.01):
@@ -372,13 +405,17 @@ class RolloutEngine:
         GPU) runs one more iteration, and release asserts idleness. flush_cache succeeds only on an idle
         scheduler (and drops the prefix cache, which a release frees anyway): retry it until it does."""
         deadline = time.perf_counter() + self.cfg.abort_timeout_s
-        while not self.engine.flush_cache().success:
+        while True:
+            self.check_alive()
+            if self.engine.flush_cache().success:
+                break
             if time.perf_counter() > deadline:
                 raise RolloutError(f"the engine was not idle {self.cfg.abort_timeout_s}s after the rollout: "
                                    "cannot release its memory")
             time.sleep(poll_s)
 
     def resume(self, tags):
+        self.check_alive()
         self.engine.resume_memory_occupation(tags=tags)
 
     def kv_cache_tokens(self):

@@ -29,7 +29,7 @@ from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import RolloutEngine, RolloutError, plan_launch
+from rollout import EngineDiedError, RolloutEngine, RolloutError, plan_launch
 
 log = logging.getLogger("train")
 
@@ -283,6 +283,7 @@ class Run:
     autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
     buffer: PartialBuffer | None  # partial rollout's unfinished samples and held groups; None when off
     start_step: int = 0
+    updates_done: int = 0  # optimizer steps the policy holds (the step a checkpoint after a fault records)
 
 
 def setup(cfg, resume=False, engine=None):
@@ -336,7 +337,7 @@ def setup(cfg, resume=False, engine=None):
         else:
             buffer.load_state_dict(share_state(state["buffer"], parallel.rank(), world))
     return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
-               scheduler, device, autocast_dtype, buffer, start_step)
+               scheduler, device, autocast_dtype, buffer, start_step, updates_done=start_step)
 
 
 def train_step(run, step, plan, phases):
@@ -358,6 +359,7 @@ def train_step(run, step, plan, phases):
     train_start = time.perf_counter()
     phases.to_train()
     scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
+    run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
     # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
     sync_start = time.perf_counter()
     phases.sync(version=step + 1)
@@ -370,8 +372,8 @@ def train_step(run, step, plan, phases):
 
 def train(run):
     """The step loop: log, checkpoint, and stop cleanly: after the step on SIGINT/SIGTERM (returns the
-    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError). Returns None
-    when all steps ran."""
+    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError), and with a
+    checkpoint when the engine dies (EngineDiedError). Returns None when all steps ran."""
     cfg, is_writer = run.cfg, parallel.rank() == 0
     logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
     plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())  # per rank
@@ -398,6 +400,12 @@ def train(run):
         if logger:
             logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
         return None
+    except EngineDiedError as e:
+        if parallel.world_size() > 1:  # the other ranks wait in collectives: the last periodic checkpoint stands
+            raise
+        path = checkpoint.save(cfg.run.out, run.updates_done, run)  # the trainer's own state is intact: keep it
+        raise EngineDiedError(f"{e}. The trainer's state after {run.updates_done} updates is saved in {path}; "
+                              "--resume continues from it") from None
     finally:
         stop.restore()
         if logger:

@@ -1,6 +1,7 @@
 """Reliability: faults injected into the real engine and the trainer, hostile input, and the security
 rules. Each test breaks one guarantee on purpose and checks the named error, the counted skip, or that
 nothing hangs and nothing is lost (README "Guarantees" lists them)."""
+import asyncio
 import dataclasses
 import json
 import math
@@ -17,6 +18,7 @@ import typing
 import psutil
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import checkpoint
 import grpo
@@ -255,7 +257,7 @@ def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     print(f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB")
 
 
-# ---------------------------------------------------------------- the process: signals
+# ---------------------------------------------------------------- the process: engine death, signals
 def start_training(out_dir, *sets, new_session=False, resume=False):
     """`python train.py` on the CPU demo as a user starts it; stdout is read line by line."""
     command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(out_dir), *["--resume"] * resume,
@@ -294,6 +296,21 @@ def engine_processes(process):
     return [p for p in psutil.Process(process.pid).children(recursive=True)]
 
 
+def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(tmp_path):
+    process, stderr = start_training(tmp_path)
+    wait_for_step(process, 2)
+    schedulers = [p for p in engine_processes(process) if "scheduler" in " ".join(p.cmdline()) + p.name()]
+    assert schedulers, [p.cmdline() for p in engine_processes(process)]
+    schedulers[0].kill()  # SIGKILL: no chance to say goodbye
+    rc, err, seconds = finish(process, stderr, timeout=60)
+    assert rc == 2 and seconds < 60, err[-2000:]
+    assert "EngineDiedError: the SGLang engine died: scheduler_0" in err and "Traceback" not in err
+    saved = checkpoint.latest(str(tmp_path))
+    state = checkpoint.read_trainer_state(saved)  # loadable: the trainer state and the model folder
+    assert state["step"] >= 3 and f"saved in {saved}" in err
+    AutoModelForCausalLM.from_pretrained(saved)
+
+
 def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
@@ -317,3 +334,51 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     rc, err, seconds = finish(process, stderr, timeout=30)
     assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30
     assert checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"] == saved
+
+
+KEEP_SAVING = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import checkpoint, train
+from config import load_config
+cfg = load_config("configs/tiny.yaml", ["run.out={out}"])
+policy, tokenizer = train.build_policy(cfg, None)
+optimizer = torch.optim.AdamW(policy.parameters())
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+run = train.Run(cfg, policy, None, tokenizer, [], [], None, None, None, optimizer, scheduler,
+                torch.device("cpu"), None, None)
+for step in range(1, 10_000):
+    with torch.no_grad():
+        next(policy.parameters()).fill_(step)  # each checkpoint's weights say which step wrote them
+    checkpoint.save("{out}", step, run)
+    print(step, flush=True)
+"""
+
+
+def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable(tmp_path):
+    """A process saving checkpoints back to back is SIGKILLed at a random moment, several times: the
+    newest complete checkpoint always loads, with the weights of the step it names."""
+    rng = random.Random(0)
+    for attempt in range(3):
+        out = tmp_path / f"run{attempt}"
+        process = subprocess.Popen([sys.executable, "-c", KEEP_SAVING.format(repo=REPO, out=out)], cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        for _ in range(rng.randint(2, 4)):  # let a few checkpoints complete
+            assert process.stdout.readline(), "the saving process died on its own"
+        time.sleep(rng.uniform(0, 0.3))  # then kill it somewhere inside the next save
+        process.kill()
+        process.wait()
+        saved = checkpoint.latest(str(out))
+        step = checkpoint.read_trainer_state(saved)["step"]
+        model = AutoModelForCausalLM.from_pretrained(saved)
+        assert torch.all(next(model.parameters()) == step)  # complete: the weights of that very step
+
+
+def test_no_rollout_task_outlives_its_rollout(engine, tmp_path):
+    from rollout import plan_launch
+    plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4)
+    for rollout_plan in (None, plan):
+        engine.generate(PROMPTS, 8, 1.0, 64, rollout_plan)
+        ours = [t for t in asyncio.all_tasks(engine.engine.loop)
+                if t.get_coro().__qualname__.startswith("RolloutEngine.")]
+        assert not [t for t in ours if not t.done()] and engine.num_in_flight() == 0
