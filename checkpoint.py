@@ -81,3 +81,15 @@ def export_for_engine(policy, tokenizer, out_dir):
         save_hf(policy, tokenizer, model_dir)
     parallel.barrier()
     return model_dir
+
+
+def tensor_shapes(model_path):
+    """{tensor name: shape} of the HF checkpoint the engine loaded (all safetensors shards)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(os.listdir(model_path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(model_path, file), "pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes

@@ -17,6 +17,7 @@ import uuid
 
 import torch
 
+import checkpoint
 from sample import Sample
 
 log = logging.getLogger("rollout")
@@ -132,7 +133,7 @@ class RolloutEngine:
         # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
         # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.
         self.engine.freeze_gc()
-        self.weight_shapes = checkpoint_shapes(model_path)
+        self.weight_shapes = checkpoint.tensor_shapes(model_path)
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
@@ -318,12 +319,10 @@ class RolloutEngine:
             while rid in self.tokenizer_manager.rid_to_state and time.perf_counter() < deadline:
                 await asyncio.sleep(0.01)
             log.error("request %s timed out after rollout.request_timeout_s=%s", rid, self.cfg.request_timeout_s)
-            return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
-                          weight_version=self.weight_version, latency_s=time.perf_counter() - start)
+            return self._failed(prompt_ids, group_id, start)
         except Exception as e:  # noqa: BLE001 - counted and logged: never silently turned into padding
             log.error("request %s failed inside the engine: %r", rid, e)
-            return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
-                          weight_version=self.weight_version, latency_s=time.perf_counter() - start)
+            return self._failed(prompt_ids, group_id, start)
         meta = out["meta_info"]
         reason = (meta.get("finish_reason") or {}).get("type", "error")
         if reason == "abort" and rid not in self._cancelling:
@@ -341,6 +340,11 @@ class RolloutEngine:
                       is_aborted=reason in ("abort", "error"),
                       weight_version=int(version) if str(version).isdigit() else 0,
                       latency_s=time.perf_counter() - start)
+
+    def _failed(self, prompt_ids, group_id, start):
+        """The sample of a request that failed or timed out: no tokens, masked out, counted as "error"."""
+        return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
+                      weight_version=self.weight_version, latency_s=time.perf_counter() - start)
 
     def num_in_flight(self):
         """Requests the engine still tracks (0 after every rollout, cancelled or not)."""
@@ -474,18 +478,6 @@ def free_port(low=20000, high=29999):
             except OSError:
                 continue
     raise RolloutError(f"no free port in {low}-{high} for the engine's NCCL rendezvous")
-
-
-def checkpoint_shapes(model_path):
-    """{tensor name: shape} of the HF checkpoint the engine loaded (all safetensors shards)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(os.listdir(model_path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(model_path, file), "pt") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    return shapes
 
 
 def count_complete_groups(samples, group_size):
