@@ -35,7 +35,7 @@ class DataConfig:
     val_path: str = ""
     max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
     tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
-    tiny_max_operand: int = 50  # tiny_tool task: prompts "a+b=" with 1 <= a, b <= tiny_max_operand
+    tiny_operand_digits: int = 2  # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
     num_tiny_prompts: int = 4096  # tiny tasks: size of the drawn training set
     num_val_prompts: int = 64  # validation prompts used (all if fewer)
 
@@ -150,6 +150,8 @@ class Config:
                 raise ConfigError(f"{key}={value!r}: expected >= {low}")
         if self.rollout.over_sample_rate < 0 or self.rollout.time_factor <= 0 or not 0 < self.rollout.time_quantile <= 1:
             raise ConfigError("rollout.over_sample_rate must be >= 0, time_factor > 0 and 0 < time_quantile <= 1")
+        if self.data.tiny_operand_digits > 7:  # the calculator takes operands < 1e15
+            raise ConfigError(f"data.tiny_operand_digits={self.data.tiny_operand_digits}: expected <= 7")
         if self.train.lr <= 0 or self.train.clip_eps <= 0 or self.train.grad_clip <= 0:
             raise ConfigError(f"train.lr={self.train.lr}, clip_eps={self.train.clip_eps} and "
                               f"grad_clip={self.train.grad_clip} must all be > 0")
@@ -172,7 +174,7 @@ class Config:
                 ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
                 ("model.max_position_embeddings", m.max_position_embeddings, 2),
                 ("data.max_prompt_len", d.max_prompt_len, 1), ("data.tiny_max_count", d.tiny_max_count, 1),
-                ("data.tiny_max_operand", d.tiny_max_operand, 1), ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
+                ("data.tiny_operand_digits", d.tiny_operand_digits, 1), ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
                 ("data.num_val_prompts", d.num_val_prompts, 1), ("memory.bucket_mb", self.memory.bucket_mb, 1),
                 ("run.val_every", self.run.val_every, 1), ("run.checkpoint_every", self.run.checkpoint_every, 0)]
 

@@ -55,6 +55,7 @@ def rollout_metrics(samples, stats):
         "rollout/cancel_latency_s": stats.cancel_latency_s,  # decision -> every aborted request returned
         "rollout/tool_calls": stats.num_tool_calls,
         "rollout/tool_errors": stats.num_tool_errors,
+        "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
         "rollout/timed_out": stats.num_timed_out,
     }
     out["train/reward_mean"] = out["train/reward_mean_completed"]

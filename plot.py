@@ -16,6 +16,8 @@ PANELS = [
     ("validation reward", [("val/reward_mean", "greedy"), ("val/reward_mean_sampled", "sampled")]),
     ("response length (tokens)", [("rollout/response_len_mean", "mean"), ("rollout/response_len_p90", "p90")]),
     ("aborted ratio", [("rollout/aborted_ratio", "aborted")]),
+    ("tool use (multi-turn)", [("rollout/tool_calls_per_trajectory", "calls per trajectory"),
+                               ("val/tool_call_ratio", "val: share that called"), ("merge/ratio", "merge ratio")]),
     ("step time (s)", [("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("timing/train_s", "train")]),
 ]
 

@@ -164,8 +164,9 @@ class RolloutEngine:
                  max_response_tokens=0, resumes=()):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
 
-        prompts: list of token-id lists. A trajectory is one turn, or with a `tool` (response ids ->
-        (observation ids, is_error), or None when the response makes no tool call) up to `max_turns`
+        prompts: list of token-id lists. A trajectory is one turn, or with a `tool` ((response ids, the
+        trajectory's prompt ids) -> (observation ids, is_error), or None when the response makes no
+        tool call) up to `max_turns`
         turns within `max_response_tokens` generated + observation tokens. `resumes` (partial rollout,
         single-turn only): unfinished samples launched first, each continued from its prompt + partial
         response with what is left of the budget; the caller gives them group ids apart from the new
@@ -277,19 +278,26 @@ class RolloutEngine:
                 turns[-1].finish_reason = "abort"  # cancelled while its tool ran: unfinished
                 break
             remaining = budget - (len(context) - len(prompt_ids))
-            if remaining <= 0:
-                break  # token budget spent on earlier turns and observations
+            if remaining <= 0:  # token budget spent on earlier turns and observations
+                turns[-1].finish_reason = "length"  # its last call is never answered: truncated
+                break
             rid = self._current_rid[trajectory_id] = uuid.uuid4().hex  # uuid: SGLang aborts by rid *prefix*
             turn_sampling = {**sampling, "max_new_tokens": min(sampling["max_new_tokens"], remaining)}
             sample = await self._generate_one(rid, context, group_id, turn_sampling, start)
             sample.trajectory_id, sample.turn = trajectory_id, turn
             turns.append(sample)
-            observation = tool(sample.response_ids) if tool and sample.finish_reason == "stop" else None
-            if observation is None:
+            if tool is None or sample.finish_reason != "stop" or sample.response_ids[-1:].tolist() != [tool.call_end_id]:
                 break  # an answer, a length cut, an abort or an error ends the trajectory
+            if turn == max_turns - 1:
+                sample.finish_reason = "length"  # a call with no turn left to read the result: truncated, not an answer
+                break
+            observation = tool(sample.response_ids, prompt_ids)
+            if observation is None:
+                break
             observation_ids, is_error = observation
             stats.num_tool_calls += 1
             stats.num_tool_errors += is_error
+            sample.tool_call = -1 if is_error else 1
             # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
             context = context + sample.response_ids + array.array("i", observation_ids)
         if any(t.is_aborted or t.finish_reason == "abort" for t in turns):

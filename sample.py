@@ -33,6 +33,7 @@ class Sample:
     # rollout, buffer.py) mixes versions; left empty, every token gets `weight_version`.
     versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     times_resumed: int = 0       # partial rollout: steps this sample was continued in after a cancellation
+    tool_call: int = 0           # multi-turn: 1 = this turn ended in a well-formed tool call, -1 = a malformed one
 
     def __post_init__(self):
         for name, typecode in PER_TOKEN_TYPECODES.items():

@@ -29,7 +29,7 @@ class Prompt:
 # ---------------------------------------------------------------- tiny demo task
 # Prompt "<bos>17:", target "a" * 17 then <eos>. N ~ 1/N up to max_count, so most answers are short
 # and a few are long: the long-tailed length distribution RL rollouts have (shared/notes/tiny-demo.md).
-TINY_CHARS = "0123456789:a+-.=[]()?"  # one vocab for both tiny tasks (tiny_tool uses "+-.=[]()?")
+TINY_CHARS = "0123456789:a+-.=*/()?"  # one vocab for both tiny tasks (tiny_tool uses "*-=?")
 
 
 def build_char_tokenizer(chars=TINY_CHARS):
@@ -69,25 +69,48 @@ def tiny_reward(response_text, answer, finished):
 
 
 # ---------------------------------------------------------------- tiny tool task
-# Prompt "<bos>12+35=", answer "47". The model may call the calculator by writing "[12+35]"; the
-# rollout appends the observation "(47)" and generation goes on. From random init the model writes
-# "[" and "]" by chance, so the multi-turn path (tool, observation, merge) runs from the first step.
-def tiny_tool_prompts(tokenizer, num_prompts, max_operand, seed):
+# Prompt "<bos>37*85-3141=", answer "4": a product minus a number just below it, so the answer is a digit
+# from 2 to 9 that depends jointly on the last digits of all three numbers (no pair of them tells it) and
+# not at all on the leading ones. A ~130k-parameter model does not learn that from its reward in minutes:
+# without the tool it guesses (1 in 8). The call is one token, "?", ending a turn: the calculator
+# evaluates the question and the rollout appends "=4"; the model answers by repeating the digit.
+# Random init ends its first turn with "?" in about a quarter of the samples, so calls are found by sampling.
+def tiny_tool_prompts(tokenizer, num_prompts, digits, seed):
     rng = random.Random(seed)
     prompts = []
     for _ in range(num_prompts):
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-        ids = [tokenizer.bos_token_id] + tokenizer(f"{a}+{b}=", add_special_tokens=False).input_ids
-        prompts.append(Prompt(prompt_ids=ids, answer=str(a + b)))
+        a, b = rng.randint(10 ** (digits - 1), 10 ** digits - 1), rng.randint(10 ** (digits - 1), 10 ** digits - 1)
+        answer = rng.randint(2, 9)
+        ids = [tokenizer.bos_token_id] + tokenizer(f"{a}*{b}-{a * b - answer}=", add_special_tokens=False).input_ids
+        prompts.append(Prompt(prompt_ids=ids, answer=str(answer)))
     return prompts
 
 
 def tiny_tool_reward(response_text, answer, finished):
-    """Positionwise credit of the final answer (the last turn's text) against the sum's digits."""
-    if not finished:
+    """Positionwise credit of the final answer (the last turn's text), whether or not it ended: 1 for
+    exactly the digit. A last turn that is a call ("...?") was never answered: 0."""
+    if response_text.endswith("?"):
         return 0.0
     matches = sum(a == b for a, b in zip(response_text, answer))
     return matches / max(len(response_text), len(answer))
+
+
+class QuestionCalculator:
+    """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the question (the
+    prompt's expression; the turn's other text is ignored); the observation is "=4". The expression
+    still goes through calculator.calculate (never eval)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.call_end_id = tokenizer.convert_tokens_to_ids("?")  # rollout stops generation on it
+
+    def __call__(self, response_ids, prompt_ids):
+        if not response_ids or response_ids[-1] != self.call_end_id:
+            return None
+        question = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        result = calculate(question.removesuffix("="))
+        observation = "=?" if result.startswith("error") else f"={result}"
+        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith("error")
 
 
 class CalculatorTool:
@@ -103,7 +126,7 @@ class CalculatorTool:
         self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)  # rollout stops generation on it
         self.parse_call, self.format_observation = parse_call, format_observation
 
-    def __call__(self, response_ids):
+    def __call__(self, response_ids, prompt_ids=()):  # the call is in the response; the prompt is not read
         if not response_ids or response_ids[-1] != self.call_end_id:
             return None
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
@@ -112,12 +135,6 @@ class CalculatorTool:
         result = calculate(expression) if expression is not None else "error: malformed tool call"
         observation = self.format_observation(result)
         return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith("error")
-
-
-def tiny_calculator(tokenizer):
-    """"[12+35]" calls; the observation is "(47)", or "(?)" on an error (the vocab has no letters)."""
-    return CalculatorTool(tokenizer, "[", "]", parse_call=lambda call: call,
-                          format_observation=lambda result: "(?)" if result.startswith("error") else f"({result})")
 
 
 CALCULATOR_SCHEMA = {"type": "function", "function": {

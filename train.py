@@ -87,9 +87,10 @@ def build_task(cfg, tokenizer):
         val = tasks.tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
         return train, val, tasks.tiny_reward, None
     if d.task == "tiny_tool":
-        train = tasks.tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_operand, seed=seed)
-        val = tasks.tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_max_operand, seed=seed + 1)
-        return train, val, tasks.tiny_tool_reward, tasks.tiny_calculator(tokenizer)
+        train = tasks.tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_operand_digits, seed=seed)
+        val = tasks.tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_operand_digits, seed=seed + 1)
+        tool = tasks.QuestionCalculator(tokenizer) if cfg.rollout.max_turns > 1 else None  # 1 turn: no tool
+        return train, val, tasks.tiny_tool_reward, tool
     use_tool = cfg.rollout.max_turns > 1
     tools = [tasks.CALCULATOR_SCHEMA] if use_tool else None
     train = tasks.gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len, tools)
@@ -248,10 +249,15 @@ def validate(run):
     out, prompts = {}, rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
         samples = generate(run, prompts, 1, temperature)[0] if prompts else []
-        rewards = [turns[-1].reward for turns in score(samples, prompts, run.tokenizer, run.reward_fn)]
-        total, correct, count = parallel.all_reduce([sum(rewards), sum(r >= 1.0 for r in rewards), len(rewards)])
+        trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+        rewards = [turns[-1].reward for turns in trajectories]
+        called = sum(any(t.tool_call == 1 for t in turns) for turns in trajectories)  # >= 1 well-formed call
+        total, correct, calls, count = parallel.all_reduce(
+            [sum(rewards), sum(r >= 1.0 for r in rewards), called, len(rewards)])
         out[f"val/reward_mean{suffix}"] = total / count
         out[f"val/accuracy{suffix}"] = correct / count
+        if run.tool is not None:
+            out[f"val/tool_call_ratio{suffix}"] = calls / count
     return out
 
 

@@ -131,6 +131,29 @@ def test_tiny_task_and_reward():
     assert tasks.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
 
 
+def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
+    """Prompts "a*b-c=" whose value is a digit 2..9; "?" ending a turn gets that value from the calculator."""
+    tokenizer = tasks.build_char_tokenizer()
+    prompts = tasks.tiny_tool_prompts(tokenizer, 2000, 2, seed=0)
+    tool = tasks.QuestionCalculator(tokenizer)
+    ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    for p in prompts[:50]:
+        question = tokenizer.decode(p.prompt_ids, skip_special_tokens=True)
+        a, rest = question.removesuffix("=").split("*")
+        b, c = rest.split("-")
+        assert int(a) * int(b) - int(c) == int(p.answer) and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+        for call in ("?", "31?"):  # text before the "?" is ignored
+            observation, is_error = tool(ids(call), p.prompt_ids)
+            assert not is_error and tokenizer.decode(observation) == "=" + p.answer
+        assert tool(ids("3"), p.prompt_ids) is None  # no call: the turn is the answer
+    answers = [p.answer for p in prompts]
+    assert set(answers) == set("23456789") and max(map(answers.count, set(answers))) < 0.15 * len(answers)
+    assert tasks.tiny_tool_reward("4", "4", finished=False) == 1.0  # a one-token turn ends by length
+    assert tasks.tiny_tool_reward("5", "4", finished=True) == 0.0
+    assert tasks.tiny_tool_reward("43", "4", finished=True) == 0.5
+    assert tasks.tiny_tool_reward("4?", "4", finished=True) == 0.0  # a call never answered is no answer
+
+
 def test_qwen_tool_call_format_round_trip():
     """The chat-template tool format (Qwen2.5/Qwen3): parse the JSON call, answer in a tool turn."""
     tokenizer = _wide_char_tokenizer()

@@ -5,7 +5,9 @@ import torch
 
 import batching
 import grpo
+import tasks
 import train
+from config import load_config
 from conftest import tiny_config
 
 
@@ -19,15 +21,15 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     samples, stats = train.generate(run, run.train_prompts[:16], 8, 1.0)
     trajectories = train.score(samples, run.train_prompts[:16], run.tokenizer, run.reward_fn)
     multi = [t for t in trajectories if len(t) > 1]
-    assert multi and stats.num_tool_calls >= len(multi)  # random init writes "[...]" by chance
+    assert multi and stats.num_tool_calls >= len(multi)  # random init ends a turn with "?" by chance
     for turns in multi:
         assert [t.turn for t in turns] == list(range(len(turns)))
         for before, after in zip(turns, turns[1:]):
             history = before.prompt_ids + before.response_ids
             assert after.prompt_ids[:len(history)] == history  # prefix: the turns merge
             observation = run.tokenizer.decode(after.prompt_ids[len(history):])
-            assert observation.startswith("(") and observation.endswith(")")  # "(47)" or "(?)"
-            assert before.response_ids[-1] == run.tool.call_end_id
+            assert observation == "=" + run.train_prompts[before.group_id].answer  # the calculator's result
+            assert before.response_ids[-1] == run.tool.call_end_id and before.tool_call == 1
         assert len({t.reward for t in turns}) == 1  # the trajectory's reward on every turn
         budget = 24 * 4
         assert len(turns[-1].prompt_ids) + len(turns[-1].response_ids) - len(turns[0].prompt_ids) <= budget
@@ -60,11 +62,36 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     assert math.isclose(merged_loss, stepwise_loss, rel_tol=1e-5, abs_tol=1e-7)
 
 
-def test_tool_demo_steps_end_to_end(engine, tmp_path):
-    run = tool_run(engine, tmp_path, "train.steps=2", "run.val_every=100")
-    train.train(run)
-    logged = {}
+def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine, tmp_path):
+    run = tool_run(engine, tmp_path, "rollout.max_turns=2")
+    prompts = run.train_prompts[:16]
+    samples, stats = train.generate(run, prompts, 8, 1.0)
+    trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
+    unanswered = [t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]]
+    assert unanswered  # random init ends both turns with "?" in a few of 128 trajectories
+    for turns in unanswered:
+        assert len(turns) == 2 and turns[-1].finish_reason == "length" and turns[-1].tool_call == 0
+        assert turns[-1].reward == 0.0  # never executed, never scored as an answer
+    assert stats.num_tool_calls == sum(t.tool_call != 0 for t in samples)  # only executed calls count
+    # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never answered
+    run.cfg.rollout.max_new_tokens, run.cfg.rollout.max_response_tokens = 1, 3
+    samples, stats = train.generate(run, run.train_prompts[:64], 8, 1.0)
+    called = [s for s in samples if s.tool_call == 1]
+    assert called and all(s.finish_reason == "length" and s.turn == 0 for s in called)
+    assert len(samples) == 64 * 8  # no second turn was started
+
+
+def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
+    """configs/tiny_tool.yaml as shipped (fewer steps and prompts): merged turns, tool metrics in TensorBoard."""
     from test_train import scalars
+    cfg = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "train.steps=2", "run.val_every=1",
+                                                 "data.num_val_prompts=16", "rollout.prompts_per_step=16"])
+    run = train.setup(cfg, engine=engine)
+    assert isinstance(run.tool, tasks.QuestionCalculator)
+    train.train(run)
     logged = scalars(tmp_path)
-    assert max(logged["merge/ratio"]) > 1 and max(logged["rollout/tool_calls"]) > 0
+    assert max(logged["rollout/tool_calls"]) > 0 and max(logged["merge/ratio"]) > 1  # one-token turns: "?" ~1 in 25
+    assert all(0 <= v <= 1 for v in logged["val/tool_call_ratio"]) and len(logged["val/tool_call_ratio"]) == 3
     assert all(math.isfinite(v) for v in logged["train/loss"])
+    no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
+    assert train.build_task(no_tool, run.tokenizer)[3] is None  # the switch the README gives turns the tool off
