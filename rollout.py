@@ -166,8 +166,7 @@ class RolloutEngine:
 
         prompts: list of token-id lists. A trajectory is one turn, or with a `tool` ((response ids, the
         trajectory's prompt ids) -> (observation ids, is_error), or None when the response makes no
-        tool call) up to `max_turns`
-        turns within `max_response_tokens` generated + observation tokens. `resumes` (partial rollout,
+        tool call) up to `max_turns` turns within `max_response_tokens` generated + observation tokens. `resumes` (partial rollout,
         single-turn only): unfinished samples launched first, each continued from its prompt + partial
         response with what is left of the budget; the caller gives them group ids apart from the new
         prompts' (0..). Returns (every turn of every trajectory in launch order, resumes first, with

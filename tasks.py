@@ -1,4 +1,5 @@
-"""Tasks and rewards: the tiny CPU demo task (count letters), GSM8K, and the char tokenizer of the demo.
+"""Tasks and rewards: the tiny CPU demo tasks (count letters; calculator questions), GSM8K, the demos'
+char tokenizer, and the calculator tool adapters (the tiny demo's "?" and Qwen's JSON tool calls).
 
 Owns prompt construction, data loading (bad rows counted and skipped) and reward functions.
 Does not own the model, the engine or batching order (train.py draws batches from these lists).
@@ -116,8 +117,8 @@ class QuestionCalculator:
 class CalculatorTool:
     """Turns a response that ends in a tool call into observation tokens for the next turn.
 
-    Called by rollout.py with the response ids; returns (observation ids, is_error), or None when the
-    response makes no tool call (it is the answer). The call is untrusted model text: it only ever
+    Called by rollout.py with the response ids (and the trajectory's prompt ids, which this adapter does not
+    read); returns (observation ids, is_error), or None when the response makes no tool call (it is the answer). The call is untrusted model text: it only ever
     reaches calculator.calculate, which parses it and answers errors as text, never by raising.
     """
 
