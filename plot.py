@@ -16,10 +16,11 @@ PANELS = [
     ("validation reward", [("val/reward_mean", "greedy"), ("val/reward_mean_sampled", "sampled")]),
     ("response length (tokens)", [("rollout/response_len_mean", "mean"), ("rollout/response_len_p90", "p90")]),
     ("aborted ratio", [("rollout/aborted_ratio", "aborted")]),
-    ("tool use (multi-turn)", [("rollout/tool_calls_per_trajectory", "calls per trajectory"),
-                               ("val/tool_call_ratio", "val: share that called"), ("merge/ratio", "merge ratio")]),
     ("step time (s)", [("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("timing/train_s", "train")]),
 ]
+# drawn only for runs that called a tool (a single-turn run logs these as flat 0 and 1)
+TOOL_PANEL = ("tool use (multi-turn)", [("rollout/tool_calls_per_trajectory", "calls per trajectory"),
+                                        ("val/tool_call_ratio", "val: share that called"), ("merge/ratio", "merge ratio")])
 
 
 def read_scalars(run_dir):
@@ -43,7 +44,9 @@ def plot(run_dir, out_path, title=None):
     import matplotlib.pyplot as plt
 
     scalars = read_scalars(run_dir)
-    panels = [(title, [(m, label) for m, label in curves if m in scalars]) for title, curves in PANELS]
+    called_tool = max(scalars.get("rollout/tool_calls", ([], [0]))[1], default=0) > 0
+    panels = [(title, [(m, label) for m, label in curves if m in scalars])
+              for title, curves in PANELS + [TOOL_PANEL] * called_tool]
     panels = [(title, curves) for title, curves in panels if curves]
     if not panels:
         raise ValueError(f"{run_dir}: none of the plotted metrics were logged")

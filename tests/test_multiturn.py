@@ -5,6 +5,7 @@ import torch
 
 import batching
 import grpo
+import plot
 import tasks
 import train
 from config import load_config
@@ -93,5 +94,7 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
     assert max(logged["rollout/tool_calls"]) > 0 and max(logged["merge/ratio"]) > 1  # one-token turns: "?" ~1 in 25
     assert all(0 <= v <= 1 for v in logged["val/tool_call_ratio"]) and len(logged["val/tool_call_ratio"]) == 3
     assert all(math.isfinite(v) for v in logged["train/loss"])
+    drawn = plot.plot(str(tmp_path), str(tmp_path / "curves.png"))  # the README's tool demo picture
+    assert {"rollout/tool_calls_per_trajectory", "val/tool_call_ratio", "merge/ratio", "val/reward_mean"} <= set(drawn)
     no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
     assert train.build_task(no_tool, run.tokenizer)[3] is None  # the switch the README gives turns the tool off

@@ -61,6 +61,7 @@ def test_three_steps_write_metrics(engine, tmp_path):
     assert os.path.getsize(tmp_path / "curves.png") > 10_000
     assert {"train/reward_mean_completed", "train/reward_mean_launched", "val/reward_mean", "val/reward_mean_sampled",
             "rollout/response_len_mean", "rollout/aborted_ratio", "timing/step_s"} <= set(drawn)
+    assert "rollout/tool_calls_per_trajectory" not in drawn  # no tool: no tool panel
 
 
 def rollout_batch(run, step):
