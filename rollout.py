@@ -8,7 +8,6 @@ import array
 import asyncio
 import dataclasses
 import logging
-import math
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ import uuid
 import torch
 
 import checkpoint
+from cancel import count_complete_groups, keep_first_complete_groups
 from sample import Sample
 
 log = logging.getLogger("rollout")
@@ -30,33 +30,6 @@ class RolloutError(RuntimeError):
 
 class EngineDiedError(RolloutError):
     """A process of the SGLang engine (its scheduler) exited while the trainer needed it."""
-
-
-@dataclasses.dataclass
-class LaunchPlan:
-    """What to launch for one training rollout and when to stop waiting (validation uses none)."""
-    cancel: str           # none | count | time | group
-    num_prompts: int      # prompts to launch (more than the batch when over-sampling)
-    group_size: int
-    target_samples: int   # count/time: finished samples that end the rollout
-    target_groups: int    # group: entirely finished groups that end the rollout
-    time_quantile: float = 0.8
-    time_factor: float = 1.5
-    partial: bool = False  # cancelled samples are suspended and resumed later (buffer.py), not dropped
-
-
-def plan_launch(cfg, num_prompts):
-    """Over-sampling arithmetic. `over_sample_rate` launches extra prompts and stops at the batch size;
-    `drop_rate` launches the batch and stops once all but its slowest fraction (samples or groups) finished."""
-    batch, group_size = num_prompts * cfg.group_size, cfg.group_size
-    extra = (cfg.time_quantile, cfg.time_factor, cfg.partial and cfg.max_staleness > 0)
-    if cfg.cancel == "none":
-        return LaunchPlan("none", num_prompts, group_size, batch, num_prompts, *extra)
-    if cfg.over_sample_rate > 0:
-        launched = math.ceil(num_prompts * (1 + cfg.over_sample_rate))
-        return LaunchPlan(cfg.cancel, launched, group_size, batch, num_prompts, *extra)
-    keep = 1 - cfg.drop_rate
-    return LaunchPlan(cfg.cancel, num_prompts, group_size, math.ceil(batch * keep), math.ceil(num_prompts * keep), *extra)
 
 
 @dataclasses.dataclass
@@ -165,11 +138,11 @@ class RolloutEngine:
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
 
         prompts: list of token-id lists. A trajectory is one turn, or with a `tool` ((response ids, the
-        trajectory's prompt ids) -> (observation ids, is_error), or None when the response makes no
-        tool call) up to `max_turns` turns within `max_response_tokens` generated + observation tokens. `resumes` (partial rollout,
-        single-turn only): unfinished samples launched first, each continued from its prompt + partial
-        response with what is left of the budget; the caller gives them group ids apart from the new
-        prompts' (0..). Returns (every turn of every trajectory in launch order, resumes first, with
+        trajectory's prompt ids) -> (observation ids, is_error), run on a turn ending in
+        `tool.call_end_id`) up to `max_turns` turns within `max_response_tokens` generated + observation
+        tokens. `resumes` (partial rollout, single-turn only): unfinished samples launched first, each
+        continued from its prompt + partial response with what is left of the budget; the caller gives
+        them group ids apart from the new prompts' (0..). Returns (every turn of every trajectory in launch order, resumes first, with
         `trajectory_id` numbering the trajectories 0.., RolloutStats).
         """
         sampling = {"temperature": temperature, "top_p": self.cfg.top_p if temperature > 0 else 1.0,
@@ -290,10 +263,7 @@ class RolloutEngine:
             if turn == max_turns - 1:
                 sample.finish_reason = "length"  # a call with no turn left to read the result: truncated, not an answer
                 break
-            observation = tool(sample.response_ids, prompt_ids)
-            if observation is None:
-                break
-            observation_ids, is_error = observation
+            observation_ids, is_error = tool(sample.response_ids, prompt_ids)
             stats.num_tool_calls += 1
             stats.num_tool_errors += is_error
             sample.tool_call = -1 if is_error else 1
@@ -485,26 +455,3 @@ def free_port(low=20000, high=29999):
             except OSError:
                 continue
     raise RolloutError(f"no free port in {low}-{high} for the engine's NCCL rendezvous")
-
-
-def count_complete_groups(samples, group_size):
-    """Groups all of whose `group_size` members finished (stopped or hit the length limit)."""
-    counts = {}
-    for s in samples:
-        if not s.is_aborted:
-            counts[s.group_id] = counts.get(s.group_id, 0) + 1
-    return sum(n == group_size for n in counts.values())
-
-
-def keep_first_complete_groups(samples, finished, group_size, num_groups):
-    """Group policy: keep the first `num_groups` groups to complete; mark every other sample dropped,
-    so group sizes never shrink (the alternative to per-sample dropping)."""
-    done_count, kept = {}, []
-    for s in finished:  # completion order
-        if not s.is_aborted:
-            done_count[s.group_id] = done_count.get(s.group_id, 0) + 1
-            if done_count[s.group_id] == group_size and len(kept) < num_groups:
-                kept.append(s.group_id)
-    for s in samples:
-        if s.group_id not in kept and not s.is_aborted:
-            s.is_aborted, s.finish_reason = True, "abort"

@@ -96,30 +96,12 @@ def tiny_tool_reward(response_text, answer, finished):
     return matches / max(len(response_text), len(answer))
 
 
-class QuestionCalculator:
-    """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the question (the
-    prompt's expression; the turn's other text is ignored); the observation is "=4". The expression
-    still goes through calculator.calculate (never eval)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.call_end_id = tokenizer.convert_tokens_to_ids("?")  # rollout stops generation on it
-
-    def __call__(self, response_ids, prompt_ids):
-        if not response_ids or response_ids[-1] != self.call_end_id:
-            return None
-        question = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
-        result = calculate(question.removesuffix("="))
-        observation = "=?" if result.startswith("error") else f"={result}"
-        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith("error")
-
-
 class CalculatorTool:
     """Turns a response that ends in a tool call into observation tokens for the next turn.
 
-    Called by rollout.py with the response ids (and the trajectory's prompt ids, which this adapter does not
-    read); returns (observation ids, is_error), or None when the response makes no tool call (it is the answer). The call is untrusted model text: it only ever
-    reaches calculator.calculate, which parses it and answers errors as text, never by raising.
+    Called by rollout.py with the response ids and the trajectory's prompt ids; returns (observation ids,
+    is_error), or None when the response makes no tool call (it is the answer). The call is untrusted model
+    text: it only ever reaches calculator.calculate, which parses it and answers errors as text, never by raising.
     """
 
     def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
@@ -127,15 +109,31 @@ class CalculatorTool:
         self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)  # rollout stops generation on it
         self.parse_call, self.format_observation = parse_call, format_observation
 
-    def __call__(self, response_ids, prompt_ids=()):  # the call is in the response; the prompt is not read
+    def __call__(self, response_ids, prompt_ids=()):
         if not response_ids or response_ids[-1] != self.call_end_id:
             return None
-        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
-        start = text.rfind(self.call_start)
-        expression = self.parse_call(text[start + len(self.call_start):-len(self.call_end)]) if start >= 0 else None
+        expression = self.expression(response_ids, prompt_ids)
         result = calculate(expression) if expression is not None else "error: malformed tool call"
         observation = self.format_observation(result)
         return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith("error")
+
+    def expression(self, response_ids, prompt_ids):
+        """The expression the call asks for: the text between the last call_start and call_end, parsed."""
+        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
+        start = text.rfind(self.call_start)
+        return self.parse_call(text[start + len(self.call_start):-len(self.call_end)]) if start >= 0 else None
+
+
+class QuestionCalculator(CalculatorTool):
+    """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the question (the
+    prompt's expression; the turn's other text is ignored); the observation is "=4"."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, "", "?", parse_call=None,
+                         format_observation=lambda result: "=?" if result.startswith("error") else f"={result}")
+
+    def expression(self, response_ids, prompt_ids):
+        return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).removesuffix("=")
 
 
 CALCULATOR_SCHEMA = {"type": "function", "function": {

@@ -29,7 +29,8 @@ from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics
-from rollout import EngineDiedError, RolloutEngine, RolloutError, plan_launch
+from cancel import plan_launch
+from rollout import EngineDiedError, RolloutEngine, RolloutError
 
 log = logging.getLogger("train")
 

@@ -24,7 +24,8 @@ import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from buffer import PartialBuffer  # noqa: E402
-from rollout import RolloutEngine, plan_launch  # noqa: E402
+from cancel import plan_launch  # noqa: E402
+from rollout import RolloutEngine  # noqa: E402
 
 
 def ideal_speedup(samples, plan):

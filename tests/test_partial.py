@@ -17,7 +17,7 @@ import merge
 import train
 from buffer import PartialBuffer
 from conftest import tiny_config
-from rollout import plan_launch
+from cancel import plan_launch
 from sample import NOT_GENERATED, Sample
 from test_train import scalars
 

@@ -245,7 +245,7 @@ def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     import resource
-    from rollout import plan_launch
+    from cancel import plan_launch
     prompts = [[1, 5 + i % 10, 12] for i in range(512)]
     plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 512)
     start = time.perf_counter()
@@ -375,7 +375,7 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
 
 
 def test_no_rollout_task_outlives_its_rollout(engine, tmp_path):
-    from rollout import plan_launch
+    from cancel import plan_launch
     plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4)
     for rollout_plan in (None, plan):
         engine.generate(PROMPTS, 8, 1.0, 64, rollout_plan)

@@ -10,7 +10,8 @@ import torch
 import batching
 import train
 from conftest import tiny_config
-from rollout import RolloutError, count_complete_groups, plan_launch
+from cancel import count_complete_groups, plan_launch
+from rollout import RolloutError
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
 
