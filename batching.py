@@ -61,7 +61,9 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     try:
         device_type = batch["input_ids"].device.type
         with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            # use_cache=False: the config's default (True for Qwen2.5) would build a DynamicCache that keeps every
+            # layer's K/V alive through the no-grad pass, for nothing (transformers utils/generic.py)
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     finally:
         del head.forward
     return out[..., 0], out[..., 1].detach()

@@ -105,6 +105,7 @@ class RunConfig:
     val_every: int = 10  # steps between validations (greedy and sampled)
     checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
     nproc: int = 0  # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
+    log_samples: int = 4  # greedy validation trajectories written to TensorBoard as text (val/samples)
 
 
 @dataclasses.dataclass
@@ -176,7 +177,8 @@ class Config:
                 ("data.max_prompt_len", d.max_prompt_len, 1), ("data.tiny_max_count", d.tiny_max_count, 1),
                 ("data.tiny_operand_digits", d.tiny_operand_digits, 1), ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
                 ("data.num_val_prompts", d.num_val_prompts, 1), ("memory.bucket_mb", self.memory.bucket_mb, 1),
-                ("run.val_every", self.run.val_every, 1), ("run.checkpoint_every", self.run.checkpoint_every, 0)]
+                ("run.val_every", self.run.val_every, 1), ("run.checkpoint_every", self.run.checkpoint_every, 0),
+                ("run.log_samples", self.run.log_samples, 0)]
 
 
 RENAMED = {"model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "

@@ -65,6 +65,20 @@ def rollout_metrics(samples, stats):
     return out
 
 
+def trajectory_texts(trajectories, tokenizer, count):
+    """Markdown of the first `count` trajectories: the prompt, then everything generated after it (every turn,
+    tool observations included) with special tokens kept, so a wrong stop or a malformed call shows."""
+    blocks = []
+    for turns in trajectories[:count]:
+        first, last = turns[0], turns[-1]
+        full = list(last.prompt_ids) + list(last.response_ids)  # a later turn's prompt holds the earlier turns
+        prompt = tokenizer.decode(list(first.prompt_ids), skip_special_tokens=False)
+        generated = tokenizer.decode(full[len(first.prompt_ids):], skip_special_tokens=False)
+        blocks.append(f"reward {last.reward:.3f}, finish {last.finish_reason}, {len(turns)} turn(s)\n\n"
+                      f"    {prompt[-300:]!r}\n\n    {generated!r}")  # indented: a code block, nothing rendered
+    return "\n\n---\n\n".join(blocks)
+
+
 class Logger:
     """TensorBoard writer + one console line per step; writes the resolved config at start."""
 
@@ -74,9 +88,11 @@ class Logger:
             yaml.safe_dump(dataclasses.asdict(config), f, sort_keys=False)
         self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
 
-    def log(self, step, scalars, echo=print):
+    def log(self, step, scalars, echo=print, texts=None):
         for name, value in scalars.items():
             self.writer.add_scalar(name, float(value), step)
+        for name, text in (texts or {}).items():
+            self.writer.add_text(name, text, step)
         self.writer.flush()  # a crash or Ctrl-C keeps every logged step visible in TensorBoard
         keys = [("reward", "train/reward_mean"), ("launched", "train/reward_mean_launched"),
                 ("val", "val/reward_mean"), ("val_sampled", "val/reward_mean_sampled"),

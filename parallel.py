@@ -33,6 +33,13 @@ def local_rank():
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def gpu_index(device_count=None):
+    """This rank's GPU: its LOCAL_RANK, or 0 when the launcher shows each rank one GPU (SLURM
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank): `cuda:LOCAL_RANK` would not exist there."""
+    device_count = torch.cuda.device_count() if device_count is None else device_count
+    return 0 if device_count == 1 else local_rank()
+
+
 def under_launcher():
     """True in a process started by torchrun or elastic_launch (they set the rendezvous variables)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
@@ -68,9 +75,9 @@ def init():
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(gpu_index())
     dist.init_process_group("nccl" if on_gpu else "gloo")
-    return torch.device("cuda", local_rank()) if on_gpu else torch.device("cpu")
+    return torch.device("cuda", gpu_index()) if on_gpu else torch.device("cpu")
 
 
 def close():

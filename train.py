@@ -28,7 +28,7 @@ import tasks
 from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
-from metrics import Logger, masked_mean, rollout_metrics
+from metrics import Logger, masked_mean, rollout_metrics, trajectory_texts
 from cancel import plan_launch
 from rollout import EngineDiedError, RolloutEngine, RolloutError
 
@@ -135,17 +135,20 @@ def trajectory_advantages(trajectories, scale_by_std):
 
 
 def training_sequences(trajectories, advantages, cfg, max_seq_len):
-    """Sequences to train on: merged turns (or one per turn), each with its *trajectory's* advantage,
-    over-long ones dropped and counted. Single-turn trajectories pass through unchanged."""
+    """Sequences to train on: merged turns (or one per turn) of finished trajectories, each with its
+    *trajectory's* advantage, over-long ones dropped and counted. Single-turn trajectories pass through."""
     if cfg.rollout.merge_turns:
         sequences, stats = merge.merge_batch(trajectories, max_seq_len)
     else:
         sequences = merge.unmerged(trajectories)
         stats = merge.MergeStats(turns=len(sequences), sequences_before=len(sequences), sequences_after=len(sequences))
-    kept = [s for s in sequences if len(s.prompt_ids) + len(s.response_ids) <= max_seq_len]
+    # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but would still cost the
+    # old-log-prob pass, the forward and the backward, and they are the longest rows: they stop here.
+    finished = [s for s in sequences if not s.is_aborted]
+    kept = [s for s in finished if len(s.prompt_ids) + len(s.response_ids) <= max_seq_len]
     metrics = {"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
                "merge/ratio": stats.merge_ratio, "merge/prefix_breaks": stats.prefix_breaks,
-               "merge/over_length_dropped": len(sequences) - len(kept),
+               "merge/over_length_dropped": len(finished) - len(kept),
                "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1)}
     return kept, advantages[[s.trajectory_id for s in kept]], metrics
 
@@ -246,11 +249,14 @@ def rank_share(items):
 def validate(run):
     """Greedy and sampled (training temperature) reward: greedy decoding hides policy changes that
     sampling shows, and sampling is what the next rollout sees. Never cancelled (no plan). Each rank
-    scores its share of the prompts; sums and counts are reduced, so the means are exact."""
-    out, prompts = {}, rank_share(run.val_prompts)
+    scores its share of the prompts; sums and counts are reduced, so the means are exact. Returns
+    (scalars, texts): rank 0's first greedy trajectories as text."""
+    out, texts, prompts = {}, {}, rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
         samples = generate(run, prompts, 1, temperature)[0] if prompts else []
         trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+        if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
+            texts["val/samples"] = trajectory_texts(trajectories, run.tokenizer, run.cfg.run.log_samples)
         rewards = [turns[-1].reward for turns in trajectories]
         called = sum(any(t.tool_call == 1 for t in turns) for turns in trajectories)  # >= 1 well-formed call
         total, correct, calls, count = parallel.all_reduce(
@@ -259,7 +265,7 @@ def validate(run):
         out[f"val/accuracy{suffix}"] = correct / count
         if run.tool is not None:
             out[f"val/tool_call_ratio{suffix}"] = calls / count
-    return out
+    return out, texts
 
 
 # ---------------------------------------------------------------- main loop
@@ -301,7 +307,7 @@ def setup(cfg, resume=False, engine=None):
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
                           f"{world} ranks (each rank takes whole GRPO groups)")
-    device = torch.device("cuda", parallel.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", parallel.gpu_index()) if torch.cuda.is_available() else torch.device("cpu")
     resume_dir = checkpoint.latest(cfg.run.out) if resume else None
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
@@ -313,8 +319,8 @@ def setup(cfg, resume=False, engine=None):
     shared_engine = engine is not None
     if engine is None:  # before the trainer takes device memory: the engine sizes its KV cache from what is free
         engine = RolloutEngine(engine_dir, cfg.rollout, dtype=cfg.model.engine_dtype,
-                               seed=t.seed + start_step + 100_003 * parallel.rank(), gpu_id=parallel.local_rank(),
-                               trust_remote_code=cfg.model.trust_remote_code)
+                               seed=t.seed + start_step + 100_003 * parallel.rank(), gpu_id=parallel.gpu_index(),
+                               local_rank=parallel.local_rank(), trust_remote_code=cfg.model.trust_remote_code)
         engine.weight_version = start_step
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     reference = None
@@ -349,10 +355,10 @@ def setup(cfg, resume=False, engine=None):
 
 def train_step(run, step, plan, phases):
     """One GRPO step on this rank: rollout -> reward -> advantage -> update -> weight sync. Returns its
-    metrics, reduced over ranks (counts summed, times the slowest rank's)."""
+    metrics, reduced over ranks (counts summed, times the slowest rank's), and validation texts."""
     cfg, max_seq_len = run.cfg, run.policy.config.max_position_embeddings
     step_start = time.perf_counter()
-    scalars = validate(run) if step % cfg.run.val_every == 0 else {}
+    scalars, texts = validate(run) if step % cfg.run.val_every == 0 else ({}, {})
     # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
     #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
     #    (with partial rollout the tail is suspended instead, and continued first next step)
@@ -374,7 +380,7 @@ def train_step(run, step, plan, phases):
     scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
         **phases.metrics(), "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
         "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
-    return parallel.reduce_metrics(scalars)
+    return parallel.reduce_metrics(scalars), texts
 
 
 def train(run):
@@ -390,9 +396,9 @@ def train(run):
     try:
         for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                                 disable=not is_writer):
-            scalars = train_step(run, step, plan, phases)
+            scalars, texts = train_step(run, step, plan, phases)
             if logger:
-                logger.log(step, scalars, echo=tqdm.tqdm.write)
+                logger.log(step, scalars, echo=tqdm.tqdm.write, texts=texts)
             bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
             if bad_steps >= cfg.train.max_bad_updates:
                 raise NonFiniteError(f"{bad_steps} steps in a row had a non-finite loss or gradient (step {step}); "
@@ -403,9 +409,9 @@ def train(run):
                 checkpoint.save(cfg.run.out, step + 1, run)
             if stopping:
                 return stop.received or "a signal on another rank"
-        scalars = validate(run)
+        scalars, texts = validate(run)
         if logger:
-            logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write)
+            logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write, texts=texts)
         return None
     except EngineDiedError as e:
         if parallel.world_size() > 1:  # the other ranks wait in collectives: the last periodic checkpoint stands

@@ -1,7 +1,7 @@
 """Per-GPU memory of a config, estimated without a GPU: what each phase of a step holds on one rank, for
 1 rank and for N ranks (FSDP2 shards the trainer's fp32 state; every rank holds a whole engine).
 
-    python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 80]
+    python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 79.2]
 
 Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
 comments, and the activation term is an estimate (SDPA attention, bf16 activations). The model's shape
@@ -21,8 +21,10 @@ from config import load_config  # noqa: E402
 KNOWN_SHAPES = {"Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936),
                 "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936)}
 CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
-CUDA_GRAPH_GIB = 2.0  # the engine's captured decode graphs (released with the "cuda_graph" tag)
+CUDA_GRAPH_GIB = 2.0  # the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
+# SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable region)
 CHUNK_TOKENS = 1024  # grpo.head_logprobs' default
+H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 
 def model_shape(path):
@@ -44,7 +46,8 @@ def estimate(cfg, ranks, gpu_bytes):
     hidden, inter, layers, heads, kv_heads, vocab = model_shape(cfg.model.path)
     head_dim = hidden // heads
     per_layer = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
-    params = vocab * hidden + layers * per_layer + hidden  # tied embeddings (Qwen2.5 <= 3B)
+    embedding = vocab * hidden  # tied with the output head (Qwen2.5 <= 3B): the largest tensor
+    params = embedding + layers * per_layer + hidden
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
@@ -58,32 +61,45 @@ def estimate(cfg, ranks, gpu_bytes):
         activations = tokens * layers * per_token_layer
     kv_per_token = layers * 2 * kv_heads * head_dim * engine
     weights_engine = params * engine
+    contexts = 2 * CONTEXT_GIB * 2**30
     if r.max_total_tokens:
         kv_cache = r.max_total_tokens * kv_per_token
-    else:  # SGLang sizes weights + KV pool to mem_fraction_static of the card
-        kv_cache = max(r.mem_fraction_static * gpu_bytes - weights_engine, 0)
+    else:  # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less the
+        # weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
+        kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
+    sharded = ranks > 1
     parts = {
         "trainer params (fp32, sharded)": params * 4 / ranks,
         "gradients (fp32, sharded)": params * 4 / ranks,
         "AdamW state (fp32, sharded)": 2 * params * 4 / ranks,
-        "FSDP gathered units (2 in flight)": 0 if ranks == 1 else 2 * max(per_layer, vocab * hidden) * compute,
+        # FSDP2: the root unit (the tied embedding, used again by the head) stays gathered from the forward to
+        # the end of the backward; decoder layers are gathered one ahead of use
+        "FSDP root unit, gathered (embedding)": embedding * compute if sharded else 0,
+        "FSDP layer units (2 in flight)": 2 * per_layer * compute if sharded else 0,
+        "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
+        # one rank: autocast caches a compute-dtype copy of every weight for the forward and backward
+        "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
         f"activations ({t.micro_batch_size} x {seq_len} tokens)": activations,
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
         "engine weights": weights_engine,
         "engine KV cache": kv_cache,
         "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
-        "CUDA contexts (trainer + engine)": 2 * CONTEXT_GIB * 2**30,
+        # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the largest tensor,
+        # all in the engine's dtype (rollout.weight_buckets casts each shard before gathering it)
+        "weight-sync bucket": cfg.memory.bucket_mb * 2**20 + embedding * engine,
+        "CUDA contexts (trainer + engine)": contexts,
     }
     trainer_state = sum(v for k, v in parts.items() if k.startswith(("trainer", "gradients", "AdamW")))
-    contexts = parts["CUDA contexts (trainer + engine)"]
+    train_extra = ("FSDP root unit, gathered (embedding)", "FSDP layer units (2 in flight)",
+                   "root gradient, unsharded fp32 (reduce-scatter)", "autocast weight copies",
+                   "log-prob path (chunked head)")
     phases = {
         # rollout: engine resident, trainer params and optimizer offloaded to the CPU
         "rollout": weights_engine + kv_cache + parts["engine CUDA graphs"] + contexts,
-        # train: engine released; trainer state, gathered units, activations and the log-prob path
-        "train": trainer_state + parts["FSDP gathered units (2 in flight)"] + activations
-        + parts["log-prob path (chunked head)"] + contexts,
+        # train: engine released (weights, KV cache, CUDA graphs); trainer state, gathered units, activations
+        "train": trainer_state + sum(parts[k] for k in train_extra) + activations + contexts,
         # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one bucket
-        "sync": params * 4 / ranks + weights_engine + cfg.memory.bucket_mb * 2**20 + contexts,
+        "sync": params * 4 / ranks + weights_engine + parts["weight-sync bucket"] + contexts,
     }
     if cfg.memory.mode == "off":  # nothing released: everything at once
         phases = {name: sum(parts.values()) for name in phases}
@@ -95,18 +111,18 @@ def main():
     parser.add_argument("--config", default="configs/gsm8k.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--ranks", type=int, default=8, help="N, shown beside 1 rank")
-    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB, help="the card's total as CUDA reports it")
     args = parser.parse_args()
     cfg = load_config(args.config, args.set + ["data.train_path=unused-by-the-estimate"])
     gpu_bytes = args.gpu_gib * 2**30
     results = {n: estimate(cfg, n, gpu_bytes) for n in sorted({1, args.ranks})}
     gib = lambda b: f"{b / 2**30:8.2f}"  # noqa: E731
     print(f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), {args.gpu_gib:g} GiB card")
-    print(f"{'component':<40}" + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results))
+    print(f"{'component':<48}" + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results))
     for name in results[1][0]:
-        print(f"{name:<40}" + "".join(f"{gib(parts[name]):>10}" for parts, _ in results.values()))
+        print(f"{name:<48}" + "".join(f"{gib(parts[name]):>10}" for parts, _ in results.values()))
     for phase in ("rollout", "train", "sync"):
-        print(f"{'peak: ' + phase + ' phase':<40}" + "".join(f"{gib(ph[phase]):>10}" for _, ph in results.values()))
+        print(f"{'peak: ' + phase + ' phase':<48}" + "".join(f"{gib(ph[phase]):>10}" for _, ph in results.values()))
     for n, (_, phases) in results.items():
         peak = max(phases.values())
         print(f"estimate: config={args.config} ranks={n} rollout_gib={phases['rollout'] / 2**30:.2f} "
