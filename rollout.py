@@ -120,7 +120,7 @@ class RolloutEngine:
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
 
     def _on_sigquit(self, signum=None, frame=None):
-        self.child_failed = "an engine process raised an exception and sent SIGQUIT (its traceback is above)"
+        self.child_failed = "it raised an exception and sent SIGQUIT (its traceback is above)"
 
     def _run(self, coroutine):
         """Run an engine coroutine to completion on the engine's own event loop (we are not inside one),
@@ -140,6 +140,9 @@ class RolloutEngine:
 
     def check_alive(self, cancel=None):
         """Raise EngineDiedError if a process of the engine has exited (cancelling `cancel` first)."""
+        deadline = time.monotonic() + 2.0  # after SIGQUIT the process that raised is exiting: wait to name it
+        while self.child_failed and all(p.is_alive() for p, _ in self._engine_processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
         dead = [f"{name} (pid {p.pid}, exit code {p.exitcode})" for p, name in self._engine_processes
                 if not p.is_alive()]
         if self.child_failed:

@@ -4,7 +4,10 @@ FSDP2 over gloo, a real SGLang engine per rank, results written as files for the
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import types
 
 import torch
@@ -16,6 +19,7 @@ sys.path.insert(0, REPO)
 import batching  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
+import rollout  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
@@ -139,10 +143,50 @@ def check_ranks(out_dir):
         torch.equal(run.optimizer.state[a][k].to_local() if k != "step" else run.optimizer.state[a][k],
                     resumed.optimizer.state[b][k].to_local() if k != "step" else resumed.optimizer.state[b][k])
         for a, b in zip(run.policy.parameters(), resumed.policy.parameters()) for k in run.optimizer.state[a])
-    run.engine.shutdown()
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
+
+    # engine faults, last (each rank's engine is done with): rank 0's scheduler dies while a control call
+    # waits on it; then rank 1's scheduler raises on a pushed tensor, which must end the job with its message
+    try:
+        if rank == 0:
+            message, seconds = control_call_while_the_scheduler_dies(run.engine)
+            with open(os.path.join(out_dir, "control_call.json"), "w") as f:
+                json.dump({"message": message, "seconds_after_kill": seconds}, f)
+        parallel.barrier()
+        if rank == 1:
+            name = next(iter(run.engine.weight_shapes))
+            run.engine.update_weights(rejected_tensor(run.engine, name), version=99)
+    finally:
+        run.engine.shutdown()
     parallel.close()
+
+
+def rejected_tensor(engine, name):
+    """[(name, a tensor of the wrong shape)], with the trainer's own shape check told it is right: the engine's
+    scheduler gets it and raises inside its weight loader (a Python exception, like a CUDA OOM there)."""
+    engine.weight_shapes[name] = (3, 3)
+    return [(name, torch.zeros(3, 3))]
+
+
+def control_call_while_the_scheduler_dies(engine, kill_after_s=1.0):
+    """Freeze the scheduler (SIGSTOP: alive, never answering), start a control call (flush_cache), SIGKILL the
+    scheduler `kill_after_s` later. Returns (the error the call raised, seconds from the kill to the error);
+    a call that never returns is ended by SIGALRM after 60 s, failing this rank."""
+    pid = engine._engine_processes[0][0].pid
+    os.kill(pid, signal.SIGSTOP)
+    killed_at = []
+    timer = threading.Timer(kill_after_s, lambda: (killed_at.append(time.monotonic()), os.kill(pid, signal.SIGKILL)))
+    timer.start()
+    signal.alarm(60)
+    try:
+        engine.flush_cache()
+        return "returned", None
+    except rollout.EngineDiedError as e:
+        return str(e), time.monotonic() - killed_at[0]
+    finally:
+        signal.alarm(0)
+        timer.cancel()
 
 
 def fail_on_rank_1(out_dir):

@@ -23,16 +23,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote."""
+    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote. The job ends with
+    rank 1's engine raising on purpose, so the launcher's RankError is expected and kept for the test."""
     out = tmp_path_factory.mktemp("two_ranks")
-    parallel.launch(2, dist_worker.check_ranks, str(out))
+    with pytest.raises(parallel.RankError) as failure:
+        parallel.launch(2, dist_worker.check_ranks, str(out))
     results = [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
-    return out, results
+    return out, results, str(failure.value)
 
 
 @pytest.mark.parametrize("mode", dist_worker.MODES)
 def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode):
-    out, _ = two_ranks
+    out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.is_aborted for s in samples)
     policy, _, stats = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages,
@@ -52,7 +54,7 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
 
 
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
-    _, results = two_ranks
+    _, results, _ = two_ranks
     for r in results:
         assert r["param_dtypes"] == ["torch.float32"] and r["optimizer_dtypes"] == ["torch.float32"]
     assert results[0]["changed_fraction_bf16"] >= 0.99  # at lr 1e-6 a bf16 parameter would keep ~2%
@@ -71,7 +73,7 @@ def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
 
 
 def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
-    _, results = two_ranks
+    _, results, _ = two_ranks
     for r in results:
         assert r["engine_version"] == 1  # one step trained and synced
         assert r["engine_gap"] < 1e-4
@@ -79,7 +81,7 @@ def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
 
 
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
-    out, results = two_ranks
+    out, results, _ = two_ranks
     assert all(r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
                for r in results)
     run_dir = out / "run"
@@ -97,6 +99,25 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
         expected, _ = batching.sequence_logprobs(one.policy, batch, 1.0)
         got, _ = batching.sequence_logprobs(exported, batch, 1.0)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(two_ranks):
+    """Rank 0 froze its scheduler, started flush_cache (SGLang's own call would wait on a reply forever,
+    managers/communicator.py), and SIGKILLed the scheduler a second later: the call raises at the next
+    twice-a-second liveness check."""
+    out, _, _ = two_ranks
+    result = json.loads((out / "control_call.json").read_text())
+    assert result["message"].startswith("the SGLang engine died: scheduler_0"), result
+    assert result["seconds_after_kill"] < 2.0, result
+
+
+def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ranks):
+    """Rank 1's scheduler raised on a pushed tensor and sent SIGQUIT to its rank: the rank raised
+    EngineDiedError (SGLang's handler would have SIGKILLed it: "Signal 9", no message) and the launcher
+    ended the job with it."""
+    _, _, error = two_ranks
+    assert "rank 1:" in error and "the SGLang engine died: scheduler_0" in error, error
+    assert "raised an exception and sent SIGQUIT" in error, error
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
