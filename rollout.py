@@ -115,9 +115,17 @@ class RolloutEngine:
         # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
         # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.
         self._run(self.tokenizer_manager.freeze_gc())
+        # SGLang creates its request loop at the first request, and installs its signal handlers (TrainerSignals
+        # above) on it there. Create it now, at start: the trainer's own SIGINT/SIGTERM handlers (StopSignal,
+        # installed later) then take precedence in every phase. Created at the first rollout instead, the
+        # loop's handlers replaced them, and a SIGTERM that came while training was never seen.
+        self._run(self._create_request_loop())
         self.weight_shapes = checkpoint.tensor_shapes(model_path)
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
+
+    async def _create_request_loop(self):
+        self.tokenizer_manager.auto_create_handle_loop()
 
     def _on_sigquit(self, signum=None, frame=None):
         self.child_failed = "it raised an exception and sent SIGQUIT (its traceback is above)"
