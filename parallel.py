@@ -40,6 +40,12 @@ def gpu_index(device_count=None):
     return 0 if device_count == 1 else local_rank()
 
 
+def rank_share(items):
+    """This rank's contiguous share of a list (all of it with one rank)."""
+    this_rank, world = rank(), world_size()
+    return items[this_rank * len(items) // world:(this_rank + 1) * len(items) // world]
+
+
 def under_launcher():
     """True in a process started by torchrun or elastic_launch (they set the rendezvous variables)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ

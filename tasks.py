@@ -249,3 +249,32 @@ def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
     if not prompts:
         raise DataError(f"{source}: no usable prompts (malformed rows or all longer than {max_prompt_len})")
     return prompts
+
+
+# ---------------------------------------------------------------- the trainer's view
+def build_task(cfg, tokenizer):
+    """(train prompts, validation prompts, reward function, tool or None) for `data.task`."""
+    d, seed = cfg.data, cfg.train.seed
+    if d.task == "tiny":
+        train = tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
+        val = tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
+        return train, val, tiny_reward, None
+    if d.task == "tiny_tool":
+        train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_operand_digits, seed=seed)
+        val = tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_operand_digits, seed=seed + 1)
+        tool = QuestionCalculator(tokenizer) if cfg.rollout.max_turns > 1 else None  # 1 turn: no tool
+        return train, val, tiny_tool_reward, tool
+    use_tool = cfg.rollout.max_turns > 1
+    tools = [CALCULATOR_SCHEMA] if use_tool else None
+    train = gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len, tools)
+    val = gsm8k_prompts(tokenizer, d.val_path or d.train_path, "test", d.max_prompt_len, tools)
+    return train, val[:d.num_val_prompts], gsm8k_reward, qwen_calculator(tokenizer) if use_tool else None
+
+
+def draw_prompts(prompts, step, count, seed):
+    """The prompts of `step`: a fixed function of (seed, step), so a resumed run draws the same ones."""
+    epoch, offset = divmod(step * count, len(prompts))
+    order = list(range(len(prompts)))
+    random.Random(seed * 100_003 + epoch).shuffle(order)
+    order += list(range(len(prompts)))  # a batch that runs past the epoch's end wraps around
+    return [prompts[i] for i in order[offset:offset + count]]

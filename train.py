@@ -1,17 +1,16 @@
-"""GRPO trainer: setup helpers, one training step, checkpoints, and the step loop (`main`).
+"""GRPO trainer: one training step, the step loop, setup, and the command line (`main`).
 
 Owns the order of the algorithm (rollout -> reward -> advantage -> update -> weight sync -> log ->
 checkpoint), on one rank or several (each rank: an FSDP2 shard of the policy and its own engine). The
-math lives in grpo.py, the engine in rollout.py, ranks and sharding in parallel.py, tasks in tasks.py,
-settings in config.py, memory phases in memory.py, micro-batch tensors in batching.py. Importing this file never trains: SGLang's scheduler
-processes and the launcher's ranks re-import the main module.
+math lives in grpo.py, generation in rollout.py, the engine itself in sglang_engine.py, the model in
+model.py, ranks in parallel.py, data in tasks.py, settings in config.py, memory phases in memory.py,
+micro-batches in batching.py. Importing this file never trains (SGLang's and the launcher's processes
+re-import the main module).
 """
 import argparse
 import dataclasses
 import logging
 import math
-import os
-import random
 import signal
 import sys
 import time
@@ -30,13 +29,12 @@ from config import Config, ConfigError, load_config
 from memory import MemoryPhases
 from metrics import Logger, masked_mean, rollout_metrics, trajectory_texts
 from cancel import plan_launch
-from rollout import EngineDiedError, RolloutEngine, RolloutError
+from sglang_engine import EngineDiedError, RolloutError, StopSignal
+from model import ModelError, build_optimizer, build_policy
+from rollout import RolloutEngine
+from tasks import build_task, draw_prompts
 
 log = logging.getLogger("train")
-
-
-class ModelError(RuntimeError):
-    """The policy model cannot be built or loaded."""
 
 
 class NonFiniteError(RuntimeError):
@@ -44,70 +42,6 @@ class NonFiniteError(RuntimeError):
 
 
 # ---------------------------------------------------------------- setup
-def build_policy(cfg, init_dir):
-    """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master weights
-    AdamW updates (compute runs in `model.compute_dtype`, the engine in `model.engine_dtype`). The dtype is
-    explicit: transformers 5 would load "auto" (bfloat16 for Qwen). `model.path: tiny` builds the demo
-    model from the config (random init, seeded); anything else loads a HF checkpoint. `init_dir` (a
-    resumed checkpoint) wins over both."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    path = init_dir or cfg.model.path
-    try:
-        if cfg.model.path == "tiny":
-            # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer (shared/notes/tiny-demo.md)
-            tokenizer = tasks.build_char_tokenizer()
-            if init_dir:
-                model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, trust_remote_code=False)
-            else:
-                m = cfg.model
-                torch.manual_seed(cfg.train.seed)
-                config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                                     intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
-                                     num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
-                                     max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
-                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
-                model = Qwen2ForCausalLM(config).float()
-        else:
-            trust = cfg.model.trust_remote_code  # off unless the config turns it on: a folder's code runs here
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust)
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
-    except OSError as e:
-        raise ModelError(f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-    if cfg.train.gradient_checkpointing:  # each decoder layer's activations recomputed in the backward
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
-
-
-def build_task(cfg, tokenizer):
-    """(train prompts, validation prompts, reward function, tool or None) for `data.task`."""
-    d, seed = cfg.data, cfg.train.seed
-    if d.task == "tiny":
-        train = tasks.tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
-        val = tasks.tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
-        return train, val, tasks.tiny_reward, None
-    if d.task == "tiny_tool":
-        train = tasks.tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_operand_digits, seed=seed)
-        val = tasks.tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_operand_digits, seed=seed + 1)
-        tool = tasks.QuestionCalculator(tokenizer) if cfg.rollout.max_turns > 1 else None  # 1 turn: no tool
-        return train, val, tasks.tiny_tool_reward, tool
-    use_tool = cfg.rollout.max_turns > 1
-    tools = [tasks.CALCULATOR_SCHEMA] if use_tool else None
-    train = tasks.gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len, tools)
-    val = tasks.gsm8k_prompts(tokenizer, d.val_path or d.train_path, "test", d.max_prompt_len, tools)
-    return train, val[:d.num_val_prompts], tasks.gsm8k_reward, tasks.qwen_calculator(tokenizer) if use_tool else None
-
-
-def draw_prompts(prompts, step, count, seed):
-    """The prompts of `step`: a fixed function of (seed, step), so a resumed run draws the same ones."""
-    epoch, offset = divmod(step * count, len(prompts))
-    order = list(range(len(prompts)))
-    random.Random(seed * 100_003 + epoch).shuffle(order)
-    order += list(range(len(prompts)))  # a batch that runs past the epoch's end wraps around
-    return [prompts[i] for i in order[offset:offset + count]]
-
-
 def score(samples, prompts, tokenizer, reward_fn):
     """Reward each trajectory on its last turn's response and give every turn that reward; returns the
     trajectories (lists of turns, index = trajectory_id). Aborted and failed ones keep 0 but are
@@ -240,18 +174,12 @@ def rollout(run, prompts, plan):
     return (*run.buffer.collect(samples, prompts), stats)
 
 
-def rank_share(items):
-    """This rank's contiguous share of a list (all of it with one rank)."""
-    rank, world = parallel.rank(), parallel.world_size()
-    return items[rank * len(items) // world:(rank + 1) * len(items) // world]
-
-
 def validate(run):
     """Greedy and sampled (training temperature) reward: greedy decoding hides policy changes that
     sampling shows, and sampling is what the next rollout sees. Never cancelled (no plan). Each rank
     scores its share of the prompts; sums and counts are reduced, so the means are exact. Returns
     (scalars, texts): rank 0's first greedy trajectories as text."""
-    out, texts, prompts = {}, {}, rank_share(run.val_prompts)
+    out, texts, prompts = {}, {}, parallel.rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
         samples = generate(run, prompts, 1, temperature)[0] if prompts else []
         trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
@@ -323,20 +251,14 @@ def setup(cfg, resume=False, engine=None):
                                local_rank=parallel.local_rank(), trust_remote_code=cfg.model.trust_remote_code)
         engine.weight_version = start_step
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
-    reference = None
-    if t.kl_coef > 0:  # the *initial* policy, also after a resume: built again, not copied
-        reference = build_policy(cfg, None)[0].requires_grad_(False)
+    # the KL reference is the *initial* policy, also after a resume: built again, not copied
+    reference = build_policy(cfg, None)[0].requires_grad_(False).eval() if t.kl_coef > 0 else None
     if world > 1:
-        policy = parallel.shard(policy, compute_dtype)
-        if reference is not None:
-            reference = parallel.shard(reference, compute_dtype)
-    policy.to(device)
-    if reference is not None:
-        reference.to(device).eval()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay)
-    warmup = lambda step: min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+        policy, reference = (parallel.shard(m, compute_dtype) if m is not None else None for m in (policy, reference))
+    for model in (policy, reference):
+        if model is not None:
+            model.to(device)
+    optimizer, scheduler = build_optimizer(policy, t)
     if resume_dir:
         checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
     if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
@@ -363,7 +285,7 @@ def train_step(run, step, plan, phases):
     #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
     #    (with partial rollout the tail is suspended instead, and continued first next step)
     step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
-    prompts, samples, stats = rollout(run, rank_share(step_prompts), plan)
+    prompts, samples, stats = rollout(run, parallel.rank_share(step_prompts), plan)
     # 2. reward, 3. group-relative advantage over each group's surviving trajectories
     trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
     advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
@@ -383,16 +305,18 @@ def train_step(run, step, plan, phases):
     return parallel.reduce_metrics(scalars), texts
 
 
-def train(run):
+def train(run, stop=None):
     """The step loop: log, checkpoint, and stop cleanly: after the step on SIGINT/SIGTERM (returns the
-    signal's name), on `train.max_bad_updates` non-finite updates in a row (NonFiniteError), and with a
-    checkpoint when the engine dies (EngineDiedError). Returns None when all steps ran."""
+    signal's name; `stop` is the StopSignal to read, else one held while the loop runs), on
+    `train.max_bad_updates` non-finite updates in a row (NonFiniteError), and with a checkpoint when the
+    engine dies (EngineDiedError). Returns None when all steps ran."""
     cfg, is_writer = run.cfg, parallel.rank() == 0
     logger = Logger(cfg.run.out, cfg) if is_writer else None  # one writer of TensorBoard and the console
     plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())  # per rank
     phases = MemoryPhases(run.engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
                           engine_dtype=run.engine.dtype, reference=run.reference)
-    stop, bad_steps = StopSignal(run.engine), 0
+    own_stop, bad_steps = stop is None, 0
+    stop = stop or StopSignal(run.engine)
     try:
         for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                                 disable=not is_writer):
@@ -420,56 +344,29 @@ def train(run):
         raise EngineDiedError(f"{e}. The trainer's state after {run.updates_done} updates is saved in {path}; "
                               "--resume continues from it") from None
     finally:
-        stop.restore()
+        if own_stop:
+            stop.restore()
         if logger:
             logger.close()
-
-
-class StopSignal:
-    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save a checkpoint
-    and return; a second one exits at once (the engine killed, no checkpoint, exit 130). The engine's
-    processes ignore SIGINT and hand SIGTERM here (rollout.py), so only the trainer decides."""
-
-    def __init__(self, engine):
-        self.received, self.engine = None, engine
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        engine.on_sigterm = self._handle
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.received:  # may run inside the engine's event loop, which swallows exceptions: exit from here
-            print(f"interrupted (second signal ({name})): exited at once; the last checkpoint stands",
-                  file=sys.stderr, flush=True)
-            self.engine.kill()
-            os._exit(130)
-        self.received = name
-        log.warning("%s: finishing this step, then a checkpoint and exit (send it again to exit at once)", name)
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self.engine.on_sigterm = None
-
-
-def configure_logging():
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
 
 
 def run_rank(argv):
     """One rank's whole job (the only one with `run.nproc: 1`): join the process group when a launcher
     started us, set up, train, shut the engine down. Returns what `train` returns."""
-    configure_logging()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the step lines
     args = parse_args(argv)
     cfg = load_config(args.config, args.set + ([f"run.out={args.out}"] if args.out else []))
     if parallel.under_launcher():
         parallel.init()
     try:
         run = setup(cfg, resume=args.resume)
+        stop = StopSignal(run.engine)  # held until the engine is down: a second signal exits at once until then
         try:
-            return train(run)
+            return train(run, stop)
         finally:
             run.engine.shutdown()
+            stop.restore()
     finally:
         parallel.close()
 
@@ -490,7 +387,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    configure_logging()
     try:
         stopped_by = main()
     except (ConfigError, tasks.DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:

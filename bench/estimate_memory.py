@@ -85,7 +85,7 @@ def estimate(cfg, ranks, gpu_bytes):
         "engine KV cache": kv_cache,
         "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
         # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the largest tensor,
-        # all in the engine's dtype (rollout.weight_buckets casts each shard before gathering it)
+        # all in the engine's dtype (sglang_engine.weight_buckets casts each shard before gathering it)
         "weight-sync bucket": cfg.memory.bucket_mb * 2**20 + embedding * engine,
         "CUDA contexts (trainer + engine)": contexts,
     }

@@ -56,7 +56,7 @@ def main():
                                             f"model.hidden_size={args.hidden}", f"model.intermediate_size={4 * args.hidden}",
                                             f"model.num_layers={args.layers}", "run.out=/tmp/precision"])
     samples, advantages = dist_worker.fixed_batch(num_groups=8)
-    samples, advantages = train.rank_share(samples), train.rank_share(advantages)
+    samples, advantages = parallel.rank_share(samples), parallel.rank_share(advantages)
     changed = {}
     for name, dtype in (("fp32_masters", torch.float32), ("bf16_params", torch.bfloat16)):
         before, after = one_step(cfg, samples, advantages, device, dtype)

@@ -1,6 +1,11 @@
-"""Shared test fixtures: one real SGLang engine per test session (starting one costs ~20-50 s on CPU)."""
+"""Shared test fixtures (one real SGLang engine per session: starting one costs ~20-50 s on CPU), background
+runs of the subprocesses whose tests only read their output, and the suite's time budget: a full run that
+takes far longer than README's 8 minutes fails."""
+import concurrent.futures
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -48,6 +53,98 @@ def qwen_tiny_dir(tmp_path_factory):
     return str(folder)
 
 
+# ---------------------------------------------------------------- background runs
+class BackgroundRuns:
+    """Commands whose tests only read their result (a benchmark's last line, a run's exit code and files),
+    started when the suite is collected and run one at a time in a worker thread: each process (~30 s,
+    most of it importing SGLang) uses the core that the in-process tests leave idle, instead of adding its
+    time to the suite's. A test marks its command with `@pytest.mark.background(name, command)` and reads
+    `background_runs.result(name)`: the CompletedProcess, waited for."""
+
+    def __init__(self):
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.runs = {}
+
+    def start(self, name, command, timeout=400):
+        if name not in self.runs:
+            self.runs[name] = self.pool.submit(subprocess.run, command, cwd=REPO, capture_output=True, text=True,
+                                               timeout=timeout)
+
+    def result(self, name):
+        return self.runs[name].result()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "background(name, command): run `command` in the background from collection on")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    runs = config.stash[BACKGROUND] = BackgroundRuns()
+    for item in items:  # in test order: the first needed starts first
+        for marker in item.iter_markers("background"):
+            runs.start(*marker.args)
+
+
+@pytest.fixture(scope="session")
+def background_runs(request):
+    return request.config.stash[BACKGROUND]
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------- the suite's time budget
+SUITE_BUDGET_S = 480  # README: the whole suite in 8 minutes on 2 cores, engine starts included
+BUDGET_MARGIN = 1.25  # a full run fails only past a clear margin (the slowest tests are listed: --durations)
+CALIBRATION_REFERENCE_S = 0.18  # `calibrate()` on the 2-core machine where the budget was measured
+MAX_SLOWDOWN = 2.0  # a slower machine gets a proportionally larger limit, at most this much larger
+
+
+def calibrate():
+    """Seconds for a fixed single-threaded workload (torch matmuls and a Python loop, like the suite's mix)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    start, a = time.perf_counter(), torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    for _ in range(200):
+        a = torch.tanh(a @ a * 0.01)
+    total = sum(i % 7 for i in range(2_000_000))
+    torch.set_num_threads(threads)
+    assert total > 0
+    return time.perf_counter() - start
+
+
+def pytest_sessionstart(session):
+    session.config.stash[CALIBRATION] = (time.monotonic(), calibrate())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """On a full run (no paths, -k or -m given), fail when the wall time exceeds the budget by the margin,
+    scaled by how much slower than the reference this machine ran the calibration workload (capped)."""
+    config = session.config
+    started, calibration_s = config.stash[CALIBRATION]
+    elapsed = time.monotonic() - started
+    slowdown = min(max(calibration_s / CALIBRATION_REFERENCE_S, 1.0), MAX_SLOWDOWN)
+    limit = SUITE_BUDGET_S * BUDGET_MARGIN * slowdown
+    full_run = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+                and not config.option.markexpr)
+    verdict = "over the limit: FAILED" if full_run and elapsed > limit else "ok" if full_run else "not a full run"
+    config.stash[BUDGET_LINE] = (f"suite time: {elapsed:.0f} s, budget {SUITE_BUDGET_S} s, limit {limit:.0f} s "
+                                 f"(margin {BUDGET_MARGIN}, machine slowdown {slowdown:.2f}: calibration "
+                                 f"{calibration_s:.3f} s vs {CALIBRATION_REFERENCE_S} s): {verdict}")
+    if full_run and elapsed > limit and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if BUDGET_LINE in config.stash:
+        terminalreporter.write_line(config.stash[BUDGET_LINE])
+
+
+def pytest_unconfigure(config):
+    if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing queued starts any more
+        config.stash[BACKGROUND].pool.shutdown(wait=False, cancel_futures=True)
+
+
+CALIBRATION, BUDGET_LINE, BACKGROUND = pytest.StashKey[tuple](), pytest.StashKey[str](), pytest.StashKey[BackgroundRuns]()

@@ -19,7 +19,7 @@ sys.path.insert(0, REPO)
 import batching  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
-import rollout  # noqa: E402
+import sglang_engine  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
@@ -120,7 +120,7 @@ def check_ranks(out_dir):
     run = train.setup(cfg)
     train.train(run)
     # the engine now holds the updated weights: it must score its own samples like the trainer does
-    prompts = train.rank_share(run.val_prompts)
+    prompts = parallel.rank_share(run.val_prompts)
     fresh, _ = train.generate(run, prompts, 2, 1.0)
     batch = batching.collate(fresh, pad_id=0)
     with torch.no_grad():
@@ -182,7 +182,7 @@ def control_call_while_the_scheduler_dies(engine, kill_after_s=1.0):
     try:
         engine.flush_cache()
         return "returned", None
-    except rollout.EngineDiedError as e:
+    except sglang_engine.EngineDiedError as e:
         return str(e), time.monotonic() - killed_at[0]
     finally:
         signal.alarm(0)

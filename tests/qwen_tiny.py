@@ -16,7 +16,6 @@ import re
 import torch
 
 import tasks
-from calculator import calculate
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # added tokens in Qwen2.5, not special: they stay in decoded text

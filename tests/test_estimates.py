@@ -34,9 +34,13 @@ def test_gradient_checkpointing_lowers_the_train_estimate():
     assert train_gib("--set", "train.gradient_checkpointing=true") < train_gib()
 
 
-def test_train_memory_bench_prints_the_issue_line():
-    # a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and micro-batch
-    line = run_bench("bench/train_memory.py", "--vocab", "16384", "--device", "cpu")[-1]
+# a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and micro-batch
+@pytest.mark.background("train_memory_bench", [sys.executable, "bench/train_memory.py", "--vocab", "16384",
+                                               "--device", "cpu"])
+def test_train_memory_bench_prints_the_issue_line(background_runs):
+    done = background_runs.result("train_memory_bench")
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
     match = re.fullmatch(r"train_memory: vocab=16384 seq_len=1024 micro_batch=4 old_peak_bytes=(\d+) "
                          r"new_peak_bytes=(\d+) ratio=([\d.]+)", line)
     assert match, line

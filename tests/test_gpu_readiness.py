@@ -7,9 +7,10 @@ import importlib.util
 import json
 import os
 import socket
+import shutil
 import subprocess
 import sys
-import time
+import tempfile
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import batching
 import checkpoint
 import dist_worker
 import parallel
-import rollout
+import sglang_engine
 import tasks
 import train
 from conftest import GSM8K_TRAIN, REPO
@@ -47,38 +48,41 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def test_a_scheduler_that_raises_ends_the_run_with_exit_2_and_a_checkpoint(tmp_path):
+RAISE_OUT = os.path.join(tempfile.gettempdir(), f"raise_mid_run_{os.getpid()}")  # the pytest process's pid
+
+
+@pytest.mark.background("raise_mid_run", [sys.executable, "-c", RAISE_MID_RUN.format(repo=REPO, tests=TESTS),
+                                          "--config", "configs/tiny.yaml", "--out", RAISE_OUT, "--set",
+                                          "train.steps=4", "--set", "run.val_every=100", "--set",
+                                          "run.checkpoint_every=0", "--set", "rollout.prompts_per_step=8"])
+def test_a_scheduler_that_raises_ends_the_run_with_exit_2_and_a_checkpoint(background_runs):
     """`python train.py` (1 rank) whose engine scheduler raises a Python exception in its second weight sync.
     SGLang's scheduler then sends SIGQUIT to the trainer, and SGLang's SIGQUIT handlers would SIGKILL it
-    (exit 137, nothing saved). Needs its own engine: this one dies."""
-    command = [sys.executable, "-c", RAISE_MID_RUN.format(repo=REPO, tests=TESTS), "--config", "configs/tiny.yaml",
-               "--out", str(tmp_path), "--set", "train.steps=4", "--set", "run.val_every=100",
-               "--set", "run.checkpoint_every=0", "--set", "rollout.prompts_per_step=8"]
-    start = time.monotonic()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    (exit 137, nothing saved). Needs its own engine (this one dies): run in the background."""
+    done = background_runs.result("raise_mid_run")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Scheduler hit an exception" in done.stderr  # the engine's own traceback is shown
     assert "error: EngineDiedError: the SGLang engine died: scheduler_0" in done.stderr
     assert "it raised an exception and sent SIGQUIT" in done.stderr
-    saved = checkpoint.latest(str(tmp_path))
+    saved = checkpoint.latest(RAISE_OUT)
     assert checkpoint.read_trainer_state(saved)["step"] == 2 and f"saved in {saved}" in done.stderr
     AutoModelForCausalLM.from_pretrained(saved)  # loadable
-    assert time.monotonic() - start < 240
+    shutil.rmtree(RAISE_OUT)
 
 
 # ---------------------------------------------------------------- F3, S1: the engine's environment on GPU
 def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uuid(monkeypatch):
     monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
-    rollout.prepare_engine_environment(on_gpu=False)
+    sglang_engine.prepare_engine_environment(on_gpu=False)
     assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
     assert not hasattr(reductions, "_reduce_tensor_original")  # CPU: the patch would break CPU pickling
     original = reductions.reduce_tensor
     try:
-        rollout.prepare_engine_environment(on_gpu=True)
+        sglang_engine.prepare_engine_environment(on_gpu=True)
         assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # graphs inside the releasable region
         assert reductions.reduce_tensor.__name__ == "_reduce_tensor_modified"  # device UUIDs, not indices
         monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")
-        rollout.prepare_engine_environment(on_gpu=True)
+        sglang_engine.prepare_engine_environment(on_gpu=True)
         assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "0"  # a user's own choice is kept
     finally:
         reductions.reduce_tensor, reductions.rebuild_cuda_tensor = original, reductions._rebuild_cuda_tensor_original
@@ -97,7 +101,7 @@ def test_weight_sync_casts_each_shard_before_gathering():
         return tensor
 
     bucket_bytes = 1000
-    buckets = list(rollout.weight_buckets(params, torch.bfloat16, bucket_bytes, gather))
+    buckets = list(sglang_engine.weight_buckets(params, torch.bfloat16, bucket_bytes, gather))
     assert gathered_dtypes == [torch.bfloat16] * len(params)  # half the bytes of an fp32 all-gather
     pushed = [item for bucket, _ in buckets for item in bucket]
     assert [name for name, _ in pushed] == [name for name, _ in params]
@@ -110,9 +114,9 @@ def test_weight_sync_casts_each_shard_before_gathering():
 
 # ---------------------------------------------------------------- F6: engine ports
 def test_each_local_rank_draws_its_engine_port_from_its_own_window():
-    windows = [range(20000 + r * rollout.PORT_WINDOW, 20000 + (r + 1) * rollout.PORT_WINDOW) for r in range(8)]
+    windows = [range(20000 + r * sglang_engine.PORT_WINDOW, 20000 + (r + 1) * sglang_engine.PORT_WINDOW) for r in range(8)]
     for local_rank, window in enumerate(windows):
-        ports = {rollout.free_port(local_rank) for _ in range(5)}
+        ports = {sglang_engine.free_port(local_rank) for _ in range(5)}
         assert all(p in window for p in ports), (local_rank, ports)
     assert all(a[-1] < b[0] for a, b in zip(windows, windows[1:]))  # disjoint
 
@@ -124,9 +128,9 @@ def test_a_port_taken_on_any_interface_is_refused():
         held.bind(("127.0.0.2", 0))
         held.listen()
         port = held.getsockname()[1]
-        with pytest.raises(rollout.RolloutError, match="no free port"):
-            rollout.free_port(0, low=port, window=1)
-    assert rollout.free_port(0, low=port, window=1) == port  # free again once released
+        with pytest.raises(sglang_engine.RolloutError, match="no free port"):
+            sglang_engine.free_port(0, low=port, window=1)
+    assert sglang_engine.free_port(0, low=port, window=1) == port  # free again once released
 
 
 # ---------------------------------------------------------------- S2: one visible GPU per rank
@@ -221,9 +225,12 @@ CPU_SIZES = [f"data.train_path={GSM8K_TRAIN}", f"data.val_path={GSM8K_TRAIN}", "
              "train.threads=1", "train.steps=2"]
 
 
-def rehearse(config, out, model_dir, *sets):
-    """`python train.py --config <a shipped GPU config>` with CPU-size overrides only."""
-    command = [sys.executable, "train.py", "--config", config, "--out", str(out), "--set", f"model.path={model_dir}"]
+def rehearse(config, out, model_dir, *sets, torchrun=0):
+    """`python train.py --config <a shipped GPU config>` with CPU-size overrides only (under
+    `torchrun --nproc-per-node <torchrun>` when given)."""
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
+    command = [sys.executable, *launcher, "train.py", "--config", config, "--out", str(out),
+               "--set", f"model.path={model_dir}"]
     for item in CPU_SIZES + list(sets):
         command += ["--set", item]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
@@ -245,21 +252,27 @@ def gsm8k_two_ranks(qwen_tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k_tool.yaml on 1 rank, 2 steps: Qwen JSON tool calls executed, errors answered, merged."""
+    """configs/gsm8k_tool.yaml under torchrun on 2 ranks, 2 steps: Qwen JSON tool calls executed, errors
+    answered, turns merged. torchrun is the other launch path: train.py joins its process group."""
     out = tmp_path_factory.mktemp("gsm8k_tool")
     return out, *rehearse("configs/gsm8k_tool.yaml", out, qwen_tiny_dir, "rollout.max_new_tokens=48",
-                          "rollout.max_response_tokens=160")
+                          "rollout.max_response_tokens=160", torchrun=2)
 
 
 def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_two_ranks):
     out, logged, texts, resolved = gsm8k_two_ranks
     assert (resolved["model"]["compute_dtype"], resolved["model"]["engine_dtype"]) == ("bfloat16", "bfloat16")
     assert resolved["rollout"]["partial"] is True and resolved["run"]["nproc"] == 2  # the shipped cancellation
+    # rank 0 alone writes TensorBoard (one value per step); counts are summed over the ranks
     assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
     assert logged["rollout/launched"][0] == 2 * 3 * 8  # per rank: 2 prompts x 1.25 over-sampling -> 3, x 8
-    assert "partial/buffer_samples" in logged and max(logged["rollout/aborted"]) > 0  # the tail was suspended
+    assert all(lo <= hi for lo, hi in zip(logged["timing/rollout_s_min"], logged["timing/rollout_s"]))
     assert 0 < max(logged["train/logprob_gap"]) < 0.1  # bf16 engine vs the trainer: close, not equal
-    assert os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
+    # the tail was suspended, and the checkpoint holds both ranks' suspended samples
+    state = checkpoint.read_trainer_state(checkpoint.latest(str(out)))
+    assert max(logged["rollout/aborted"]) > 0 and max(logged["partial/buffer_samples"]) > 0
+    assert logged["partial/buffer_samples"][-1] == len(state["buffer"]["waiting"])
+    assert state["world_size"] == 2 and os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
 
 
 def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
@@ -271,10 +284,12 @@ def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
 
 
 def test_gsm8k_tool_config_executes_calls_answers_errors_and_merges_turns(gsm8k_tool):
-    _, logged, texts, resolved = gsm8k_tool
+    out, logged, texts, resolved = gsm8k_tool
     assert resolved["rollout"]["max_turns"] == 5 and resolved["rollout"]["merge_turns"] is True
     calls, errors = sum(logged["rollout/tool_calls"]), sum(logged["rollout/tool_errors"])
     assert calls > 0 and 0 < errors < calls  # well-formed calls answered, malformed ones answered as errors
     assert max(logged["merge/ratio"]) > 1 and max(logged["rollout/turns_per_trajectory"]) > 1
     assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
+    assert logged["rollout/launched"] == [4 * 8, 4 * 8]  # no cancellation: every trajectory of both ranks
+    assert checkpoint.read_trainer_state(checkpoint.latest(str(out)))["world_size"] == 2
     assert any("<tool_response>" in t and "finish stop" in t and "<|im_end|>'" in t for t in texts), texts

@@ -137,14 +137,14 @@ def test_release_waits_for_an_idle_engine(run):
 
 
 def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
-    import rollout
+    import sglang_engine
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    rollout.prepare_engine_environment(on_gpu=False)
+    sglang_engine.prepare_engine_environment(on_gpu=False)
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
     assert "expandable_segments" in caplog.text and "torch_memory_saver" in caplog.text
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    rollout.prepare_engine_environment(on_gpu=False)  # anything else is left alone
+    sglang_engine.prepare_engine_environment(on_gpu=False)  # anything else is left alone
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"

@@ -5,7 +5,6 @@ survives a checkpoint."""
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -225,19 +224,22 @@ def test_merged_turns_carry_their_token_versions():
     assert merged.loss_mask.tolist() == [1, 1, 0, 0, 1]
 
 
-def run_script(*args, timeout=300):
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def script_lines(done):
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()
 
 
-def test_tail_bench_partial_prints_the_issue_line():
-    lines = run_script("bench/tail.py", "--partial", "--prompts", "4", "--group-size", "4", "--steps", "2",
-                       "--max-new-tokens", "32")
+@pytest.mark.background("tail_bench_partial", [sys.executable, "bench/tail.py", "--partial", "--prompts", "4",
+                                               "--group-size", "4", "--steps", "2", "--max-new-tokens", "32"])
+def test_tail_bench_partial_prints_the_issue_line(background_runs):
+    lines = script_lines(background_runs.result("tail_bench_partial"))
     assert re.fullmatch(r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", lines[-1])
 
 
-def test_learning_bench_prints_the_issue_line():
-    lines = run_script("bench/learning.py", "--seeds", "0", "--arms", "baseline,partial", "--steps", "2")
+@pytest.mark.background("learning_bench", [sys.executable, "bench/learning.py", "--seeds", "0", "--arms",
+                                           "baseline,partial", "--steps", "2"])
+def test_learning_bench_prints_the_issue_line(background_runs):
+    """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures."""
+    lines = script_lines(background_runs.result("learning_bench"))
     assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ partial_val_sampled=[\d.]+ "
                         r"baseline_step_s=[\d.]+ partial_step_s=[\d.]+", lines[-1])

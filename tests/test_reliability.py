@@ -8,9 +8,11 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tokenize
 import typing
@@ -296,19 +298,46 @@ def engine_processes(process):
     return [p for p in psutil.Process(process.pid).children(recursive=True)]
 
 
-def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(tmp_path):
-    process, stderr = start_training(tmp_path)
-    wait_for_step(process, 2)
-    schedulers = [p for p in engine_processes(process) if "scheduler" in " ".join(p.cmdline()) + p.name()]
-    assert schedulers, [p.cmdline() for p in engine_processes(process)]
-    schedulers[0].kill()  # SIGKILL: no chance to say goodbye
-    rc, err, seconds = finish(process, stderr, timeout=60)
-    assert rc == 2 and seconds < 60, err[-2000:]
+DEAD_ENGINE_OUT = os.path.join(tempfile.gettempdir(), f"dead_engine_{os.getpid()}")  # the pytest process's pid
+KILL_THE_SCHEDULER = """
+import json, os, subprocess, sys, time
+import psutil
+out = {out!r}
+os.makedirs(out, exist_ok=True)
+command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out, "--set", "run.val_every=1000",
+           "--set", "run.checkpoint_every=0", "--set", "train.steps=400"]
+stderr = open(os.path.join(out, "stderr.txt"), "w")
+process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+for line in process.stdout:  # the trainer is in step 3 once step 2's line is out
+    if line.startswith("step    2 |"):
+        break
+schedulers = [p for p in psutil.Process(process.pid).children(recursive=True) if "scheduler" in " ".join(p.cmdline()) + p.name()]
+schedulers[0].kill()  # SIGKILL: no chance to say goodbye
+start = time.monotonic()
+try:
+    rc = process.wait(timeout=60)
+except subprocess.TimeoutExpired:
+    process.kill()
+    rc = "timeout"
+print(json.dumps({{"rc": rc, "seconds": time.monotonic() - start, "schedulers": len(schedulers)}}))
+"""
+
+
+@pytest.mark.background("dead_engine", [sys.executable, "-c", KILL_THE_SCHEDULER.format(out=DEAD_ENGINE_OUT)])
+def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(background_runs):
+    """`python train.py` whose scheduler is SIGKILLed in step 3 (its own engine: it dies; run in the background
+    by a small script that drives it, as a user's terminal would)."""
+    done = background_runs.result("dead_engine")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    err = open(os.path.join(DEAD_ENGINE_OUT, "stderr.txt")).read()
+    assert result["schedulers"] >= 1 and result["rc"] == 2 and result["seconds"] < 60, (result, err[-2000:])
     assert "EngineDiedError: the SGLang engine died: scheduler_0" in err and "Traceback" not in err
-    saved = checkpoint.latest(str(tmp_path))
+    saved = checkpoint.latest(DEAD_ENGINE_OUT)
     state = checkpoint.read_trainer_state(saved)  # loadable: the trainer state and the model folder
     assert state["step"] >= 3 and f"saved in {saved}" in err
     AutoModelForCausalLM.from_pretrained(saved)
+    shutil.rmtree(DEAD_ENGINE_OUT)
 
 
 def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
