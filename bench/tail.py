@@ -3,7 +3,7 @@
 and partial rollout (the tail suspended and continued next step, buffer.py).
 
 One real SGLang engine (CPU) serves a random-init tiny model whose lengths are geometric (median ~11,
-a few samples several times longer); the arms alternate on the same prompts, medians are reported.
+a few samples several times longer); the arms alternate on the same prompts, medians of repeats are reported.
 Run from the repo root: `python bench/tail.py [--partial]`. The last line is the machine-readable summary.
 """
 import argparse
@@ -68,7 +68,8 @@ def main():
     parser.add_argument("--policy", default="count", choices=("count", "time", "group"))
     parser.add_argument("--drop-rate", type=float, help="default 0.2 (0 with --partial or --over-sample-rate)")
     parser.add_argument("--over-sample-rate", type=float, help="use with --drop-rate 0; --partial's default 0.25")
-    parser.add_argument("--repeats", type=int, default=5, help="baseline/cancel pairs, alternated")
+    parser.add_argument("--repeats", type=int, help="baseline/cancel pairs, alternated (default 5); --partial: "
+                        "whole multi-step workloads, each with a fresh buffer (default 3)")
     parser.add_argument("--engine-threads", type=int, default=1, help="OMP threads of each engine process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--partial", action="store_true", help="multi-step: baseline vs drop vs partial rollout")
@@ -79,6 +80,8 @@ def main():
         # APRIL's over-provisioning (arXiv 2509.18521): launch 1.25x the prompts, stop at a batch, suspend the rest
         args.over_sample_rate = 0.25
     args.over_sample_rate = args.over_sample_rate or 0.0
+    if args.repeats is None:
+        args.repeats = 3 if args.partial else 5
     if args.drop_rate is None:
         args.drop_rate = 0.0 if args.over_sample_rate else 0.2
 
@@ -140,52 +143,67 @@ def main():
 
 
 def multi_step(engine, policy, tokenizer, cfg, plan, args):
-    """`--steps` rollouts per arm on fresh prompts each step, the three arms alternated inside every step.
+    """`--repeats` runs of `--steps` rollouts per arm on fresh prompts each step, the three arms alternated
+    inside every step in a rotating order (none always runs first after the weight sync). Each repeat starts
+    an empty partial-rollout buffer on prompts of its own; its step 0 fills it and warms up, not measured.
     Useful tokens: response tokens of the samples that step trains (baseline: all; drop: the finished;
     partial: the groups that completed, tokens from earlier steps included). Wasted: generated, then
     thrown away (drop: every cancelled sample; partial: restarts for staleness). Partial's buffer at the
-    end still holds tokens not yet trained: counted as neither (this only lowers its useful tokens/s)."""
+    end still holds tokens not yet trained: counted as neither (this only lowers its useful tokens/s).
+    The last line gives the medians over the repeats of each repeat's ratios: one noisy repeat cannot decide."""
     plan = dataclasses.replace(plan, partial=True)
-    buffer = PartialBuffer(args.group_size, args.max_staleness)
     arms = {"baseline": None, "drop": dataclasses.replace(plan, partial=False), "partial": plan}
-    seconds = {arm: [] for arm in arms}
-    useful, wasted = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0)
-    for step in range(args.steps + 1):  # step 0 warms the engine up, not measured
-        # a weight sync between steps (the same weights: rollouts are what is measured), version = step
-        engine.update_weights(policy.named_parameters(), version=step)
-        prompts = [p.prompt_ids for p in tasks.tiny_prompts(tokenizer, plan.num_prompts, cfg.data.tiny_max_count,
-                                                             args.seed + 1000 * step)]
-        line = []
-        for arm, arm_plan in arms.items():
-            engine.flush_cache()
-            if arm == "partial":
-                resumes, launch = buffer.launch(prompts, plan.num_prompts, step)
-            else:  # over-sampling launches more prompts than the batch; the baseline launches just the batch
-                resumes, launch = (), prompts if arm_plan else prompts[:args.prompts]
-            samples, stats = engine.generate(launch, args.group_size, args.temperature, args.max_new_tokens,
-                                             arm_plan, resumes=resumes)
-            assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
-            if arm == "partial":
-                trained, lost = buffer.collect(samples, launch)[1], buffer.counters["wasted_tokens"]
-            else:
-                trained = [s for s in samples if not s.is_aborted]
-                lost = sum(len(s.response_ids) for s in samples if s.is_aborted)
-            tokens = sum(len(s.response_ids) for s in trained)
-            line.append(f"{arm} {stats.rollout_s:.3f} s {tokens} useful {lost} wasted")
-            if step > 0:
-                seconds[arm].append(stats.rollout_s)
-                useful[arm] += tokens
-                wasted[arm] += lost
-        print(f"step {step}{' (warm-up)' if step == 0 else ''}: " + ", ".join(line))
-    rate = {arm: useful[arm] / sum(seconds[arm]) for arm in arms}
-    for arm in arms:
-        print(f"{arm}: median_step_s={statistics.median(seconds[arm]):.3f} useful_tokens_per_s={rate[arm]:.1f} "
-              f"useful_tokens={useful[arm]} wasted_tokens={wasted[arm]}")
-    in_buffer = sum(len(g.members[i][-1].response_ids) for g, i in buffer.waiting)
-    print(f"partial: buffer at the end holds {len(buffer.waiting)} unfinished samples ({in_buffer} tokens) "
-          f"and {len(buffer.groups)} groups; max_staleness={args.max_staleness}")
-    print(f"partial: speedup_vs_baseline={rate['partial'] / rate['baseline']:.3f} "
-          f"speedup_vs_drop={rate['partial'] / rate['drop']:.3f} wasted_tokens={wasted['partial']}")
+    vs_baseline, vs_drop, partial_wasted = [], [], []
+    for repeat in range(args.repeats):
+        buffer = PartialBuffer(args.group_size, args.max_staleness)
+        seconds = {arm: [] for arm in arms}
+        useful, wasted = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0)
+        for step in range(args.steps + 1):
+            # a weight sync between steps (the same weights: rollouts are what is measured); versions keep
+            # rising over the repeats, as in one long run
+            version = repeat * (args.steps + 1) + step
+            engine.update_weights(policy.named_parameters(), version=version)
+            prompts = [p.prompt_ids for p in tasks.tiny_prompts(
+                tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed + 1000 * version)]
+            order = list(arms)[step % 3:] + list(arms)[:step % 3]
+            line = []
+            for arm in order:
+                arm_plan = arms[arm]
+                engine.flush_cache()
+                if arm == "partial":
+                    resumes, launch = buffer.launch(prompts, plan.num_prompts, version)
+                else:  # over-sampling launches more prompts than the batch; the baseline launches just the batch
+                    resumes, launch = (), prompts if arm_plan else prompts[:args.prompts]
+                samples, stats = engine.generate(launch, args.group_size, args.temperature, args.max_new_tokens,
+                                                 arm_plan, resumes=resumes)
+                assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
+                if arm == "partial":  # the buffer's counters are this step's (reset by `launch`)
+                    trained, lost = buffer.collect(samples, launch)[1], buffer.counters["wasted_tokens"]
+                else:
+                    trained = [s for s in samples if not s.is_aborted]
+                    lost = sum(len(s.response_ids) for s in samples if s.is_aborted)
+                tokens = sum(len(s.response_ids) for s in trained)
+                line.append(f"{arm} {stats.rollout_s:.3f} s {tokens} useful {lost} wasted")
+                if step > 0:
+                    seconds[arm].append(stats.rollout_s)
+                    useful[arm] += tokens
+                    wasted[arm] += lost
+            print(f"repeat {repeat} step {step}{' (warm-up)' if step == 0 else ''}: " + ", ".join(line))
+        rate = {arm: useful[arm] / sum(seconds[arm]) for arm in arms}
+        for arm in arms:
+            print(f"repeat {repeat} {arm}: median_step_s={statistics.median(seconds[arm]):.3f} "
+                  f"useful_tokens_per_s={rate[arm]:.1f} useful_tokens={useful[arm]} wasted_tokens={wasted[arm]}")
+        in_buffer = sum(len(g.members[i][-1].response_ids) for g, i in buffer.waiting)
+        print(f"repeat {repeat} partial: buffer at the end holds {len(buffer.waiting)} unfinished samples "
+              f"({in_buffer} tokens) and {len(buffer.groups)} groups; max_staleness={args.max_staleness}")
+        vs_baseline.append(rate["partial"] / rate["baseline"])
+        vs_drop.append(rate["partial"] / rate["drop"])
+        partial_wasted.append(wasted["partial"])
+    median = statistics.median
+    print(f"partial: per repeat vs baseline {' '.join(f'{r:.3f}' for r in vs_baseline)}, vs drop "
+          f"{' '.join(f'{r:.3f}' for r in vs_drop)}")
+    print(f"partial: speedup_vs_baseline={median(vs_baseline):.3f} speedup_vs_drop={median(vs_drop):.3f} "
+          f"wasted_tokens={round(median(partial_wasted))}")
 
 
 if __name__ == "__main__":

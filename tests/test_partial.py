@@ -230,7 +230,8 @@ def script_lines(done):
 
 
 @pytest.mark.background("tail_bench_partial", [sys.executable, "bench/tail.py", "--partial", "--prompts", "4",
-                                               "--group-size", "4", "--steps", "2", "--max-new-tokens", "32"])
+                                               "--group-size", "4", "--steps", "2", "--max-new-tokens", "32",
+                                               "--repeats", "1"])
 def test_tail_bench_partial_prints_the_issue_line(background_runs):
     lines = script_lines(background_runs.result("tail_bench_partial"))
     assert re.fullmatch(r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", lines[-1])
