@@ -1,8 +1,9 @@
-"""Training batches: samples -> padded micro-batch tensors, and the trainer forward's per-token log-probs.
+"""Training batches: samples -> micro-batch tensors, and the trainer forward's per-token log-probs.
 
-Owns the tensor layout the loss reads ([B, T-1]: targets, loss mask, engine log-probs, token versions),
-micro-batching (every rank runs the same count), the staleness mask of partial rollout's older tokens and
-their off-policy statistics. Does not own the loss (grpo.py) or the optimizer step (train.py).
+Owns the tensor layout the loss reads ([B, T-1]: targets, loss mask, engine log-probs, token versions), the
+packed layout the model computes on (one row of concatenated sequences, no padding), micro-batching (by
+rows, or by a token budget; every rank runs the same count), the staleness mask of partial rollout's older
+tokens and their off-policy statistics. Does not own the loss (grpo.py) or the optimizer step (train.py).
 """
 import math
 
@@ -21,8 +22,13 @@ def tensor_view(values):
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def collate(samples, pad_id):
-    """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t."""
+def collate(samples, pad_id, packed=False):
+    """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t.
+
+    With `packed`, the model instead computes on `packed_ids` and `position_ids` [R, W]: the B sequences
+    placed first-fit into R rows no wider than the longest one, W (so attention, quadratic in a row's width
+    with SDPA's dense mask, never costs more than in the padded layout), and `gather` [B, T-1] says where
+    each padded position's prediction sits in those rows, so the loss reads the same [B, T-1] layout."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     width = max(map(len, full), default=2)  # a rank with nothing to train still runs padding micro-batches
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -38,8 +44,28 @@ def collate(samples, pad_id):
             loss_mask[row, first:first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first:first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first:first + len(s.response_ids)] = tensor_view(s.versions)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
-                loss_mask=loss_mask, engine_logprobs=engine_logprobs, versions=versions)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
+                 loss_mask=loss_mask, engine_logprobs=engine_logprobs, versions=versions)
+    if packed:
+        lengths = [len(ids) for ids in full]
+        rows = token_budget(lengths, width)
+        # Positions restart at 0 for each sequence, and every pad slot is at 0 too (a one-token segment of its
+        # own): transformers (>= 4.53) then builds a block-diagonal causal mask per row, but only with no
+        # attention_mask and no cache (masking_utils.find_packed_sequence_indices).
+        packed_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        gather = torch.zeros((len(samples), width - 1), dtype=torch.long)
+        for r, members in enumerate(rows):
+            start = 0
+            for i in members:
+                packed_ids[r, start:start + lengths[i]] = input_ids[i, :lengths[i]]
+                position_ids[r, start:start + lengths[i]] = torch.arange(lengths[i])
+                # row r's position p predicts from flat index r * (W - 1) + p (the head drops the last position)
+                gather[i] = (r * (width - 1) + start + torch.arange(width - 1)).clamp(max=len(rows) * (width - 1) - 1)
+                start += lengths[i]
+        batch |= dict(packed_ids=packed_ids, position_ids=position_ids, gather=gather,
+                      gathered=torch.arange(width - 1) < torch.tensor(lengths)[:, None] - 1)  # its own tokens
+    return batch
 
 
 def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
@@ -52,43 +78,78 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     policy does that, and autocast stays off).
     """
     head = model.get_output_embeddings()
+    packed = "packed_ids" in batch
+    input_ids = batch["packed_ids"] if packed else batch["input_ids"]
+    targets = input_ids[:, 1:]  # packed: a sequence's last position predicts whatever follows it (never read)
 
     def logprobs_head(hidden):  # hidden: [B, T, H]; position t predicts target t (= input t + 1)
-        logprobs, entropy = grpo.head_logprobs(hidden[:, :-1], head.weight, head.bias, batch["targets"], temperature)
+        logprobs, entropy = grpo.head_logprobs(hidden[:, :-1], head.weight, head.bias, targets, temperature)
         return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2], returned where the logits would be
 
     head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
     try:
-        device_type = batch["input_ids"].device.type
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            # use_cache=False: the config's default (True for Qwen2.5) would build a DynamicCache that keeps every
-            # layer's K/V alive through the no-grad pass, for nothing (transformers utils/generic.py)
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        # use_cache=False: the config's default (True for Qwen2.5) would build a DynamicCache that keeps every
+        # layer's K/V alive through the no-grad pass (transformers utils/generic.py), and packing needs it off
+        inputs = (dict(position_ids=batch["position_ids"], attention_mask=None) if packed
+                  else dict(attention_mask=batch["attention_mask"]))
+        with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            out = model(input_ids=input_ids, use_cache=False, **inputs).logits
     finally:
         del head.forward
+    if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
+        out = out.flatten(0, 1)[batch["gather"]] * batch["gathered"].unsqueeze(-1)
     return out[..., 0], out[..., 1].detach()
 
 
-def micro_batches(samples, advantages, size, count, pad_id):
-    """Exactly `count` collated micro-batches of at most `size` samples, each padded only to its own longest
-    row (not the step's: one long response would widen every row), then padding micro-batches (one row,
-    nothing trained). With FSDP every forward and backward is a collective, so every rank must run the
-    same number of them, whatever its share of the step's samples (verl equalises the same way)."""
+def micro_batches(samples, advantages, size, pad_id, max_tokens=0):
+    """Collated micro-batches: with `max_tokens`, packed rows of at most that many tokens (`token_budget`),
+    else padded ones of at most `size` samples, each padded only to its own longest row. Then padding
+    micro-batches (one row, nothing trained) up to the count of the rank that needs the most: with FSDP every
+    forward and backward is a collective, so every rank must run the same number (verl equalises the same
+    way). Returns (micro-batches, how many samples were longer than the budget: each got one of its own)."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    if max_tokens:
+        groups = token_budget(lengths, max_tokens)
+    else:
+        groups = [list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size)]
     out = []
-    for start in range(0, len(samples), size):
-        mb = collate(samples[start:start + size], pad_id)
-        mb["advantages"] = advantages[start:start + size].float()
+    for rows in groups:
+        mb = collate([samples[i] for i in rows], pad_id, packed=bool(max_tokens))
+        mb["advantages"] = advantages[rows].float()
         out.append(mb)
+    count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
-        mb = collate([Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)], pad_id)
+        mb = collate([Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)], pad_id, bool(max_tokens))
         mb["advantages"] = torch.zeros(1)
         out.append(mb)
-    return out
+    return out, sum(n > max_tokens for n in lengths) if max_tokens else 0
 
 
-def num_micro_batches(num_rows, size):
-    """The micro-batch count every rank runs: the largest any rank needs (at least one)."""
-    return max(int(parallel.all_reduce([math.ceil(num_rows / size)], op="max")[0]), 1)
+def token_budget(lengths, max_tokens):
+    """Indices grouped into micro-batches of at most `max_tokens` tokens each, nearly full: first-fit
+    decreasing (longest first, each into the first micro-batch with room: at most 11/9 of the fewest
+    micro-batches plus one). A sequence longer than the budget gets a micro-batch of its own."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+    return bins
+
+
+def layout_stats(micro_batches):
+    """What the model computed on: real tokens, the share of padding among the positions it ran
+    (`padded_fraction`; a packed row has none), micro-batch count and real tokens per micro-batch."""
+    tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    positions = sum((mb["packed_ids"] if "packed_ids" in mb else mb["attention_mask"]).numel() for mb in micro_batches)
+    return {"train/tokens": tokens, "train/padded_fraction": 1 - tokens / max(positions, 1),
+            "train/micro_batches": len(micro_batches), "train/tokens_per_micro_batch": tokens / max(len(micro_batches), 1)}
 
 
 def mask_stale_tokens(micro_batches, version, max_staleness):

@@ -91,6 +91,9 @@ class TrainConfig:
     max_token_staleness: int = -1  # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
+    # > 0: padding-free training: each micro-batch is one packed row of whole sequences (prompt + response) with
+    # at most this many tokens (a longer sequence gets one of its own); micro_batch_size is then unused
+    max_tokens_per_micro_batch: int = 0
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
     # a non-finite loss or gradient norm skips that update (logged, counted in train/skipped_updates); this many
     # in a row stop the run with a NonFiniteError: the policy is broken, not unlucky
@@ -168,6 +171,7 @@ class Config:
                 ("rollout.request_timeout_s", r.request_timeout_s, 0), ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
                 ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
                 ("train.steps", t.steps, 0), ("train.micro_batch_size", t.micro_batch_size, 1),
+                ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
                 ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),
                 ("train.warmup_steps", t.warmup_steps, 0), ("train.kl_coef", t.kl_coef, 0),
                 ("train.weight_decay", t.weight_decay, 0), ("train.max_bad_updates", t.max_bad_updates, 1),

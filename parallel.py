@@ -144,7 +144,8 @@ def gather_objects(obj):
 SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens", "rollout/timed_out",
                   "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
                   "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
-                  "perf/rollout_tokens_per_s"}
+                  "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "train/tokens", "train/micro_batches",
+                  "train/over_budget_sequences"}
 
 
 def reduce_metrics(scalars):

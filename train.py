@@ -103,12 +103,12 @@ def train_on_rollout(run, samples, advantages, version=0):
     pad_id = policy.config.pad_token_id or 0
     logprobs_of = lambda model, mb: batching.sequence_logprobs(model, mb, r.temperature, run.autocast_dtype)  # noqa: E731
     minibatch_size = max(math.ceil(len(samples) / t.num_minibatches), 1)
-    minibatches = []  # [num_minibatches][micro-batches]: collated once, used by both passes below
+    minibatches, over_budget = [], 0  # [num_minibatches][micro-batches]: collated once, used by both passes
     for i in range(t.num_minibatches):  # the same count on every rank: clip_grad_norm_ is a collective too
         rows = slice(i * minibatch_size, (i + 1) * minibatch_size)
-        count = batching.num_micro_batches(len(samples[rows]), t.micro_batch_size)
-        minibatches.append([{key: value.to(run.device) for key, value in mb.items()} for mb in
-                            batching.micro_batches(samples[rows], advantages[rows], t.micro_batch_size, count, pad_id)])
+        mbs, over = batching.micro_batches(samples[rows], advantages[rows], t.micro_batch_size, pad_id, t.max_tokens_per_micro_batch)
+        minibatches.append([{key: value.to(run.device) for key, value in mb.items()} for mb in mbs])
+        over_budget += over
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = batching.mask_stale_tokens(every_mb, version, t.max_token_staleness)
     with torch.no_grad():  # the policy that sampled: recomputed here, the engine's copy is only compared
@@ -120,9 +120,8 @@ def train_on_rollout(run, samples, advantages, version=0):
     fresh = [mb["loss_mask"] * (mb["staleness"] == 0) for mb in every_mb]
     gap = sum(((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * m).sum() for mb, m in zip(every_mb, fresh))
     num_tokens = sum(m.sum() for m in fresh)
-    padded = sum(int((mb["attention_mask"] == 0).sum()) for mb in every_mb)
     stats |= {"train/skipped_updates": 0, "train/logprob_gap": (gap / max(num_tokens, 1)).item(),
-              "train/padded_fraction": padded / sum(mb["attention_mask"].numel() for mb in every_mb),
+              "train/over_budget_sequences": over_budget, **batching.layout_stats(every_mb),
               **batching.offpolicy_stats(every_mb, t.tis_cap)}
     for minibatch in minibatches:
         optimizer.zero_grad(set_to_none=True)
@@ -301,7 +300,8 @@ def train_step(run, step, plan, phases):
     now = time.perf_counter()
     scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
         **phases.metrics(), "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
-        "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start}
+        "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start,
+        "perf/train_tokens_per_s": scalars["train/tokens"] / (sync_start - train_start)}
     return parallel.reduce_metrics(scalars), texts
 
 

@@ -25,6 +25,9 @@ from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
 MODES = grpo.LOSS_AGG_MODES
+# (loss mode, packed): the parity runs, each loss mode padded, two of them packed under a 20-token budget
+PARITY_RUNS = [(mode, False) for mode in MODES] + [("token-mean", True), ("seq-mean-token-mean", True)]
+PACKED = "train.max_tokens_per_micro_batch=20"
 
 
 def fixed_batch(num_groups=4, group_size=4, seed=0):
@@ -63,6 +66,10 @@ def update_once(cfg, samples, advantages, shard):
     return policy, optimizer, stats
 
 
+def parity_file(mode, packed):
+    return f"params_{mode}{'_packed' if packed else ''}.pt"
+
+
 def parity_config(out_dir, mode, *sets):
     return load_config(TINY_CONFIG, [f"run.out={out_dir}", f"train.loss_agg={mode}",
                                              "train.micro_batch_size=3", *sets])
@@ -93,12 +100,13 @@ def check_ranks(out_dir):
     rank, results = parallel.rank(), {}
     samples, advantages = fixed_batch()
     mine, my_advantages = local_share(samples, advantages)
-    for mode in MODES:  # one update from the same start, this rank's share of the fixed batch
-        policy, _, stats = update_once(parity_config(out_dir, mode), mine, my_advantages, shard=True)
+    for mode, packed in PARITY_RUNS:  # one update from the same start, this rank's share of the fixed batch
+        cfg = parity_config(out_dir, mode, *[PACKED] * packed)
+        policy, _, stats = update_once(cfg, mine, my_advantages, shard=True)
         params, grads = full_params(policy), full_grads(policy)
         if rank == 0:
             torch.save({"params": params, "grads": grads, "loss": stats["train/loss"],
-                        "grad_norm": stats["train/grad_norm"]}, os.path.join(out_dir, f"params_{mode}.pt"))
+                        "grad_norm": stats["train/grad_norm"]}, os.path.join(out_dir, parity_file(mode, packed)))
 
     # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6 lands
     cfg = parity_config(out_dir, "token-mean", "model.compute_dtype=bfloat16", "train.lr=1e-6")

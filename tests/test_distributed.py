@@ -32,15 +32,16 @@ def two_ranks(tmp_path_factory):
     return out, results, str(failure.value)
 
 
-@pytest.mark.parametrize("mode", dist_worker.MODES)
-def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode):
+@pytest.mark.parametrize("mode, packed", dist_worker.PARITY_RUNS)
+def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode, packed):
+    """Uneven shares (rank 1 runs padding micro-batches), padded or packed on the ranks; one padded rank."""
     out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.is_aborted for s in samples)
     policy, _, stats = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages,
                                                shard=False)
     initial, _ = train.build_policy(dist_worker.parity_config(tmp_path, mode), None)
-    sharded = torch.load(out / f"params_{mode}.pt", weights_only=True)
+    sharded = torch.load(out / dist_worker.parity_file(mode, packed), weights_only=True)
     assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
     assert sharded["grad_norm"] == pytest.approx(stats["train/grad_norm"], rel=1e-5)
     for name, p in policy.named_parameters():

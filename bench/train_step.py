@@ -1,0 +1,167 @@
+"""One full update (old log-probs, then the minibatch's forward, backward and optimizer step), padded
+micro-batches against packed ones (`train.max_tokens_per_micro_batch`), on the same samples and weights.
+
+Two length mixes: `demo`, one real rollout of the CPU demo (configs/tiny.yaml: its engine, its initial
+policy, 32 prompts x 8); and `gsm8k`, synthetic GSM8K-like samples (prompts ~150 tokens, responses
+log-normal around 250 with a tail to the 1,024-token budget) on a Qwen2-shaped model (4 layers of 256,
+grouped KV heads, tied embeddings) with a 32,000-token vocabulary (Llama's and Mistral's; Qwen's 151,936
+made one update take over a minute on 2 cores, and only scales the head's cost, the same per token). The packed budget is the padded path's largest micro-batch: micro_batch_size x the longest
+sequence the config allows (demo 64 x 52, GSM8K 4 x 1,536), so a packed micro-batch never holds more
+positions than a padded one can. Times: medians of `--repeats` alternated pairs (the arms take turns
+going first). Peak memory: each arm once in a fresh process, its resident set sampled every millisecond
+during the update, less what it held before (the CPU allocator keeps freed memory, so one process cannot
+measure both arms).
+Run from the repo root: `python bench/train_step.py`. The last line is the machine-readable summary:
+  train_step: mix=demo speedup=<f> padded_fraction=<f> mix=gsm8k speedup=<f> padded_fraction=<f> peak_ratio=<f>
+(padded_fraction: the packed path's; peak_ratio: packed peak / padded peak, the larger of the two mixes).
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import checkpoint  # noqa: E402
+import grpo  # noqa: E402
+import train  # noqa: E402
+from config import load_config  # noqa: E402
+from sample import Sample  # noqa: E402
+
+VOCAB = 32_000  # the gsm8k mix's vocabulary
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (config, overrides, packed budget); the gsm8k mix builds its own Qwen2-shaped model (see `policy_for`)
+MIXES = {"demo": ("configs/tiny.yaml", [], 64 * (4 + 48)),
+         "gsm8k": ("configs/gsm8k.yaml", ["data.train_path=unused", "model.compute_dtype=float32"], 4 * (512 + 1024))}
+
+
+def demo_samples(out_dir, seed=0):
+    """One rollout of the CPU demo's first step, from the real engine, with GRPO advantages of random rewards
+    (the update's cost depends on the lengths, not the rewards)."""
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={out_dir}"])
+    policy, tokenizer = train.build_policy(cfg, None)
+    engine = train.RolloutEngine(checkpoint.export_for_engine(policy, tokenizer, out_dir), cfg.rollout, seed=seed)
+    try:
+        prompts = train.draw_prompts(train.build_task(cfg, tokenizer)[0], 0, cfg.rollout.prompts_per_step, seed)
+        samples, _ = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.group_size, 1.0,
+                                     cfg.rollout.max_new_tokens)
+    finally:
+        engine.shutdown()
+    return samples
+
+
+def gsm8k_samples(num_samples=16, seed=0):
+    """Prompts ~N(150, 30) tokens, responses log-normal (median 250) cut at the 1,024-token budget."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(num_samples):
+        num_prompt = min(max(int(rng.gauss(150, 30)), 40), 512)
+        num_response = min(max(int(rng.lognormvariate(5.5, 0.7)), 1), 1024)
+        samples.append(Sample([rng.randrange(VOCAB) for _ in range(num_prompt)],
+                              [rng.randrange(VOCAB) for _ in range(num_response)], [-1.0] * num_response,
+                              [1] * num_response, group_id=i // 8, trajectory_id=i))
+    return samples
+
+
+def policy_for(mix, cfg):
+    """The mix's model, seeded: the demo's tiny model, or a small Qwen2 with Qwen's vocabulary."""
+    if mix == "demo":
+        return train.build_policy(cfg, None)[0]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                        max_position_embeddings=2048)).float()
+
+
+def update(mix, samples, packed, on_start=None):
+    """One train_on_rollout from the seeded initial weights; returns (seconds, its stats)."""
+    config, sets, budget = MIXES[mix]
+    cfg = load_config(os.path.join(ROOT, config), sets + [f"train.max_tokens_per_micro_batch={budget if packed else 0}"])
+    policy = policy_for(mix, cfg)
+    optimizer, scheduler = train.build_optimizer(policy, cfg.train)
+    run = types.SimpleNamespace(cfg=cfg, policy=policy, optimizer=optimizer, scheduler=scheduler, reference=None,
+                                device=torch.device("cpu"), autocast_dtype=None)
+    advantages, _ = grpo.group_advantages(torch.randn(len(samples), generator=torch.Generator().manual_seed(0)),
+                                          torch.tensor([s.group_id for s in samples]), torch.ones(len(samples), dtype=torch.bool))
+    if on_start:
+        on_start()
+    start = time.perf_counter()
+    stats = train.train_on_rollout(run, samples, advantages)
+    return time.perf_counter() - start, stats
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_of_one_arm(mix, samples_file, packed):
+    """In a fresh process: the peak resident bytes during one update, above what it held when it began."""
+    samples = [Sample(**state) for state in torch.load(samples_file, weights_only=True)]
+    before, peak, done = [0], [0], threading.Event()
+
+    def sample_rss():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample_rss)
+    update(mix, samples, packed, on_start=lambda: (before.__setitem__(0, rss_bytes()), sampler.start()))
+    done.set()
+    sampler.join()
+    return peak[0] - before[0]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="alternated padded/packed pairs per mix")
+    parser.add_argument("--gsm8k-samples", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (the engine is shut down first)")
+    parser.add_argument("--peak", nargs=3, metavar=("MIX", "SAMPLES_FILE", "PACKED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.peak:
+        print(json.dumps(peak_of_one_arm(args.peak[0], args.peak[1], args.peak[2] == "1")))
+        return
+    out_dir = tempfile.mkdtemp(prefix="bench-train-step-")
+    summary, peak_ratios = [], []
+    for mix, samples in (("demo", demo_samples(out_dir)), ("gsm8k", gsm8k_samples(args.gsm8k_samples))):
+        seconds, stats = {False: [], True: []}, {}
+        update(mix, samples, packed=True)  # warm-up: first-call costs, not measured
+        for repeat in range(args.repeats):
+            for packed in ((False, True) if repeat % 2 == 0 else (True, False)):
+                elapsed, stats[packed] = update(mix, samples, packed)
+                seconds[packed].append(elapsed)
+        samples_file = os.path.join(out_dir, f"{mix}.pt")
+        torch.save([s.to_state() for s in samples], samples_file)
+        peaks = {}
+        for packed in (False, True):
+            done = subprocess.run([sys.executable, __file__, "--peak", mix, samples_file, str(int(packed)),
+                                   "--threads", str(args.threads)],
+                                  cwd=ROOT, capture_output=True, text=True, check=True)
+            peaks[packed] = json.loads(done.stdout.strip().splitlines()[-1])
+        padded_s, packed_s = statistics.median(seconds[False]), statistics.median(seconds[True])
+        for packed, name in ((False, "padded"), (True, "packed")):
+            s = stats[packed]
+            print(f"{mix} {name}: update_s={statistics.median(seconds[packed]):.3f} (repeats "
+                  f"{' '.join(f'{x:.3f}' for x in seconds[packed])}) tokens={s['train/tokens']} "
+                  f"micro_batches={s['train/micro_batches']} padded_fraction={s['train/padded_fraction']:.3f} "
+                  f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} peak_mib={peaks[packed] / 2**20:.0f}")
+        summary.append(f"mix={mix} speedup={padded_s / packed_s:.3f} padded_fraction={stats[True]['train/padded_fraction']:.3f}")
+        peak_ratios.append(peaks[True] / peaks[False])
+    print(f"train_step: {' '.join(summary)} peak_ratio={max(peak_ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Padding-free training (batching.py): token-budget micro-batches of packed rows give the same log-probs,
+entropies and updates as the padded path, in every loss mode, and sequences packed together never see
+each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
+import random
+import re
+import sys
+
+import pytest
+import torch
+
+import batching
+import dist_worker
+import grpo
+import train
+from sample import Sample
+
+
+def random_samples(seed, lengths=None):
+    """Samples of mixed lengths (a 1-token response among them), a third aborted, some tokens sampled one or
+    two weight versions ago (partial rollout's stale tokens)."""
+    rng = random.Random(seed)
+    lengths = lengths or [(rng.randint(2, 8), rng.randint(1, 30)) for _ in range(11)] + [(3, 1)]
+    samples = []
+    for i, (num_prompt, num_response) in enumerate(lengths):
+        aborted = i % 3 == 2
+        samples.append(Sample([rng.randint(4, 24) for _ in range(num_prompt)],
+                              [rng.randint(4, 24) for _ in range(num_response)],
+                              [-rng.random() * 3 for _ in range(num_response)], [1] * num_response,
+                              group_id=i // 4, trajectory_id=i, is_aborted=aborted,
+                              finish_reason="abort" if aborted else "stop",
+                              versions=[-rng.randint(0, 2) for _ in range(num_response)]))
+    advantages, _ = grpo.group_advantages(torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
+                                          torch.tensor([s.group_id for s in samples]),
+                                          torch.tensor([not s.is_aborted for s in samples]))
+    return samples, advantages
+
+
+def test_token_budget_packs_first_fit_decreasing():
+    lengths = [50, 7, 30, 12, 64, 9, 3, 100, 21]
+    bins = batching.token_budget(lengths, max_tokens=64)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert [7] in bins  # 100 tokens, over the budget: a micro-batch of its own
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins if b != [7])
+    assert len(bins) == 5  # 296 tokens in 64-token bins: 4 is the bound without the over-long one, 5 with it
+
+
+def test_packed_logprobs_equal_padded_per_token(tmp_path):
+    cfg = dist_worker.parity_config(tmp_path, "token-mean")
+    policy, _ = train.build_policy(cfg, None)
+    samples, _ = random_samples(0)
+    padded = batching.collate(samples, pad_id=0)
+    packed = batching.collate(samples, pad_id=0, packed=True)
+    assert packed["packed_ids"].shape[1] == padded["input_ids"].shape[1]  # rows no wider than the longest
+    assert packed["packed_ids"].numel() < padded["input_ids"].numel()  # less padding (only at row ends)
+    with torch.no_grad():
+        expected, expected_entropy = batching.sequence_logprobs(policy, padded, 1.0)
+        got, entropy = batching.sequence_logprobs(policy, packed, 1.0)
+    real = packed["gathered"]  # every position that predicts a token of its own sequence
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
+    assert (got[~real] == 0).all()
+
+
+def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
+    """The check above has teeth: with an attention mask passed, or a cache built (use_cache left on), the
+    same packed row gives its second sequence other log-probs (it attends to the first). transformers builds
+    the block-diagonal mask only without either (masking_utils.py, find_packed_sequence_indices)."""
+    policy, _ = train.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
+    samples, _ = random_samples(1, lengths=[(6, 40), (4, 12), (3, 20)])  # 46, 16, 23 tokens
+    packed = batching.collate(samples, pad_id=0, packed=True)
+    first, second = len(samples[2].prompt_ids) + len(samples[2].response_ids), samples[1]
+    n = len(second.prompt_ids) + len(second.response_ids)
+    # first-fit decreasing in rows 46 wide: the longest alone, then 23 + 16 in the second row
+    assert packed["packed_ids"][1, first:first + n].tolist() == (second.prompt_ids + second.response_ids).tolist()
+    with torch.no_grad():
+        got = batching.sequence_logprobs(policy, packed, 1.0)[0][1, :n - 1]
+        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][0, :n - 1]
+        torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+        row, positions = packed["packed_ids"][1:, :first + n], packed["position_ids"][1:, :first + n]
+        for careless in (dict(attention_mask=torch.ones_like(row), use_cache=False),
+                         dict(attention_mask=None, use_cache=True)):
+            logits = policy(input_ids=row, position_ids=positions, **careless).logits
+            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1:])[0][0]
+            assert (leaked - alone).abs().max() > 1e-3, careless  # the leak shows
+
+
+@pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
+def test_one_update_packed_equals_padded(tmp_path, mode):
+    """All four loss modes, with aborted rows, truncated importance sampling on and stale tokens (a token
+    budget that splits the batch unevenly, some sequences over it): the same parameters after one update."""
+    samples, advantages = random_samples(2)
+    budget = 30
+    assert max(len(s.prompt_ids) + len(s.response_ids) for s in samples) > budget
+    results = []
+    for extra in ([], [f"train.max_tokens_per_micro_batch={budget}"]):
+        cfg = dist_worker.parity_config(tmp_path, mode, "train.tis_cap=2", *extra)
+        policy, _, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
+        results.append((policy, stats))
+    (padded, padded_stats), (packed, packed_stats) = results
+    assert packed_stats["train/padded_fraction"] < padded_stats["train/padded_fraction"]
+    over = sum(len(s.prompt_ids) + len(s.response_ids) > budget for s in samples)
+    assert packed_stats["train/over_budget_sequences"] == over and packed_stats["train/tokens"] == padded_stats["train/tokens"]
+    assert packed_stats["train/stale_token_frac"] == padded_stats["train/stale_token_frac"] > 0
+    assert packed_stats["train/loss"] == pytest.approx(padded_stats["train/loss"], abs=1e-6)
+    for (name, a), (_, b) in zip(padded.named_parameters(), packed.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-7, rtol=1e-4, msg=name)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.background("train_step_bench", [sys.executable, "bench/train_step.py", "--repeats", "1",
+                                             "--gsm8k-samples", "2"])
+def test_train_step_bench_prints_its_line(background_runs):
+    """The smallest workload that still prints the line (its own engine for the demo mix's real rollout)."""
+    done = background_runs.result("train_step_bench")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"train_step: mix=demo speedup=[\d.]+ padded_fraction=[\d.]+ mix=gsm8k speedup=[\d.]+ "
+                        r"padded_fraction=[\d.]+ peak_ratio=[\d.]+", line), line
