@@ -73,6 +73,12 @@ class BackgroundRuns:
     def result(self, name):
         return self.runs[name].result()
 
+    def lines(self, name):
+        """The run's stdout lines, once it has exited 0 (else its stderr's end is the failure)."""
+        done = self.result(name)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "background(name, command): run `command` in the background from collection on")

@@ -224,16 +224,11 @@ def test_merged_turns_carry_their_token_versions():
     assert merged.loss_mask.tolist() == [1, 1, 0, 0, 1]
 
 
-def script_lines(done):
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()
-
-
 @pytest.mark.background("tail_bench_partial", [sys.executable, "bench/tail.py", "--partial", "--prompts", "4",
                                                "--group-size", "4", "--steps", "2", "--max-new-tokens", "32",
                                                "--repeats", "1"])
 def test_tail_bench_partial_prints_the_issue_line(background_runs):
-    lines = script_lines(background_runs.result("tail_bench_partial"))
+    lines = background_runs.lines("tail_bench_partial")
     assert re.fullmatch(r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", lines[-1])
 
 
@@ -241,6 +236,6 @@ def test_tail_bench_partial_prints_the_issue_line(background_runs):
                                            "baseline,partial", "--steps", "2"])
 def test_learning_bench_prints_the_issue_line(background_runs):
     """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures."""
-    lines = script_lines(background_runs.result("learning_bench"))
+    lines = background_runs.lines("learning_bench")
     assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ partial_val_sampled=[\d.]+ "
                         r"baseline_step_s=[\d.]+ partial_step_s=[\d.]+", lines[-1])
