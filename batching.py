@@ -1,7 +1,7 @@
 """Training batches: samples -> micro-batch tensors, and the trainer forward's per-token log-probs.
 
 Owns the tensor layout the loss reads ([B, T-1]: targets, loss mask, engine log-probs, token versions), the
-packed layout the model computes on (one row of concatenated sequences, no padding), micro-batching (by
+packed layout the model computes on (rows of whole sequences, padding only at row ends), micro-batching (by
 rows, or by a token budget; every rank runs the same count), the staleness mask of partial rollout's older
 tokens and their off-policy statistics. Does not own the loss (grpo.py) or the optimizer step (train.py).
 """

@@ -36,46 +36,7 @@ class Engine:
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         on_gpu = torch.cuda.is_available()
-        # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
-        # being oversubscribed (measured 70x faster generation than the default thread count).
-        os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
-        if not on_gpu:
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else SGLang reaches for vllm's rotary kernels
-            # the CUDA-only sgl_kernel wheel cannot load without a GPU: use the CPU stand-in, both
-            # here (SGLang imports it in this process too) and in the scheduler processes
-            if CPU_COMPAT_DIR not in sys.path:
-                sys.path.insert(0, CPU_COMPAT_DIR)
-            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")]))
-        prepare_engine_environment(on_gpu)
-        import sglang
-
-        # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL port
-        # from its local rank's own window: SGLang would pick it with the `random` module, which ranks started
-        # with one seed draw identically (verl issue 3977).
-        device_args = dict(base_gpu_id=gpu_id) if on_gpu else dict(
-            device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-        # SGLang reconfigures the root logger of this process to its own log_level and handler: without the
-        # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
-        root_logger = logging.getLogger()
-        root_level, root_handlers = root_logger.level, root_logger.handlers[:]
-        # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides how
-        # to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for SIGINT.)
-        previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            self.engine = sglang.Engine(
-                model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
-                # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
-                enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
-                max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
-                # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
-                # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
-                # trained 2-3x slower with spinning schedulers)
-                sleep_on_idle=True, nccl_port=free_port(local_rank), trust_remote_code=trust_remote_code,
-                **device_args)
-        finally:
-            signal.signal(signal.SIGINT, previous_sigint)
-        root_logger.setLevel(root_level)
-        root_logger.handlers[:] = root_handlers
+        self.engine = start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu)
         self.tokenizer_manager = self.engine.tokenizer_manager
         # An engine process that dies must end the step with EngineDiedError (and a checkpoint), never kill the
         # trainer. SGLang has three ways to kill this process instead, all replaced here (sglang 0.5.23):
@@ -251,7 +212,7 @@ class Engine:
 class StopSignal:
     """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save a checkpoint
     and return; a second one exits at once (the engine killed, no checkpoint, exit 130). The engine's
-    processes ignore SIGINT and hand SIGTERM here (rollout.py), so only the trainer decides."""
+    processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only the trainer decides."""
 
     def __init__(self, engine):
         self.received, self.engine = None, engine
@@ -305,6 +266,52 @@ def trainer_signals(sglang_signal_handler, rollout_engine):
         def running_phase_sigquit_handler(self, signum=None, frame=None):
             rollout_engine._on_sigquit(signum, frame)
     return TrainerSignals
+
+
+def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu):
+    """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes) for this rank:
+    the environment its processes inherit, its device, its port; returns it. `Engine` then takes it over."""
+    # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
+    # being oversubscribed (measured 70x faster generation than the default thread count).
+    os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
+    if not on_gpu:
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # else SGLang reaches for vllm's rotary kernels
+        # the CUDA-only sgl_kernel wheel cannot load without a GPU: use the CPU stand-in, both
+        # here (SGLang imports it in this process too) and in the scheduler processes
+        if CPU_COMPAT_DIR not in sys.path:
+            sys.path.insert(0, CPU_COMPAT_DIR)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")]))
+    prepare_engine_environment(on_gpu)
+    import sglang
+
+    # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL port
+    # from its local rank's own window: SGLang would pick it with the `random` module, which ranks started
+    # with one seed draw identically (verl issue 3977).
+    device_args = dict(base_gpu_id=gpu_id) if on_gpu else dict(
+        device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+    # SGLang reconfigures the root logger of this process to its own log_level and handler: without the
+    # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
+    root_logger = logging.getLogger()
+    root_level, root_handlers = root_logger.level, root_logger.handlers[:]
+    # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides how
+    # to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for SIGINT.)
+    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = sglang.Engine(
+            model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
+            # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
+            enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
+            max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
+            # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
+            # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
+            # trained 2-3x slower with spinning schedulers)
+            sleep_on_idle=True, nccl_port=free_port(local_rank), trust_remote_code=trust_remote_code,
+            **device_args)
+    finally:
+        signal.signal(signal.SIGINT, previous_sigint)
+    root_logger.setLevel(root_level)
+    root_logger.handlers[:] = root_handlers
+    return engine
 
 
 def prepare_engine_environment(on_gpu):

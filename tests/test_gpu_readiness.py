@@ -36,13 +36,13 @@ TESTS = os.path.join(REPO, "tests")
 RAISE_MID_RUN = """
 import runpy, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import dist_worker, rollout
-push = rollout.RolloutEngine.update_weights
+import dist_worker, sglang_engine
+push = sglang_engine.Engine.update_weights
 def rejected_push(self, named_params, version, *args, **kwargs):
     if version == 2:  # the weight sync after the second update
         named_params = dist_worker.rejected_tensor(self, next(iter(self.weight_shapes)))
     return push(self, named_params, version, *args, **kwargs)
-rollout.RolloutEngine.update_weights = rejected_push
+sglang_engine.Engine.update_weights = rejected_push
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """
