@@ -5,6 +5,7 @@ packed layout the model computes on (rows of whole sequences, padding only at ro
 rows, or by a token budget; every rank runs the same count), the staleness mask of partial rollout's older
 tokens and their off-policy statistics. Does not own the loss (grpo.py) or the optimizer step (train.py).
 """
+import itertools
 import math
 
 import torch
@@ -22,13 +23,14 @@ def tensor_view(values):
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def collate(samples, pad_id, packed=False):
+def collate(samples, pad_id, rows=None):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t.
 
-    With `packed`, the model instead computes on `packed_ids` and `position_ids` [R, W]: the B sequences
-    placed first-fit into R rows no wider than the longest one, W (so attention, quadratic in a row's width
-    with SDPA's dense mask, never costs more than in the padded layout), and `gather` [B, T-1] says where
-    each padded position's prediction sits in those rows, so the loss reads the same [B, T-1] layout."""
+    With `rows` (how many of the samples, in order, share each packed row; `pack_rows` chooses them), the
+    model instead computes on `packed_ids` and `position_ids` [R, W] (W: the fullest row), and its output
+    head only at `head_index`, the positions that predict a response token (no loss reads a prompt token's
+    log-prob). `gather` [B, T-1] says where each padded position's prediction sits in the head's output and
+    `gathered` marks those positions, so the loss reads the same [B, T-1] layout."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     width = max(map(len, full), default=2)  # a rank with nothing to train still runs padding micro-batches
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -46,25 +48,30 @@ def collate(samples, pad_id, packed=False):
         versions[row, first:first + len(s.response_ids)] = tensor_view(s.versions)
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, targets=input_ids[:, 1:],
                  loss_mask=loss_mask, engine_logprobs=engine_logprobs, versions=versions)
-    if packed:
+    if rows:
         lengths = [len(ids) for ids in full]
-        rows = token_budget(lengths, width)
+        bounds = list(itertools.accumulate(rows, initial=0))  # row r holds samples bounds[r]:bounds[r + 1]
+        row_width = max(sum(lengths[a:b]) for a, b in zip(bounds, bounds[1:]))
         # Positions restart at 0 for each sequence, and every pad slot is at 0 too (a one-token segment of its
         # own): transformers (>= 4.53) then builds a block-diagonal causal mask per row, but only with no
         # attention_mask and no cache (masking_utils.find_packed_sequence_indices).
-        packed_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        packed_ids = torch.full((len(rows), row_width), pad_id, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), row_width), dtype=torch.long)
         gather = torch.zeros((len(samples), width - 1), dtype=torch.long)
-        for r, members in enumerate(rows):
-            start = 0
-            for i in members:
-                packed_ids[r, start:start + lengths[i]] = input_ids[i, :lengths[i]]
-                position_ids[r, start:start + lengths[i]] = torch.arange(lengths[i])
-                # row r's position p predicts from flat index r * (W - 1) + p (the head drops the last position)
-                gather[i] = (r * (width - 1) + start + torch.arange(width - 1)).clamp(max=len(rows) * (width - 1) - 1)
-                start += lengths[i]
-        batch |= dict(packed_ids=packed_ids, position_ids=position_ids, gather=gather,
-                      gathered=torch.arange(width - 1) < torch.tensor(lengths)[:, None] - 1)  # its own tokens
+        gathered = torch.zeros((len(samples), width - 1), dtype=torch.bool)
+        head_index, done = [], 0  # flat positions in [R * W] whose hidden state predicts a response token
+        for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            start = r * row_width
+            for i in range(a, b):
+                packed_ids.view(-1)[start:start + lengths[i]] = input_ids[i, :lengths[i]]
+                position_ids.view(-1)[start:start + lengths[i]] = torch.arange(lengths[i])
+                first, n = len(samples[i].prompt_ids) - 1, len(samples[i].response_ids)
+                gather[i, first:first + n] = torch.arange(done, done + n)
+                gathered[i, first:first + n] = True
+                head_index.append(torch.arange(start + first, start + first + n))
+                start, done = start + lengths[i], done + n
+        batch |= dict(packed_ids=packed_ids, position_ids=position_ids, head_index=torch.cat(head_index),
+                      gather=gather, gathered=gathered)
     return batch
 
 
@@ -80,11 +87,16 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     head = model.get_output_embeddings()
     packed = "packed_ids" in batch
     input_ids = batch["packed_ids"] if packed else batch["input_ids"]
-    targets = input_ids[:, 1:]  # packed: a sequence's last position predicts whatever follows it (never read)
+    if packed:  # only the positions that predict a response token; the next one in the row is its target
+        select = lambda hidden: hidden.flatten(0, 1)[batch["head_index"]].unsqueeze(0)  # noqa: E731  [1, N, H]
+        targets = input_ids.flatten()[batch["head_index"] + 1].unsqueeze(0)
+    else:  # position t predicts target t (= input t + 1)
+        select = lambda hidden: hidden[:, :-1]  # noqa: E731
+        targets = input_ids[:, 1:]
 
-    def logprobs_head(hidden):  # hidden: [B, T, H]; position t predicts target t (= input t + 1)
-        logprobs, entropy = grpo.head_logprobs(hidden[:, :-1], head.weight, head.bias, targets, temperature)
-        return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2], returned where the logits would be
+    def logprobs_head(hidden):  # hidden: [B, T, H]
+        logprobs, entropy = grpo.head_logprobs(select(hidden), head.weight, head.bias, targets, temperature)
+        return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2] (packed: [1, N, 2]), where the logits would be
 
     head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
     try:
@@ -98,57 +110,70 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     finally:
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
-        out = out.flatten(0, 1)[batch["gather"]] * batch["gathered"].unsqueeze(-1)
+        out = out[0][batch["gather"]] * batch["gathered"].unsqueeze(-1)
     return out[..., 0], out[..., 1].detach()
 
 
 def micro_batches(samples, advantages, size, pad_id, max_tokens=0):
-    """Collated micro-batches: with `max_tokens`, packed rows of at most that many tokens (`token_budget`),
+    """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions (`pack_rows`),
     else padded ones of at most `size` samples, each padded only to its own longest row. Then padding
     micro-batches (one row, nothing trained) up to the count of the rank that needs the most: with FSDP every
     forward and backward is a collective, so every rank must run the same number (verl equalises the same
     way). Returns (micro-batches, how many samples were longer than the budget: each got one of its own)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if max_tokens:
-        groups = token_budget(lengths, max_tokens)
+        layout = pack_rows(lengths, max_tokens)
+        groups, rows = [[i for row in mb for i in row] for mb in layout], [[len(row) for row in mb] for mb in layout]
     else:
         groups = [list(range(start, min(start + size, len(samples)))) for start in range(0, len(samples), size)]
+        rows = [None] * len(groups)
     out = []
-    for rows in groups:
-        mb = collate([samples[i] for i in rows], pad_id, packed=bool(max_tokens))
-        mb["advantages"] = advantages[rows].float()
+    for group, group_rows in zip(groups, rows):
+        mb = collate([samples[i] for i in group], pad_id, group_rows)
+        mb["advantages"] = advantages[group].float()
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
-        mb = collate([Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)], pad_id, bool(max_tokens))
+        mb = collate([Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)], pad_id,
+                     [1] if max_tokens else None)
         mb["advantages"] = torch.zeros(1)
         out.append(mb)
     return out, sum(n > max_tokens for n in lengths) if max_tokens else 0
 
 
-def token_budget(lengths, max_tokens):
-    """Indices grouped into micro-batches of at most `max_tokens` tokens each, nearly full: first-fit
-    decreasing (longest first, each into the first micro-batch with room: at most 11/9 of the fewest
-    micro-batches plus one). A sequence longer than the budget gets a micro-batch of its own."""
-    bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for b, free in enumerate(room):
+def pack_rows(lengths, max_tokens):
+    """Sample indices laid out as [micro-batch][row][sample]. First-fit decreasing over the whole minibatch
+    (longest first, each into the first row with room) into rows as wide as its longest sequence, then as
+    many rows per micro-batch as the budget holds (rows x width <= max_tokens, so the budget bounds the
+    positions computed, hence memory). Rows come out nearly full (a few % padding at GRPO's 64 samples per
+    rank; fewer samples leave more gaps), and none is wider than its longest sequence needs alone: with a
+    dense block-diagonal mask (SDPA) attention costs width^2 per row whatever the row holds. A sequence
+    longer than the budget gets a micro-batch of its own."""
+    over = [[[i]] for i, n in enumerate(lengths) if n > max_tokens]
+    fitting = sorted((i for i, n in enumerate(lengths) if n <= max_tokens), key=lambda i: -lengths[i])
+    width = lengths[fitting[0]] if fitting else 1
+    rows, room = [], []
+    for i in fitting:
+        for r, free in enumerate(room):
             if lengths[i] <= free:
-                bins[b].append(i)
-                room[b] -= lengths[i]
+                rows[r].append(i)
+                room[r] -= lengths[i]
                 break
         else:
-            bins.append([i])
-            room.append(max_tokens - lengths[i])
-    return bins
+            rows.append([i])
+            room.append(width - lengths[i])
+    per_micro_batch = max_tokens // width
+    return over + [rows[k:k + per_micro_batch] for k in range(0, len(rows), per_micro_batch)]
 
 
 def layout_stats(micro_batches):
     """What the model computed on: real tokens, the share of padding among the positions it ran
-    (`padded_fraction`; a packed row has none), micro-batch count and real tokens per micro-batch."""
+    (`padded_fraction`), the positions its output head ran on (packed: response tokens only), micro-batch
+    count and real tokens per micro-batch."""
     tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
     positions = sum((mb["packed_ids"] if "packed_ids" in mb else mb["attention_mask"]).numel() for mb in micro_batches)
-    return {"train/tokens": tokens, "train/padded_fraction": 1 - tokens / max(positions, 1),
+    head = sum(len(mb["head_index"]) if "head_index" in mb else mb["targets"].numel() for mb in micro_batches)
+    return {"train/tokens": tokens, "train/padded_fraction": 1 - tokens / max(positions, 1), "train/head_positions": head,
             "train/micro_batches": len(micro_batches), "train/tokens_per_micro_batch": tokens / max(len(micro_batches), 1)}
 
 

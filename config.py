@@ -91,8 +91,9 @@ class TrainConfig:
     max_token_staleness: int = -1  # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
-    # > 0: padding-free training: micro-batches of at most this many tokens (a longer sequence gets one of its
-    # own), packed into rows no wider than their longest sequence (batching.py); micro_batch_size is then unused
+    # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x width; a longer
+    # sequence gets one of its own), rows no wider than the longest sequence (batching.py); micro_batch_size is
+    # then unused. 0: padded micro-batches of micro_batch_size rows
     max_tokens_per_micro_batch: int = 0
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
     # a non-finite loss or gradient norm skips that update (logged, counted in train/skipped_updates); this many

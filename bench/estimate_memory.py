@@ -52,7 +52,9 @@ def estimate(cfg, ranks, gpu_bytes):
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = cfg.data.max_prompt_len + (r.max_response_tokens or r.max_new_tokens * r.max_turns)
-    tokens = t.micro_batch_size * seq_len
+    # packed: at most the token budget in a micro-batch, or one sequence longer than it; padded: rows x longest
+    tokens = max(t.max_tokens_per_micro_batch, seq_len) if t.max_tokens_per_micro_batch else t.micro_batch_size * seq_len
+    batch = f"{tokens} tokens, packed" if t.max_tokens_per_micro_batch else f"{t.micro_batch_size} x {seq_len} tokens"
     # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4 I values)
     per_token_layer = (10 * hidden + 4 * inter) * compute
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
@@ -79,7 +81,7 @@ def estimate(cfg, ranks, gpu_bytes):
         "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and backward
         "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
-        f"activations ({t.micro_batch_size} x {seq_len} tokens)": activations,
+        f"activations ({batch})": activations,
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
         "engine weights": weights_engine,
         "engine KV cache": kv_cache,

@@ -2,13 +2,19 @@
 micro-batches against packed ones (`train.max_tokens_per_micro_batch`), on the same samples and weights.
 
 Two length mixes: `demo`, one real rollout of the CPU demo (configs/tiny.yaml: its engine, its initial
-policy, 32 prompts x 8); and `gsm8k`, synthetic GSM8K-like samples (prompts ~150 tokens, responses
-log-normal around 250 with a tail to the 1,024-token budget) on a Qwen2-shaped model (4 layers of 256,
-grouped KV heads, tied embeddings) with a 32,000-token vocabulary (Llama's and Mistral's; Qwen's 151,936
-made one update take over a minute on 2 cores, and only scales the head's cost, the same per token). The packed budget is the padded path's largest micro-batch: micro_batch_size x the longest
-sequence the config allows (demo 64 x 52, GSM8K 4 x 1,536), so a packed micro-batch never holds more
-positions than a padded one can. Times: medians of `--repeats` alternated pairs (the arms take turns
-going first). Peak memory: each arm once in a fresh process, its resident set sampled every millisecond
+policy, 32 prompts x 8); and `gsm8k`, synthetic GSM8K-like samples, one rank's share of configs/gsm8k.yaml
+(8 prompts x 8 samples; prompts ~150 tokens, shared by a group; responses log-normal around 250 with a
+tail to the 1,024-token budget) on a Qwen2-shaped model (4 layers of 256, grouped KV heads, tied
+embeddings) with a 32,000-token vocabulary (Llama's and Mistral's; Qwen's 151,936 made one update take
+minutes on 2 cores). The padded arm runs the config with `train.max_tokens_per_micro_batch=0` (micro-batches of
+`micro_batch_size` rows, each as wide as its longest); the packed arm's budget is the padded arm's largest
+micro-batch on these samples (rows x width), so neither computes on more positions at once (memory grows
+with positions, and with rows x width^2 in attention's dense mask: both are then bounded alike). The
+packed arm gains twice: fewer padding positions, and an
+output head that runs only where a response token is predicted (`head_positions`). This small model spends
+most of its compute in the head (32,000 x 256 against 4 layers of 256), a real one much less (Qwen2.5-1.5B:
+about 15%), so on a GPU the second gain is smaller. Times: medians of `--repeats` alternated pairs (the arms
+take turns going first). Peak memory: each arm once in a fresh process, its resident set sampled every millisecond
 during the update, less what it held before (the CPU allocator keeps freed memory, so one process cannot
 measure both arms).
 Run from the repo root: `python bench/train_step.py`. The last line is the machine-readable summary:
@@ -39,9 +45,9 @@ from sample import Sample  # noqa: E402
 
 VOCAB = 32_000  # the gsm8k mix's vocabulary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (config, overrides, packed budget); the gsm8k mix builds its own Qwen2-shaped model (see `policy_for`)
-MIXES = {"demo": ("configs/tiny.yaml", [], 64 * (4 + 48)),
-         "gsm8k": ("configs/gsm8k.yaml", ["data.train_path=unused", "model.compute_dtype=float32"], 4 * (512 + 1024))}
+# (config, overrides); the gsm8k mix builds its own Qwen2-shaped model (see `policy_for`)
+MIXES = {"demo": ("configs/tiny.yaml", []),
+         "gsm8k": ("configs/gsm8k.yaml", ["data.train_path=unused", "model.compute_dtype=float32"])}
 
 
 def demo_samples(out_dir, seed=0):
@@ -59,15 +65,16 @@ def demo_samples(out_dir, seed=0):
     return samples
 
 
-def gsm8k_samples(num_samples=16, seed=0):
-    """Prompts ~N(150, 30) tokens, responses log-normal (median 250) cut at the 1,024-token budget."""
+def gsm8k_samples(num_samples=64, seed=0):
+    """Groups of 8 sharing a prompt of ~N(150, 30) tokens, responses log-normal (median 250) cut at the
+    1,024-token budget."""
     rng = random.Random(seed)
     samples = []
     for i in range(num_samples):
-        num_prompt = min(max(int(rng.gauss(150, 30)), 40), 512)
+        if i % 8 == 0:
+            prompt = [rng.randrange(VOCAB) for _ in range(min(max(int(rng.gauss(150, 30)), 40), 512))]
         num_response = min(max(int(rng.lognormvariate(5.5, 0.7)), 1), 1024)
-        samples.append(Sample([rng.randrange(VOCAB) for _ in range(num_prompt)],
-                              [rng.randrange(VOCAB) for _ in range(num_response)], [-1.0] * num_response,
+        samples.append(Sample(prompt, [rng.randrange(VOCAB) for _ in range(num_response)], [-1.0] * num_response,
                               [1] * num_response, group_id=i // 8, trajectory_id=i))
     return samples
 
@@ -84,10 +91,17 @@ def policy_for(mix, cfg):
                                         max_position_embeddings=2048)).float()
 
 
+def largest_padded_micro_batch(samples, size):
+    """Positions (rows x width) of the padded arm's largest micro-batch: the packed arm's budget."""
+    chunks = [samples[i:i + size] for i in range(0, len(samples), size)]
+    return max(len(c) * max(len(s.prompt_ids) + len(s.response_ids) for s in c) for c in chunks)
+
+
 def update(mix, samples, packed, on_start=None):
     """One train_on_rollout from the seeded initial weights; returns (seconds, its stats)."""
-    config, sets, budget = MIXES[mix]
-    cfg = load_config(os.path.join(ROOT, config), sets + [f"train.max_tokens_per_micro_batch={budget if packed else 0}"])
+    config, sets = MIXES[mix]
+    cfg = load_config(os.path.join(ROOT, config), sets)
+    cfg.train.max_tokens_per_micro_batch = largest_padded_micro_batch(samples, cfg.train.micro_batch_size) if packed else 0
     policy = policy_for(mix, cfg)
     optimizer, scheduler = train.build_optimizer(policy, cfg.train)
     run = types.SimpleNamespace(cfg=cfg, policy=policy, optimizer=optimizer, scheduler=scheduler, reference=None,
@@ -126,7 +140,7 @@ def peak_of_one_arm(mix, samples_file, packed):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="alternated padded/packed pairs per mix")
-    parser.add_argument("--gsm8k-samples", type=int, default=16)
+    parser.add_argument("--gsm8k-samples", type=int, default=64, help="one rank's batch in configs/gsm8k.yaml")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the engine is shut down first)")
     parser.add_argument("--peak", nargs=3, metavar=("MIX", "SAMPLES_FILE", "PACKED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -138,7 +152,7 @@ def main():
     summary, peak_ratios = [], []
     for mix, samples in (("demo", demo_samples(out_dir)), ("gsm8k", gsm8k_samples(args.gsm8k_samples))):
         seconds, stats = {False: [], True: []}, {}
-        update(mix, samples, packed=True)  # warm-up: first-call costs, not measured
+        update(mix, samples[:8], packed=True)  # warm-up: first-call costs, not measured
         for repeat in range(args.repeats):
             for packed in ((False, True) if repeat % 2 == 0 else (True, False)):
                 elapsed, stats[packed] = update(mix, samples, packed)
@@ -156,7 +170,7 @@ def main():
             s = stats[packed]
             print(f"{mix} {name}: update_s={statistics.median(seconds[packed]):.3f} (repeats "
                   f"{' '.join(f'{x:.3f}' for x in seconds[packed])}) tokens={s['train/tokens']} "
-                  f"micro_batches={s['train/micro_batches']} padded_fraction={s['train/padded_fraction']:.3f} "
+                  f"micro_batches={s['train/micro_batches']} head_positions={s['train/head_positions']} padded_fraction={s['train/padded_fraction']:.3f} "
                   f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} peak_mib={peaks[packed] / 2**20:.0f}")
         summary.append(f"mix={mix} speedup={padded_s / packed_s:.3f} padded_fraction={stats[True]['train/padded_fraction']:.3f}")
         peak_ratios.append(peaks[True] / peaks[False])

@@ -143,16 +143,17 @@ def test_a_rank_that_sees_one_gpu_uses_device_0(monkeypatch):
 # ---------------------------------------------------------------- F7: the memory estimate
 # configs/gsm8k.yaml on 8 ranks (Qwen2.5-1.5B: 1.54 B parameters, vocab 151,936 x 1,536 tied), GiB per GPU.
 # By hand: params 1.544e9 x 4 B / 8 = 0.72; embedding 233.4 M x 2 B = 0.43 (x 4 B = 0.87); a decoder layer 46.8 M
-# x 2 B x 2 = 0.17; KV = (79.2 - 2 contexts) x 0.5 - 2.88 weights = 35.72; bucket 512 MiB + 0.43 = 0.93.
+# x 2 B x 2 = 0.17; KV = (79.2 - 2 contexts) x 0.5 - 2.88 weights = 35.72; bucket 512 MiB + 0.43 = 0.93;
+# activations: the 4,096-token budget x 28 layers x (10 x 1,536 + 4 x 8,960) x 2 B = 10.94.
 ESTIMATE_TABLE = {
     "trainer params (fp32, sharded)": 0.72, "gradients (fp32, sharded)": 0.72, "AdamW state (fp32, sharded)": 1.44,
     "FSDP root unit, gathered (embedding)": 0.43, "FSDP layer units (2 in flight)": 0.17,
     "root gradient, unsharded fp32 (reduce-scatter)": 0.87, "autocast weight copies": 0.0,
-    "activations (4 x 1536 tokens)": 16.41, "log-prob path (chunked head)": 2.35, "engine weights": 2.88,
+    "activations (4096 tokens, packed)": 10.94, "log-prob path (chunked head)": 2.34, "engine weights": 2.88,
     "engine KV cache": 35.72, "engine CUDA graphs": 2.0, "weight-sync bucket": 0.93,
     "CUDA contexts (trainer + engine)": 2.0,
 }
-PHASE_TABLE = {"rollout": 42.60, "train": 25.11, "sync": 6.53}
+PHASE_TABLE = {"rollout": 42.60, "train": 19.63, "sync": 6.53}
 
 
 def test_memory_estimate_terms_match_the_table():

@@ -35,27 +35,36 @@ def random_samples(seed, lengths=None):
     return samples, advantages
 
 
-def test_token_budget_packs_first_fit_decreasing():
-    lengths = [50, 7, 30, 12, 64, 9, 3, 100, 21]
-    bins = batching.token_budget(lengths, max_tokens=64)
-    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert [7] in bins  # 100 tokens, over the budget: a micro-batch of its own
-    assert all(sum(lengths[i] for i in b) <= 64 for b in bins if b != [7])
-    assert len(bins) == 5  # 296 tokens in 64-token bins: 4 is the bound without the over-long one, 5 with it
+def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():
+    lengths = [50, 7, 30, 12, 64, 9, 3, 150, 21, 40]
+    layout = batching.pack_rows(lengths, max_tokens=128)
+    assert sorted(i for mb in layout for row in mb for i in row) == list(range(len(lengths)))
+    assert layout[0] == [[7]]  # 150 tokens, over the budget: a micro-batch of its own
+    # rows 64 wide (the longest sequence under the budget), each sequence, longest first, into the first row
+    # with room: 64 | 50+12 | 40+21+3 | 30+9+7; two rows (128 positions) per micro-batch
+    assert layout[1:] == [[[4], [0, 3]], [[9, 8, 6], [2, 5, 1]]]
+
+
+def packed(samples, max_tokens=10_000):
+    """One micro-batch of `samples` packed as `pack_rows` lays them out (the budget holds them all)."""
+    (layout,) = batching.pack_rows([len(s.prompt_ids) + len(s.response_ids) for s in samples], max_tokens)
+    return batching.collate([samples[i] for row in layout for i in row], 0, [len(row) for row in layout]), layout
 
 
 def test_packed_logprobs_equal_padded_per_token(tmp_path):
     cfg = dist_worker.parity_config(tmp_path, "token-mean")
     policy, _ = train.build_policy(cfg, None)
     samples, _ = random_samples(0)
-    padded = batching.collate(samples, pad_id=0)
-    packed = batching.collate(samples, pad_id=0, packed=True)
-    assert packed["packed_ids"].shape[1] == padded["input_ids"].shape[1]  # rows no wider than the longest
-    assert packed["packed_ids"].numel() < padded["input_ids"].numel()  # less padding (only at row ends)
+    batch, layout = packed(samples)
+    padded = batching.collate([samples[i] for row in layout for i in row], pad_id=0)
+    assert batch["packed_ids"].shape[1] == padded["input_ids"].shape[1]  # rows no wider than the longest
+    assert batch["packed_ids"].numel() < padded["input_ids"].numel()  # less padding (only at row ends)
+    assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)  # the head: responses only
     with torch.no_grad():
         expected, expected_entropy = batching.sequence_logprobs(policy, padded, 1.0)
-        got, entropy = batching.sequence_logprobs(policy, packed, 1.0)
-    real = packed["gathered"]  # every position that predicts a token of its own sequence
+        got, entropy = batching.sequence_logprobs(policy, batch, 1.0)
+    real = batch["gathered"]  # every position that predicts a response token
+    assert real.sum() == len(batch["head_index"])
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
     assert (got[~real] == 0).all()
@@ -67,20 +76,21 @@ def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
     the block-diagonal mask only without either (masking_utils.py, find_packed_sequence_indices)."""
     policy, _ = train.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
     samples, _ = random_samples(1, lengths=[(6, 40), (4, 12), (3, 20)])  # 46, 16, 23 tokens
-    packed = batching.collate(samples, pad_id=0, packed=True)
+    batch, layout = packed(samples)
+    assert layout == [[0], [2, 1]]  # rows 46 wide: the longest alone, then 23 + 16
     first, second = len(samples[2].prompt_ids) + len(samples[2].response_ids), samples[1]
     n = len(second.prompt_ids) + len(second.response_ids)
-    # first-fit decreasing in rows 46 wide: the longest alone, then 23 + 16 in the second row
-    assert packed["packed_ids"][1, first:first + n].tolist() == (second.prompt_ids + second.response_ids).tolist()
+    assert batch["packed_ids"][1, first:first + n].tolist() == (second.prompt_ids + second.response_ids).tolist()
+    response = slice(len(second.prompt_ids) - 1, n - 1)
     with torch.no_grad():
-        got = batching.sequence_logprobs(policy, packed, 1.0)[0][1, :n - 1]
-        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][0, :n - 1]
+        got = batching.sequence_logprobs(policy, batch, 1.0)[0][2, response]  # sample 1 is third in the batch
+        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][0, response]
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-        row, positions = packed["packed_ids"][1:, :first + n], packed["position_ids"][1:, :first + n]
+        row, positions = batch["packed_ids"][1:, :first + n], batch["position_ids"][1:, :first + n]
         for careless in (dict(attention_mask=torch.ones_like(row), use_cache=False),
                          dict(attention_mask=None, use_cache=True)):
             logits = policy(input_ids=row, position_ids=positions, **careless).logits
-            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1:])[0][0]
+            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1:])[0][0][response]
             assert (leaked - alone).abs().max() > 1e-3, careless  # the leak shows
 
 
