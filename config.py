@@ -83,7 +83,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0  # linear learning-rate warmup, then constant
     grad_clip: float = 1.0
-    clip_eps: float = 0.2  # PPO ratio clip
+    clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: float = 0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
+    ratio_level: str = "token"  # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean)
+    sequence_clip_eps: float = 3.0e-4  # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
+    sequence_clip_eps_high: float = 4.0e-4
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
@@ -126,6 +130,7 @@ class Config:
                    "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
                    "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-mean", "seq-mean-token-sum-norm")),
+                   "train.ratio_level": (self.train.ratio_level, ("token", "sequence")),
                    "model.compute_dtype": (self.model.compute_dtype, ("float32", "bfloat16")),
                    "model.engine_dtype": (self.model.engine_dtype, ("float32", "bfloat16")),
                    "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off"))}
@@ -138,6 +143,9 @@ class Config:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
         if self.data.task == "gsm8k" and not self.data.train_path:
             raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
+        if self.train.ratio_level == "sequence" and self.train.loss_agg != "seq-mean-token-mean":
+            raise ConfigError(f"train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
+                              f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}")
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
             raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
         if self.rollout.partial and self.rollout.cancel == "none":
@@ -175,7 +183,9 @@ class Config:
                 ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
                 ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),
                 ("train.warmup_steps", t.warmup_steps, 0), ("train.kl_coef", t.kl_coef, 0),
-                ("train.weight_decay", t.weight_decay, 0), ("train.max_bad_updates", t.max_bad_updates, 1),
+                ("train.weight_decay", t.weight_decay, 0), ("train.clip_eps_high", t.clip_eps_high, 0),
+                ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
+                ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9), ("train.max_bad_updates", t.max_bad_updates, 1),
                 ("model.hidden_size", m.hidden_size, 1), ("model.intermediate_size", m.intermediate_size, 1),
                 ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
                 ("model.max_position_embeddings", m.max_position_embeddings, 2),

@@ -1,5 +1,6 @@
 """GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss (with
-optional truncated importance sampling for engine-vs-trainer mismatch).
+clip-higher, GSPO's sequence-level ratio, and optional truncated importance sampling for engine-vs-trainer
+mismatch).
 
 Owns no state, no model and no engine; train.py calls these on padded [B, T] batches. Masked rows
 (aborted or padded samples) are exactly equivalent to removed rows under every function here.
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+SEQUENCE_RATIO_AGG = "seq-mean-token-mean"  # GSPO's objective averages over sequences; the only mode it defines
 
 
 def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
@@ -116,18 +119,36 @@ def aggregation_count(loss_mask, mode):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg_mode="token-mean",
-                norm_length=1, ref_logprobs=None, kl_coef=0.0, engine_logprobs=None, tis_cap=0.0):
+                norm_length=1, ref_logprobs=None, kl_coef=0.0, engine_logprobs=None, tis_cap=0.0,
+                clip_eps_high=None, ratio_level="token"):
     """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and optional
     truncated importance sampling for tokens the engine sampled from a different distribution.
+
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]; clip_eps_high > clip_eps is DAPO's
+    clip-higher (Yu et al. 2025, sec. 3.1: 0.2 / 0.28), which lets unlikely tokens rise and keeps entropy
+    up; None = symmetric. ratio_level="sequence" is GSPO (Zheng et al. 2025, eq. 7): one ratio per sequence,
+    the geometric mean of its token ratios, clipped per sequence (with GSPO's own small range, ~3e-4/4e-4),
+    defined with seq-mean-token-mean only.
 
     logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs: [B, T]; advantages: [B];
     loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and importance weights
     over trained tokens.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    if ratio_level == "sequence":
+        if agg_mode != SEQUENCE_RATIO_AGG:
+            raise ValueError(f"ratio_level='sequence' (GSPO) is defined with {SEQUENCE_RATIO_AGG!r}, not {agg_mode!r}")
+        # GSPO's token form (eq. 10 there): every token carries sg(s_i) * pi_t / sg(pi_t). Its value is the
+        # sequence ratio s_i; its gradient, averaged over the sequence's tokens, is exactly grad s_i.
+        mask = loss_mask.to(log_ratio.dtype)
+        sequence_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = sequence_log_ratio.detach() + logprobs - logprobs.detach()
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}; expected one of {RATIO_LEVELS}")
+    ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)  # [B, 1]: every token of a sample shares its outcome advantage
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)) * adv
     per_token = -torch.minimum(unclipped, clipped)
     stats = {"clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()}
     if engine_logprobs is not None:

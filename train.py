@@ -103,6 +103,8 @@ def train_on_rollout(run, samples, advantages, version=0):
     pad_id = policy.config.pad_token_id or 0
     logprobs_of = lambda model, mb: batching.sequence_logprobs(model, mb, r.temperature, run.autocast_dtype)  # noqa: E731
     minibatch_size = max(math.ceil(len(samples) / t.num_minibatches), 1)
+    clip_low, clip_high = ((t.sequence_clip_eps, t.sequence_clip_eps_high) if t.ratio_level == "sequence"
+                           else (t.clip_eps, t.clip_eps_high or t.clip_eps))
     minibatches, over_budget = [], 0  # [num_minibatches][micro-batches]: collated once, used by both passes
     for i in range(t.num_minibatches):  # the same count on every rank: clip_grad_norm_ is a collective too
         rows = slice(i * minibatch_size, (i + 1) * minibatch_size)
@@ -131,9 +133,10 @@ def train_on_rollout(run, samples, advantages, version=0):
         for mb in minibatch:
             logprobs, entropy = logprobs_of(policy, mb)
             loss, loss_stats = grpo.policy_loss(
-                logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], t.clip_eps, t.loss_agg,
+                logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], clip_low, t.loss_agg,
                 norm_length, ref_logprobs=mb.get("ref_logprobs"), kl_coef=t.kl_coef,
-                engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None, tis_cap=t.tis_cap)
+                engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None, tis_cap=t.tis_cap,
+                clip_eps_high=clip_high, ratio_level=t.ratio_level)
             # weight each micro-batch by its share of the denominator: accumulation == one big batch
             weighted = loss * grpo.aggregation_count(mb["loss_mask"], t.loss_agg) / total
             weighted.backward()

@@ -14,9 +14,9 @@ packed arm gains twice: fewer padding positions, and an
 output head that runs only where a response token is predicted (`head_positions`). This small model spends
 most of its compute in the head (32,000 x 256 against 4 layers of 256), a real one much less (Qwen2.5-1.5B:
 about 15%), so on a GPU the second gain is smaller. Times: medians of `--repeats` alternated pairs (the arms
-take turns going first). Peak memory: each arm once in a fresh process, its resident set sampled every millisecond
-during the update, less what it held before (the CPU allocator keeps freed memory, so one process cannot
-measure both arms).
+take turns going first). Peak memory: each arm once in a fresh process (the CPU allocator keeps freed memory, so one process
+cannot measure both arms), its resident set sampled every millisecond during the update, less what it held
+before.
 Run from the repo root: `python bench/train_step.py`. The last line is the machine-readable summary:
   train_step: mix=demo speedup=<f> padded_fraction=<f> mix=gsm8k speedup=<f> padded_fraction=<f> peak_ratio=<f>
 (padded_fraction: the packed path's; peak_ratio: packed peak / padded peak, the larger of the two mixes).
@@ -161,9 +161,13 @@ def main():
         torch.save([s.to_state() for s in samples], samples_file)
         peaks = {}
         for packed in (False, True):
+            # glibc's malloc keeps freed memory below a threshold it raises as it goes, so the resident set
+            # drifts by tens of MB run to run; a fixed 64 kB mmap threshold returns every tensor to the OS when
+            # freed, and the resident set tracks what is live (two runs of one arm then agree within 1 MB)
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
             done = subprocess.run([sys.executable, __file__, "--peak", mix, samples_file, str(int(packed)),
                                    "--threads", str(args.threads)],
-                                  cwd=ROOT, capture_output=True, text=True, check=True)
+                                  cwd=ROOT, capture_output=True, text=True, check=True, env=env)
             peaks[packed] = json.loads(done.stdout.strip().splitlines()[-1])
         padded_s, packed_s = statistics.median(seconds[False]), statistics.median(seconds[True])
         for packed, name in ((False, "padded"), (True, "packed")):

@@ -74,6 +74,57 @@ def test_clipped_ratio_and_kl_hand_computed():
     assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
 
 
+def test_clip_higher_hand_computed_and_symmetric_by_default():
+    """DAPO's clip-higher: ratio 1.25 with A > 0 is inside [0.8, 1.28] (gradient flows), outside [0.8, 1.2]."""
+    old, mask = torch.zeros(1, 1), torch.ones(1, 1)
+    for high, expected_loss, expected_grad in ((0.28, -1.25, -1.25), (None, -1.2, 0.0), (0.2, -1.2, 0.0)):
+        logprobs = torch.full((1, 1), math.log(1.25), requires_grad=True)
+        loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2, clip_eps_high=high)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected_loss) and logprobs.grad.item() == pytest.approx(expected_grad)
+        assert stats["clip_frac"].item() == (expected_grad == 0.0)
+    # the low side keeps clip_eps: ratio 0.7 with A < 0 is clipped at 0.8 whatever clip_eps_high is
+    logprobs = torch.full((1, 1), math.log(0.7), requires_grad=True)
+    loss, _ = grpo.policy_loss(logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.8) and logprobs.grad.item() == 0.0
+
+
+def test_sequence_ratio_hand_computed():
+    """GSPO: sequence 0 has token ratios 1.1 and 0.9 (and a masked token), so s = sqrt(0.99) = 0.99499, below
+    1 - 3e-4; with A = 1, min() keeps the unclipped -s, whose gradient is spread evenly over its two trained
+    tokens. Sequence 1: one token of ratio 1.01 > 1 + 4e-4 with A = 1, clipped: -(1 + 4e-4), no gradient.
+    The loss is the mean over the two sequences."""
+    logprobs = torch.tensor([[math.log(1.1), math.log(0.9), 5.0], [math.log(1.01), 0.0, 0.0]], requires_grad=True)
+    old, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0, 1.0]), mask, clip_eps=3e-4, clip_eps_high=4e-4,
+                                   agg_mode="seq-mean-token-mean", ratio_level="sequence")
+    s = math.sqrt(1.1 * 0.9)
+    assert loss.item() == pytest.approx(-(s + 1 + 4e-4) / 2)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]]))
+    assert stats["clip_frac"].item() == pytest.approx(1 / 3)  # sequence 1's one token
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        grpo.policy_loss(logprobs, old, torch.tensor([1.0, 1.0]), mask, agg_mode="token-mean", ratio_level="sequence")
+
+
+def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
+    """With one trained token per sequence the two ratio levels are the same loss and gradient."""
+    logits = torch.randn(4, 3, 6)
+    old, adv = torch.randn(4, 3) * 0.1 - 1.7, torch.randn(4)
+    mask = torch.zeros(4, 3)
+    mask[torch.arange(4), torch.tensor([0, 2, 1, 2])] = 1
+    results = []
+    for level in grpo.RATIO_LEVELS:
+        leaf = logits.clone().requires_grad_(True)
+        logprobs, _ = grpo.token_logprobs(leaf, torch.zeros(4, 3, dtype=torch.long))
+        loss, _ = grpo.policy_loss(logprobs, old, adv, mask, clip_eps=0.2, agg_mode="seq-mean-token-mean",
+                                   ratio_level=level)
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(results[0], results[1])
+
+
 def test_truncated_importance_weights_hand_computed():
     # Three trained tokens and one masked: pi_old / mu = 0.5, 1 and 4 (capped at 2); the masked one would be 100.
     old = torch.zeros(1, 4)

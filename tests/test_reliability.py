@@ -78,6 +78,9 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
     (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
     (["data.task=gsm8k"], "needs data.train_path"),
     (["model.dtype=bfloat16"], "was replaced by"),
+    (["train.ratio_level=sequence"], "it needs train.loss_agg=seq-mean-token-mean, not 'token-mean'"),
+    (["train.ratio_level=seq"], "train.ratio_level='seq': expected one of ('token', 'sequence')"),
+    (["train.clip_eps_high=-0.1"], "train.clip_eps_high=-0.1: expected >= 0"),
 ])
 def test_impossible_configs_name_the_problem(sets, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
