@@ -87,16 +87,15 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     head = model.get_output_embeddings()
     packed = "packed_ids" in batch
     input_ids = batch["packed_ids"] if packed else batch["input_ids"]
-    if packed:  # only the positions that predict a response token; the next one in the row is its target
-        select = lambda hidden: hidden.flatten(0, 1)[batch["head_index"]].unsqueeze(0)  # noqa: E731  [1, N, H]
-        targets = input_ids.flatten()[batch["head_index"] + 1].unsqueeze(0)
-    else:  # position t predicts target t (= input t + 1)
-        select = lambda hidden: hidden[:, :-1]  # noqa: E731
-        targets = input_ids[:, 1:]
+    # packed: only the positions that predict a response token (the next one in the row is its target);
+    # padded: position t predicts target t (= input t + 1)
+    index = batch["head_index"] if packed else None
+    targets = input_ids.flatten()[index + 1] if packed else input_ids[:, 1:]
 
     def logprobs_head(hidden):  # hidden: [B, T, H]
-        logprobs, entropy = grpo.head_logprobs(select(hidden), head.weight, head.bias, targets, temperature)
-        return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2] (packed: [1, N, 2]), where the logits would be
+        logprobs, entropy = grpo.head_logprobs(hidden if packed else hidden[:, :-1], head.weight, head.bias, targets,
+                                               temperature, index=index)
+        return torch.stack([logprobs, entropy], -1)  # [B, T-1, 2] (packed: [N, 2]), where the logits would be
 
     head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
     try:
@@ -110,7 +109,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
     finally:
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
-        out = out[0][batch["gather"]] * batch["gathered"].unsqueeze(-1)
+        out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
     return out[..., 0], out[..., 1].detach()
 
 

@@ -41,6 +41,10 @@ class PartialBuffer:
         self._launched = []  # what this step's resumes were, in launch order (set by `launch`)
         self.counters = dict.fromkeys(COUNTERS, 0)  # this step's; reset by `launch`
 
+    def new_prompts_needed(self, num_prompts):
+        """How many new prompts fill a batch of `num_prompts` groups beside the unfinished samples."""
+        return max(num_prompts - math.ceil(len(self.waiting) / self.group_size), 0)
+
     def launch(self, new_prompts, num_prompts, version):
         """(unfinished samples to continue, new prompts to launch) for a rollout under weight `version`.
 
@@ -50,8 +54,7 @@ class PartialBuffer:
         are numbered after the new prompts' (0..), so the engine never mixes them with fresh groups.
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
-        num_new = max(num_prompts - math.ceil(len(self.waiting) / self.group_size), 0)
-        new_prompts = new_prompts[:num_new]
+        new_prompts = new_prompts[:self.new_prompts_needed(num_prompts)]
         resumes = []
         for group, index in self.waiting:
             sample = group.members[index][-1]

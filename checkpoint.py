@@ -21,10 +21,9 @@ log = logging.getLogger("checkpoint")
 def save(out_dir, step, run):
     """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
     any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
-    trainer state (step, scheduler, RNG, the partial-rollout buffer; tensors and plain values only, loaded
+    trainer state (step, scheduler, RNG, the partial-rollout buffer, prompt-stream positions; tensors and plain values only, loaded
     with weights_only=True).
-    The step's prompts are a function of (seed, step), so the step is the data position. Written to a
-    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    Every rank's prompt-stream position is the data position. Written to a temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:
@@ -34,11 +33,12 @@ def save(out_dir, step, run):
     full_state = parallel.full_state_dict(run.policy)  # a collective: gathered one tensor at a time to rank 0
     # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or trained twice
     buffers = parallel.gather_objects(run.buffer.state_dict() if run.buffer else None)
+    positions = parallel.gather_objects(run.stream.position)
     if is_writer:
         save_hf(run.policy, run.tokenizer, tmp, full_state)
         torch.save({"step": step, "world_size": parallel.world_size(), "scheduler": run.scheduler.state_dict(),
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                    "buffer": merge_states(buffers) if run.buffer else None},
+                    "buffer": merge_states(buffers) if run.buffer else None, "prompt_positions": positions},
                    os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

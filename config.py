@@ -106,6 +106,12 @@ class TrainConfig:
     threads: int = 1  # torch threads of the trainer process
     seed: int = 0
 
+    def clip_range(self):
+        """(low, high) clip epsilons of the ratio: [1 - low, 1 + high]; GSPO's own with ratio_level=sequence."""
+        if self.ratio_level == "sequence":
+            return self.sequence_clip_eps, self.sequence_clip_eps_high
+        return self.clip_eps, self.clip_eps_high or self.clip_eps
+
 
 @dataclasses.dataclass
 class RunConfig:

@@ -58,30 +58,37 @@ def token_logprobs(logits, target_ids, temperature=1.0):
     return logprobs, entropy
 
 
-def _linear_token_logprobs(hidden, weight, bias, target_ids, temperature):
-    return token_logprobs(F.linear(hidden, weight, bias), target_ids, temperature)
+def _linear_token_logprobs(hidden, weight, bias, target_ids, temperature, index=None):
+    return token_logprobs(F.linear(hidden if index is None else hidden[index], weight, bias), target_ids, temperature)
 
 
-def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_tokens=1024):
+def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_tokens=1024, index=None):
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V] logits.
 
     hidden: [B, T, H], weight: [V, H], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]), fp32.
+    With `index` [N] (positions of hidden flattened to [B * T, H]; target_ids [N]): only there, -> ([N], [N]);
+    each chunk gathers its positions inside its checkpoint, so no [N, H] copy outlives the forward.
     The output projection runs on about `chunk_tokens` tokens (over the batch) at a time, and with
     autograd each chunk is checkpointed: its logits and their fp32 copies are freed after the forward
     and recomputed in the backward. Peak memory is then a few chunks of [chunk_tokens, V], not several
     full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB per fp32 copy of 1,024 tokens,
     against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost: the projection runs twice.
     """
-    step = max(chunk_tokens // max(hidden.shape[0], 1), 1)
+    if index is not None:  # chunks of positions, each gathered from the flat hidden states
+        flat, dim = hidden.flatten(0, 1), 0
+        chunks = [((flat, i), targets) for i, targets in zip(index.split(chunk_tokens), target_ids.split(chunk_tokens))]
+    else:  # chunks of about chunk_tokens over the batch: views, no copy
+        step, dim = max(chunk_tokens // max(hidden.shape[0], 1), 1), 1
+        chunks = [((h, None), targets) for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))]
     logprobs, entropies = [], []
-    for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1)):
+    for (h, i), targets in chunks:
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_linear_token_logprobs, h, weight, bias, targets, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_linear_token_logprobs, h, weight, bias, targets, temperature, i, use_reentrant=False)
         else:
-            lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature)
+            lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature, i)
         logprobs.append(lp)
         entropies.append(ent)
-    return torch.cat(logprobs, 1), torch.cat(entropies, 1)
+    return torch.cat(logprobs, dim), torch.cat(entropies, dim)
 
 
 def aggregate(per_token, loss_mask, mode, norm_length=1):

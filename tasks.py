@@ -271,10 +271,36 @@ def build_task(cfg, tokenizer):
     return train, val[:d.num_val_prompts], gsm8k_reward, qwen_calculator(tokenizer) if use_tool else None
 
 
-def draw_prompts(prompts, step, count, seed):
-    """The prompts of `step`: a fixed function of (seed, step), so a resumed run draws the same ones."""
-    epoch, offset = divmod(step * count, len(prompts))
-    order = list(range(len(prompts)))
-    random.Random(seed * 100_003 + epoch).shuffle(order)
-    order += list(range(len(prompts)))  # a batch that runs past the epoch's end wraps around
-    return [prompts[i] for i in order[offset:offset + count]]
+class PromptStream:
+    """One rank's stream of training prompts: epochs of a seeded shuffle of the whole set, rank r reading
+    every world_size-th prompt of it from r (ranks never share a prompt within an epoch). A step takes as
+    many as it launches (with dynamic sampling, a varying number), so the stream's `position` (prompts
+    this rank has read) is the data position: checkpoints store every rank's and `--resume` reads on."""
+
+    def __init__(self, prompts, seed, rank=0, world_size=1, position=0):
+        self.prompts, self.seed, self.rank, self.world_size, self.position = prompts, seed, rank, world_size, position
+        self._epoch, self._order = None, None
+
+    def take(self, count):
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.rank + self.world_size * self.position, len(self.prompts))
+            if epoch != self._epoch:
+                self._epoch, self._order = epoch, list(range(len(self.prompts)))
+                random.Random(self.seed * 100_003 + epoch).shuffle(self._order)
+            out.append(self.prompts[self._order[offset]])
+            self.position += 1
+        return out
+
+    @classmethod
+    def for_rank(cls, prompts, seed, rank, world_size, positions=None):
+        """This rank's stream, at its position in a checkpoint's `positions` (one per rank that wrote it).
+        The same world size reads on exactly; another one starts every rank where the old ranks had read up
+        to together. No positions (a new run, or a checkpoint from before prompt streams): from the start."""
+        if not positions:
+            position = 0
+        elif len(positions) == world_size:
+            position = positions[rank]
+        else:
+            position = math.ceil(sum(positions) / world_size)
+        return cls(prompts, seed, rank, world_size, position)

@@ -23,7 +23,6 @@ import checkpoint
 import grpo
 import merge
 import parallel
-import tasks
 from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
@@ -32,7 +31,7 @@ from cancel import plan_launch
 from sglang_engine import EngineDiedError, RolloutError, StopSignal
 from model import ModelError, build_optimizer, build_policy
 from rollout import RolloutEngine
-from tasks import build_task, draw_prompts
+from tasks import DataError, PromptStream, build_task
 
 log = logging.getLogger("train")
 
@@ -97,14 +96,12 @@ def train_on_rollout(run, samples, advantages, version=0):
     sums the gradients, so N ranks make the same update as one rank on the combined batch, in every
     loss mode. Minibatch i is every rank's i-th slice of its own samples.
     """
-    cfg, t, policy, optimizer, scheduler = run.cfg, run.cfg.train, run.policy, run.optimizer, run.scheduler
-    r = cfg.rollout
+    t, r, policy, optimizer, scheduler = run.cfg.train, run.cfg.rollout, run.policy, run.optimizer, run.scheduler
     norm_length = r.max_response_tokens or r.max_new_tokens * r.max_turns  # Dr. GRPO's constant: the budget
     pad_id = policy.config.pad_token_id or 0
     logprobs_of = lambda model, mb: batching.sequence_logprobs(model, mb, r.temperature, run.autocast_dtype)  # noqa: E731
     minibatch_size = max(math.ceil(len(samples) / t.num_minibatches), 1)
-    clip_low, clip_high = ((t.sequence_clip_eps, t.sequence_clip_eps_high) if t.ratio_level == "sequence"
-                           else (t.clip_eps, t.clip_eps_high or t.clip_eps))
+    clip_low, clip_high = t.clip_range()
     minibatches, over_budget = [], 0  # [num_minibatches][micro-batches]: collated once, used by both passes
     for i in range(t.num_minibatches):  # the same count on every rank: clip_grad_norm_ is a collective too
         rows = slice(i * minibatch_size, (i + 1) * minibatch_size)
@@ -164,11 +161,12 @@ def generate(run, prompts, group_size, temperature, plan=None, resumes=()):
                                run.tool, r.max_turns, r.max_response_tokens, resumes)
 
 
-def rollout(run, prompts, plan):
-    """The step's training rollout: (prompts, samples, stats). With partial rollout, unfinished samples of
-    earlier steps are continued first, new prompts fill the batch, and only groups whose every member has
-    finished come back (buffer.py); the prompts returned are those groups'."""
+def rollout(run, plan):
+    """The step's training rollout: (prompts, samples, stats), new prompts from this rank's stream. With
+    partial rollout, unfinished samples of earlier steps are continued first, new prompts fill the batch, and
+    only groups whose every member has finished come back (buffer.py), with their prompts."""
     r = run.cfg.rollout
+    prompts = run.stream.take(run.buffer.new_prompts_needed(plan.num_prompts) if run.buffer else plan.num_prompts)
     if run.buffer is None:
         return (prompts, *generate(run, prompts, r.group_size, r.temperature, plan))
     resumes, prompts = run.buffer.launch(prompts, plan.num_prompts, run.engine.weight_version)
@@ -215,7 +213,7 @@ class Run:
     policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard of them with several ranks
     reference: torch.nn.Module | None  # frozen initial policy for the KL term (only when kl_coef > 0)
     tokenizer: object
-    train_prompts: list
+    stream: PromptStream  # this rank's training prompts; its position is checkpointed
     val_prompts: list
     reward_fn: object
     tool: object  # tasks.CalculatorTool for multi-turn tasks, else None
@@ -273,7 +271,8 @@ def setup(cfg, resume=False, engine=None):
                         len(state["buffer"]["groups"]))
         else:
             buffer.load_state_dict(share_state(state["buffer"], parallel.rank(), world))
-    return Run(cfg, policy, reference, tokenizer, train_prompts, val_prompts, reward_fn, tool, engine, optimizer,
+    stream = PromptStream.for_rank(train_prompts, t.seed, parallel.rank(), world, (state or {}).get("prompt_positions"))
+    return Run(cfg, policy, reference, tokenizer, stream, val_prompts, reward_fn, tool, engine, optimizer,
                scheduler, device, autocast_dtype, buffer, start_step, updates_done=start_step)
 
 
@@ -283,11 +282,9 @@ def train_step(run, step, plan, phases):
     cfg, max_seq_len = run.cfg, run.policy.config.max_position_embeddings
     step_start = time.perf_counter()
     scalars, texts = validate(run) if step % cfg.run.val_every == 0 else ({}, {})
-    # 1. rollout: group_size trajectories per prompt, this rank's share of the step's prompts (whole
-    #    groups: advantages need no other rank); the slow tail is cancelled per rollout.cancel
-    #    (with partial rollout the tail is suspended instead, and continued first next step)
-    step_prompts = draw_prompts(run.train_prompts, step, plan.num_prompts * parallel.world_size(), cfg.train.seed)
-    prompts, samples, stats = rollout(run, parallel.rank_share(step_prompts), plan)
+    # 1. rollout: group_size trajectories per prompt of this rank's stream (whole groups: no other rank needed);
+    #    the slow tail is cancelled per rollout.cancel (partial rollout: suspended, continued first next step)
+    prompts, samples, stats = rollout(run, plan)
     # 2. reward, 3. group-relative advantage over each group's surviving trajectories
     trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
     advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
@@ -392,7 +389,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         stopped_by = main()
-    except (ConfigError, tasks.DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:
+    except (ConfigError, DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:

@@ -22,7 +22,7 @@ from memory import MemoryPhases  # noqa: E402
 def one_step(run, phases, step):
     """rollout -> train -> sync under `phases`; returns the peak over the step's phases."""
     r = run.cfg.rollout
-    prompts = train.draw_prompts(run.train_prompts, step, r.prompts_per_step, run.cfg.train.seed)
+    prompts = run.stream.take(r.prompts_per_step)
     samples, _ = run.engine.generate([p.prompt_ids for p in prompts], r.group_size, r.temperature, r.max_new_tokens)
     train.score(samples, prompts, run.tokenizer, run.reward_fn)
     advantages, _ = grpo.group_advantages(torch.tensor([s.reward for s in samples]),

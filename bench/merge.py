@@ -115,7 +115,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     merged, stepwise = [], []
     try:
         for step in range(steps):
-            prompts = train.draw_prompts(run.train_prompts, step, cfg.rollout.prompts_per_step, cfg.train.seed)
+            prompts = run.stream.take(cfg.rollout.prompts_per_step)
             samples, stats = train.generate(run, prompts, cfg.rollout.group_size, cfg.rollout.temperature)
             counts = token_counts(train.score(samples, prompts, run.tokenizer, run.reward_fn))
             merged.append(counts[0])

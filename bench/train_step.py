@@ -57,7 +57,7 @@ def demo_samples(out_dir, seed=0):
     policy, tokenizer = train.build_policy(cfg, None)
     engine = train.RolloutEngine(checkpoint.export_for_engine(policy, tokenizer, out_dir), cfg.rollout, seed=seed)
     try:
-        prompts = train.draw_prompts(train.build_task(cfg, tokenizer)[0], 0, cfg.rollout.prompts_per_step, seed)
+        prompts = train.PromptStream(train.build_task(cfg, tokenizer)[0], seed).take(cfg.rollout.prompts_per_step)
         samples, _ = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.group_size, 1.0,
                                      cfg.rollout.max_new_tokens)
     finally:

@@ -19,8 +19,8 @@ def tool_run(engine, tmp_path, *sets):
 
 def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     run = tool_run(engine, tmp_path)
-    samples, stats = train.generate(run, run.train_prompts[:16], 8, 1.0)
-    trajectories = train.score(samples, run.train_prompts[:16], run.tokenizer, run.reward_fn)
+    samples, stats = train.generate(run, run.stream.prompts[:16], 8, 1.0)
+    trajectories = train.score(samples, run.stream.prompts[:16], run.tokenizer, run.reward_fn)
     multi = [t for t in trajectories if len(t) > 1]
     assert multi and stats.num_tool_calls >= len(multi)  # random init ends a turn with "?" by chance
     for turns in multi:
@@ -29,7 +29,7 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
             history = before.prompt_ids + before.response_ids
             assert after.prompt_ids[:len(history)] == history  # prefix: the turns merge
             observation = run.tokenizer.decode(after.prompt_ids[len(history):])
-            assert observation == "=" + run.train_prompts[before.group_id].answer  # the calculator's result
+            assert observation == "=" + run.stream.prompts[before.group_id].answer  # the calculator's result
             assert before.response_ids[-1] == run.tool.call_end_id and before.tool_call == 1
         assert len({t.reward for t in turns}) == 1  # the trajectory's reward on every turn
         budget = 24 * 4
@@ -38,7 +38,7 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
 
 def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path):
     run = tool_run(engine, tmp_path)
-    prompts = run.train_prompts[:16]
+    prompts = run.stream.prompts[:16]
     samples, _ = train.generate(run, prompts, 8, 1.0)
     trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
     advantages = torch.randn(len(trajectories))
@@ -65,7 +65,7 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
 
 def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine, tmp_path):
     run = tool_run(engine, tmp_path, "rollout.max_turns=2")
-    prompts = run.train_prompts[:16]
+    prompts = run.stream.prompts[:16]
     samples, stats = train.generate(run, prompts, 8, 1.0)
     trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
     unanswered = [t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]]
@@ -76,7 +76,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     assert stats.num_tool_calls == sum(t.tool_call != 0 for t in samples)  # only executed calls count
     # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never answered
     run.cfg.rollout.max_new_tokens, run.cfg.rollout.max_response_tokens = 1, 3
-    samples, stats = train.generate(run, run.train_prompts[:64], 8, 1.0)
+    samples, stats = train.generate(run, run.stream.prompts[:64], 8, 1.0)
     called = [s for s in samples if s.tool_call == 1]
     assert called and all(s.finish_reason == "length" and s.turn == 0 for s in called)
     assert len(samples) == 64 * 8  # no second turn was started

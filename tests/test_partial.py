@@ -13,6 +13,7 @@ import torch
 import batching
 import grpo
 import merge
+import tasks
 import train
 from buffer import PartialBuffer
 from conftest import tiny_config
@@ -95,7 +96,7 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
     """Six steps of launch -> generate (half cancelled) -> collect, with a version bump between them."""
     plan = cancelling_plan(tmp_path, num_prompts=2)
     buffer = PartialBuffer(group_size=8, max_staleness=10)
-    prompts = [train.tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
+    prompts = [tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
     finished_seen, trained, resumed_any = {}, [], 0
     for step in range(6):
         if step:
@@ -128,7 +129,7 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
 def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
     partial = aborted_samples(engine, tmp_path)
     buffer = PartialBuffer(group_size=8, max_staleness=2)
-    buffer.collect(partial, [train.tasks.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
+    buffer.collect(partial, [tasks.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
     assert len(buffer.waiting) == len(partial)
     state = buffer.state_dict()
     resumes, _ = buffer.launch([], 0, version=2)  # 2 versions old: within the bound, continued
@@ -209,7 +210,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
              Sample([1, 2, 3, 4], [5, 6], [-0.1, -0.2], [1, 1], group_id=0, trajectory_id=0, turn=1,
                     finish_reason="abort", is_aborted=True),
              Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1)]
-    prompts, out = buffer.collect(turns, [train.tasks.Prompt([1, 2], "1")])
+    prompts, out = buffer.collect(turns, [tasks.Prompt([1, 2], "1")])
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
     assert [s.is_aborted for s in out] == [True, True, False]

@@ -195,7 +195,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     from test_train import rollout_batch
     cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
     run = train.setup(cfg, engine=engine)
-    samples, advantages = rollout_batch(run, step=0)
+    samples, advantages = rollout_batch(run)
     before = {name: p.detach().clone() for name, p in run.policy.named_parameters()}
     advantages[0] = math.nan  # one poisoned advantage: the loss and every gradient become NaN
     stats = train.train_on_rollout(run, samples, advantages)
@@ -377,7 +377,7 @@ cfg = load_config("configs/tiny.yaml", ["run.out={out}"])
 policy, tokenizer = train.build_policy(cfg, None)
 optimizer = torch.optim.AdamW(policy.parameters())
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-run = train.Run(cfg, policy, None, tokenizer, [], [], None, None, None, optimizer, scheduler,
+run = train.Run(cfg, policy, None, tokenizer, train.PromptStream([], 0), [], None, None, None, optimizer, scheduler,
                 torch.device("cpu"), None, None)
 for step in range(1, 10_000):
     with torch.no_grad():

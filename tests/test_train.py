@@ -64,10 +64,10 @@ def test_three_steps_write_metrics(engine, tmp_path):
     assert "rollout/tool_calls_per_trajectory" not in drawn  # no tool: no tool panel
 
 
-def rollout_batch(run, step):
+def rollout_batch(run):
     """One step's samples from the engine, scored, with advantages (what train() does inline)."""
     r = run.cfg.rollout
-    prompts = train.draw_prompts(run.train_prompts, step, r.prompts_per_step, run.cfg.train.seed)
+    prompts = run.stream.take(r.prompts_per_step)  # reads on from where the run's steps left the stream
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
     trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
     advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
@@ -78,13 +78,16 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "train.warmup_steps=3")
     uninterrupted = train.setup(cfg, engine=engine)
     train.train(uninterrupted)  # step 0, then checkpoint step_000001
-    samples, advantages = rollout_batch(uninterrupted, step=1)  # the same samples go to both runs
+    position = uninterrupted.stream.position
+    assert position == cfg.rollout.prompts_per_step  # step 0 read one batch of prompts
+    next_prompts = train.PromptStream(uninterrupted.stream.prompts, seed=0, position=position).take(8)
+    samples, advantages = rollout_batch(uninterrupted)  # the same samples go to both runs
     train.train_on_rollout(uninterrupted, samples, advantages)
 
     resumed_cfg = tiny_config(tmp_path, "train.steps=2", "run.val_every=100", "train.warmup_steps=3")
     resumed = train.setup(resumed_cfg, resume=True, engine=engine)
     assert resumed.start_step == 1
-    assert train.draw_prompts(resumed.train_prompts, 1, 8, 0) == train.draw_prompts(uninterrupted.train_prompts, 1, 8, 0)
+    assert resumed.stream.position == position and resumed.stream.take(8) == next_prompts  # reads on from there
     train.train_on_rollout(resumed, samples, advantages)
     for (name, a), (_, b) in zip(uninterrupted.policy.named_parameters(), resumed.policy.named_parameters()):
         assert torch.equal(a, b), name
@@ -109,8 +112,9 @@ def test_golden_first_steps(engine, tmp_path):
     cfg = tiny_config(tmp_path, "rollout.prompts_per_step=4", "rollout.group_size=8")
     run = train.setup(cfg, engine=engine)
     rewards, losses = [], []
+    stream = train.PromptStream(run.stream.prompts, seed=0)  # 4 a step: the prompts the golden values were taken on
     for step in range(3):
-        prompts = train.draw_prompts(run.train_prompts, step, 4, seed=0)
+        prompts = stream.take(4)
         torch.manual_seed(step)
         samples = []
         for group_id, p in enumerate(prompts):
