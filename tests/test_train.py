@@ -94,6 +94,18 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     assert resumed.scheduler.get_last_lr() == uninterrupted.scheduler.get_last_lr()
 
 
+def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
+    prompts = list(range(10))
+    ranks = [train.PromptStream(prompts, seed=3, rank=r, world_size=2) for r in range(2)]
+    first = [stream.take(5) for stream in ranks]
+    assert sorted(first[0] + first[1]) == prompts and first[0] != prompts[:5]  # one shuffled epoch, split
+    resumed = train.PromptStream.for_rank(prompts, 3, rank=1, world_size=2, positions=[5, 5])
+    assert resumed.take(7) == ranks[1].take(7)  # into the next epoch, reshuffled alike
+    # ranks that read unevenly (dynamic sampling), resumed on one rank: on from what they read together
+    assert train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position == 12
+    assert train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
+
+
 def test_checkpoint_is_written_atomically(engine, tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
     run = train.setup(cfg, engine=engine)
