@@ -21,9 +21,9 @@ log = logging.getLogger("checkpoint")
 def save(out_dir, step, run):
     """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
     any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
-    trainer state (step, scheduler, RNG, the partial-rollout buffer, prompt-stream positions; tensors and plain values only, loaded
-    with weights_only=True).
-    Every rank's prompt-stream position is the data position. Written to a temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    trainer state (step, scheduler, RNG, the partial-rollout buffer, every rank's prompt-stream position,
+    which is the data position; tensors and plain values only, loaded with weights_only=True).
+    Written to a temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:

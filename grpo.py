@@ -74,14 +74,14 @@ def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_token
     full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB per fp32 copy of 1,024 tokens,
     against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost: the projection runs twice.
     """
-    if index is not None:  # chunks of positions, each gathered from the flat hidden states
+    if index is not None:  # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
         flat, dim = hidden.flatten(0, 1), 0
-        chunks = [((flat, i), targets) for i, targets in zip(index.split(chunk_tokens), target_ids.split(chunk_tokens))]
+        chunks = [(flat, i, targets) for i, targets in zip(index.split(chunk_tokens), target_ids.split(chunk_tokens))]
     else:  # chunks of about chunk_tokens over the batch: views, no copy
         step, dim = max(chunk_tokens // max(hidden.shape[0], 1), 1), 1
-        chunks = [((h, None), targets) for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))]
+        chunks = [(h, None, targets) for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))]
     logprobs, entropies = [], []
-    for (h, i), targets in chunks:
+    for h, i, targets in chunks:
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             lp, ent = checkpoint(_linear_token_logprobs, h, weight, bias, targets, temperature, i, use_reentrant=False)
         else:
