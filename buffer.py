@@ -39,6 +39,7 @@ class PartialBuffer:
         self.groups = []   # HeldGroup, in arrival order
         self.waiting = []  # (group, member index) of unfinished single-turn samples, in suspension order
         self._launched = []  # what this step's resumes were, in launch order (set by `launch`)
+        self.resumed = {}  # group id -> HeldGroup of this step's resumes (set by `launch`)
         self.counters = dict.fromkeys(COUNTERS, 0)  # this step's; reset by `launch`
 
     def new_prompts_needed(self, num_prompts):
@@ -50,12 +51,13 @@ class PartialBuffer:
 
         Continued samples go first; new prompts fill the batch of `num_prompts` groups, so the launched
         request count stays about the same. A sample whose oldest token is more than `max_staleness`
-        versions old is restarted from its prompt (an empty response), counted. Group ids of the resumes
-        are numbered after the new prompts' (0..), so the engine never mixes them with fresh groups.
+        versions old is restarted from its prompt (an empty response), counted. Each held group gets one
+        group id, numbered after the new prompts' (0..), so the engine never mixes it with a fresh group and
+        dynamic sampling judges it whole (`resumed`, `prior_rewards`).
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
         new_prompts = new_prompts[:self.new_prompts_needed(num_prompts)]
-        resumes = []
+        resumes, self.resumed, group_ids = [], {}, {}
         for group, index in self.waiting:
             sample = group.members[index][-1]
             if sample.versions and version - min(sample.versions) > self.max_staleness:
@@ -64,19 +66,31 @@ class PartialBuffer:
                 sample = Sample(sample.prompt_ids, [], [], [], sample.group_id, times_resumed=sample.times_resumed)
             else:
                 self.counters["resumed"] += 1
-            resumes.append(dataclasses.replace(sample, group_id=len(new_prompts) + len(resumes)))
+            group_id = group_ids.setdefault(id(group), len(new_prompts) + len(group_ids))
+            self.resumed[group_id] = group
+            resumes.append(dataclasses.replace(sample, group_id=group_id))
         self._launched, self.waiting = self.waiting, []
         return resumes, new_prompts
+
+    def prior_rewards(self):
+        """{group id: rewards of its finished members} of the held groups this step resumes: the members
+        that finished in earlier steps were scored then (failed ones count nowhere, the resumed ones are
+        still aborted here)."""
+        return {group_id: [m[-1].reward for m in group.members if not m[-1].is_aborted]
+                for group_id, group in self.resumed.items()}
 
     def collect(self, samples, new_prompts):
         """File this rollout's trajectories (resumes first, then `group_size` per new prompt, as
         RolloutEngine.generate returns them) and return (prompts, samples) of the groups now complete,
-        in arrival order: group ids index the returned prompts, trajectory ids are renumbered 0.."""
+        in arrival order: group ids index the returned prompts, trajectory ids are renumbered 0..
+        `new_prompts` is indexed by group id (dynamic sampling's refills included); the held groups' ids
+        (`resumed`) are skipped."""
         trajectories = {}
         self.counters["launched"] = len({s.trajectory_id for s in samples})
         for s in samples:
             trajectories.setdefault(s.trajectory_id, []).append(s)
-        fresh = [HeldGroup(prompt, []) for prompt in new_prompts]
+        fresh = {group_id: HeldGroup(prompt, []) for group_id, prompt in enumerate(new_prompts)
+                 if group_id not in self.resumed}
         for trajectory_id in sorted(trajectories):
             turns = trajectories[trajectory_id]
             if trajectory_id < len(self._launched):  # a resumed (or restarted) sample
@@ -94,8 +108,8 @@ class PartialBuffer:
                 self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
             else:
                 self.waiting.append((group, index))
-        self._launched = []
-        self.groups += fresh
+        self._launched, self.resumed = [], {}
+        self.groups += fresh.values()
         waiting = {id(group) for group, _ in self.waiting}
         complete = [g for g in self.groups if id(g) not in waiting]
         self.groups = [g for g in self.groups if id(g) in waiting]

@@ -62,6 +62,12 @@ class RolloutConfig:
     # step under the new weights; its group is trained once every member finished
     partial: bool = False
     max_staleness: int = 4  # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
+    # dynamic sampling (DAPO): train only groups whose rewards differ, judged as each group's last member
+    # finishes; the rollout ends once prompts_per_step such groups finished, whatever `cancel` (which then says
+    # whether the rest is aborted, or with none waited for), and launches more prompts while too few can be kept
+    filter_groups: bool = False
+    refill_prompts: int = 0  # prompts launched at a time while kept + in-flight groups fall short (0 = prompts_per_step / 4)
+    max_prompts_per_step: int = 0  # new prompts a step may launch (0 = 4 x prompts_per_step); at it the step trains fewer groups
     max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
     abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
     request_timeout_s: float = 0.0  # a request running longer is aborted and counts as failed (0 = no limit)
@@ -89,6 +95,7 @@ class TrainConfig:
     sequence_clip_eps: float = 3.0e-4  # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
     sequence_clip_eps_high: float = 4.0e-4
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    mask_truncated: bool = False  # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
     tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
@@ -160,6 +167,9 @@ class Config:
         if self.rollout.max_staleness < 0 or self.train.max_token_staleness < -1:
             raise ConfigError(f"rollout.max_staleness={self.rollout.max_staleness} must be >= 0 and "
                               f"train.max_token_staleness={self.train.max_token_staleness} >= -1 (-1 = off)")
+        if self.rollout.filter_groups and 0 < self.rollout.max_prompts_per_step < self.rollout.prompts_per_step:
+            raise ConfigError(f"rollout.max_prompts_per_step={self.rollout.max_prompts_per_step} is below "
+                              f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill its batch")
         if self.run.nproc < 0:
             raise ConfigError(f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1")
         if self.rollout.group_size < 2:
@@ -185,6 +195,7 @@ class Config:
                 ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3), ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
                 ("rollout.request_timeout_s", r.request_timeout_s, 0), ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
                 ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
+                ("rollout.refill_prompts", r.refill_prompts, 0), ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
                 ("train.steps", t.steps, 0), ("train.micro_batch_size", t.micro_batch_size, 1),
                 ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
                 ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),

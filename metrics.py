@@ -58,11 +58,23 @@ def rollout_metrics(samples, stats):
         "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
         "rollout/timed_out": stats.num_timed_out,
     }
-    out["train/reward_mean"] = out["train/reward_mean_completed"]
+    out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
     out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
     if aborted:
         out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
     return out
+
+def filter_metrics(trajectories, counts, stats, target_groups, filtering):
+    """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it would save).
+    `trajectories`: the trained ones; `counts`: cancel.filter_groups'. `train/reward_mean` is what was
+    trained on and `train/reward_mean_unfiltered` every finished trajectory (NeMo-RL issue 3794: a filter
+    whose logged reward was silently the unfiltered one)."""
+    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
+    return {**{f"filter/{name}": value for name, value in counts.items()},
+            "filter/prompts_launched": stats.prompts_launched,
+            "filter/truncated_steps": int(filtering and counts["kept_groups"] < target_groups),
+            "train/reward_mean": sum(rewards) / max(len(rewards), 1),
+            "perf/generated_tokens_per_kept_group": stats.generated_tokens / max(counts["kept_groups"], 1)}
 
 
 def trajectory_texts(trajectories, tokenizer, count):

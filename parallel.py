@@ -145,7 +145,7 @@ SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "roll
                   "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
                   "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
                   "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "train/tokens", "train/micro_batches",
-                  "train/over_budget_sequences"}
+                  "train/over_budget_sequences", "train/truncated_masked"}
 
 
 def reduce_metrics(scalars):
@@ -158,9 +158,9 @@ def reduce_metrics(scalars):
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
-        if key in SUMMED_METRICS or key.startswith(("partial/", "staleness/")):
+        if key in SUMMED_METRICS or (key.startswith(("partial/", "staleness/", "filter/")) and not key.endswith("_steps")):
             out[key] = sum(values)
-        elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max")):
+        elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max", "_steps")):
             out[key] = max(values)
         else:
             out[key] = sum(values) / len(values)

@@ -1,9 +1,11 @@
 """Rollout: generation and tail cancellation on the engine (sglang_engine.py owns the engine itself).
 
 Samples group_size trajectories per prompt (single- or multi-turn with a tool, or continuing partial
-rollout's suspended samples), one asyncio task per trajectory; decides on every completion when enough
-have finished and cancels the rest inside the engine, awaiting every task. Does not own rewards, losses,
-or which samples are suspended (buffer.py).
+rollout's suspended samples), one asyncio task per trajectory, each scored by the caller's reward function
+as it finishes; decides on every completion when enough have finished (with dynamic sampling: enough
+informative groups, launching more prompts while too few can still be) and cancels the rest inside the
+engine, awaiting every task. Does not own how text becomes a reward (train.py's `score`), losses, or which
+samples are suspended (buffer.py).
 """
 import array
 import asyncio
@@ -12,7 +14,7 @@ import logging
 import time
 import uuid
 
-from cancel import count_complete_groups, keep_first_complete_groups
+from cancel import GroupFilter, count_complete_groups, keep_first_complete_groups
 from sglang_engine import Engine, RolloutError
 from sample import Sample
 
@@ -29,6 +31,9 @@ class RolloutStats:
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     num_timed_out: int = 0          # requests aborted by rollout.rollout_timeout_s
+    prompts_launched: int = 0       # new prompts (resumed samples not counted), refills included
+    generated_tokens: int = 0       # tokens the engine generated, cancelled ones included
+    kept_groups: int = 0            # dynamic sampling: groups judged informative before the decision
 
 
 class RolloutEngine(Engine):
@@ -40,7 +45,7 @@ class RolloutEngine(Engine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, group_size, temperature, max_new_tokens, plan=None, tool=None, max_turns=1,
-                 max_response_tokens=0, resumes=()):
+                 max_response_tokens=0, resumes=(), reward=None, refill=None, prior_rewards=None):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per `plan.cancel`.
 
         prompts: list of token-id lists. A trajectory is one turn, or with a `tool` ((response ids, the
@@ -48,7 +53,11 @@ class RolloutEngine(Engine):
         `tool.call_end_id`) up to `max_turns` turns within `max_response_tokens` generated + observation
         tokens. `resumes` (partial rollout, single-turn only): unfinished samples launched first, each
         continued from its prompt + partial response with what is left of the budget; the caller gives
-        them group ids apart from the new prompts' (0..). Returns (every turn of every trajectory in launch order, resumes first, with
+        them group ids after the new prompts' (0..), one per held group. `reward` (turns -> float) scores
+        each finished trajectory as it returns, every turn getting the value. With `plan.filter_groups`
+        (dynamic sampling), `refill` (new group ids -> token-id lists) supplies more prompts, and
+        `prior_rewards` ({group id: rewards}) are what a held group's finished members earned before.
+        Returns (every turn of every trajectory in launch order, resumes first, refills last, with
         `trajectory_id` numbering the trajectories 0.., RolloutStats).
         """
         sampling = {"temperature": temperature, "top_p": self.cfg.top_p if temperature > 0 else 1.0,
@@ -67,61 +76,113 @@ class RolloutEngine(Engine):
             # rest queue, and a "tail" cancellation would then cancel requests that never started
             log.warning("%d requests x %d new tokens exceed rollout.max_total_tokens=%d: requests will queue",
                         len(units), max_new_tokens, self.cfg.max_total_tokens)
-        return self._run(self._generate_all(units, sampling, plan, tool, max_turns, budget))
+        groups = GroupFilter(prior_rewards) if plan is not None and plan.filter_groups else None
+        return self._run(self._generate_all(units, sampling, plan, tool, max_turns, budget, group_size, reward,
+                                            groups, refill))
 
-    async def _generate_all(self, units, sampling, plan, tool, max_turns, budget):
+    async def _generate_all(self, units, sampling, plan, tool, max_turns, budget, group_size, reward, groups, refill):
         stats, start = RolloutStats(), time.perf_counter()
+        stats.prompts_launched = len({group_id for group_id, _, resumed in units if resumed is None})
         self._current_rid, self._cancelled = {}, set()
-        tasks = {}
-        for i, (group_id, ids, partial) in enumerate(units):
-            work = (self._resume(i, partial, sampling, budget, start) if partial is not None else
-                    self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
-            tasks[asyncio.create_task(work)] = i
-        pending, finished = set(tasks), []
+        tasks, next_group = {}, max((group_id for group_id, _, _ in units), default=-1) + 1
+
+        def launch(new_units):
+            new = set()
+            for group_id, ids, partial in new_units:
+                i = len(tasks)
+                work = (self._resume(i, partial, sampling, budget, start) if partial is not None else
+                        self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
+                task = asyncio.create_task(self._scored(work, reward))
+                tasks[task] = i
+                new.add(task)
+                if groups is not None:
+                    groups.launched(group_id)
+            return new
+
+        def returned(turns):
+            """Dynamic sampling, on every completion before the decision: tally the group, then launch
+            `plan.refill_prompts` more prompts at a time (the in-flight ones go on) while the kept groups and
+            those still in flight (at the share kept so far, once a quarter of the target is judged) fall
+            short of the launch's size (the target and its over-sampling margin: the surplus is what gets
+            cancelled), up to `plan.max_prompts` new prompts."""
+            nonlocal next_group
+            new = set()
+            if groups is None:
+                return new
+            groups.returned(turns[-1].group_id, None if turns[-1].is_aborted else turns[-1].reward)
+            while (refill is not None and groups.expected(plan.target_groups // 4) < plan.num_prompts
+                   and stats.prompts_launched < plan.max_prompts):
+                count = min(plan.refill_prompts, plan.max_prompts - stats.prompts_launched)
+                prompts = refill(list(range(next_group, next_group + count)))
+                if not prompts:
+                    break
+                new |= launch([(next_group + k, ids, None) for k, ids in enumerate(prompts) for _ in range(group_size)])
+                next_group, stats.prompts_launched = next_group + len(prompts), stats.prompts_launched + len(prompts)
+            return new
+
+        pending, finished = launch(units), []
         timeout = self.cfg.rollout_timeout_s or None  # a hung request must not hang the run: it is aborted
-        if plan is not None and plan.cancel != "none":
-            pending = await self._wait_for_enough(pending, finished, plan, start, timeout)
-        else:
-            _, pending = await asyncio.wait(pending, timeout=timeout)
+        try:
+            pending = await self._wait_for_enough(pending, finished, plan, start, timeout, returned, groups)
+        except BaseException:  # a reward function or a refill raised: nothing may keep running in the engine
+            await self._abort([t for t in tasks if not t.done()], tasks, raise_if_stuck=False)
+            raise
         stats.decision_s = time.perf_counter() - start
+        stats.kept_groups = groups.kept if groups is not None else 0
         if pending and timeout and stats.decision_s >= timeout:
             stats.num_timed_out = len(pending)
             log.warning("rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
                         timeout, len(pending))
         if pending:
-            # Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
-            # request decoding in the scheduler, burning the compute we wanted back.
-            self._cancelled.update(tasks[t] for t in pending)  # and no cancelled trajectory starts a turn
-            rids = [self._current_rid[tasks[t]] for t in pending]
-            self._cancelling.update(rids)
-            self.abort(rids)
-            returned, stuck = await asyncio.wait(pending, timeout=self.cfg.abort_timeout_s)
+            await self._abort(pending, tasks)
             stats.cancel_latency_s = time.perf_counter() - start - stats.decision_s
-            for task in stuck:
-                task.cancel()
-            await asyncio.gather(*stuck, return_exceptions=True)  # no task outlives the rollout
-            self._cancelling.difference_update(rids)
-            if stuck:
-                raise RolloutError(f"{len(stuck)} aborted requests did not return within "
-                                   f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)")
             # a request can finish on its own between the decision and the abort: it is kept
             stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
         await asyncio.gather(*tasks)  # every task is done here; re-raises nothing (errors became samples)
         stats.rollout_s = time.perf_counter() - start
         samples = [turn for t in tasks for turn in t.result()]
+        stats.generated_tokens = (sum(len(s.response_ids) for s in samples)  # a resumed sample's earlier tokens: not now
+                                  - sum(len(partial.response_ids) for _, _, partial in units if partial is not None))
         if plan is not None and plan.cancel == "group" and not plan.partial:  # partial: finished ones wait
-            keep_first_complete_groups(samples, finished, plan.group_size, plan.target_groups)
+            # the group policy trains complete groups only; dynamic sampling then judges every one of them
+            keep_first_complete_groups(samples, finished, plan.group_size,
+                                       len(finished) if groups is not None else plan.target_groups)
         stats.num_failed = sum(s.finish_reason == "error" for s in samples)
         if stats.num_failed > self.cfg.max_failed_ratio * len(samples):
             raise RolloutError(f"{stats.num_failed}/{len(samples)} requests failed inside the engine "
                                f"(rollout.max_failed_ratio={self.cfg.max_failed_ratio}); see the log for rids")
         return samples, stats
 
-    async def _wait_for_enough(self, pending, finished, plan, start, limit_s=None):
-        """Event-driven: wake on each completion (or a deadline), decide, return what is left.
-        `finished` collects the last turn of each finished trajectory, in completion order."""
+    async def _abort(self, pending, tasks, raise_if_stuck=True):
+        """Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the request
+        decoding in the scheduler, burning the compute we wanted back. Returns once every task is done."""
+        self._cancelled.update(tasks[t] for t in pending)  # and no cancelled trajectory starts a turn
+        # SGLang drops an abort for a rid it does not track yet (managers/tokenizer_manager.py, abort_request):
+        # a request sent just before the decision (a refill, a multi-turn trajectory's next turn) must reach
+        # the engine first, or it would run to its end unaborted
+        deadline = time.perf_counter() + self.cfg.abort_timeout_s
+        while time.perf_counter() < deadline and any(
+                not t.done() and self._current_rid.get(tasks[t]) not in self.tokenizer_manager.rid_to_state for t in pending):
+            await asyncio.sleep(0.002)
+        rids = [self._current_rid[tasks[t]] for t in pending if not t.done()]
+        self._cancelling.update(rids)
+        self.abort(rids)
+        _, stuck = await asyncio.wait(pending, timeout=self.cfg.abort_timeout_s)
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # no task outlives the rollout
+        self._cancelling.difference_update(rids)
+        if stuck and raise_if_stuck:
+            raise RolloutError(f"{len(stuck)} aborted requests did not return within "
+                               f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)")
+
+    async def _wait_for_enough(self, pending, finished, plan, start, limit_s=None, returned=None, groups=None):
+        """Event-driven: wake on each completion (or a deadline), decide, return what is left. `finished`
+        collects the last turn of each finished trajectory, in completion order; `returned(turns)` sees each
+        one first and hands back tasks it launched. Without a plan (or cancel none and no filter), waits for all."""
         deadline = None  # the time policy's, once set
         hard_deadline = start + limit_s if limit_s else None  # rollout.rollout_timeout_s
+        policy = plan.cancel if plan is not None else "none"
         while pending:
             now = time.perf_counter()
             if hard_deadline is not None and now >= hard_deadline:
@@ -129,27 +190,45 @@ class RolloutEngine(Engine):
             deadlines = [d for d in (deadline, hard_deadline) if d is not None]
             timeout = max(min(deadlines) - now, 0) if deadlines else None
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finished.extend(t.result()[-1] for t in done)
+            for task in done:
+                finished.append(task.result()[-1])
+                pending |= returned(task.result()) if returned else set()
             num_ok = sum(not s.is_aborted for s in finished)
-            if plan.cancel == "group":
+            if groups is not None:  # dynamic sampling: enough kept groups end any policy but none's wait
+                if policy != "none" and groups.kept >= plan.target_groups:
+                    break
+                continue
+            if policy == "group":
                 if count_complete_groups(finished, plan.group_size) >= plan.target_groups:
                     break
-            elif num_ok >= plan.target_samples:
+            elif policy in ("count", "time") and num_ok >= plan.target_samples:
                 break
             now = time.perf_counter()
-            if plan.cancel == "time" and deadline is None and num_ok >= plan.time_quantile * plan.target_samples:
+            if policy == "time" and deadline is None and num_ok >= plan.time_quantile * plan.target_samples:
                 deadline = now + plan.time_factor * (now - start)  # q of the target back at t: wait factor*t more
             if deadline is not None and now >= deadline:
                 break
         return pending
+
+    @staticmethod
+    async def _scored(work, reward):
+        """A trajectory's turns, each given the trajectory's reward once it finished (aborted, failed: none)."""
+        turns = await work
+        if reward is not None and not turns[-1].is_aborted:
+            value = reward(turns)
+            for turn in turns:
+                turn.reward = value
+        return turns
 
     async def _trajectory(self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start):
         """Turns of one trajectory: generate, run the tool on a tool call, append its observation, go on.
         Each turn's prompt is the previous prompt + response + observation, so turns merge (merge.py)."""
         turns, context = [], array.array("i", prompt_ids)
         for turn in range(max_turns):
-            if turn > 0 and trajectory_id in self._cancelled:
-                turns[-1].finish_reason = "abort"  # cancelled while its tool ran: unfinished
+            if trajectory_id in self._cancelled:  # cancelled before its first request, or while its tool ran
+                if not turns:
+                    return [self._failed(prompt_ids, group_id, start, reason="abort")]
+                turns[-1].finish_reason = "abort"  # unfinished
                 break
             remaining = budget - (len(context) - len(prompt_ids))
             if remaining <= 0:  # token budget spent on earlier turns and observations
@@ -179,6 +258,8 @@ class RolloutEngine(Engine):
     async def _resume(self, trajectory_id, partial, sampling, budget, start):
         """Continue an unfinished single-turn sample: its prompt + partial response go in as token ids,
         `max_new_tokens` is what is left of the budget, and the result holds every token of both."""
+        if trajectory_id in self._cancelled:  # cancelled before its request was sent: stays suspended
+            return [dataclasses.replace(partial, trajectory_id=trajectory_id)]
         remaining = min(sampling["max_new_tokens"], budget) - len(partial.response_ids)  # > 0: checked at launch
         rid = self._current_rid[trajectory_id] = uuid.uuid4().hex
         more = await self._generate_one(rid, partial.prompt_ids + partial.response_ids, partial.group_id,
@@ -213,8 +294,9 @@ class RolloutEngine(Engine):
                       weight_version=version,
                       latency_s=time.perf_counter() - start)
 
-    def _failed(self, prompt_ids, group_id, start):
-        """The sample of a request that failed or timed out: no tokens, masked out, counted as "error"."""
-        return Sample(prompt_ids, [], [], [], group_id, finish_reason="error", is_aborted=True,
+    def _failed(self, prompt_ids, group_id, start, reason="error"):
+        """The sample of a request that failed or timed out ("error": counted), or was cancelled before it was
+        sent ("abort"): no tokens, masked out."""
+        return Sample(prompt_ids, [], [], [], group_id, finish_reason=reason, is_aborted=True,
                       weight_version=self.weight_version, latency_s=time.perf_counter() - start)
 

@@ -26,8 +26,8 @@ import parallel
 from buffer import PartialBuffer, share_state
 from config import Config, ConfigError, load_config
 from memory import MemoryPhases
-from metrics import Logger, masked_mean, rollout_metrics, trajectory_texts
-from cancel import plan_launch
+from metrics import Logger, filter_metrics, masked_mean, rollout_metrics, trajectory_texts
+from cancel import filter_groups, plan_launch
 from sglang_engine import EngineDiedError, RolloutError, StopSignal
 from model import ModelError, build_optimizer, build_policy
 from rollout import RolloutEngine
@@ -41,21 +41,10 @@ class NonFiniteError(RuntimeError):
 
 
 # ---------------------------------------------------------------- setup
-def score(samples, prompts, tokenizer, reward_fn):
-    """Reward each trajectory on its last turn's response and give every turn that reward; returns the
-    trajectories (lists of turns, index = trajectory_id). Aborted and failed ones keep 0 but are
-    never averaged in as zeros (their is_aborted flag keeps them out)."""
-    trajectories = {}
-    for s in samples:
-        trajectories.setdefault(s.trajectory_id, []).append(s)
-    for turns in trajectories.values():
-        last = turns[-1]
-        if not last.is_aborted:
-            text = tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
-            reward = reward_fn(text, prompts[last.group_id].answer, finished=last.finish_reason == "stop")
-            for turn in turns:
-                turn.reward = reward
-    return [trajectories[i] for i in sorted(trajectories)]
+def score(turns, prompt, tokenizer, reward_fn):
+    """The one place text becomes a reward: a finished trajectory's, from its last turn's response."""
+    text = tokenizer.decode(turns[-1].response_ids.tolist(), skip_special_tokens=True)
+    return reward_fn(text, prompt.answer, finished=turns[-1].finish_reason == "stop")
 
 
 def trajectory_advantages(trajectories, scale_by_std):
@@ -69,7 +58,8 @@ def trajectory_advantages(trajectories, scale_by_std):
 
 def training_sequences(trajectories, advantages, cfg, max_seq_len):
     """Sequences to train on: merged turns (or one per turn) of finished trajectories, each with its
-    *trajectory's* advantage, over-long ones dropped and counted. Single-turn trajectories pass through."""
+    *trajectory's* advantage, over-long ones dropped and counted (and with `train.mask_truncated`, DAPO's
+    overlong filtering, the ones cut at the budget). Single-turn trajectories pass through."""
     if cfg.rollout.merge_turns:
         sequences, stats = merge.merge_batch(trajectories, max_seq_len)
     else:
@@ -79,11 +69,12 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
     # old-log-prob pass, the forward and the backward, and they are the longest rows: they stop here.
     finished = [s for s in sequences if not s.is_aborted]
     kept = [s for s in finished if len(s.prompt_ids) + len(s.response_ids) <= max_seq_len]
-    metrics = {"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
+    trained = [s for s in kept if not (cfg.train.mask_truncated and s.finish_reason == "length")]
+    metrics = {"train/truncated_masked": len(kept) - len(trained),"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
                "merge/ratio": stats.merge_ratio, "merge/prefix_breaks": stats.prefix_breaks,
                "merge/over_length_dropped": len(finished) - len(kept),
                "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1)}
-    return kept, advantages[[s.trajectory_id for s in kept]], metrics
+    return trained, advantages[[s.trajectory_id for s in trained]], metrics
 
 
 # ---------------------------------------------------------------- training step
@@ -154,24 +145,34 @@ def train_on_rollout(run, samples, advantages, version=0):
     return stats
 
 
-def generate(run, prompts, group_size, temperature, plan=None, resumes=()):
-    """The engine call of both training and validation: single- or multi-turn per the config."""
-    r = run.cfg.rollout
+def generate(run, prompts, group_size, temperature, plan=None, resumes=(), by_group=None, **filtering):
+    """The engine call of both training and validation: single- or multi-turn per the config, each finished
+    trajectory scored as it returns against `by_group[group id]` (default: `prompts`). Aborted and failed
+    ones keep 0 but are never averaged in as zeros (their is_aborted flag keeps them out)."""
+    r, by_group = run.cfg.rollout, prompts if by_group is None else by_group
     return run.engine.generate([p.prompt_ids for p in prompts], group_size, temperature, r.max_new_tokens, plan,
-                               run.tool, r.max_turns, r.max_response_tokens, resumes)
+                               run.tool, r.max_turns, r.max_response_tokens, resumes, **filtering, reward=lambda turns:
+                               score(turns, by_group[turns[-1].group_id], run.tokenizer, run.reward_fn))
 
 
 def rollout(run, plan):
     """The step's training rollout: (prompts, samples, stats), new prompts from this rank's stream. With
     partial rollout, unfinished samples of earlier steps are continued first, new prompts fill the batch, and
-    only groups whose every member has finished come back (buffer.py), with their prompts."""
-    r = run.cfg.rollout
-    prompts = run.stream.take(run.buffer.new_prompts_needed(plan.num_prompts) if run.buffer else plan.num_prompts)
-    if run.buffer is None:
-        return (prompts, *generate(run, prompts, r.group_size, r.temperature, plan))
-    resumes, prompts = run.buffer.launch(prompts, plan.num_prompts, run.engine.weight_version)
-    samples, stats = generate(run, prompts, r.group_size, r.temperature, plan, resumes)
-    return (*run.buffer.collect(samples, prompts), stats)
+    only groups whose every member has finished come back (buffer.py), with their prompts. With dynamic
+    sampling the engine asks for more prompts as it goes (`refill`): they join `by_group` under its ids."""
+    r, buffer = run.cfg.rollout, run.buffer
+    prompts = run.stream.take(buffer.new_prompts_needed(plan.num_prompts) if buffer else plan.num_prompts)
+    resumes, prompts = buffer.launch(prompts, plan.num_prompts, run.engine.weight_version) if buffer else ((), prompts)
+    by_group = prompts + [group.prompt for group in (buffer.resumed.values() if buffer else ())]  # index = group id
+
+    def refill(group_ids):  # the engine numbers them after every group id so far
+        assert group_ids[0] == len(by_group), (group_ids, len(by_group))
+        by_group.extend(run.stream.take(len(group_ids)))
+        return [p.prompt_ids for p in by_group[group_ids[0]:]]
+
+    samples, stats = generate(run, prompts, r.group_size, r.temperature, plan, resumes, by_group, refill=refill,
+                              prior_rewards=buffer.prior_rewards() if buffer else None)
+    return (*buffer.collect(samples, by_group), stats) if buffer else (by_group, samples, stats)
 
 
 def validate(run):
@@ -182,7 +183,7 @@ def validate(run):
     out, texts, prompts = {}, {}, parallel.rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
         samples = generate(run, prompts, 1, temperature)[0] if prompts else []
-        trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+        trajectories = merge.trajectories_of(samples)  # scored as they finished
         if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
             texts["val/samples"] = trajectory_texts(trajectories, run.tokenizer, run.cfg.run.log_samples)
         rewards = [turns[-1].reward for turns in trajectories]
@@ -282,11 +283,12 @@ def train_step(run, step, plan, phases):
     cfg, max_seq_len = run.cfg, run.policy.config.max_position_embeddings
     step_start = time.perf_counter()
     scalars, texts = validate(run) if step % cfg.run.val_every == 0 else ({}, {})
-    # 1. rollout: group_size trajectories per prompt of this rank's stream (whole groups: no other rank needed);
-    #    the slow tail is cancelled per rollout.cancel (partial rollout: suspended, continued first next step)
-    prompts, samples, stats = rollout(run, plan)
-    # 2. reward, 3. group-relative advantage over each group's surviving trajectories
-    trajectories = score(samples, prompts, run.tokenizer, run.reward_fn)
+    # 1. rollout: group_size trajectories per prompt of this rank's stream (whole groups: no other rank needed),
+    #    2. each rewarded as it finishes; the slow tail is cancelled per rollout.cancel (partial rollout:
+    #    suspended, continued first next step), and dynamic sampling keeps groups whose rewards differ
+    _, samples, stats = rollout(run, plan)
+    trajectories, filter_counts = filter_groups(merge.trajectories_of(samples), drop=cfg.rollout.filter_groups)
+    # 3. group-relative advantage over each group's surviving trajectories
     advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
     # 4. policy update on (merged) sequences, with the engine's memory released
     sequences, sequence_advantages, merge_metrics = training_sequences(trajectories, advantages, cfg, max_seq_len)
@@ -298,7 +300,8 @@ def train_step(run, step, plan, phases):
     sync_start = time.perf_counter()
     phases.sync(version=step + 1)
     now = time.perf_counter()
-    scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | {
+    scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | filter_metrics(
+        trajectories, filter_counts, stats, plan.target_groups, cfg.rollout.filter_groups) | {
         **phases.metrics(), "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
         "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start,
         "perf/train_tokens_per_s": scalars["train/tokens"] / (sync_start - train_start)}

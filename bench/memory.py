@@ -23,8 +23,7 @@ def one_step(run, phases, step):
     """rollout -> train -> sync under `phases`; returns the peak over the step's phases."""
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)
-    samples, _ = run.engine.generate([p.prompt_ids for p in prompts], r.group_size, r.temperature, r.max_new_tokens)
-    train.score(samples, prompts, run.tokenizer, run.reward_fn)
+    samples, _ = train.generate(run, prompts, r.group_size, r.temperature)  # scored as they finish
     advantages, _ = grpo.group_advantages(torch.tensor([s.reward for s in samples]),
                                           torch.tensor([s.group_id for s in samples]),
                                           torch.ones(len(samples), dtype=torch.bool))

@@ -17,7 +17,7 @@ import time
 # Run as a script from anywhere: make the repo root (this file's parent's parent) importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from merge import merge_batch, unmerged  # noqa: E402  (needs the sys.path line above)
+from merge import merge_batch, trajectories_of, unmerged  # noqa: E402  (needs the sys.path line above)
 from sample import Sample  # noqa: E402
 
 VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary
@@ -117,7 +117,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
         for step in range(steps):
             prompts = run.stream.take(cfg.rollout.prompts_per_step)
             samples, stats = train.generate(run, prompts, cfg.rollout.group_size, cfg.rollout.temperature)
-            counts = token_counts(train.score(samples, prompts, run.tokenizer, run.reward_fn))
+            counts = token_counts(trajectories_of(samples))
             merged.append(counts[0])
             stepwise.append(counts[1])
             print(f"demo step {step}: {len(samples)} turns, {stats.num_tool_calls} tool calls, "

@@ -1,6 +1,7 @@
-"""Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for, and
+"""Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for,
 (`--partial`) useful tokens per second over a multi-step workload for no cancellation, dropping the tail,
-and partial rollout (the tail suspended and continued next step, buffer.py).
+and partial rollout (the tail suspended and continued next step, buffer.py), and (`--filter`) kept groups
+per rollout second for three ways to collect a batch of informative groups (dynamic sampling).
 
 One real SGLang engine (CPU) serves a random-init tiny model whose lengths are geometric (median ~11,
 a few samples several times longer); the arms alternate on the same prompts, medians of repeats are reported.
@@ -20,11 +21,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tasks  # noqa: E402  (needs the sys.path line above)
+import merge  # noqa: E402
 import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 from buffer import PartialBuffer  # noqa: E402
-from cancel import plan_launch  # noqa: E402
+from cancel import filter_groups, plan_launch  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 
 
@@ -75,11 +77,14 @@ def main():
     parser.add_argument("--partial", action="store_true", help="multi-step: baseline vs drop vs partial rollout")
     parser.add_argument("--steps", type=int, default=10, help="--partial: steps per arm, the arms alternated")
     parser.add_argument("--max-staleness", type=int, default=4, help="--partial: rollout.max_staleness")
+    parser.add_argument("--filter", action="store_true", help="dynamic sampling: rounds vs wait-all vs filter + abort")
+    parser.add_argument("--round-prompts", type=int, help="--filter: prompts per synchronous round (default 3x --prompts)")
     args = parser.parse_args()
-    if args.partial and args.drop_rate is None and args.over_sample_rate is None:
+    if (args.partial or args.filter) and args.drop_rate is None and args.over_sample_rate is None:
         # APRIL's over-provisioning (arXiv 2509.18521): launch 1.25x the prompts, stop at a batch, suspend the rest
         args.over_sample_rate = 0.25
     args.over_sample_rate = args.over_sample_rate or 0.0
+    args.round_prompts = args.round_prompts or 3 * args.prompts
     if args.repeats is None:
         args.repeats = 3 if args.partial else 5
     if args.drop_rate is None:
@@ -100,15 +105,17 @@ def main():
     base_prompts, cancel_prompts = drawn[:args.prompts], drawn
     # SGLang admits a request only if the KV pool can hold ~0.7 x max_new_tokens for every running one;
     # the default 16k tokens would admit ~90 of 256 and start the rest late (a queue, not a tail).
-    cfg.rollout.max_total_tokens = len(drawn) * args.group_size * (max(map(len, drawn)) + args.max_new_tokens)
+    # (--filter: the largest of a round, and the bound on what refills can add to the first launch)
+    launched = max(len(drawn), args.round_prompts, 4 * args.prompts) if args.filter else len(drawn)
+    cfg.rollout.max_total_tokens = launched * args.group_size * (max(map(len, drawn)) + args.max_new_tokens)
     print(f"{args.prompts} prompts x {args.group_size}, policy={args.policy} drop_rate={args.drop_rate} "
           f"over_sample_rate={args.over_sample_rate}: launch {plan.num_prompts} prompts, "
           f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')")
 
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.engine_dtype, seed=args.seed)
-    if args.partial:
+    if args.partial or args.filter:
         try:
-            return multi_step(engine, policy, tokenizer, cfg, plan, args)
+            return (multi_step if args.partial else filtering)(engine, policy, tokenizer, cfg, plan, args)
         finally:
             engine.shutdown()
             shutil.rmtree(out_dir)
@@ -204,6 +211,74 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
           f"{' '.join(f'{r:.3f}' for r in vs_drop)}")
     print(f"partial: speedup_vs_baseline={median(vs_baseline):.3f} speedup_vs_drop={median(vs_drop):.3f} "
           f"wasted_tokens={round(median(partial_wasted))}")
+
+
+def filtering(engine, policy, tokenizer, cfg, plan, args):
+    """Dynamic sampling: three ways to collect `--prompts` informative groups, on the same prompts (each
+    repeat draws its own), the arms alternated in a rotating order. The reward makes about half the groups
+    zero-variance: a prompt whose token ids sum to an even number is "easy" (every member gets 1), any other
+    rewards a response by its length's parity (this model's lengths vary, so its group is informative but
+    for a 2 x 0.5^8 chance). Arms: `rounds`, DAPO's recipe (verl-recipe dapo/): synchronous rounds of
+    `--round-prompts` prompts (default 3x the batch, as the official script generates 3 x 512 for 512),
+    each waited for whole, until enough kept groups (the surplus thrown away); `wait_all`, a streaming
+    filter that drains (verl's V1): this trainer's launch and refills, groups judged as they finish, but
+    everything launched is waited for; `abort`, this trainer: the same, then the rest aborted once the batch
+    is in (rollout.filter_groups with cancel count). Each arm's rate: the batch's `--prompts` groups over
+    the rollout seconds it took (medians of the repeats' ratios)."""
+    def reward(prompts):
+        def score(turns):
+            easy = sum(prompts[turns[-1].group_id]) % 2 == 0
+            return 1.0 if easy else float(len(turns[-1].response_ids) % 2)
+        return score
+
+    target = args.prompts
+    filter_plan = dataclasses.replace(plan, filter_groups=True, target_groups=target,
+                                      refill_prompts=max(target // 4, 1), max_prompts=4 * target)  # the config defaults
+    arms = {"rounds": None, "wait_all": dataclasses.replace(filter_plan, cancel="none"), "abort": filter_plan}
+    vs_rounds, vs_wait_all, kept_groups = [], [], []
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up
+        stream = [p.prompt_ids for p in tasks.tiny_prompts(tokenizer, 10 * max(target, args.round_prompts),
+                                                           cfg.data.tiny_max_count,
+                                                           args.seed + 1000 * repeat)]
+        order = list(arms)[repeat % 3:] + list(arms)[:repeat % 3]
+        seconds, kept, line = {}, {}, []
+        for arm in order:
+            engine.flush_cache()
+            prompts = list(stream[:plan.num_prompts])
+
+            def refill(group_ids):
+                prompts.extend(stream[len(prompts):len(prompts) + len(group_ids)])
+                return prompts[group_ids[0]:]
+
+            if arm == "rounds":
+                kept[arm], seconds[arm], rounds = 0, 0.0, 0
+                while kept[arm] < target:
+                    batch = stream[rounds * args.round_prompts:(rounds + 1) * args.round_prompts]
+                    samples, stats = engine.generate(batch, args.group_size, args.temperature, args.max_new_tokens,
+                                                     reward=reward(batch))
+                    kept[arm] += filter_groups(merge.trajectories_of(samples))[1]["kept_groups"]
+                    seconds[arm] += stats.rollout_s
+                    rounds += 1
+                line.append(f"rounds {seconds[arm]:.3f} s ({rounds} rounds, {kept[arm]} kept)")
+            else:
+                samples, stats = engine.generate(prompts, args.group_size, args.temperature, args.max_new_tokens,
+                                                 arms[arm], reward=reward(prompts), refill=refill)
+                counts = filter_groups(merge.trajectories_of(samples))[1]
+                seconds[arm], kept[arm] = stats.rollout_s, counts["kept_groups"]
+                line.append(f"{arm} {stats.rollout_s:.3f} s ({stats.prompts_launched} prompts, {counts['kept_groups']} "
+                            f"kept, {counts['zero_variance_groups']} zero-variance, {stats.num_cancelled} cancelled)")
+            assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
+        print(f"repeat {repeat}{' (warm-up)' if repeat == 0 else ''}: " + ", ".join(line))
+        if repeat > 0:  # kept groups per rollout second, a surplus over the batch thrown away (it is not trained)
+            rate = {arm: min(kept[arm], target) / seconds[arm] for arm in arms}
+            vs_rounds.append(rate["abort"] / rate["rounds"])
+            vs_wait_all.append(rate["abort"] / rate["wait_all"])
+            kept_groups.append(min(kept["abort"], target))
+    median = statistics.median
+    print(f"filter: per repeat vs rounds {' '.join(f'{r:.3f}' for r in vs_rounds)}, vs wait_all "
+          f"{' '.join(f'{r:.3f}' for r in vs_wait_all)}")
+    print(f"filter: speedup_vs_rounds={median(vs_rounds):.3f} speedup_vs_wait_all={median(vs_wait_all):.3f} "
+          f"kept_groups={min(kept_groups)}")
 
 
 if __name__ == "__main__":

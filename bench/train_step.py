@@ -14,9 +14,13 @@ packed arm gains twice: fewer padding positions, and an
 output head that runs only where a response token is predicted (`head_positions`). This small model spends
 most of its compute in the head (32,000 x 256 against 4 layers of 256), a real one much less (Qwen2.5-1.5B:
 about 15%), so on a GPU the second gain is smaller. Times: medians of `--repeats` alternated pairs (the arms
-take turns going first). Peak memory: each arm once in a fresh process (the CPU allocator keeps freed memory, so one process
-cannot measure both arms), its resident set sampled every millisecond during the update, less what it held
-before.
+take turns going first). Peak memory: the most bytes held in live tensors at once during one update
+(less what was held before it), from the profiler's count of every CPU tensor allocation and free
+(`torch.profiler.profile(profile_memory=True)`): exact and the same on every run, unlike the resident set,
+which the C allocator's retained pages move by megabytes. Measured after a warm-up update, so lazy imports and
+first-call workspaces are not counted. The packed arm holds one thing more at equal positions: the rotary
+tables (cos, sin) per packed position, 2 x positions x head_dim floats, where the padded rows share one
+row's (their position ids are all 0..width-1).
 Run from the repo root: `python bench/train_step.py`. The last line is the machine-readable summary:
   train_step: mix=demo speedup=<f> padded_fraction=<f> mix=gsm8k speedup=<f> padded_fraction=<f> peak_ratio=<f>
 (padded_fraction: the packed path's; peak_ratio: packed peak / padded peak, the larger of the two mixes).
@@ -26,10 +30,8 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import types
 
@@ -115,26 +117,18 @@ def update(mix, samples, packed, on_start=None):
     return time.perf_counter() - start, stats
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def peak_bytes(mix, samples, packed, out_dir):
+    """The most bytes held in live CPU tensors during one update, above the count when it began."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def peak_of_one_arm(mix, samples_file, packed):
-    """In a fresh process: the peak resident bytes during one update, above what it held when it began."""
-    samples = [Sample(**state) for state in torch.load(samples_file, weights_only=True)]
-    before, peak, done = [0], [0], threading.Event()
-
-    def sample_rss():
-        while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample_rss)
-    update(mix, samples, packed, on_start=lambda: (before.__setitem__(0, rss_bytes()), sampler.start()))
-    done.set()
-    sampler.join()
-    return peak[0] - before[0]
+    update(mix, samples[:8], packed)  # warm-up: first-call allocations are not the update's
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        update(mix, samples, packed)
+    trace = os.path.join(out_dir, f"{mix}-{int(packed)}-trace.json")
+    prof.export_chrome_trace(trace)  # its "[memory]" events carry the allocator's running total
+    with open(trace) as f:
+        totals = [e["args"]["Total Allocated"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    return max(totals) - totals[0]
 
 
 def main():
@@ -142,12 +136,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="alternated padded/packed pairs per mix")
     parser.add_argument("--gsm8k-samples", type=int, default=64, help="one rank's batch in configs/gsm8k.yaml")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the engine is shut down first)")
-    parser.add_argument("--peak", nargs=3, metavar=("MIX", "SAMPLES_FILE", "PACKED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.peak:
-        print(json.dumps(peak_of_one_arm(args.peak[0], args.peak[1], args.peak[2] == "1")))
-        return
     out_dir = tempfile.mkdtemp(prefix="bench-train-step-")
     summary, peak_ratios = [], []
     for mix, samples in (("demo", demo_samples(out_dir)), ("gsm8k", gsm8k_samples(args.gsm8k_samples))):
@@ -157,25 +147,14 @@ def main():
             for packed in ((False, True) if repeat % 2 == 0 else (True, False)):
                 elapsed, stats[packed] = update(mix, samples, packed)
                 seconds[packed].append(elapsed)
-        samples_file = os.path.join(out_dir, f"{mix}.pt")
-        torch.save([s.to_state() for s in samples], samples_file)
-        peaks = {}
-        for packed in (False, True):
-            # glibc's malloc keeps freed memory below a threshold it raises as it goes, so the resident set
-            # drifts by tens of MB run to run; a fixed 64 kB mmap threshold returns every tensor to the OS when
-            # freed, and the resident set tracks what is live (two runs of one arm then agree within 1 MB)
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-            done = subprocess.run([sys.executable, __file__, "--peak", mix, samples_file, str(int(packed)),
-                                   "--threads", str(args.threads)],
-                                  cwd=ROOT, capture_output=True, text=True, check=True, env=env)
-            peaks[packed] = json.loads(done.stdout.strip().splitlines()[-1])
+        peaks = {packed: peak_bytes(mix, samples, packed, out_dir) for packed in (False, True)}
         padded_s, packed_s = statistics.median(seconds[False]), statistics.median(seconds[True])
         for packed, name in ((False, "padded"), (True, "packed")):
             s = stats[packed]
             print(f"{mix} {name}: update_s={statistics.median(seconds[packed]):.3f} (repeats "
                   f"{' '.join(f'{x:.3f}' for x in seconds[packed])}) tokens={s['train/tokens']} "
                   f"micro_batches={s['train/micro_batches']} head_positions={s['train/head_positions']} padded_fraction={s['train/padded_fraction']:.3f} "
-                  f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} peak_mib={peaks[packed] / 2**20:.0f}")
+                  f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} peak_mib={peaks[packed] / 2**20:.2f}")
         summary.append(f"mix={mix} speedup={padded_s / packed_s:.3f} padded_fraction={stats[True]['train/padded_fraction']:.3f}")
         peak_ratios.append(peaks[True] / peaks[False])
     print(f"train_step: {' '.join(summary)} peak_ratio={max(peak_ratios):.3f}")

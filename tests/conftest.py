@@ -42,6 +42,14 @@ def engine(tmp_path_factory):
     engine.shutdown()
 
 
+@pytest.fixture
+def policy(engine, tmp_path):
+    """A fresh seeded tiny policy, pushed into the shared engine as version 0."""
+    policy, _ = train.build_policy(tiny_config(tmp_path), None)
+    engine.update_weights(policy.named_parameters(), version=0)
+    return policy
+
+
 @pytest.fixture(scope="session")
 def qwen_tiny_dir(tmp_path_factory):
     """A small Qwen2.5-shaped model folder (tests/qwen_tiny.py), built once per session (~15 s of supervised

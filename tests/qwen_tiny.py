@@ -10,6 +10,7 @@ writes a `<tool_call>` (well-formed JSON, or, in a share of the examples, malfor
 """
 import json
 import os
+import sys
 import random
 import re
 
@@ -155,3 +156,7 @@ def build(folder, data_path, steps=250, seed=0):
     GenerationConfig(bos_token_id=end_of_text, eos_token_id=[im_end, end_of_text], pad_token_id=end_of_text,
                      do_sample=True).save_pretrained(folder)
     return loss
+
+
+if __name__ == "__main__":  # `python tests/qwen_tiny.py FOLDER`: the session fixture's model, for a subprocess
+    build(sys.argv[1], os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_train_100.jsonl"), steps=90)

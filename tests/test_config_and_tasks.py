@@ -22,7 +22,7 @@ def test_yaml_and_set_overrides_are_typed():
     assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
 
 
-@pytest.mark.parametrize("name", ["gsm8k.yaml", "gsm8k_tool.yaml"])
+@pytest.mark.parametrize("name", ["gsm8k.yaml", "gsm8k_tool.yaml", "gsm8k_dapo.yaml"])
 def test_gpu_configs_are_sized_for_eight_ranks_with_bf16_compute(name):
     cfg = load_config(os.path.join(ROOT, "configs", name), [f"data.train_path={GSM8K_TRAIN}"])
     assert (cfg.model.compute_dtype, cfg.model.engine_dtype) == ("bfloat16", "bfloat16")

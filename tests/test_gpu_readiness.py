@@ -276,6 +276,33 @@ def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_tw
     assert state["world_size"] == 2 and os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
 
 
+DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
+DAPO_COMMAND = " ".join(["PYTHONPATH=.", sys.executable, "tests/qwen_tiny.py", f"{DAPO_RUN}/model", "&&", sys.executable, "train.py",
+                         "--config", "configs/gsm8k_dapo.yaml", "--out", f"{DAPO_RUN}/run", "--set", f"model.path={DAPO_RUN}/model",
+                         *[f"--set {item}" for item in CPU_SIZES + ["rollout.max_new_tokens=32", "run.nproc=1",
+                                                                     "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]]])
+
+
+@pytest.mark.background("gsm8k_dapo", ["bash", "-c", DAPO_COMMAND])
+def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filtering(background_runs):
+    """configs/gsm8k_dapo.yaml on one rank, 2 steps (its own model build and engine, in the background: the
+    CPU counts only are overridden, the prompt bound among them). Dynamic sampling runs fused with partial
+    rollout: every step reports its kept and zero-variance groups and the prompts it launched."""
+    background_runs.lines("gsm8k_dapo")
+    with open(os.path.join(DAPO_RUN, "run", "config.yaml")) as f:
+        resolved = yaml.safe_load(f)
+    r, t = resolved["rollout"], resolved["train"]
+    assert r["filter_groups"] and r["partial"] and t["clip_eps_high"] == 0.28 and t["mask_truncated"]
+    logged = scalars(os.path.join(DAPO_RUN, "run"))
+    assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
+    assert logged["filter/prompts_launched"][0] >= 5  # 4 prompts x 1.25 over-sampling (then fewer: resumes go first)
+    for step in range(2):  # refills of 2 prompts up to the bound of 8
+        launched, kept = logged["filter/prompts_launched"][step], logged["filter/kept_groups"][step]
+        assert launched <= 8 and kept + logged["filter/zero_variance_groups"][step] >= 1
+        assert logged["filter/truncated_steps"][step] == (kept < 4)
+    assert "train/reward_mean_unfiltered" in logged and "train/truncated_masked" in logged
+
+
 def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
     """The model's config.json names only <|endoftext|>: a stop at <|im_end|> comes from its
     generation_config.json, which SGLang must read (the engine does not tokenize: it stops on ids)."""

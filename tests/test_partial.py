@@ -26,14 +26,6 @@ BUDGET = 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def policy(engine, tmp_path):
-    """A fresh seeded tiny policy, pushed into the shared engine as version 0."""
-    policy, _ = train.build_policy(tiny_config(tmp_path), None)
-    engine.update_weights(policy.named_parameters(), version=0)
-    return policy
-
-
 def cancelling_plan(tmp_path, num_prompts, drop_rate=0.5):
     cfg = tiny_config(tmp_path, "rollout.cancel=count", f"rollout.drop_rate={drop_rate}", "rollout.partial=true",
                       f"rollout.max_new_tokens={BUDGET}")

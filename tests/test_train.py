@@ -9,6 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import batching
 import checkpoint
+import merge
 import plot
 import train
 from sample import Sample
@@ -69,7 +70,7 @@ def rollout_batch(run):
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)  # reads on from where the run's steps left the stream
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
-    trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
+    trajectories = merge.trajectories_of(samples)  # scored as they finished
     advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
     return samples, advantages
 
@@ -137,7 +138,9 @@ def test_golden_first_steps(engine, tmp_path):
                 samples.append(Sample(p.prompt_ids, response, [0.0] * len(response), [1] * len(response),
                                       group_id, trajectory_id=len(samples),
                                       finish_reason="stop" if 2 in row else "length"))
-        trajectories = train.score(samples, prompts, run.tokenizer, run.reward_fn)
+        trajectories = merge.trajectories_of(samples)
+        for turns in trajectories:
+            turns[-1].reward = train.score(turns, prompts[turns[-1].group_id], run.tokenizer, run.reward_fn)
         advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
         losses.append(round(train.train_on_rollout(run, samples, advantages)["train/loss"], 4))
