@@ -66,8 +66,8 @@ class RolloutConfig:
     # finishes; the rollout ends once prompts_per_step such groups finished, whatever `cancel` (which then says
     # whether the rest is aborted, or with none waited for), and launches more prompts while too few can be kept
     filter_groups: bool = False
-    refill_prompts: int = 0  # prompts launched at a time while kept + in-flight groups fall short (0 = prompts_per_step / 4)
-    max_prompts_per_step: int = 0  # new prompts a step may launch (0 = 4 x prompts_per_step); at it the step trains fewer groups
+    refill_prompts: int = 0  # prompts launched at a time while too few groups can be kept (0 = prompts_per_step / 4)
+    max_prompts_per_step: int = 0  # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
     max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
     abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
     request_timeout_s: float = 0.0  # a request running longer is aborted and counts as failed (0 = no limit)

@@ -161,8 +161,9 @@ class RolloutEngine(Engine):
         # a request sent just before the decision (a refill, a multi-turn trajectory's next turn) must reach
         # the engine first, or it would run to its end unaborted
         deadline = time.perf_counter() + self.cfg.abort_timeout_s
+        tracked = self.tokenizer_manager.rid_to_state
         while time.perf_counter() < deadline and any(
-                not t.done() and self._current_rid.get(tasks[t]) not in self.tokenizer_manager.rid_to_state for t in pending):
+                not t.done() and self._current_rid.get(tasks[t]) not in tracked for t in pending):
             await asyncio.sleep(0.002)
         rids = [self._current_rid[tasks[t]] for t in pending if not t.done()]
         self._cancelling.update(rids)
@@ -227,7 +228,8 @@ class RolloutEngine(Engine):
         for turn in range(max_turns):
             if trajectory_id in self._cancelled:  # cancelled before its first request, or while its tool ran
                 if not turns:
-                    return [self._failed(prompt_ids, group_id, start, reason="abort")]
+                    return [dataclasses.replace(self._failed(prompt_ids, group_id, start, reason="abort"),
+                                                trajectory_id=trajectory_id)]
                 turns[-1].finish_reason = "abort"  # unfinished
                 break
             remaining = budget - (len(context) - len(prompt_ids))

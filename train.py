@@ -70,8 +70,9 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
     finished = [s for s in sequences if not s.is_aborted]
     kept = [s for s in finished if len(s.prompt_ids) + len(s.response_ids) <= max_seq_len]
     trained = [s for s in kept if not (cfg.train.mask_truncated and s.finish_reason == "length")]
-    metrics = {"train/truncated_masked": len(kept) - len(trained),"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
+    metrics = {"merge/sequences_before": stats.sequences_before, "merge/sequences_after": stats.sequences_after,
                "merge/ratio": stats.merge_ratio, "merge/prefix_breaks": stats.prefix_breaks,
+               "train/truncated_masked": len(kept) - len(trained),
                "merge/over_length_dropped": len(finished) - len(kept),
                "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1)}
     return trained, advantages[[s.trajectory_id for s in trained]], metrics
@@ -156,17 +157,15 @@ def generate(run, prompts, group_size, temperature, plan=None, resumes=(), by_gr
 
 
 def rollout(run, plan):
-    """The step's training rollout: (prompts, samples, stats), new prompts from this rank's stream. With
-    partial rollout, unfinished samples of earlier steps are continued first, new prompts fill the batch, and
-    only groups whose every member has finished come back (buffer.py), with their prompts. With dynamic
-    sampling the engine asks for more prompts as it goes (`refill`): they join `by_group` under its ids."""
+    """The step's training rollout: (prompts, samples, stats), new prompts from this rank's stream. Partial
+    rollout: earlier steps' unfinished samples go first, only whole groups come back (buffer.py), with their
+    prompts. Dynamic sampling: the engine asks for more prompts as it goes (`refill`), indexed as `by_group`."""
     r, buffer = run.cfg.rollout, run.buffer
     prompts = run.stream.take(buffer.new_prompts_needed(plan.num_prompts) if buffer else plan.num_prompts)
     resumes, prompts = buffer.launch(prompts, plan.num_prompts, run.engine.weight_version) if buffer else ((), prompts)
     by_group = prompts + [group.prompt for group in (buffer.resumed.values() if buffer else ())]  # index = group id
 
-    def refill(group_ids):  # the engine numbers them after every group id so far
-        assert group_ids[0] == len(by_group), (group_ids, len(by_group))
+    def refill(group_ids):  # the engine numbers them after every group id so far: by_group's next indices
         by_group.extend(run.stream.take(len(group_ids)))
         return [p.prompt_ids for p in by_group[group_ids[0]:]]
 
@@ -190,8 +189,7 @@ def validate(run):
         called = sum(any(t.tool_call == 1 for t in turns) for turns in trajectories)  # >= 1 well-formed call
         total, correct, calls, count = parallel.all_reduce(
             [sum(rewards), sum(r >= 1.0 for r in rewards), called, len(rewards)])
-        out[f"val/reward_mean{suffix}"] = total / count
-        out[f"val/accuracy{suffix}"] = correct / count
+        out[f"val/reward_mean{suffix}"], out[f"val/accuracy{suffix}"] = total / count, correct / count
         if run.tool is not None:
             out[f"val/tool_call_ratio{suffix}"] = calls / count
     return out, texts
@@ -256,9 +254,8 @@ def setup(cfg, resume=False, engine=None):
     reference = build_policy(cfg, None)[0].requires_grad_(False).eval() if t.kl_coef > 0 else None
     if world > 1:
         policy, reference = (parallel.shard(m, compute_dtype) if m is not None else None for m in (policy, reference))
-    for model in (policy, reference):
-        if model is not None:
-            model.to(device)
+    for model in (m for m in (policy, reference) if m is not None):
+        model.to(device)
     optimizer, scheduler = build_optimizer(policy, t)
     if resume_dir:
         checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
@@ -283,10 +280,10 @@ def train_step(run, step, plan, phases):
     cfg, max_seq_len = run.cfg, run.policy.config.max_position_embeddings
     step_start = time.perf_counter()
     scalars, texts = validate(run) if step % cfg.run.val_every == 0 else ({}, {})
-    # 1. rollout: group_size trajectories per prompt of this rank's stream (whole groups: no other rank needed),
-    #    2. each rewarded as it finishes; the slow tail is cancelled per rollout.cancel (partial rollout:
-    #    suspended, continued first next step), and dynamic sampling keeps groups whose rewards differ
+    # 1. rollout: group_size trajectories per prompt of this rank's stream, 2. each rewarded as it finishes; the
+    #    tail cancelled per rollout.cancel (partial: suspended), dynamic sampling keeps groups whose rewards differ
     _, samples, stats = rollout(run, plan)
+    scalars |= rollout_metrics(samples, stats)  # read before the filter renumbers the trajectories it keeps
     trajectories, filter_counts = filter_groups(merge.trajectories_of(samples), drop=cfg.rollout.filter_groups)
     # 3. group-relative advantage over each group's surviving trajectories
     advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
@@ -300,8 +297,8 @@ def train_step(run, step, plan, phases):
     sync_start = time.perf_counter()
     phases.sync(version=step + 1)
     now = time.perf_counter()
-    scalars |= rollout_metrics(samples, stats) | (run.buffer.metrics() if run.buffer else {}) | merge_metrics | filter_metrics(
-        trajectories, filter_counts, stats, plan.target_groups, cfg.rollout.filter_groups) | {
+    scalars |= (run.buffer.metrics() if run.buffer else {}) | merge_metrics  # buffer's rollout/* replace those
+    scalars |= filter_metrics(trajectories, filter_counts, stats, plan.target_groups, cfg.rollout.filter_groups) | {
         **phases.metrics(), "train/degenerate_groups": num_degenerate, "timing/train_s": sync_start - train_start,
         "timing/weight_sync_s": now - sync_start, "timing/step_s": now - step_start,
         "perf/train_tokens_per_s": scalars["train/tokens"] / (sync_start - train_start)}

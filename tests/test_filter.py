@@ -3,7 +3,11 @@ rewards make chosen groups zero-variance), the rollout ending at the kept-group 
 aborted inside the engine, refills launched while other requests run, the prompt bound truncating a step,
 held groups of partial rollout judged whole; and the keep rule itself."""
 import dataclasses
+import re
 import statistics
+import sys
+
+import pytest
 
 import merge
 import train
@@ -57,6 +61,7 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(en
     samples, stats = engine.generate(PROMPTS * 4, 4, 1.0, 200, plan, reward=scripted(lambda g: g % 2 == 0))
     assert engine.num_in_flight() == 0  # nothing left running inside the engine
     assert stats.kept_groups == 4 and stats.num_cancelled > 0
+    assert [s.trajectory_id for s in samples] == list(range(len(samples)))
     trajectories = merge.trajectories_of(samples)
     for turns in trajectories:  # scored by the rollout as each finished; cancelled ones never
         last = turns[-1]
@@ -85,6 +90,7 @@ def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_p
     # the 4 launched groups are all zero-variance: every kept group comes from a refill
     samples, stats = engine.generate(PROMPTS, 4, 1.0, 200, plan, reward=scripted(lambda g: g < 4), refill=refill)
     assert engine.num_in_flight() == 0
+    assert [s.trajectory_id for s in samples] == list(range(len(samples)))  # cancelled before sending too
     assert [ids for ids, _ in refills] == [[4 + k] for k in range(len(refills))]
     assert any(in_flight > 0 for _, in_flight in refills)  # launched without waiting for the rest
     assert stats.kept_groups == 4 and stats.prompts_launched == 4 + len(refills) <= plan.max_prompts
@@ -139,3 +145,10 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(eng
             assert informative([t[-1].reward for t in kept if t[-1].group_id == group_id and not t[-1].is_aborted])
         assert counts["kept_groups"] + counts["zero_variance_groups"] == len(prompts)
     assert suspended > 0 and resumed > 0
+
+
+@pytest.mark.background("tail_bench_filter", [sys.executable, "bench/tail.py", "--filter", "--prompts", "4",
+                                              "--group-size", "4", "--max-new-tokens", "32", "--repeats", "1"])
+def test_tail_bench_filter_prints_the_issue_line(background_runs):
+    lines = background_runs.lines("tail_bench_filter")
+    assert re.fullmatch(r"filter: speedup_vs_rounds=[\d.]+ speedup_vs_wait_all=[\d.]+ kept_groups=\d+", lines[-1])

@@ -277,10 +277,11 @@ def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_tw
 
 
 DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
-DAPO_COMMAND = " ".join(["PYTHONPATH=.", sys.executable, "tests/qwen_tiny.py", f"{DAPO_RUN}/model", "&&", sys.executable, "train.py",
-                         "--config", "configs/gsm8k_dapo.yaml", "--out", f"{DAPO_RUN}/run", "--set", f"model.path={DAPO_RUN}/model",
-                         *[f"--set {item}" for item in CPU_SIZES + ["rollout.max_new_tokens=32", "run.nproc=1",
-                                                                     "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]]])
+DAPO_SETS = CPU_SIZES + [f"model.path={DAPO_RUN}/model", "rollout.max_new_tokens=32", "run.nproc=1",
+                         "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]
+DAPO_COMMAND = " ".join(["PYTHONPATH=.", sys.executable, "tests/qwen_tiny.py", f"{DAPO_RUN}/model", "&&",
+                         sys.executable, "train.py", "--config", "configs/gsm8k_dapo.yaml", "--out", f"{DAPO_RUN}/run",
+                         *[f"--set {item}" for item in DAPO_SETS]])
 
 
 @pytest.mark.background("gsm8k_dapo", ["bash", "-c", DAPO_COMMAND])
