@@ -114,14 +114,6 @@ class GroupFilter:
         """Groups still in flight: each may yet be kept."""
         return len(self.in_flight)
 
-    def expected(self, min_judged):
-        """Kept groups to expect once every group in flight is judged: each counted at the share kept so far,
-        once `min_judged` groups are judged (before that, each in full). Refilling on this, not on kept +
-        possible, keeps enough groups in flight that the target is met without a late refill's wait, and
-        the surplus is what tail cancellation then aborts."""
-        judged = self.kept + self.zero_variance
-        return self.kept + self.possible() * (self.kept / judged if judged >= max(min_judged, 1) else 1.0)
-
 
 def filter_groups(trajectories, drop=True):
     """Dynamic sampling over finished trajectories (lists of turns, scored): with `drop`, only the

@@ -30,9 +30,13 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    task: str = "tiny"  # tiny | tiny_tool (multi-turn calculator demo) | gsm8k
-    train_path: str = ""  # gsm8k: a .jsonl / .parquet file or a hub name such as openai/gsm8k
-    val_path: str = ""
+    task: str = "tiny"  # tiny | tiny_tool (multi-turn calculator demo) | gsm8k | chat (your own rows and reward)
+    train_path: str = ""  # gsm8k, chat: a .jsonl / .parquet file or a hub name such as openai/gsm8k
+    val_path: str = ""  # default: train_path's "test" split (a file: the same rows)
+    prompt_field: str = "prompt"  # chat: a row's prompt, a string (one user message) or a list of chat messages
+    answer_field: str = "answer"  # chat: what the reward compares against (a string or a number)
+    reward: str = ""  # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
+    hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")
     max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
     tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
     tiny_operand_digits: int = 2  # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
@@ -139,7 +143,7 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        choices = {"data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k")),
+        choices = {"data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k", "chat")),
                    "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
                    "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-mean", "seq-mean-token-sum-norm")),
@@ -154,8 +158,10 @@ class Config:
             raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1")
         if self.rollout.drop_rate > 0 and self.rollout.over_sample_rate > 0:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
-        if self.data.task == "gsm8k" and not self.data.train_path:
-            raise ConfigError("data.task=gsm8k needs data.train_path (a .jsonl/.parquet file or a hub name)")
+        if self.data.task in ("gsm8k", "chat") and not self.data.train_path:
+            raise ConfigError(f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a hub name)")
+        if self.data.task == "chat" and not self.data.reward:
+            raise ConfigError("data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'")
         if self.train.ratio_level == "sequence" and self.train.loss_agg != "seq-mean-token-mean":
             raise ConfigError(f"train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
                               f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}")

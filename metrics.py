@@ -57,6 +57,7 @@ def rollout_metrics(samples, stats):
         "rollout/tool_errors": stats.num_tool_errors,
         "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
         "rollout/timed_out": stats.num_timed_out,
+        "rollout/reward_errors": stats.num_reward_errors,
     }
     out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
     out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))

@@ -142,6 +142,7 @@ def gather_objects(obj):
 
 
 SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens", "rollout/timed_out",
+                  "rollout/reward_errors",
                   "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
                   "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
                   "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "train/tokens", "train/micro_batches",

@@ -17,6 +17,7 @@ import uuid
 from cancel import GroupFilter, count_complete_groups, keep_first_complete_groups
 from sglang_engine import Engine, RolloutError
 from sample import Sample
+from tasks import RewardError
 
 log = logging.getLogger("rollout")
 
@@ -34,6 +35,7 @@ class RolloutStats:
     prompts_launched: int = 0       # new prompts (resumed samples not counted), refills included
     generated_tokens: int = 0       # tokens the engine generated, cancelled ones included
     kept_groups: int = 0            # dynamic sampling: groups judged informative before the decision
+    num_reward_errors: int = 0      # trajectories whose reward function raised or returned a non-number
 
 
 class RolloutEngine(Engine):
@@ -92,7 +94,7 @@ class RolloutEngine(Engine):
                 i = len(tasks)
                 work = (self._resume(i, partial, sampling, budget, start) if partial is not None else
                         self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
-                task = asyncio.create_task(self._scored(work, reward))
+                task = asyncio.create_task(self._scored(work, reward, stats))
                 tasks[task] = i
                 new.add(task)
                 if groups is not None:
@@ -102,15 +104,15 @@ class RolloutEngine(Engine):
         def returned(turns):
             """Dynamic sampling, on every completion before the decision: tally the group, then launch
             `plan.refill_prompts` more prompts at a time (the in-flight ones go on) while the kept groups and
-            those still in flight (at the share kept so far, once a quarter of the target is judged) fall
-            short of the launch's size (the target and its over-sampling margin: the surplus is what gets
-            cancelled), up to `plan.max_prompts` new prompts."""
+            those still in flight fall short of the target, up to `plan.max_prompts` new prompts. (Counting
+            in-flight groups at the share kept so far keeps a surplus in flight for the abort to cut: on
+            CPU, where decoding is compute-bound, it measured slower, bench/tail.py --filter and README.)"""
             nonlocal next_group
             new = set()
             if groups is None:
                 return new
             groups.returned(turns[-1].group_id, None if turns[-1].is_aborted else turns[-1].reward)
-            while (refill is not None and groups.expected(plan.target_groups // 4) < plan.num_prompts
+            while (refill is not None and groups.kept + groups.possible() < plan.target_groups
                    and stats.prompts_launched < plan.max_prompts):
                 count = min(plan.refill_prompts, plan.max_prompts - stats.prompts_launched)
                 prompts = refill(list(range(next_group, next_group + count)))
@@ -147,6 +149,10 @@ class RolloutEngine(Engine):
             # the group policy trains complete groups only; dynamic sampling then judges every one of them
             keep_first_complete_groups(samples, finished, plan.group_size,
                                        len(finished) if groups is not None else plan.target_groups)
+        num_trajectories = len({s.trajectory_id for s in samples})
+        if stats.num_reward_errors > self.cfg.max_failed_ratio * num_trajectories:
+            raise RewardError(f"the reward function failed on {stats.num_reward_errors}/{num_trajectories} trajectories "
+                              f"(rollout.max_failed_ratio={self.cfg.max_failed_ratio}); see the log for each")
         stats.num_failed = sum(s.finish_reason == "error" for s in samples)
         if stats.num_failed > self.cfg.max_failed_ratio * len(samples):
             raise RolloutError(f"{stats.num_failed}/{len(samples)} requests failed inside the engine "
@@ -212,11 +218,19 @@ class RolloutEngine(Engine):
         return pending
 
     @staticmethod
-    async def _scored(work, reward):
-        """A trajectory's turns, each given the trajectory's reward once it finished (aborted, failed: none)."""
+    async def _scored(work, reward, stats):
+        """A trajectory's turns, each given the trajectory's reward once it finished (aborted, failed: none).
+        A reward function that fails on it fails the trajectory: logged, counted, kept out like an abort."""
         turns = await work
         if reward is not None and not turns[-1].is_aborted:
-            value = reward(turns)
+            try:
+                value = reward(turns)
+            except RewardError as e:
+                log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
+                stats.num_reward_errors += 1
+                for turn in turns:
+                    turn.is_aborted, turn.finish_reason = True, "error"
+                return turns
             for turn in turns:
                 turn.reward = value
         return turns

@@ -1,10 +1,14 @@
-"""Tasks and rewards: the tiny CPU demo tasks (count letters; calculator questions), GSM8K, the demos'
-char tokenizer, and the calculator tool adapters (the tiny demo's "?" and Qwen's JSON tool calls).
+"""Tasks and rewards: the tiny CPU demo tasks (count letters; calculator questions), chat datasets (GSM8K
+and your own: rows of a prompt and an answer, a reward function named in the config), the demos' char
+tokenizer, and the calculator tool adapters (the tiny demo's "?" and Qwen's JSON tool calls).
 
-Owns prompt construction, data loading (bad rows counted and skipped) and reward functions.
-Does not own the model, the engine or batching order (train.py draws batches from these lists).
+Owns prompt construction, data loading (bad rows counted and skipped), loading a reward function and the
+built-in ones. Does not own the model, the engine or batching order (PromptStream below hands them out).
 """
 import dataclasses
+import importlib
+import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -21,10 +25,14 @@ class DataError(ValueError):
     """A data source that cannot be used at all (missing file, no usable rows)."""
 
 
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than a finite number (the trajectory fails)."""
+
+
 @dataclasses.dataclass
 class Prompt:
     prompt_ids: list[int]
-    answer: str  # tiny: the count N as text; gsm8k: the gold number as text
+    answer: str  # what the reward compares against: tiny: the count N; gsm8k: the gold number; chat: the row's answer
 
 
 # ---------------------------------------------------------------- tiny demo task
@@ -184,8 +192,9 @@ def gsm8k_reward(response_text, answer, finished):
     return float(predicted is not None and gold is not None and math.isclose(predicted, gold, abs_tol=1e-6))
 
 
-def read_rows(source, split):
-    """Rows {question, answer} from a local .jsonl (unparseable lines counted and skipped) or via `datasets`."""
+def read_rows(source, split, subset=None):
+    """Rows (dicts) from a local .jsonl (unparseable lines counted and skipped), a .parquet file, or a hub
+    dataset's `split` (its configuration `subset`, e.g. GSM8K's "main") through `datasets`."""
     if source.endswith(".jsonl"):
         if not os.path.isfile(source):
             raise DataError(f"dataset file not found: {source}")
@@ -203,45 +212,62 @@ def read_rows(source, split):
     import datasets  # parquet files and hub names ("openai/gsm8k") go through the library
 
     if source.endswith(".parquet"):
+        if not os.path.isfile(source):
+            raise DataError(f"dataset file not found: {source}")
         return list(datasets.load_dataset("parquet", data_files=source, split="train"))
-    return list(datasets.load_dataset(source, "main", split=split))
+    return list(datasets.load_dataset(source, subset or None, split=split))
 
 
-def row_problem(row, max_chars):
-    """Why a row cannot be used (None if it can): not a mapping, a missing or non-string field, or a field
-    longer than `max_chars` (checked before tokenizing: a huge field is never tokenized)."""
+def row_problem(row, prompt_field, answer_field, max_chars):
+    """Why a row cannot be used (None if it can): not a mapping; a missing answer, or one not a string or a
+    number; a prompt that is neither a string nor a list of {role, content} string messages; or a text longer
+    than `max_chars` (checked before tokenizing: a huge field is never tokenized)."""
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
-    for field in ("question", "answer"):
-        if not isinstance(row.get(field), str):
-            return f"needs a string field {field!r}"
-        if len(row[field]) > max_chars:
-            return f"field {field!r} has {len(row[field])} characters (limit {max_chars})"
+    answer, prompt = row.get(answer_field), row.get(prompt_field)
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        return f"needs a string or number field {answer_field!r}"
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and
+                                 isinstance(m.get("content"), str) for m in prompt):
+            return f"field {prompt_field!r}: a list of messages needs {{'role': str, 'content': str}} items"
+        texts = [m["content"] for m in prompt]
+    elif isinstance(prompt, str):
+        texts = [prompt]
+    else:
+        return f"needs a string (or message list) field {prompt_field!r}"
+    length = sum(map(len, texts)) + len(str(answer))
+    if length > max_chars:
+        return f"a prompt and answer of {length} characters (limit {max_chars})"
     return None
 
 
-def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
-    """Chat-formatted GSM8K prompts (with tool descriptions when `tools` is given); prompts longer
-    than `max_prompt_len` tokens are counted and skipped."""
-    rows = read_rows(source, split)
+def chat_prompts(tokenizer, source, split, max_prompt_len, prompt_field="prompt", answer_field="answer",
+                 tools=None, subset=None, to_prompt=None):
+    """Chat-formatted prompts from rows of a prompt (a string, made one user message, or a list of chat
+    messages) and a reference answer, rendered with the tokenizer's chat template (with the tool
+    descriptions when `tools` is given). `to_prompt(row) -> (prompt, answer)` reshapes a dataset's own rows
+    (GSM8K's); malformed rows and prompts longer than `max_prompt_len` tokens are counted and skipped."""
+    rows = read_rows(source, split, subset)
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the tokenizer has no chat template: GSM8K prompts are chat-formatted (use an "
+        raise DataError("the tokenizer has no chat template: chat prompts are rendered with it (use an "
                         "instruct model's tokenizer, or give the tokenizer a chat_template)")
     prompts, num_too_long, num_bad = [], 0, 0
     max_chars = 32 * max_prompt_len  # far more than a prompt of max_prompt_len tokens can hold
     for row_no, row in enumerate(rows, 1):
-        problem = row_problem(row, max_chars)
+        problem = row_problem(row, prompt_field, answer_field, max_chars)
         if problem:
             num_bad += 1
             log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
             continue
-        messages = [{"role": "user", "content": f"{row['question']}\n{GSM8K_INSTRUCTION}"}]
+        prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) > max_prompt_len:
             num_too_long += 1
             continue
-        prompts.append(Prompt(prompt_ids=ids, answer=row["answer"].rsplit("####", 1)[-1].strip()))
+        prompts.append(Prompt(prompt_ids=ids, answer=str(answer)))
     if num_bad:
         log.warning("%s: skipped %d malformed rows", source, num_bad)
     if num_too_long:
@@ -249,6 +275,64 @@ def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None):
     if not prompts:
         raise DataError(f"{source}: no usable prompts (malformed rows or all longer than {max_prompt_len})")
     return prompts
+
+
+def gsm8k_row(row):
+    """GSM8K's rows as (prompt, answer): the question and the instruction; the gold number after '####'."""
+    return f"{row['question']}\n{GSM8K_INSTRUCTION}", row["answer"].rsplit("####", 1)[-1].strip()
+
+
+def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None, subset="main"):
+    """GSM8K: a chat dataset of its own {question, answer} rows (`gsm8k_row`)."""
+    return chat_prompts(tokenizer, source, split, max_prompt_len, "question", "answer", tools, subset, gsm8k_row)
+
+
+def call_reward(reward_fn, response_text, answer, finished):
+    """reward_fn(response_text, answer, finished) as a float, or RewardError. The three arguments: the text,
+    since a reward judges what the model said (token ids would tie it to one tokenizer); the row's answer,
+    whatever the reward compares against; and whether the response ended on its own (a stop token), not cut
+    at the token budget, since a truncated answer may deserve less. What it returned, if not a finite number
+    (a bool neither), and what it raised, become a RewardError naming the answer and the response's end."""
+    where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
+    try:
+        value = reward_fn(response_text, answer, finished=finished)
+    except Exception as e:  # noqa: BLE001 - the user's function: any error is counted, never a crash mid-rollout
+        raise RewardError(f"the reward function raised {e!r} {where}") from e
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
+    return float(value)
+
+
+def load_reward(spec):
+    """The function `spec` names: "path/to/file.py:function" or "module:function" (importable from the working
+    directory). Called as fn(response_text, answer, finished) -> float. A missing file, module or function, or
+    one that cannot take those three arguments, is a ConfigError here, before the engine starts."""
+    from config import ConfigError
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"data.reward={spec!r}: expected 'path/to/file.py:function' or 'module:function'")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ConfigError(f"data.reward={spec!r}: no file {where}")
+        module_spec = importlib.util.spec_from_file_location(f"reward_{os.path.basename(where)[:-3]}", where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"data.reward={spec!r}: cannot import {where!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"data.reward={spec!r}: {where} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("response", "answer", finished=True)
+    except TypeError as e:
+        raise ConfigError(f"data.reward={spec!r}: {name} must take (response_text, answer, finished): {e}") from None
+    except ValueError:  # a builtin without a signature: called as is
+        pass
+    return fn
 
 
 # ---------------------------------------------------------------- the trainer's view
@@ -266,9 +350,17 @@ def build_task(cfg, tokenizer):
         return train, val, tiny_tool_reward, tool
     use_tool = cfg.rollout.max_turns > 1
     tools = [CALCULATOR_SCHEMA] if use_tool else None
-    train = gsm8k_prompts(tokenizer, d.train_path, "train", d.max_prompt_len, tools)
-    val = gsm8k_prompts(tokenizer, d.val_path or d.train_path, "test", d.max_prompt_len, tools)
-    return train, val[:d.num_val_prompts], gsm8k_reward, qwen_calculator(tokenizer) if use_tool else None
+    # gsm8k: a chat dataset of its own rows, with its own reward unless the config names one; chat: the rows'
+    # fields and the reward the config names (loaded first: a wrong one is named before any data is read)
+    reward_fn = load_reward(d.reward) if d.reward else gsm8k_reward
+    sources = ((d.train_path, "train"), (d.val_path or d.train_path, "test"))
+    if d.task == "gsm8k":
+        train, val = (gsm8k_prompts(tokenizer, path, split, d.max_prompt_len, tools, d.hub_subset or "main")
+                      for path, split in sources)
+    else:
+        train, val = (chat_prompts(tokenizer, path, split, d.max_prompt_len, d.prompt_field, d.answer_field, tools,
+                                   d.hub_subset) for path, split in sources)
+    return train, val[:d.num_val_prompts], reward_fn, qwen_calculator(tokenizer) if use_tool else None
 
 
 class PromptStream:

@@ -31,7 +31,7 @@ from cancel import filter_groups, plan_launch
 from sglang_engine import EngineDiedError, RolloutError, StopSignal
 from model import ModelError, build_optimizer, build_policy
 from rollout import RolloutEngine
-from tasks import DataError, PromptStream, build_task
+from tasks import DataError, PromptStream, RewardError, build_task, call_reward
 
 log = logging.getLogger("train")
 
@@ -44,7 +44,7 @@ class NonFiniteError(RuntimeError):
 def score(turns, prompt, tokenizer, reward_fn):
     """The one place text becomes a reward: a finished trajectory's, from its last turn's response."""
     text = tokenizer.decode(turns[-1].response_ids.tolist(), skip_special_tokens=True)
-    return reward_fn(text, prompt.answer, finished=turns[-1].finish_reason == "stop")
+    return call_reward(reward_fn, text, prompt.answer, finished=turns[-1].finish_reason == "stop")
 
 
 def trajectory_advantages(trajectories, scale_by_std):
@@ -389,7 +389,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         stopped_by = main()
-    except (ConfigError, DataError, ModelError, NonFiniteError, RolloutError, parallel.RankError) as e:
+    except (ConfigError, DataError, ModelError, NonFiniteError, RewardError, RolloutError, parallel.RankError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:

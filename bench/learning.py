@@ -58,7 +58,7 @@ def summarize(logged):
     total = lambda tag: sum(v for _, v, _ in logged[tag])  # noqa: E731
     return {"val_greedy": logged["val/reward_mean"][-1][1], "val_sampled": logged["val/reward_mean_sampled"][-1][1],
             "step_s": median("timing/step_s"), "rollout_s": median("timing/rollout_s"),
-            "last_step": logged["val/reward_mean"][-1][0], "end_s": logged["val/reward_mean"][-1][2],
+            "last_step": logged["val/reward_mean"][-1][0], "end_s": logged["val/reward_mean_sampled"][-1][2],
             "zero_variance": total("filter/zero_variance_groups") / max(
                 total("filter/zero_variance_groups") + total("filter/kept_groups"), 1)}
 
