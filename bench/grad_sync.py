@@ -21,7 +21,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_step.py's mix
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # train_step.py's mix (after the root: bench/merge.py)
 
 import grpo  # noqa: E402
 import parallel  # noqa: E402

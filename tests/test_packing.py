@@ -124,3 +124,11 @@ def test_train_step_bench_prints_its_line(background_runs):
     line = background_runs.lines("train_step_bench")[-1]
     assert re.fullmatch(r"train_step: mix=demo speedup=[\d.]+ padded_fraction=[\d.]+ mix=gsm8k speedup=[\d.]+ "
                         r"padded_fraction=[\d.]+ peak_ratio=[\d.]+", line), line
+
+
+@pytest.mark.background("grad_sync_bench", [sys.executable, "bench/grad_sync.py", "--samples", "4", "--repeats", "1"])
+def test_grad_sync_bench_syncs_once_per_minibatch_to_the_same_parameters(background_runs):
+    """2 ranks (its own processes): syncing gradients once per minibatch must end at the same parameters."""
+    line = background_runs.lines("grad_sync_bench")[-1]
+    match = re.fullmatch(r"grad_sync: micro_batch_s=[\d.]+ minibatch_s=[\d.]+ speedup=[\d.]+ max_param_diff=(\S+)", line)
+    assert match and float(match[1]) < 1e-6, line
