@@ -34,8 +34,10 @@ class PartialBuffer:
     regenerated. Multi-turn trajectories are not resumed: a cancelled one is dropped (counted).
     """
 
-    def __init__(self, group_size, max_staleness):
-        self.group_size, self.max_staleness = group_size, max_staleness
+    def __init__(self, group_size, max_staleness, multi_turn=False):
+        # multi_turn: the task has a tool, so even a trajectory cancelled in its first turn is not resumed
+        # (the engine continues one request; a tool call in the continuation would go unanswered)
+        self.group_size, self.max_staleness, self.multi_turn = group_size, max_staleness, multi_turn
         self.groups = []   # HeldGroup, in arrival order
         self.waiting = []  # (group, member index) of unfinished single-turn samples, in suspension order
         self._launched = []  # what this step's resumes were, in launch order (set by `launch`)
@@ -103,7 +105,7 @@ class PartialBuffer:
             if turns[-1].finish_reason != "abort":
                 continue  # finished (or failed inside the engine: final, masked like any failure)
             self.counters["suspended"] += 1
-            if len(turns) > 1 or turns[0].turn > 0:  # multi-turn: dropped (stays aborted), not resumed
+            if self.multi_turn or len(turns) > 1 or turns[0].turn > 0:  # multi-turn: dropped (stays aborted)
                 self.counters["dropped_multi_turn"] += 1
                 self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
             else:

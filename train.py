@@ -147,9 +147,8 @@ def train_on_rollout(run, samples, advantages, version=0):
 
 
 def generate(run, prompts, group_size, temperature, plan=None, resumes=(), by_group=None, **filtering):
-    """The engine call of both training and validation: single- or multi-turn per the config, each finished
-    trajectory scored as it returns against `by_group[group id]` (default: `prompts`). Aborted and failed
-    ones keep 0 but are never averaged in as zeros (their is_aborted flag keeps them out)."""
+    """The engine call of training and validation: single- or multi-turn per the config, each finished trajectory
+    scored as it returns against `by_group[group id]` (default `prompts`); aborted, failed ones: none."""
     r, by_group = run.cfg.rollout, prompts if by_group is None else by_group
     return run.engine.generate([p.prompt_ids for p in prompts], group_size, temperature, r.max_new_tokens, plan,
                                run.tool, r.max_turns, r.max_response_tokens, resumes, **filtering, reward=lambda turns:
@@ -262,7 +261,8 @@ def setup(cfg, resume=False, engine=None):
     if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
         engine.update_weights(policy.named_parameters(), version=start_step, gather=parallel.full_tensor)
     autocast_dtype = compute_dtype if world == 1 and compute_dtype != torch.float32 else None
-    buffer = PartialBuffer(cfg.rollout.group_size, cfg.rollout.max_staleness) if plan_launch(cfg.rollout, 1).partial else None
+    buffer = (PartialBuffer(cfg.rollout.group_size, cfg.rollout.max_staleness, multi_turn=tool is not None)
+              if plan_launch(cfg.rollout, 1).partial else None)
     if state and state.get("buffer"):  # unfinished samples and held groups of the checkpointed step
         if buffer is None:
             log.warning("the checkpoint holds %d partial-rollout groups; rollout.partial is off: not resumed",

@@ -206,6 +206,12 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
     assert [s.is_aborted for s in out] == [True, True, False]
+    # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine refuses it)
+    tool_buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
+    first_turn = [Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", is_aborted=True),
+                  Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1)]
+    tool_buffer.collect(first_turn, [tasks.Prompt([1, 2], "1")])
+    assert tool_buffer.counters["dropped_multi_turn"] == 1 and not tool_buffer.waiting
 
 
 def test_merged_turns_carry_their_token_versions():
