@@ -111,20 +111,16 @@ def main():
         print(f"| {arm} | {mean[arm]['val_greedy']:.3f} ({greedy}) | {mean[arm]['val_sampled']:.3f} ({sampled}) | "
               f"{mean[arm]['val_sampled_equal_time']:.3f} ({equal}) | {mean[arm]['step_s']:.2f} | "
               f"{mean[arm]['rollout_s']:.2f} | {mean[arm]['zero_variance']:.1%} |")
-    if "baseline" in arms and "partial" in arms:
-        base = [r["val_sampled"] for r in rows["baseline"]]
-        print(f"baseline sampled spread over seeds: {min(base):.3f}..{max(base):.3f}; partial step time "
-              f"{mean['partial']['step_s'] / mean['baseline']['step_s']:.3f}x baseline")
-        print(f"learning: baseline_val_sampled={mean['baseline']['val_sampled']:.3f} "
-              f"partial_val_sampled={mean['partial']['val_sampled']:.3f} "
-              f"baseline_step_s={mean['baseline']['step_s']:.3f} partial_step_s={mean['partial']['step_s']:.3f}")
-    if "baseline" in arms and "dapo" in arms:  # at equal wall-clock time: dapo's steps take longer
-        base = [r["val_sampled_equal_time"] for r in rows["baseline"]]
-        print(f"baseline sampled spread at equal wall time over seeds: {min(base):.3f}..{max(base):.3f}")
-        print(f"learning: baseline_val_sampled={mean['baseline']['val_sampled_equal_time']:.3f} "
-              f"dapo_val_sampled={mean['dapo']['val_sampled_equal_time']:.3f} "
-              f"baseline_step_s={mean['baseline']['step_s']:.3f} dapo_step_s={mean['dapo']['step_s']:.3f}")
-
+    # the summary lines: partial against the baseline at the same step, dapo at equal wall-clock time (its
+    # steps take longer), the baseline's spread over the seeds beside each
+    for arm, key, when in (("partial", "val_sampled", "at the same step"),
+                           ("dapo", "val_sampled_equal_time", "at equal wall time")):
+        if "baseline" in arms and arm in arms:
+            base = [r[key] for r in rows["baseline"]]
+            print(f"baseline sampled spread {when} over seeds: {min(base):.3f}..{max(base):.3f}; {arm} step time "
+                  f"{mean[arm]['step_s'] / mean['baseline']['step_s']:.3f}x baseline")
+            print(f"learning: baseline_val_sampled={mean['baseline'][key]:.3f} {arm}_val_sampled={mean[arm][key]:.3f} "
+                  f"baseline_step_s={mean['baseline']['step_s']:.3f} {arm}_step_s={mean[arm]['step_s']:.3f}")
 
 if __name__ == "__main__":
     main()

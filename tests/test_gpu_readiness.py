@@ -276,12 +276,15 @@ def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_tw
     assert state["world_size"] == 2 and os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
 
 
+# The background runs of the small Qwen-shaped model (this file's and test_own_task.py's) share one build of it,
+# made by whichever runs first (one at a time, in the background's worker)
+BACKGROUND_QWEN = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
+BUILD_QWEN = f"(test -d {BACKGROUND_QWEN} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {BACKGROUND_QWEN})"
 DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
-DAPO_SETS = CPU_SIZES + [f"model.path={DAPO_RUN}/model", "rollout.max_new_tokens=32", "run.nproc=1",
+DAPO_SETS = CPU_SIZES + [f"model.path={BACKGROUND_QWEN}", "rollout.max_new_tokens=32", "run.nproc=1",
                          "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]
-DAPO_COMMAND = " ".join(["PYTHONPATH=.", sys.executable, "tests/qwen_tiny.py", f"{DAPO_RUN}/model", "&&",
-                         sys.executable, "train.py", "--config", "configs/gsm8k_dapo.yaml", "--out", f"{DAPO_RUN}/run",
-                         *[f"--set {item}" for item in DAPO_SETS]])
+DAPO_COMMAND = " ".join([BUILD_QWEN, "&&", sys.executable, "train.py", "--config", "configs/gsm8k_dapo.yaml",
+                         "--out", f"{DAPO_RUN}/run", *[f"--set {item}" for item in DAPO_SETS]])
 
 
 @pytest.mark.background("gsm8k_dapo", ["bash", "-c", DAPO_COMMAND])

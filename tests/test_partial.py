@@ -232,11 +232,10 @@ def test_tail_bench_partial_prints_the_issue_line(background_runs):
 
 
 @pytest.mark.background("learning_bench", [sys.executable, "bench/learning.py", "--seeds", "0", "--arms",
-                                           "baseline,partial,dapo", "--steps", "2"])
-def test_learning_bench_prints_the_issue_lines(background_runs):
-    """Three runs of train.py (one per arm), each with its own engine: what the benchmark measures."""
+                                           "baseline,dapo", "--steps", "2"])
+def test_learning_bench_prints_the_issue_line(background_runs):
+    """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures. (The
+    baseline,partial line comes from the same loop, read at the same step; a third run cost the suite 25 s.)"""
     lines = background_runs.lines("learning_bench")
-    assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ partial_val_sampled=[\d.]+ "
-                        r"baseline_step_s=[\d.]+ partial_step_s=[\d.]+", lines[-3])
     assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ dapo_val_sampled=[\d.]+ "
                         r"baseline_step_s=[\d.]+ dapo_step_s=[\d.]+", lines[-1])
