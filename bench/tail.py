@@ -113,9 +113,12 @@ def main():
           f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')")
 
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.engine_dtype, seed=args.seed)
-    if args.partial or args.filter:
+    if args.partial or args.filter:  # both: one engine serves the two in turn (the suite's smoke run)
         try:
-            return (multi_step if args.partial else filtering)(engine, policy, tokenizer, cfg, plan, args)
+            for mode, on in ((multi_step, args.partial), (filtering, args.filter)):
+                if on:
+                    mode(engine, policy, tokenizer, cfg, plan, args)
+            return
         finally:
             engine.shutdown()
             shutil.rmtree(out_dir)

@@ -5,7 +5,6 @@ held groups of partial rollout judged whole; and the keep rule itself."""
 import dataclasses
 import re
 import statistics
-import sys
 
 import pytest
 
@@ -14,7 +13,7 @@ import train
 from cancel import GroupFilter, filter_groups, informative, plan_launch
 from conftest import tiny_config
 from metrics import filter_metrics
-from test_partial import PROMPTS, aborted_samples
+from test_partial import PROMPTS, TAIL_SMOKE, aborted_samples
 
 PROMPT = [1, 5, 12]  # "<bos>1:"
 
@@ -145,8 +144,7 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(eng
     assert suspended > 0 and resumed > 0
 
 
-@pytest.mark.background("tail_bench_filter", [sys.executable, "bench/tail.py", "--filter", "--prompts", "4",
-                                              "--group-size", "4", "--max-new-tokens", "32", "--repeats", "1"])
+@pytest.mark.background("tail_bench_smoke", TAIL_SMOKE)
 def test_tail_bench_filter_prints_the_issue_line(background_runs):
-    lines = background_runs.lines("tail_bench_filter")
+    lines = background_runs.lines("tail_bench_smoke")
     assert re.fullmatch(r"filter: speedup_vs_rounds=[\d.]+ speedup_vs_wait_all=[\d.]+ kept_groups=\d+", lines[-1])
