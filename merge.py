@@ -144,10 +144,3 @@ def unmerged(trajectories: list[list[Sample]]) -> list[Sample]:
         _validate(turns)
     return [turn for turns in trajectories for turn in turns]
 
-
-def trajectories_of(samples: list[Sample]) -> list[list[Sample]]:
-    """Samples (turns) as trajectories: lists of turns in turn order, index = trajectory_id."""
-    trajectories = {}
-    for s in samples:
-        trajectories.setdefault(s.trajectory_id, []).append(s)
-    return [trajectories[i] for i in sorted(trajectories)]

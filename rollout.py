@@ -94,7 +94,7 @@ class RolloutEngine(Engine):
                 i = len(tasks)
                 work = (self._resume(i, partial, sampling, budget, start) if partial is not None else
                         self._trajectory(i, ids, group_id, sampling, tool, max_turns, budget, stats, start))
-                task = asyncio.create_task(self._scored(work, reward, stats))
+                task = asyncio.create_task(scored(work, reward, stats))
                 tasks[task] = i
                 new.add(task)
                 if groups is not None:
@@ -217,24 +217,6 @@ class RolloutEngine(Engine):
                 break
         return pending
 
-    @staticmethod
-    async def _scored(work, reward, stats):
-        """A trajectory's turns, each given the trajectory's reward once it finished (aborted, failed: none).
-        A reward function that fails on it fails the trajectory: logged, counted, kept out like an abort."""
-        turns = await work
-        if reward is not None and not turns[-1].is_aborted:
-            try:
-                value = reward(turns)
-            except RewardError as e:
-                log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
-                stats.num_reward_errors += 1
-                for turn in turns:
-                    turn.is_aborted, turn.finish_reason = True, "error"
-                return turns
-            for turn in turns:
-                turn.reward = value
-        return turns
-
     async def _trajectory(self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start):
         """Turns of one trajectory: generate, run the tool on a tool call, append its observation, go on.
         Each turn's prompt is the previous prompt + response + observation, so turns merge (merge.py)."""
@@ -316,3 +298,20 @@ class RolloutEngine(Engine):
         return Sample(prompt_ids, [], [], [], group_id, finish_reason=reason, is_aborted=True,
                       weight_version=self.weight_version, latency_s=time.perf_counter() - start)
 
+
+async def scored(work, reward, stats):
+    """A trajectory's turns, each given the trajectory's reward once it finished (aborted, failed: none).
+    A reward function that fails on it fails the trajectory: logged, counted, kept out like an abort."""
+    turns = await work
+    if reward is not None and not turns[-1].is_aborted:
+        try:
+            value = reward(turns)
+        except RewardError as e:
+            log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
+            stats.num_reward_errors += 1
+            for turn in turns:
+                turn.is_aborted, turn.finish_reason = True, "error"
+            return turns
+        for turn in turns:
+            turn.reward = value
+    return turns

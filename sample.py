@@ -1,8 +1,8 @@
 """The per-sample record every stage passes on: engine output (tokens, log-probs, versions, flags) for one
 sequence or one turn, as the trainer, the merger and the metrics read it.
 
-Owns the record's fields and their storage (typed arrays per token). Does not own how samples are made
-(rollout.py), merged (merge.py) or trained on (train.py).
+Owns the record's fields and their storage (typed arrays per token), and grouping turns into trajectories.
+Does not own how samples are made (rollout.py), merged (merge.py) or trained on (train.py).
 """
 import array
 import dataclasses
@@ -59,3 +59,11 @@ class Sample:
             value = getattr(self, field.name)
             state[field.name] = value.tolist() if isinstance(value, array.array) else value
         return state
+
+
+def trajectories_of(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples (turns) as trajectories: lists of turns in turn order, index = trajectory_id."""
+    trajectories = {}
+    for s in samples:
+        trajectories.setdefault(s.trajectory_id, []).append(s)
+    return [trajectories[i] for i in sorted(trajectories)]

@@ -31,6 +31,7 @@ from cancel import filter_groups, plan_launch
 from sglang_engine import EngineDiedError, RolloutError, StopSignal
 from model import ModelError, build_optimizer, build_policy
 from rollout import RolloutEngine
+from sample import trajectories_of
 from tasks import DataError, PromptStream, RewardError, build_task, call_reward
 
 log = logging.getLogger("train")
@@ -181,7 +182,7 @@ def validate(run):
     out, texts, prompts = {}, {}, parallel.rank_share(run.val_prompts)
     for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
         samples = generate(run, prompts, 1, temperature)[0] if prompts else []
-        trajectories = merge.trajectories_of(samples)  # scored as they finished
+        trajectories = trajectories_of(samples)  # scored as they finished
         if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
             texts["val/samples"] = trajectory_texts(trajectories, run.tokenizer, run.cfg.run.log_samples)
         rewards = [turns[-1].reward for turns in trajectories]
@@ -284,7 +285,7 @@ def train_step(run, step, plan, phases):
     #    tail cancelled per rollout.cancel (partial: suspended), dynamic sampling keeps groups whose rewards differ
     _, samples, stats = rollout(run, plan)
     scalars |= rollout_metrics(samples, stats)  # read before the filter renumbers the trajectories it keeps
-    trajectories, filter_counts = filter_groups(merge.trajectories_of(samples), drop=cfg.rollout.filter_groups)
+    trajectories, filter_counts = filter_groups(trajectories_of(samples), drop=cfg.rollout.filter_groups)
     # 3. group-relative advantage over each group's surviving trajectories
     advantages, num_degenerate = trajectory_advantages(trajectories, cfg.train.scale_by_std)
     # 4. policy update on (merged) sequences, with the engine's memory released
@@ -315,8 +316,7 @@ def train(run, stop=None):
     plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())  # per rank
     phases = MemoryPhases(run.engine, run.policy, run.optimizer, cfg.memory.mode, cfg.memory.bucket_mb << 20,
                           engine_dtype=run.engine.dtype, reference=run.reference)
-    own_stop, bad_steps = stop is None, 0
-    stop = stop or StopSignal(run.engine)
+    own_stop, bad_steps, stop = stop is None, 0, stop or StopSignal(run.engine)
     try:
         for step in tqdm.trange(run.start_step, cfg.train.steps, initial=run.start_step, total=cfg.train.steps,
                                 disable=not is_writer):

@@ -17,8 +17,8 @@ import time
 # Run as a script from anywhere: make the repo root (this file's parent's parent) importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from merge import merge_batch, trajectories_of, unmerged  # noqa: E402  (needs the sys.path line above)
-from sample import Sample  # noqa: E402
+from merge import merge_batch, unmerged  # noqa: E402  (needs the sys.path line above)
+from sample import Sample, trajectories_of  # noqa: E402
 
 VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary
 

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tasks  # noqa: E402  (needs the sys.path line above)
-import merge  # noqa: E402
+import sample  # noqa: E402
 import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
@@ -259,14 +259,14 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                     batch = stream[rounds * args.round_prompts:(rounds + 1) * args.round_prompts]
                     samples, stats = engine.generate(batch, args.group_size, args.temperature, args.max_new_tokens,
                                                      reward=reward(batch))
-                    kept[arm] += filter_groups(merge.trajectories_of(samples))[1]["kept_groups"]
+                    kept[arm] += filter_groups(sample.trajectories_of(samples))[1]["kept_groups"]
                     seconds[arm] += stats.rollout_s
                     rounds += 1
                 line.append(f"rounds {seconds[arm]:.3f} s ({rounds} rounds, {kept[arm]} kept)")
             else:
                 samples, stats = engine.generate(prompts, args.group_size, args.temperature, args.max_new_tokens,
                                                  arms[arm], reward=reward(prompts), refill=refill)
-                counts = filter_groups(merge.trajectories_of(samples))[1]
+                counts = filter_groups(sample.trajectories_of(samples))[1]
                 seconds[arm], kept[arm] = stats.rollout_s, counts["kept_groups"]
                 line.append(f"{arm} {stats.rollout_s:.3f} s ({stats.prompts_launched} prompts, {counts['kept_groups']} "
                             f"kept, {counts['zero_variance_groups']} zero-variance, {stats.num_cancelled} cancelled)")

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-import merge
+import sample
 import train
 from cancel import GroupFilter, filter_groups, informative, plan_launch
 from conftest import tiny_config
@@ -59,7 +59,7 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(en
     assert engine.num_in_flight() == 0  # nothing left running inside the engine
     assert stats.kept_groups == 4 and stats.num_cancelled > 0
     assert [s.trajectory_id for s in samples] == list(range(len(samples)))
-    trajectories = merge.trajectories_of(samples)
+    trajectories = sample.trajectories_of(samples)
     for turns in trajectories:  # scored by the rollout as each finished; cancelled ones never
         last = turns[-1]
         assert last.reward == (0.0 if last.is_aborted else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2)
@@ -100,7 +100,7 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
                                      refill=lambda group_ids: [PROMPT] * len(group_ids))
     assert engine.num_in_flight() == 0
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4
-    kept, counts = filter_groups(merge.trajectories_of(samples))
+    kept, counts = filter_groups(sample.trajectories_of(samples))
     assert kept == [] and counts["zero_variance_groups"] == 6
     logged = filter_metrics(kept, counts, stats, plan.target_groups, filtering=True)
     assert logged["filter/truncated_steps"] == 1 and logged["filter/prompts_launched"] == 6
@@ -135,7 +135,7 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(eng
         prompts, samples, stats = train.rollout(run, plan)
         assert engine.num_in_flight() == 0
         suspended, resumed = suspended + run.buffer.counters["suspended"], resumed + run.buffer.counters["resumed"]
-        trajectories = merge.trajectories_of(samples)
+        trajectories = sample.trajectories_of(samples)
         assert all(s.finish_reason != "abort" for s in samples)  # whole groups only
         kept, counts = filter_groups(trajectories)
         for group_id in {t[-1].group_id for t in kept}:

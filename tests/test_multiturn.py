@@ -5,7 +5,7 @@ import torch
 
 import batching
 import grpo
-import merge
+import sample
 import plot
 import tasks
 import train
@@ -21,7 +21,7 @@ def tool_run(engine, tmp_path, *sets):
 def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     run = tool_run(engine, tmp_path)
     samples, stats = train.generate(run, run.stream.prompts[:16], 8, 1.0)
-    trajectories = merge.trajectories_of(samples)
+    trajectories = sample.trajectories_of(samples)
     multi = [t for t in trajectories if len(t) > 1]
     assert multi and stats.num_tool_calls >= len(multi)  # random init ends a turn with "?" by chance
     for turns in multi:
@@ -41,7 +41,7 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     run = tool_run(engine, tmp_path)
     prompts = run.stream.prompts[:16]
     samples, _ = train.generate(run, prompts, 8, 1.0)
-    trajectories = merge.trajectories_of(samples)
+    trajectories = sample.trajectories_of(samples)
     advantages = torch.randn(len(trajectories))
     merged, merged_adv, metrics = train.training_sequences(trajectories, advantages, run.cfg, 256)
     run.cfg.rollout.merge_turns = False
@@ -68,7 +68,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     run = tool_run(engine, tmp_path, "rollout.max_turns=2")
     prompts = run.stream.prompts[:16]
     samples, stats = train.generate(run, prompts, 8, 1.0)
-    trajectories = merge.trajectories_of(samples)
+    trajectories = sample.trajectories_of(samples)
     unanswered = [t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]]
     assert unanswered  # random init ends both turns with "?" in a few of 128 trajectories
     for turns in unanswered:

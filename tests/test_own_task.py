@@ -12,7 +12,7 @@ import tempfile
 import pytest
 from transformers import AutoTokenizer
 
-import merge
+import sample
 import tasks
 from config import ConfigError, load_config
 from conftest import GSM8K_TRAIN, REPO
@@ -104,7 +104,7 @@ def flaky_reward(fails):
 def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engine):
     prompts = [[1, 5, 12], [1, 6, 4, 12]] * 4  # 64 trajectories: 3 failures are under 10%
     samples, stats = engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i < 3))
-    trajectories = merge.trajectories_of(samples)
+    trajectories = sample.trajectories_of(samples)
     assert stats.num_reward_errors == 3 and engine.num_in_flight() == 0
     for turns in trajectories:
         failed = turns[-1].trajectory_id < 3

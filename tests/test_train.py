@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import batching
 import checkpoint
-import merge
+import sample
 import plot
 import train
 from sample import Sample
@@ -70,7 +70,7 @@ def rollout_batch(run):
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)  # reads on from where the run's steps left the stream
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
-    trajectories = merge.trajectories_of(samples)  # scored as they finished
+    trajectories = sample.trajectories_of(samples)  # scored as they finished
     advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
     return samples, advantages
 
@@ -138,7 +138,7 @@ def test_golden_first_steps(engine, tmp_path):
                 samples.append(Sample(p.prompt_ids, response, [0.0] * len(response), [1] * len(response),
                                       group_id, trajectory_id=len(samples),
                                       finish_reason="stop" if 2 in row else "length"))
-        trajectories = merge.trajectories_of(samples)
+        trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
             turns[-1].reward = train.score(turns, prompts[turns[-1].group_id], run.tokenizer, run.reward_fn)
         advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
