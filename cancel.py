@@ -3,7 +3,7 @@ and which groups survive the group policy or dynamic sampling's filter.
 
 Owns the over-sampling and refill arithmetic and the group bookkeeping, plain functions of the config and
 of samples (and GroupFilter, the filter's tally during one rollout). Does not own waiting, launching or
-aborting (rollout.py's `_wait_for_enough` and `_generate_all` do all three inside the engine's event loop)
+aborting (rollout.py's `wait_for_enough` and `_generate_all` do all three inside the engine's event loop)
 nor rewards (train.py's `score`).
 """
 import dataclasses
@@ -113,6 +113,15 @@ class GroupFilter:
     def possible(self):
         """Groups still in flight: each may yet be kept."""
         return len(self.in_flight)
+
+    def wanted(self, plan, prompts_launched):
+        """New prompts to launch now: `plan.refill_prompts` while the kept groups and those still in flight
+        (each may yet be kept) fall short of the target, within `plan.max_prompts` for the step. (Counting
+        in-flight groups at the share kept so far instead keeps a surplus in flight for the abort to cut: on
+        CPU, where decoding is compute-bound, it measured slower, bench/tail.py --filter and README.)"""
+        if self.kept + self.possible() >= plan.target_groups:
+            return 0
+        return max(min(plan.refill_prompts, plan.max_prompts - prompts_launched), 0)
 
 
 def filter_groups(trajectories, drop=True):

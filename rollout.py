@@ -102,19 +102,14 @@ class RolloutEngine(Engine):
             return new
 
         def returned(turns):
-            """Dynamic sampling, on every completion before the decision: tally the group, then launch
-            `plan.refill_prompts` more prompts at a time (the in-flight ones go on) while the kept groups and
-            those still in flight fall short of the target, up to `plan.max_prompts` new prompts. (Counting
-            in-flight groups at the share kept so far keeps a surplus in flight for the abort to cut: on
-            CPU, where decoding is compute-bound, it measured slower, bench/tail.py --filter and README.)"""
+            """Dynamic sampling, on every completion before the decision: tally the group, then launch the
+            prompts the filter asks for (the in-flight ones go on)."""
             nonlocal next_group
             new = set()
             if groups is None:
                 return new
             groups.returned(turns[-1].group_id, None if turns[-1].is_aborted else turns[-1].reward)
-            while (refill is not None and groups.kept + groups.possible() < plan.target_groups
-                   and stats.prompts_launched < plan.max_prompts):
-                count = min(plan.refill_prompts, plan.max_prompts - stats.prompts_launched)
+            while refill is not None and (count := groups.wanted(plan, stats.prompts_launched)) > 0:
                 prompts = refill(list(range(next_group, next_group + count)))
                 if not prompts:
                     break
@@ -125,7 +120,7 @@ class RolloutEngine(Engine):
         pending, finished = launch(units), []
         timeout = self.cfg.rollout_timeout_s or None  # a hung request must not hang the run: it is aborted
         try:
-            pending = await self._wait_for_enough(pending, finished, plan, start, timeout, returned, groups)
+            pending = await wait_for_enough(pending, finished, plan, start, timeout, returned, groups)
         except BaseException:  # a reward function or a refill raised: nothing may keep running in the engine
             await self._abort([t for t in tasks if not t.done()], tasks, raise_if_stuck=False)
             raise
@@ -149,14 +144,7 @@ class RolloutEngine(Engine):
             # the group policy trains complete groups only; dynamic sampling then judges every one of them
             keep_first_complete_groups(samples, finished, plan.group_size,
                                        len(finished) if groups is not None else plan.target_groups)
-        num_trajectories = len({s.trajectory_id for s in samples})
-        if stats.num_reward_errors > self.cfg.max_failed_ratio * num_trajectories:
-            raise RewardError(f"the reward function failed on {stats.num_reward_errors}/{num_trajectories} trajectories "
-                              f"(rollout.max_failed_ratio={self.cfg.max_failed_ratio}); see the log for each")
-        stats.num_failed = sum(s.finish_reason == "error" for s in samples)
-        if stats.num_failed > self.cfg.max_failed_ratio * len(samples):
-            raise RolloutError(f"{stats.num_failed}/{len(samples)} requests failed inside the engine "
-                               f"(rollout.max_failed_ratio={self.cfg.max_failed_ratio}); see the log for rids")
+        check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
 
     async def _abort(self, pending, tasks, raise_if_stuck=True):
@@ -183,40 +171,6 @@ class RolloutEngine(Engine):
             raise RolloutError(f"{len(stuck)} aborted requests did not return within "
                                f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)")
 
-    async def _wait_for_enough(self, pending, finished, plan, start, limit_s=None, returned=None, groups=None):
-        """Event-driven: wake on each completion (or a deadline), decide, return what is left. `finished`
-        collects the last turn of each finished trajectory, in completion order; `returned(turns)` sees each
-        one first and hands back tasks it launched. Without a plan (or cancel none and no filter), waits for all."""
-        deadline = None  # the time policy's, once set
-        hard_deadline = start + limit_s if limit_s else None  # rollout.rollout_timeout_s
-        policy = plan.cancel if plan is not None else "none"
-        while pending:
-            now = time.perf_counter()
-            if hard_deadline is not None and now >= hard_deadline:
-                break
-            deadlines = [d for d in (deadline, hard_deadline) if d is not None]
-            timeout = max(min(deadlines) - now, 0) if deadlines else None
-            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                finished.append(task.result()[-1])
-                pending |= returned(task.result()) if returned else set()
-            num_ok = sum(not s.is_aborted for s in finished)
-            if groups is not None:  # dynamic sampling: enough kept groups end any policy but none's wait
-                if policy != "none" and groups.kept >= plan.target_groups:
-                    break
-                continue
-            if policy == "group":
-                if count_complete_groups(finished, plan.group_size) >= plan.target_groups:
-                    break
-            elif policy in ("count", "time") and num_ok >= plan.target_samples:
-                break
-            now = time.perf_counter()
-            if policy == "time" and deadline is None and num_ok >= plan.time_quantile * plan.target_samples:
-                deadline = now + plan.time_factor * (now - start)  # q of the target back at t: wait factor*t more
-            if deadline is not None and now >= deadline:
-                break
-        return pending
-
     async def _trajectory(self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start):
         """Turns of one trajectory: generate, run the tool on a tool call, append its observation, go on.
         Each turn's prompt is the previous prompt + response + observation, so turns merge (merge.py)."""
@@ -224,8 +178,8 @@ class RolloutEngine(Engine):
         for turn in range(max_turns):
             if trajectory_id in self._cancelled:  # cancelled before its first request, or while its tool ran
                 if not turns:
-                    return [dataclasses.replace(self._failed(prompt_ids, group_id, start, reason="abort"),
-                                                trajectory_id=trajectory_id)]
+                    cancelled = failed_sample(prompt_ids, group_id, self.weight_version, start, reason="abort")
+                    return [dataclasses.replace(cancelled, trajectory_id=trajectory_id)]
                 turns[-1].finish_reason = "abort"  # unfinished
                 break
             remaining = budget - (len(context) - len(prompt_ids))
@@ -273,10 +227,10 @@ class RolloutEngine(Engine):
         except asyncio.TimeoutError:  # abort it inside the engine too, and wait until the engine let it go
             await self.abort_and_wait(rid, self.cfg.abort_timeout_s)
             log.error("request %s timed out after rollout.request_timeout_s=%s", rid, self.cfg.request_timeout_s)
-            return self._failed(prompt_ids, group_id, start)
+            return failed_sample(prompt_ids, group_id, self.weight_version, start)
         except Exception as e:  # noqa: BLE001 - counted and logged: never silently turned into padding
             log.error("request %s failed inside the engine: %r", rid, e)
-            return self._failed(prompt_ids, group_id, start)
+            return failed_sample(prompt_ids, group_id, self.weight_version, start)
         if reason == "abort" and rid not in self._cancelling:
             # the engine aborted it by itself (e.g. context overflow): a failure, not our cancellation
             log.error("request %s aborted by the engine: %s", rid, detail)
@@ -292,11 +246,41 @@ class RolloutEngine(Engine):
                       weight_version=version,
                       latency_s=time.perf_counter() - start)
 
-    def _failed(self, prompt_ids, group_id, start, reason="error"):
-        """The sample of a request that failed or timed out ("error": counted), or was cancelled before it was
-        sent ("abort"): no tokens, masked out."""
-        return Sample(prompt_ids, [], [], [], group_id, finish_reason=reason, is_aborted=True,
-                      weight_version=self.weight_version, latency_s=time.perf_counter() - start)
+
+
+async def wait_for_enough(pending, finished, plan, start, limit_s=None, returned=None, groups=None):
+    """Event-driven: wake on each completion (or a deadline), decide, return what is left. `finished`
+    collects the last turn of each finished trajectory, in completion order; `returned(turns)` sees each
+    one first and hands back tasks it launched. Without a plan (or cancel none and no filter), waits for all."""
+    deadline = None  # the time policy's, once set
+    hard_deadline = start + limit_s if limit_s else None  # rollout.rollout_timeout_s
+    policy = plan.cancel if plan is not None else "none"
+    while pending:
+        now = time.perf_counter()
+        if hard_deadline is not None and now >= hard_deadline:
+            break
+        deadlines = [d for d in (deadline, hard_deadline) if d is not None]
+        timeout = max(min(deadlines) - now, 0) if deadlines else None
+        done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            finished.append(task.result()[-1])
+            pending |= returned(task.result()) if returned else set()
+        num_ok = sum(not s.is_aborted for s in finished)
+        if groups is not None:  # dynamic sampling: enough kept groups end any policy but none's wait
+            if policy != "none" and groups.kept >= plan.target_groups:
+                break
+            continue
+        if policy == "group":
+            if count_complete_groups(finished, plan.group_size) >= plan.target_groups:
+                break
+        elif policy in ("count", "time") and num_ok >= plan.target_samples:
+            break
+        now = time.perf_counter()
+        if policy == "time" and deadline is None and num_ok >= plan.time_quantile * plan.target_samples:
+            deadline = now + plan.time_factor * (now - start)  # q of the target back at t: wait factor*t more
+        if deadline is not None and now >= deadline:
+            break
+    return pending
 
 
 async def scored(work, reward, stats):
@@ -315,3 +299,23 @@ async def scored(work, reward, stats):
         for turn in turns:
             turn.reward = value
     return turns
+
+
+def failed_sample(prompt_ids, group_id, version, start, reason="error"):
+    """The sample of a request that failed or timed out ("error": counted), or was cancelled before it was
+    sent ("abort"): no tokens, masked out."""
+    return Sample(prompt_ids, [], [], [], group_id, finish_reason=reason, is_aborted=True,
+                  weight_version=version, latency_s=time.perf_counter() - start)
+
+
+def check_failures(samples, stats, max_failed_ratio):
+    """Count the failed requests; raise when reward failures or engine failures exceed `max_failed_ratio` of the
+    rollout (a few are logged and skipped; many mean a broken reward function or engine, not bad luck)."""
+    num_trajectories = len({s.trajectory_id for s in samples})
+    if stats.num_reward_errors > max_failed_ratio * num_trajectories:
+        raise RewardError(f"the reward function failed on {stats.num_reward_errors}/{num_trajectories} trajectories "
+                          f"(rollout.max_failed_ratio={max_failed_ratio}); see the log for each")
+    stats.num_failed = sum(s.finish_reason == "error" for s in samples)
+    if stats.num_failed > max_failed_ratio * len(samples):
+        raise RolloutError(f"{stats.num_failed}/{len(samples)} requests failed inside the engine "
+                           f"(rollout.max_failed_ratio={max_failed_ratio}); see the log for rids")

@@ -71,12 +71,18 @@ class BackgroundRuns:
 
     def __init__(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self.runs = {}
+        self.runs, self.seconds = {}, {}  # seconds: each finished run's wall time, for the summary
 
     def start(self, name, command, timeout=400):
         if name not in self.runs:
-            self.runs[name] = self.pool.submit(subprocess.run, command, cwd=REPO, capture_output=True, text=True,
-                                               timeout=timeout)
+            self.runs[name] = self.pool.submit(self._run, name, command, timeout)
+
+    def _run(self, name, command, timeout):
+        start = time.monotonic()
+        try:
+            return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        finally:
+            self.seconds[name] = time.monotonic() - start
 
     def result(self, name):
         return self.runs[name].result()
@@ -152,6 +158,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if BACKGROUND in config.stash and config.stash[BACKGROUND].seconds:  # the worker thread is often the critical path
+        runs = sorted(config.stash[BACKGROUND].seconds.items(), key=lambda item: -item[1])
+        terminalreporter.write_line("background runs: " + ", ".join(f"{name} {s:.0f} s" for name, s in runs))
     if BUDGET_LINE in config.stash:
         terminalreporter.write_line(config.stash[BUDGET_LINE])
 

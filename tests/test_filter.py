@@ -52,6 +52,19 @@ def test_group_filter_judges_a_group_when_its_last_member_returns_on_its_survivo
     assert (groups.kept, groups.zero_variance, groups.possible()) == (2, 1, 0)
 
 
+def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(tmp_path):
+    plan = filtering_plan(tmp_path, "rollout.refill_prompts=2", "rollout.max_prompts_per_step=7")
+    groups = GroupFilter()
+    for group_id in (0, 1, 2, 3):
+        groups.launched(group_id)
+    assert groups.wanted(plan, prompts_launched=4) == 0  # 4 in flight may yet make the target of 4
+    groups.returned(0, 1.0)
+    groups.returned(1, 1.0)  # two zero-variance groups: 0 kept + 2 possible < 4
+    assert groups.wanted(plan, prompts_launched=4) == 2
+    assert groups.wanted(plan, prompts_launched=6) == 1  # the bound of 7 new prompts leaves one
+    assert groups.wanted(plan, prompts_launched=7) == 0
+
+
 def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(engine, policy, tmp_path):
     plan = filtering_plan(tmp_path, "rollout.over_sample_rate=3.0")  # 16 prompts launched for 4 kept groups
     assert (plan.num_prompts, plan.target_groups, plan.max_prompts) == (16, 4, 16)
@@ -122,16 +135,17 @@ def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, p
 
 
 def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(engine, policy, tmp_path):
-    """Three steps of the trainer's own rollout (partial on, filter on): members are suspended, the next
-    step resumes them under their held group's id; every group handed back is whole, and the groups
-    dynamic sampling keeps have rewards that differ."""
+    """Steps of the trainer's own rollout (partial on, filter on) until a step resumed what an earlier one
+    suspended (when the target is met, hence what is suspended, depends on timing: at most six steps), under
+    its held group's id; every group handed back is whole, and the groups dynamic sampling keeps have
+    rewards that differ."""
     cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.over_sample_rate=1.0", "rollout.partial=true",
                       "rollout.filter_groups=true", "rollout.prompts_per_step=4", "rollout.max_new_tokens=64")
     run = train.setup(cfg, engine=engine)
     run.reward_fn = lambda text, answer, finished: float(len(text) % 2)  # most groups informative: the target is met
     plan = plan_launch(cfg.rollout, 4)
     suspended = resumed = 0
-    for step in range(3):
+    for step in range(6):
         prompts, samples, stats = train.rollout(run, plan)
         assert engine.num_in_flight() == 0
         suspended, resumed = suspended + run.buffer.counters["suspended"], resumed + run.buffer.counters["resumed"]
@@ -141,6 +155,8 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(eng
         for group_id in {t[-1].group_id for t in kept}:
             assert informative([t[-1].reward for t in kept if t[-1].group_id == group_id and not t[-1].is_aborted])
         assert counts["kept_groups"] + counts["zero_variance_groups"] == len(prompts)
+        if resumed:
+            break
     assert suspended > 0 and resumed > 0
 
 
