@@ -79,12 +79,15 @@ def main():
     parser.add_argument("--max-staleness", type=int, default=4, help="--partial: rollout.max_staleness")
     parser.add_argument("--filter", action="store_true", help="dynamic sampling: rounds vs wait-all vs filter + abort")
     parser.add_argument("--round-prompts", type=int, help="--filter: prompts per synchronous round (default 3x --prompts)")
+    parser.add_argument("--launch-prompts", type=int, help="--filter: the streaming arms' first launch (default: "
+                        "--round-prompts, so every arm starts alike and they differ in how they stop and refill)")
     args = parser.parse_args()
     if (args.partial or args.filter) and args.drop_rate is None and args.over_sample_rate is None:
         # APRIL's over-provisioning (arXiv 2509.18521): launch 1.25x the prompts, stop at a batch, suspend the rest
         args.over_sample_rate = 0.25
     args.over_sample_rate = args.over_sample_rate or 0.0
     args.round_prompts = args.round_prompts or 3 * args.prompts
+    args.launch_prompts = args.launch_prompts or args.round_prompts
     if args.repeats is None:
         args.repeats = 3 if args.partial else 5
     if args.drop_rate is None:
@@ -106,7 +109,7 @@ def main():
     # SGLang admits a request only if the KV pool can hold ~0.7 x max_new_tokens for every running one;
     # the default 16k tokens would admit ~90 of 256 and start the rest late (a queue, not a tail).
     # (--filter: the largest of a round, and the bound on what refills can add to the first launch)
-    launched = max(len(drawn), args.round_prompts, 4 * args.prompts) if args.filter else len(drawn)
+    launched = max(len(drawn), args.round_prompts, args.launch_prompts, 4 * args.prompts) if args.filter else len(drawn)
     cfg.rollout.max_total_tokens = launched * args.group_size * (max(map(len, drawn)) + args.max_new_tokens)
     print(f"{args.prompts} prompts x {args.group_size}, policy={args.policy} drop_rate={args.drop_rate} "
           f"over_sample_rate={args.over_sample_rate}: launch {plan.num_prompts} prompts, "
@@ -235,8 +238,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
         return score
 
     target = args.prompts
-    filter_plan = dataclasses.replace(plan, filter_groups=True, target_groups=target,
-                                      refill_prompts=max(target // 4, 1), max_prompts=4 * target)  # the config defaults
+    filter_plan = dataclasses.replace(plan, filter_groups=True, target_groups=target, num_prompts=args.launch_prompts,
+                                      refill_prompts=max(target // 4, 1),  # the config's default
+                                      max_prompts=max(4 * target, args.launch_prompts))
     arms = {"rounds": None, "wait_all": dataclasses.replace(filter_plan, cancel="none"), "abort": filter_plan}
     vs_rounds, vs_wait_all, kept_groups = [], [], []
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
@@ -247,7 +251,7 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
         seconds, kept, line = {}, {}, []
         for arm in order:
             engine.flush_cache()
-            prompts = list(stream[:plan.num_prompts])
+            prompts = list(stream[:filter_plan.num_prompts])
 
             def refill(group_ids):
                 prompts.extend(stream[len(prompts):len(prompts) + len(group_ids)])

@@ -52,14 +52,14 @@ MIXES = {"demo": ("configs/tiny.yaml", []),
          "gsm8k": ("configs/gsm8k.yaml", ["data.train_path=unused", "model.compute_dtype=float32"])}
 
 
-def demo_samples(out_dir, seed=0):
-    """One rollout of the CPU demo's first step, from the real engine, with GRPO advantages of random rewards
-    (the update's cost depends on the lengths, not the rewards)."""
+def demo_samples(out_dir, num_prompts=0, seed=0):
+    """One rollout of the CPU demo's first step (`num_prompts`: 0 = the demo's), from the real engine, with GRPO
+    advantages of random rewards (the update's cost depends on the lengths, not the rewards)."""
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={out_dir}"])
     policy, tokenizer = train.build_policy(cfg, None)
     engine = train.RolloutEngine(checkpoint.export_for_engine(policy, tokenizer, out_dir), cfg.rollout, seed=seed)
     try:
-        prompts = train.PromptStream(train.build_task(cfg, tokenizer)[0], seed).take(cfg.rollout.prompts_per_step)
+        prompts = train.PromptStream(train.build_task(cfg, tokenizer)[0], seed).take(num_prompts or cfg.rollout.prompts_per_step)
         samples, _ = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.group_size, 1.0,
                                      cfg.rollout.max_new_tokens)
     finally:
@@ -135,12 +135,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="alternated padded/packed pairs per mix")
     parser.add_argument("--gsm8k-samples", type=int, default=64, help="one rank's batch in configs/gsm8k.yaml")
+    parser.add_argument("--demo-prompts", type=int, default=0, help="the demo mix's prompts (0: the demo's 32)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the engine is shut down first)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out_dir = tempfile.mkdtemp(prefix="bench-train-step-")
     summary, peak_ratios = [], []
-    for mix, samples in (("demo", demo_samples(out_dir)), ("gsm8k", gsm8k_samples(args.gsm8k_samples))):
+    for mix, samples in (("demo", demo_samples(out_dir, args.demo_prompts)), ("gsm8k", gsm8k_samples(args.gsm8k_samples))):
         seconds, stats = {False: [], True: []}, {}
         update(mix, samples[:8], packed=True)  # warm-up: first-call costs, not measured
         for repeat in range(args.repeats):

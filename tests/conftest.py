@@ -5,6 +5,7 @@ import concurrent.futures
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -50,15 +51,19 @@ def policy(engine, tmp_path):
     return policy
 
 
-@pytest.fixture(scope="session")
-def qwen_tiny_dir(tmp_path_factory):
-    """A small Qwen2.5-shaped model folder (tests/qwen_tiny.py), built once per session (~15 s of supervised
-    steps on the shipped GSM8K rows, so it stops at <|im_end|> and writes tool calls)."""
-    import qwen_tiny
+# A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~15 s of supervised steps on the shipped GSM8K rows, so it
+# stops at <|im_end|> and writes tool calls), built once per session by the background worker, first in its
+# queue when a collected test needs it; the background runs that train it chain BUILD_QWEN (a no-op once built)
+QWEN_TINY = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
+BUILD_QWEN = f"(test -d {QWEN_TINY} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {QWEN_TINY})"
 
-    folder = tmp_path_factory.mktemp("qwen_tiny")
-    qwen_tiny.build(str(folder), GSM8K_TRAIN, steps=90)
-    return str(folder)
+
+@pytest.fixture(scope="session")
+def qwen_tiny_dir(background_runs):
+    """The small Qwen2.5-shaped model's folder, waited for."""
+    background_runs.start("qwen_build", ["bash", "-c", BUILD_QWEN])
+    background_runs.lines("qwen_build")
+    return QWEN_TINY
 
 
 # ---------------------------------------------------------------- background runs
@@ -99,10 +104,16 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
+    """Start the background runs, in test order, and move the tests that read them to the end: the in-process
+    tests run meanwhile instead of waiting on the worker (both cores stay busy)."""
     runs = config.stash[BACKGROUND] = BackgroundRuns()
-    for item in items:  # in test order: the first needed starts first
+    if any("qwen_tiny_dir" in item.fixturenames for item in items):
+        runs.start("qwen_build", ["bash", "-c", BUILD_QWEN])
+    for item in items:
         for marker in item.iter_markers("background"):
             runs.start(*marker.args)
+    reads = [item for item in items if any(item.iter_markers("background"))]
+    items[:] = [item for item in items if item not in reads] + reads
 
 
 @pytest.fixture(scope="session")

@@ -158,5 +158,6 @@ def build(folder, data_path, steps=250, seed=0):
     return loss
 
 
-if __name__ == "__main__":  # `python tests/qwen_tiny.py FOLDER`: the session fixture's model, for a subprocess
+if __name__ == "__main__":  # `python tests/qwen_tiny.py FOLDER`, as the suite's background worker runs it
+    torch.set_num_threads(1)  # one core: the suite's in-process tests hold the other
     build(sys.argv[1], os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k_train_100.jsonl"), steps=90)

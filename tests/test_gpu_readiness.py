@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import socket
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 from torch.multiprocessing import reductions
 
 import batching
@@ -26,51 +25,12 @@ import parallel
 import sglang_engine
 import tasks
 import train
-from conftest import GSM8K_TRAIN, REPO
+from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_train import scalars
 
 TESTS = os.path.join(REPO, "tests")
 
 
-# ---------------------------------------------------------------- F1: a scheduler that raises
-RAISE_MID_RUN = """
-import runpy, sys
-sys.path[:0] = [{repo!r}, {tests!r}]
-import dist_worker, sglang_engine
-push = sglang_engine.Engine.update_weights
-def rejected_push(self, named_params, version, *args, **kwargs):
-    if version == 2:  # the weight sync after the second update
-        named_params = dist_worker.rejected_tensor(self, next(iter(self.weight_shapes)))
-    return push(self, named_params, version, *args, **kwargs)
-sglang_engine.Engine.update_weights = rejected_push
-sys.argv = ["train.py", *sys.argv[1:]]
-runpy.run_path("train.py", run_name="__main__")
-"""
-
-
-RAISE_OUT = os.path.join(tempfile.gettempdir(), f"raise_mid_run_{os.getpid()}")  # the pytest process's pid
-
-
-@pytest.mark.background("raise_mid_run", [sys.executable, "-c", RAISE_MID_RUN.format(repo=REPO, tests=TESTS),
-                                          "--config", "configs/tiny.yaml", "--out", RAISE_OUT, "--set",
-                                          "train.steps=4", "--set", "run.val_every=100", "--set",
-                                          "run.checkpoint_every=0", "--set", "rollout.prompts_per_step=8"])
-def test_a_scheduler_that_raises_ends_the_run_with_exit_2_and_a_checkpoint(background_runs):
-    """`python train.py` (1 rank) whose engine scheduler raises a Python exception in its second weight sync.
-    SGLang's scheduler then sends SIGQUIT to the trainer, and SGLang's SIGQUIT handlers would SIGKILL it
-    (exit 137, nothing saved). Needs its own engine (this one dies): run in the background."""
-    done = background_runs.result("raise_mid_run")
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Scheduler hit an exception" in done.stderr  # the engine's own traceback is shown
-    assert "error: EngineDiedError: the SGLang engine died: scheduler_0" in done.stderr
-    assert "it raised an exception and sent SIGQUIT" in done.stderr
-    saved = checkpoint.latest(RAISE_OUT)
-    assert checkpoint.read_trainer_state(saved)["step"] == 2 and f"saved in {saved}" in done.stderr
-    AutoModelForCausalLM.from_pretrained(saved)  # loadable
-    shutil.rmtree(RAISE_OUT)
-
-
-# ---------------------------------------------------------------- F3, S1: the engine's environment on GPU
 def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uuid(monkeypatch):
     monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     sglang_engine.prepare_engine_environment(on_gpu=False)
@@ -276,12 +236,8 @@ def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_tw
     assert state["world_size"] == 2 and os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
 
 
-# The background runs of the small Qwen-shaped model (this file's and test_own_task.py's) share one build of it,
-# made by whichever runs first (one at a time, in the background's worker)
-BACKGROUND_QWEN = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
-BUILD_QWEN = f"(test -d {BACKGROUND_QWEN} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {BACKGROUND_QWEN})"
 DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
-DAPO_SETS = CPU_SIZES + [f"model.path={BACKGROUND_QWEN}", "rollout.max_new_tokens=32", "run.nproc=1",
+DAPO_SETS = CPU_SIZES + [f"model.path={QWEN_TINY}", "rollout.max_new_tokens=32", "run.nproc=1",
                          "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]
 DAPO_COMMAND = " ".join([BUILD_QWEN, "&&", sys.executable, "train.py", "--config", "configs/gsm8k_dapo.yaml",
                          "--out", f"{DAPO_RUN}/run", *[f"--set {item}" for item in DAPO_SETS]])

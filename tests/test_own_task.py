@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 import sample
 import tasks
 from config import ConfigError, load_config
-from conftest import GSM8K_TRAIN, REPO
-from test_gpu_readiness import BACKGROUND_QWEN, BUILD_QWEN, CPU_SIZES
+from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
+from test_gpu_readiness import CPU_SIZES
 from test_train import scalars
 
 sys.path.insert(0, os.path.join(REPO, "examples", "countdown"))
@@ -148,7 +148,7 @@ def test_countdown_reward_divides_exactly():
 COUNTDOWN_RUN = tempfile.mkdtemp(prefix="countdown-")
 COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     f"data.train_path={COUNTDOWN_RUN}/train.jsonl", f"data.val_path={COUNTDOWN_RUN}/test.jsonl",
-    "data.num_val_prompts=4", f"model.path={BACKGROUND_QWEN}", "rollout.max_new_tokens=32", "run.nproc=1"]
+    "data.num_val_prompts=4", f"model.path={QWEN_TINY}", "rollout.max_new_tokens=32", "run.nproc=1"]
 COUNTDOWN_COMMAND = " ".join([
     sys.executable, "examples/countdown/make_data.py", "--out", COUNTDOWN_RUN, "--train", "64", "--test", "8", "&&",
     BUILD_QWEN, "&&", sys.executable, "train.py", "--config", "examples/countdown.yaml", "--out", f"{COUNTDOWN_RUN}/run",

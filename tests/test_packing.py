@@ -118,7 +118,7 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
 
 
 @pytest.mark.background("train_step_bench", [sys.executable, "bench/train_step.py", "--repeats", "1",
-                                             "--gsm8k-samples", "2"])
+                                             "--demo-prompts", "8", "--gsm8k-samples", "2", "--threads", "1"])
 def test_train_step_bench_prints_its_line(background_runs):
     """The smallest workload that still prints the line (its own engine for the demo mix's real rollout)."""
     line = background_runs.lines("train_step_bench")[-1]
