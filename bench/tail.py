@@ -229,7 +229,8 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
     each waited for whole, until enough kept groups (the surplus thrown away); `wait_all`, a streaming
     filter that drains (verl's V1): this trainer's launch and refills, groups judged as they finish, but
     everything launched is waited for; `abort`, this trainer: the same, then the rest aborted once the batch
-    is in (rollout.filter_groups with cancel count). Each arm's rate: the batch's `--prompts` groups over
+    is in (rollout.filter_groups with cancel count). The streaming arms first launch `--launch-prompts`
+    (default: a round's), so by default the three differ only in how they stop and refill. Each arm's rate: the batch's `--prompts` groups over
     the rollout seconds it took (medians of the repeats' ratios)."""
     def reward(prompts):
         def score(turns):
