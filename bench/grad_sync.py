@@ -30,9 +30,11 @@ import train_step  # noqa: E402
 from config import load_config  # noqa: E402
 
 
-def update(samples, once_per_minibatch, micro_batches):
-    """One update of the seeded sharded model; returns (seconds, local micro-batch count, full parameters)."""
+def update(samples, once_per_minibatch, micro_batches, max_tokens=0):
+    """One update of the seeded sharded model (`max_tokens`: the token budget, 0 = the config's); returns
+    (seconds, local micro-batch count, full parameters)."""
     cfg = load_config(os.path.join(train_step.ROOT, "configs/gsm8k.yaml"), train_step.MIXES["gsm8k"][1])
+    cfg.train.max_tokens_per_micro_batch = max_tokens or cfg.train.max_tokens_per_micro_batch
     policy = parallel.shard(train_step.policy_for("gsm8k", cfg), torch.float32)
     if once_per_minibatch:  # num_minibatches is 1 here: the update's last grad-enabled forward syncs
         calls = [0]
@@ -56,15 +58,15 @@ def update(samples, once_per_minibatch, micro_batches):
     return seconds, stats["train/micro_batches"], [parallel.full_tensor(p.detach()).clone() for p in policy.parameters()]
 
 
-def rank_main(num_samples, repeats):
+def rank_main(num_samples, repeats, max_tokens):
     parallel.init()
     torch.set_num_threads(1)  # two ranks on two cores
     samples = train_step.gsm8k_samples(num_samples, seed=parallel.rank())
-    _, micro_batches, _ = update(samples, False, 0)  # warm-up, and the micro-batch count
+    _, micro_batches, _ = update(samples, False, 0, max_tokens)  # warm-up, and the micro-batch count
     seconds, params = {False: [], True: []}, {}
     for repeat in range(repeats):
         for once in ((False, True) if repeat % 2 == 0 else (True, False)):
-            elapsed, _, params[once] = update(samples, once, micro_batches)
+            elapsed, _, params[once] = update(samples, once, micro_batches, max_tokens)
             seconds[once].append(parallel.all_reduce([elapsed], op="max")[0])
     diff = max((a - b).abs().max().item() for a, b in zip(params[False], params[True]))
     parallel.close()
@@ -75,8 +77,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=32, help="samples per rank")
     parser.add_argument("--repeats", type=int, default=3, help="alternated pairs")
+    parser.add_argument("--max-tokens", type=int, default=0, help="token budget per micro-batch (0: the config's 4,096)")
     args = parser.parse_args()
-    results = parallel.launch(2, rank_main, args.samples, args.repeats)
+    results = parallel.launch(2, rank_main, args.samples, args.repeats, args.max_tokens)
     every, once, micro_batches, diff = results[0]
     print(f"{micro_batches} micro-batches per rank per update; per update (the slower rank): "
           f"sync every micro-batch {every:.3f} s, once per minibatch {once:.3f} s")

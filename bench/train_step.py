@@ -17,7 +17,7 @@ about 15%), so on a GPU the second gain is smaller. Times: medians of `--repeats
 take turns going first). Peak memory: the most bytes held in live tensors at once during one update
 (less what was held before it), from the profiler's count of every CPU tensor allocation and free
 (`torch.profiler.profile(profile_memory=True)`): exact and the same on every run, unlike the resident set,
-which the C allocator's retained pages move by megabytes. Measured after a warm-up update, so lazy imports and
+which the C allocator's retained pages move by megabytes. Measured after the timed updates, so lazy imports and
 first-call workspaces are not counted. The packed arm holds one thing more at equal positions: the rotary
 tables (cos, sin) per packed position, 2 x positions x head_dim floats, where the padded rows share one
 row's (their position ids are all 0..width-1).
@@ -118,10 +118,10 @@ def update(mix, samples, packed, on_start=None):
 
 
 def peak_bytes(mix, samples, packed, out_dir):
-    """The most bytes held in live CPU tensors during one update, above the count when it began."""
+    """The most bytes held in live CPU tensors during one update, above the count when it began (run after the
+    timed updates of both arms: first-call allocations are not the update's)."""
     from torch.profiler import ProfilerActivity, profile
 
-    update(mix, samples[:8], packed)  # warm-up: first-call allocations are not the update's
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         update(mix, samples, packed)
     trace = os.path.join(out_dir, f"{mix}-{int(packed)}-trace.json")
