@@ -247,7 +247,6 @@ class RolloutEngine(Engine):
                       latency_s=time.perf_counter() - start)
 
 
-
 async def wait_for_enough(pending, finished, plan, start, limit_s=None, returned=None, groups=None):
     """Event-driven: wake on each completion (or a deadline), decide, return what is left. `finished`
     collects the last turn of each finished trajectory, in completion order; `returned(turns)` sees each

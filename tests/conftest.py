@@ -3,6 +3,7 @@ runs of the subprocesses whose tests only read their output, and the suite's tim
 takes far longer than README's 8 minutes fails."""
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,9 +52,10 @@ def policy(engine, tmp_path):
     return policy
 
 
-# A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~15 s of supervised steps on the shipped GSM8K rows, so it
-# stops at <|im_end|> and writes tool calls), built once per session by the background worker, first in its
-# queue when a collected test needs it; the background runs that train it chain BUILD_QWEN (a no-op once built)
+# A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~40 s, most of it supervised steps on the shipped GSM8K
+# rows, so it stops at <|im_end|> and writes tool calls), built once per session by the background worker,
+# first in its queue when a collected test needs it; the background runs that train it chain BUILD_QWEN (a
+# no-op once built). Its folder is removed when the session ends.
 QWEN_TINY = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
 BUILD_QWEN = f"(test -d {QWEN_TINY} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {QWEN_TINY})"
 
@@ -179,6 +181,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_unconfigure(config):
     if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing queued starts any more
         config.stash[BACKGROUND].pool.shutdown(wait=False, cancel_futures=True)
+    shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
 
 
 CALIBRATION, BUDGET_LINE, BACKGROUND = pytest.StashKey[tuple](), pytest.StashKey[str](), pytest.StashKey[BackgroundRuns]()
