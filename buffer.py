@@ -105,7 +105,7 @@ class PartialBuffer:
             if turns[-1].finish_reason != "abort":
                 continue  # finished (or failed inside the engine: final, masked like any failure)
             self.counters["suspended"] += 1
-            if self.multi_turn or len(turns) > 1 or turns[0].turn > 0:  # multi-turn: dropped (stays aborted)
+            if self.multi_turn:  # dropped (stays aborted), not resumed
                 self.counters["dropped_multi_turn"] += 1
                 self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
             else:

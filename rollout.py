@@ -67,17 +67,9 @@ class RolloutEngine(Engine):
         if tool is not None:
             sampling["stop_token_ids"] = [tool.call_end_id]  # pause generation at the end of a tool call
         budget = max_response_tokens or max_new_tokens * max_turns
-        for s in resumes:  # a sample cut exactly at the budget ends "length", never "abort": a caller's bug
-            if len(s.response_ids) >= min(max_new_tokens, budget) or tool is not None:
-                raise RolloutError(f"cannot resume a sample of group {s.group_id} with {len(s.response_ids)} "
-                                   f"tokens (budget {min(max_new_tokens, budget)}, multi-turn: {tool is not None})")
         units = [(s.group_id, s.prompt_ids, s) for s in resumes]
         units += [(group_id, ids, None) for group_id, ids in enumerate(prompts) for _ in range(group_size)]
-        if self.cfg.max_total_tokens and len(units) * max_new_tokens > self.cfg.max_total_tokens:
-            # SGLang admits a request only if the KV pool can reserve most of its max_new_tokens: the
-            # rest queue, and a "tail" cancellation would then cancel requests that never started
-            log.warning("%d requests x %d new tokens exceed rollout.max_total_tokens=%d: requests will queue",
-                        len(units), max_new_tokens, self.cfg.max_total_tokens)
+        check_launch(units, max_new_tokens, budget, tool is not None, self.cfg.max_total_tokens)
         groups = GroupFilter(prior_rewards) if plan is not None and plan.filter_groups else None
         return self._run(self._generate_all(units, sampling, plan, tool, max_turns, budget, group_size, reward,
                                             groups, refill))
@@ -105,10 +97,8 @@ class RolloutEngine(Engine):
             """Dynamic sampling, on every completion before the decision: tally the group, then launch the
             prompts the filter asks for (the in-flight ones go on)."""
             nonlocal next_group
-            new = set()
-            if groups is None:
-                return new
             groups.returned(turns[-1].group_id, None if turns[-1].is_aborted else turns[-1].reward)
+            new = set()
             while refill is not None and (count := groups.wanted(plan, stats.prompts_launched)) > 0:
                 prompts = refill(list(range(next_group, next_group + count)))
                 if not prompts:
@@ -120,7 +110,8 @@ class RolloutEngine(Engine):
         pending, finished = launch(units), []
         timeout = self.cfg.rollout_timeout_s or None  # a hung request must not hang the run: it is aborted
         try:
-            pending = await wait_for_enough(pending, finished, plan, start, timeout, returned, groups)
+            on_return = returned if groups is not None else None  # only dynamic sampling tallies and refills
+            pending = await wait_for_enough(pending, finished, plan, start, timeout, on_return, groups)
         except BaseException:  # a reward function or a refill raised: nothing may keep running in the engine
             await self._abort([t for t in tasks if not t.done()], tasks, raise_if_stuck=False)
             raise
@@ -298,6 +289,20 @@ async def scored(work, reward, stats):
         for turn in turns:
             turn.reward = value
     return turns
+
+
+def check_launch(units, max_new_tokens, budget, multi_turn, max_total_tokens):
+    """Before anything is sent: a resume needs budget left and a single-turn task (a RolloutError: a caller's
+    bug, since a sample cut exactly at the budget ends "length", never "abort"); and a launch larger than the
+    KV pool gets a warning, since SGLang admits a request only if the pool can reserve most of its
+    max_new_tokens: the rest queue, and a "tail" cancellation would then cancel requests that never started."""
+    for group_id, _, partial in units:
+        if partial is not None and (len(partial.response_ids) >= min(max_new_tokens, budget) or multi_turn):
+            raise RolloutError(f"cannot resume a sample of group {group_id} with {len(partial.response_ids)} "
+                               f"tokens (budget {min(max_new_tokens, budget)}, multi-turn: {multi_turn})")
+    if max_total_tokens and len(units) * max_new_tokens > max_total_tokens:
+        log.warning("%d requests x %d new tokens exceed rollout.max_total_tokens=%d: requests will queue",
+                    len(units), max_new_tokens, max_total_tokens)
 
 
 def failed_sample(prompt_ids, group_id, version, start, reason="error"):

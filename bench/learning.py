@@ -122,5 +122,6 @@ def main():
             print(f"learning: baseline_val_sampled={mean['baseline'][key]:.3f} {arm}_val_sampled={mean[arm][key]:.3f} "
                   f"baseline_step_s={mean['baseline']['step_s']:.3f} {arm}_step_s={mean[arm]['step_s']:.3f}")
 
+
 if __name__ == "__main__":
     main()

@@ -196,7 +196,7 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
 
 
 def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
-    buffer = PartialBuffer(group_size=2, max_staleness=4)
+    buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
     # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
     turns = [Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, is_aborted=True),
              Sample([1, 2, 3, 4], [5, 6], [-0.1, -0.2], [1, 1], group_id=0, trajectory_id=0, turn=1,

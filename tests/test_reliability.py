@@ -349,7 +349,8 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     children = engine_processes(process)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     rc, err, seconds = finish(process, stderr, timeout=60)
-    assert rc == 128 + signal.SIGINT and "stopped by SIGINT after a checkpoint; --resume continues" in err
+    assert rc == 128 + signal.SIGINT and "stopped by SIGINT after a checkpoint; --resume continues" in err, (
+        rc, err[-2000:])
     assert "Traceback" not in err  # the engine's processes ignored Ctrl-C; the trainer shut them down
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
@@ -360,11 +361,13 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
     while "SIGTERM: finishing this step" not in open(tmp_path / "stderr.txt").read():  # one signal, seen
-        assert time.monotonic() < deadline and process.poll() is None
+        assert time.monotonic() < deadline and process.poll() is None, (
+            process.poll(), open(tmp_path / "stderr.txt").read()[-2000:])
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     rc, err, seconds = finish(process, stderr, timeout=30)
-    assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30
+    assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30, (
+        rc, seconds, err[-2000:])
     assert checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"] == saved
 
 
