@@ -1,71 +1,94 @@
-"""Partial rollout: samples a training rollout cancelled, kept and continued in later steps, and the GRPO
-groups they hold back until every member has finished.
+"""Partial rollout: samples a training rollout cancelled, kept and continued in later steps, and the
+GRPO groups they hold back until every member has finished.
 
-Owns what a training rollout launches when partial rollout is on (unfinished samples first, in the order
-they were suspended, then new prompts up to the batch), the staleness rule (too old: restart from the
-prompt), when a group is complete, the counters, and the buffer's checkpoint form. Does not own the
-engine (rollout.py continues a sample from its token ids) nor how old tokens are weighted or masked in
-the loss (train.py, grpo.py). Validation never comes here.
+Owns what a training rollout launches when partial rollout is on (unfinished samples first, in the
+order they were suspended, then new prompts up to the batch), the staleness rule (too old: restart
+from the prompt), when a group is complete, the counters, and the buffer's checkpoint form. Does not
+own the engine (rollout.py continues a sample from its token ids) nor how old tokens are weighted or
+masked in the loss (train.py, grpo.py). Validation never comes here.
 """
+
 import dataclasses
 import math
 
 from sample import Sample
 from tasks import Prompt
 
-
-COUNTERS = ("launched", "suspended", "resumed", "restarts", "wasted_tokens", "dropped_multi_turn", "trained_groups")
+COUNTERS = (
+    "launched",
+    "suspended",
+    "resumed",
+    "restarts",
+    "wasted_tokens",
+    "dropped_multi_turn",
+    "trained_groups",
+)
 
 
 @dataclasses.dataclass
 class HeldGroup:
     """A prompt whose group is not complete: each member is a trajectory (its list of turns)."""
+
     prompt: Prompt
     members: list  # list[list[Sample]]; a member waiting in `PartialBuffer.waiting` ends "abort"
 
 
 class PartialBuffer:
-    """Unfinished samples and the groups they belong to, carried from one training rollout to the next.
+    """Unfinished samples and the groups they belong to, carried from one training rollout to the
+    next.
 
     Each step: `launch` says which unfinished samples to continue (and restarts the stale ones) and
-    which new prompts fill the batch; the engine generates; `collect` files every returned trajectory
-    under its group, suspends the ones cancelled again, and hands back the groups now complete. A group
-    is trained once, whole, however many steps its slowest member took; a finished member is never
-    regenerated. Multi-turn trajectories are not resumed: a cancelled one is dropped (counted).
+    which new prompts fill the batch; the engine generates; `collect` files every returned
+    trajectory under its group, suspends the ones cancelled again, and hands back the groups now
+    complete. A group is trained once, whole, however many steps its slowest member took; a finished
+    member is never regenerated. Multi-turn trajectories are not resumed: a cancelled one is dropped
+    (counted).
     """
 
     def __init__(self, group_size, max_staleness, multi_turn=False):
-        # multi_turn: the task has a tool, so even a trajectory cancelled in its first turn is not resumed
-        # (the engine continues one request; a tool call in the continuation would go unanswered)
+        # multi_turn: the task has a tool, so even a trajectory cancelled in its first turn is not
+        # resumed (the engine continues one request; a tool call in the continuation would go
+        # unanswered)
         self.group_size, self.max_staleness, self.multi_turn = group_size, max_staleness, multi_turn
-        self.groups = []   # HeldGroup, in arrival order
-        self.waiting = []  # (group, member index) of unfinished single-turn samples, in suspension order
+        self.groups = []  # HeldGroup, in arrival order
+        # (group, member index) of unfinished single-turn samples, in suspension order
+        self.waiting = []
         self._launched = []  # what this step's resumes were, in launch order (set by `launch`)
         self.resumed = {}  # group id -> HeldGroup of this step's resumes (set by `launch`)
         self.counters = dict.fromkeys(COUNTERS, 0)  # this step's; reset by `launch`
 
     def new_prompts_needed(self, num_prompts):
-        """How many new prompts fill a batch of `num_prompts` groups beside the unfinished samples."""
+        """How many new prompts fill a batch of `num_prompts` groups beside the unfinished
+        samples."""
         return max(num_prompts - math.ceil(len(self.waiting) / self.group_size), 0)
 
     def launch(self, new_prompts, num_prompts, version):
-        """(unfinished samples to continue, new prompts to launch) for a rollout under weight `version`.
+        """(unfinished samples to continue, new prompts to launch) for a rollout under weight
+        `version`.
 
-        Continued samples go first; new prompts fill the batch of `num_prompts` groups, so the launched
-        request count stays about the same. A sample whose oldest token is more than `max_staleness`
-        versions old is restarted from its prompt (an empty response), counted. Each held group gets one
-        group id, numbered after the new prompts' (0..), so the engine never mixes it with a fresh group and
-        dynamic sampling judges it whole (`resumed`, `prior_rewards`).
+        Continued samples go first; new prompts fill the batch of `num_prompts` groups, so the
+        launched request count stays about the same. A sample whose oldest token is more than
+        `max_staleness` versions old is restarted from its prompt (an empty response), counted. Each
+        held group gets one group id, numbered after the new prompts' (0..), so the engine never
+        mixes it with a fresh group and dynamic sampling judges it whole (`resumed`,
+        `prior_rewards`).
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
-        new_prompts = new_prompts[:self.new_prompts_needed(num_prompts)]
+        new_prompts = new_prompts[: self.new_prompts_needed(num_prompts)]
         resumes, self.resumed, group_ids = [], {}, {}
         for group, index in self.waiting:
             sample = group.members[index][-1]
             if sample.versions and version - min(sample.versions) > self.max_staleness:
                 self.counters["restarts"] += 1
                 self.counters["wasted_tokens"] += len(sample.response_ids)
-                sample = Sample(sample.prompt_ids, [], [], [], sample.group_id, times_resumed=sample.times_resumed)
+                sample = Sample(
+                    sample.prompt_ids,
+                    [],
+                    [],
+                    [],
+                    sample.group_id,
+                    times_resumed=sample.times_resumed,
+                )
             else:
                 self.counters["resumed"] += 1
             group_id = group_ids.setdefault(id(group), len(new_prompts) + len(group_ids))
@@ -75,24 +98,29 @@ class PartialBuffer:
         return resumes, new_prompts
 
     def prior_rewards(self):
-        """{group id: rewards of its finished members} of the held groups this step resumes: the members
-        that finished in earlier steps were scored then (failed ones count nowhere, the resumed ones are
-        still aborted here)."""
-        return {group_id: [m[-1].reward for m in group.members if not m[-1].is_aborted]
-                for group_id, group in self.resumed.items()}
+        """{group id: rewards of its finished members} of the held groups this step resumes: the
+        members that finished in earlier steps were scored then (failed ones count nowhere, the
+        resumed ones are still aborted here)."""
+        return {
+            group_id: [m[-1].reward for m in group.members if not m[-1].is_aborted]
+            for group_id, group in self.resumed.items()
+        }
 
     def collect(self, samples, new_prompts):
         """File this rollout's trajectories (resumes first, then `group_size` per new prompt, as
-        RolloutEngine.generate returns them) and return (prompts, samples) of the groups now complete,
-        in arrival order: group ids index the returned prompts, trajectory ids are renumbered 0..
-        `new_prompts` is indexed by group id (dynamic sampling's refills included); the held groups' ids
-        (`resumed`) are skipped."""
+        RolloutEngine.generate returns them) and return (prompts, samples) of the groups now
+        complete, in arrival order: group ids index the returned prompts, trajectory ids are
+        renumbered 0.. `new_prompts` is indexed by group id (dynamic sampling's refills
+        included); the held groups' ids (`resumed`) are skipped."""
         trajectories = {}
         self.counters["launched"] = len({s.trajectory_id for s in samples})
         for s in samples:
             trajectories.setdefault(s.trajectory_id, []).append(s)
-        fresh = {group_id: HeldGroup(prompt, []) for group_id, prompt in enumerate(new_prompts)
-                 if group_id not in self.resumed}
+        fresh = {
+            group_id: HeldGroup(prompt, [])
+            for group_id, prompt in enumerate(new_prompts)
+            if group_id not in self.resumed
+        }
         for trajectory_id in sorted(trajectories):
             turns = trajectories[trajectory_id]
             if trajectory_id < len(self._launched):  # a resumed (or restarted) sample
@@ -127,32 +155,49 @@ class PartialBuffer:
         return prompts, out
 
     def metrics(self):
-        """This step's counters and the buffer's size after it (all summed over ranks by parallel.py). The
-        rollout/* keys replace rollout_metrics' (which sees only the trained groups): "aborted" counts the
-        trajectories suspended this step, "wasted_tokens" the tokens generated and then thrown away."""
+        """This step's counters and the buffer's size after it (all summed over ranks by
+        parallel.py). The rollout/* keys replace rollout_metrics' (which sees only the trained
+        groups): "aborted" counts the trajectories suspended this step, "wasted_tokens" the
+        tokens generated and then thrown away."""
         c = self.counters
         return {f"partial/{name}": value for name, value in c.items()} | {
-            "partial/buffer_samples": len(self.waiting), "partial/held_groups": len(self.groups),
-            "rollout/launched": c["launched"], "rollout/aborted": c["suspended"],
-            "rollout/aborted_ratio": c["suspended"] / max(c["launched"], 1), "rollout/wasted_tokens": c["wasted_tokens"]}
+            "partial/buffer_samples": len(self.waiting),
+            "partial/held_groups": len(self.groups),
+            "rollout/launched": c["launched"],
+            "rollout/aborted": c["suspended"],
+            "rollout/aborted_ratio": c["suspended"] / max(c["launched"], 1),
+            "rollout/wasted_tokens": c["wasted_tokens"],
+        }
 
     # ------------------------------------------------------------------ checkpoint form
     def state_dict(self):
         """Plain lists, strings and numbers (checkpoint.py loads them with weights_only=True)."""
         index = {id(group): i for i, group in enumerate(self.groups)}
-        return {"groups": [{"prompt": dataclasses.asdict(g.prompt),
-                            "members": [[turn.to_state() for turn in turns] for turns in g.members]}
-                           for g in self.groups],
-                "waiting": [(index[id(group)], member) for group, member in self.waiting]}
+        return {
+            "groups": [
+                {
+                    "prompt": dataclasses.asdict(g.prompt),
+                    "members": [[turn.to_state() for turn in turns] for turns in g.members],
+                }
+                for g in self.groups
+            ],
+            "waiting": [(index[id(group)], member) for group, member in self.waiting],
+        }
 
     def load_state_dict(self, state):
-        self.groups = [HeldGroup(Prompt(**g["prompt"]), [[Sample(**turn) for turn in turns] for turns in g["members"]])
-                       for g in state["groups"]]
+        self.groups = [
+            HeldGroup(
+                Prompt(**g["prompt"]),
+                [[Sample(**turn) for turn in turns] for turns in g["members"]],
+            )
+            for g in state["groups"]
+        ]
         self.waiting = [(self.groups[group], member) for group, member in state["waiting"]]
 
 
 def merge_states(states):
-    """One buffer state from several ranks' (checkpoint.py writes one file), groups in rank order."""
+    """One buffer state from several ranks' (checkpoint.py writes one file), groups in rank
+    order."""
     merged = {"groups": [], "waiting": []}
     for state in states:
         offset = len(merged["groups"])
@@ -162,8 +207,11 @@ def merge_states(states):
 
 
 def share_state(state, rank, world_size):
-    """This rank's contiguous share of a merged state's groups, with their waiting entries in order."""
+    """This rank's contiguous share of a merged state's groups, with their waiting entries in
+    order."""
     num = len(state["groups"])
     lo, hi = rank * num // world_size, (rank + 1) * num // world_size
-    return {"groups": state["groups"][lo:hi],
-            "waiting": [(group - lo, member) for group, member in state["waiting"] if lo <= group < hi]}
+    return {
+        "groups": state["groups"][lo:hi],
+        "waiting": [(group - lo, member) for group, member in state["waiting"] if lo <= group < hi],
+    }

@@ -1,18 +1,23 @@
-"""Calculator tool: evaluates model-written (untrusted) arithmetic and returns an observation string.
+"""Calculator tool: evaluates model-written (untrusted) arithmetic and returns an observation
+string.
 
 Owns parsing (Python's `ast`, never eval), the size/depth/magnitude bounds and result formatting.
-Does not find tool calls in model text or decide when the tool runs; bad input is an "error: ..." string.
+Does not find tool calls in model text or decide when the tool runs; bad input is an "error: ..."
+string.
 """
+
 import ast
 import math
 import operator
 
-MAX_CHARS = 200        # longer input is rejected before parsing; this also bounds the AST depth
-MAX_DEPTH = 20         # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
-MAX_OPERAND = 1e15     # |literal| bound: keeps int arithmetic cheap and floats exact-ish
-MAX_EXPONENT = 64      # |b| bound in a ** b
-MAX_RESULT = 1e30      # |value| bound on every intermediate result, so no step can blow up
-# First layer: the parser never sees names, strings, escapes or null bytes. The AST check is the second.
+MAX_CHARS = 200  # longer input is rejected before parsing; this also bounds the AST depth
+# parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
+MAX_DEPTH = 20
+MAX_OPERAND = 1e15  # |literal| bound: keeps int arithmetic cheap and floats exact-ish
+MAX_EXPONENT = 64  # |b| bound in a ** b
+MAX_RESULT = 1e30  # |value| bound on every intermediate result, so no step can blow up
+# First layer: the parser never sees names, strings, escapes or null bytes. The AST check is the
+# second.
 ALLOWED_CHARS = frozenset("0123456789.eE_+-*/() \t\n")
 
 
@@ -21,8 +26,13 @@ class CalcError(ValueError):
 
 
 # Only these operators exist for the model; everything else in Python's grammar is rejected.
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 def _paren_depth(text: str) -> int:
@@ -45,7 +55,8 @@ def _bounded(value: int | float, limit: float, what: str) -> int | float:
 
 
 def _check_power(base: int | float, exponent: int | float) -> None:
-    """Refuse a ** b before computing it if |b| or the result's size (|b| * log10|a| digits) is too big."""
+    """Refuse a ** b before computing it if |b| or the result's size (|b| * log10|a| digits) is
+    too big."""
     if abs(exponent) > MAX_EXPONENT:
         raise CalcError(f"exponent too large (|exponent| <= {MAX_EXPONENT})")
     if base != 0 and exponent * math.log10(abs(base)) > math.log10(MAX_RESULT):
@@ -53,7 +64,8 @@ def _check_power(base: int | float, exponent: int | float) -> None:
 
 
 def _eval(node: ast.AST) -> int | float:
-    # Recursion depth <= AST depth, which MAX_CHARS bounds to ~MAX_CHARS levels (under Python's limit).
+    # Recursion depth <= AST depth, which MAX_CHARS bounds to ~MAX_CHARS levels (under Python's
+    # limit).
     if isinstance(node, ast.Constant):
         if type(node.value) not in (int, float):  # type(), not isinstance: bool is an int subclass
             raise CalcError(f"unsupported constant of type {type(node.value).__name__}")
@@ -72,14 +84,16 @@ def _eval(node: ast.AST) -> int | float:
 
 def _format(value: int | float) -> str:
     # Integral floats print as ints ("7/1" -> "7"); others with 12 significant digits, which hides
-    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would zero.
+    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would
+    # zero.
     if isinstance(value, float) and value.is_integer() and abs(value) < MAX_OPERAND:
         value = int(value)
     return str(value) if isinstance(value, int) else format(value, ".12g")
 
 
 def calculate(expression: str) -> str:
-    """Evaluate `expression` (numbers, unary +/-, + - * / **, parentheses); never raises, never hangs."""
+    """Evaluate `expression` (numbers, unary +/-, + - * / **, parentheses); never raises, never
+    hangs."""
     if not isinstance(expression, str):
         return "error: expression must be a string"
     text = expression.strip()

@@ -1,9 +1,10 @@
-"""Checkpoints: writing one atomically (sharded model + optimizer state, an HF export, the trainer state),
-finding the latest, and restoring a run from it; and the HF folder the engine starts from.
+"""Checkpoints: writing one atomically (sharded model + optimizer state, an HF export, the trainer
+state), finding the latest, and restoring a run from it; and the HF folder the engine starts from.
 
-Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves and
-reshards it with torch.distributed.checkpoint) nor when checkpoints are taken (train.py).
+Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves
+and reshards it with torch.distributed.checkpoint) nor when checkpoints are taken (train.py).
 """
+
 import glob
 import logging
 import os
@@ -19,27 +20,38 @@ log = logging.getLogger("checkpoint")
 
 
 def save(out_dir, step, run):
-    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint, loadable at
-    any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained` and SGLang) and the
-    trainer state (step, scheduler, RNG, the partial-rollout buffer, every rank's prompt-stream position,
-    which is the data position; tensors and plain values only, loaded with weights_only=True).
-    Written to a temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint,
+    loadable at any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained`
+    and SGLang) and the trainer state (step, scheduler, RNG, the partial-rollout buffer, every
+    rank's prompt-stream position, which is the data position; tensors and plain values only,
+    loaded with weights_only=True). Written to a temp dir then renamed: a crash mid-write never
+    leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
     parallel.barrier()
     parallel.save_state(os.path.join(tmp, "sharded"), run.policy, run.optimizer)
-    full_state = parallel.full_state_dict(run.policy)  # a collective: gathered one tensor at a time to rank 0
-    # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or trained twice
+    # a collective: gathered one tensor at a time to rank 0
+    full_state = parallel.full_state_dict(run.policy)
+    # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or
+    # trained twice
     buffers = parallel.gather_objects(run.buffer.state_dict() if run.buffer else None)
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
         save_hf(run.policy, run.tokenizer, tmp, full_state)
-        torch.save({"step": step, "world_size": parallel.world_size(), "scheduler": run.scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                    "buffer": merge_states(buffers) if run.buffer else None, "prompt_positions": positions},
-                   os.path.join(tmp, "trainer_state.pt"))
+        torch.save(
+            {
+                "step": step,
+                "world_size": parallel.world_size(),
+                "scheduler": run.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+                "buffer": merge_states(buffers) if run.buffer else None,
+                "prompt_positions": positions,
+            },
+            os.path.join(tmp, "trainer_state.pt"),
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
@@ -53,18 +65,25 @@ def latest(out_dir):
 
 
 def read_trainer_state(folder):
-    """Step, scheduler and RNG state. Plain tensors and values only: loading never runs pickled code."""
+    """Step, scheduler and RNG state. Plain tensors and values only: loading never runs pickled
+    code."""
     return torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=True)
 
 
 def restore(folder, state, policy, optimizer, scheduler):
-    """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on every rank)."""
+    """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on
+    every rank)."""
     parallel.load_state(os.path.join(folder, "sharded"), policy, optimizer)
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
-    log.info("resumed from %s at step %d (written by %d ranks, now %d)", folder, state["step"],
-             state["world_size"], parallel.world_size())
+    log.info(
+        "resumed from %s at step %d (written by %d ranks, now %d)",
+        folder,
+        state["step"],
+        state["world_size"],
+        parallel.world_size(),
+    )
 
 
 def save_hf(policy, tokenizer, folder, state_dict=None):

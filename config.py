@@ -3,6 +3,7 @@
 Owns every setting's name, type, default and one-line meaning; YAML files in configs/ only override.
 An unknown key or a value of the wrong type is a ConfigError that names it.
 """
+
 import dataclasses
 import typing
 
@@ -16,11 +17,15 @@ class ConfigError(ValueError):
 @dataclasses.dataclass
 class ModelConfig:
     path: str = "tiny"  # "tiny" builds the demo model locally; else a HF folder or hub id
-    # Parameters, gradients and AdamW state are always float32 (master weights): at lr 1e-6 an AdamW update
-    # is below bfloat16's spacing for almost every weight and would round away. These two say what runs in:
-    compute_dtype: str = "float32"  # trainer forward/backward: float32 | bfloat16 (autocast, or FSDP2 mixed precision)
-    engine_dtype: str = "float32"  # the rollout engine's weights, cast from the masters at every weight sync
-    trust_remote_code: bool = False  # run Python code shipped in a model folder (trainer and engine): only if you trust it
+    # Parameters, gradients and AdamW state are always float32 (master weights): at lr 1e-6 an AdamW
+    # update is below bfloat16's spacing for almost every weight and would round away. These two say
+    # what runs in:
+    # trainer forward/backward: float32 | bfloat16 (autocast, or FSDP2 mixed precision)
+    compute_dtype: str = "float32"
+    # the rollout engine's weights, cast from the masters at every weight sync
+    engine_dtype: str = "float32"
+    # run Python code shipped in a model folder (trainer and engine): only if you trust it
+    trust_remote_code: bool = False
     hidden_size: int = 64  # tiny model only, from here on
     intermediate_size: int = 256
     num_layers: int = 2
@@ -30,16 +35,20 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    task: str = "tiny"  # tiny | tiny_tool (multi-turn calculator demo) | gsm8k | chat (your own rows and reward)
+    # tiny | tiny_tool (multi-turn calculator demo) | gsm8k | chat (your own rows and reward)
+    task: str = "tiny"
     train_path: str = ""  # gsm8k, chat: a .jsonl / .parquet file or a hub name such as openai/gsm8k
     val_path: str = ""  # default: train_path's "test" split (a file: the same rows)
-    prompt_field: str = "prompt"  # chat: a row's prompt, a string (one user message) or a list of chat messages
+    # chat: a row's prompt, a string (one user message) or a list of chat messages
+    prompt_field: str = "prompt"
     answer_field: str = "answer"  # chat: what the reward compares against (a string or a number)
-    reward: str = ""  # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
+    # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
+    reward: str = ""
     hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")
     max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
     tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
-    tiny_operand_digits: int = 2  # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
+    # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
+    tiny_operand_digits: int = 2
     num_tiny_prompts: int = 4096  # tiny tasks: size of the drawn training set
     num_val_prompts: int = 64  # validation prompts used (all if fewer)
 
@@ -52,35 +61,48 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 48  # per turn
     max_turns: int = 1  # > 1: multi-turn with the calculator tool (tiny_tool, gsm8k)
-    max_response_tokens: int = 0  # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
-    merge_turns: bool = True  # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
-    engine_threads: int = 1  # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
+    # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
+    max_response_tokens: int = 0
+    # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
+    merge_turns: bool = True
+    # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
+    engine_threads: int = 1
     mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
     max_total_tokens: int = 16384  # KV cache capacity in tokens (0 = engine decides from memory)
     cancel: str = "none"  # tail cancellation: none | count | time | group
-    drop_rate: float = 0.0  # count/group: launch the batch, stop once (1 - drop_rate) of it finished
-    over_sample_rate: float = 0.0  # count/group: launch (1 + rate) x batch, stop once the batch finished
+    # count/group: launch the batch, stop once (1 - drop_rate) of it finished
+    drop_rate: float = 0.0
+    # count/group: launch (1 + rate) x batch, stop once the batch finished
+    over_sample_rate: float = 0.0
     time_quantile: float = 0.8  # time: once this fraction of the target finished at t ...
     time_factor: float = 1.5  # ... wait at most factor * t more, then cancel the rest
-    # partial rollout (buffer.py): a cancelled sample is suspended, not dropped, and continued in the next
-    # step under the new weights; its group is trained once every member finished
+    # partial rollout (buffer.py): a cancelled sample is suspended, not dropped, and continued in
+    # the next step under the new weights; its group is trained once every member finished
     partial: bool = False
-    max_staleness: int = 4  # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
-    # dynamic sampling (DAPO): train only groups whose rewards differ, judged as each group's last member
-    # finishes; the rollout ends once prompts_per_step such groups finished, whatever `cancel` (which then says
-    # whether the rest is aborted, or with none waited for), and launches more prompts while too few can be kept
+    # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
+    max_staleness: int = 4
+    # dynamic sampling (DAPO): train only groups whose rewards differ, judged as each group's last
+    # member finishes; the rollout ends once prompts_per_step such groups finished, whatever
+    # `cancel` (which then says whether the rest is aborted, or with none waited for), and launches
+    # more prompts while too few can be kept
     filter_groups: bool = False
-    refill_prompts: int = 0  # prompts launched at a time while too few groups can be kept (0 = prompts_per_step / 4)
-    max_prompts_per_step: int = 0  # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
-    max_failed_ratio: float = 0.1  # a step where more requests fail inside the engine stops training
+    # prompts launched at a time while too few groups can be kept (0 = prompts_per_step / 4)
+    refill_prompts: int = 0
+    # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
+    max_prompts_per_step: int = 0
+    # a step where more requests fail inside the engine stops training
+    max_failed_ratio: float = 0.1
     abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
-    request_timeout_s: float = 0.0  # a request running longer is aborted and counts as failed (0 = no limit)
-    rollout_timeout_s: float = 0.0  # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
+    # a request running longer is aborted and counts as failed (0 = no limit)
+    request_timeout_s: float = 0.0
+    # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
+    rollout_timeout_s: float = 0.0
 
 
 @dataclasses.dataclass
 class MemoryConfig:
-    mode: str = "staged"  # staged | all_at_once | off (never release: engine and trainer both stay resident)
+    # staged | all_at_once | off (never release: engine and trainer both stay resident)
+    mode: str = "staged"
     bucket_mb: int = 256  # weight sync pushes parameters in buckets of about this size
 
 
@@ -91,34 +113,47 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
-    warmup_steps: int = 0  # linear learning-rate warmup, then constant
+    warmup_steps: int = 0  # linear learning-rate warmup, then the schedule below
+    # constant | cosine (decays to min_lr_ratio x lr at the last step)
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.1  # cosine: the final learning rate as a fraction of lr
     grad_clip: float = 1.0
     clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
     clip_eps_high: float = 0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
-    ratio_level: str = "token"  # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean)
-    sequence_clip_eps: float = 3.0e-4  # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
+    # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean)
+    ratio_level: str = "token"
+    # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
+    sequence_clip_eps: float = 3.0e-4
     sequence_clip_eps_high: float = 4.0e-4
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    mask_truncated: bool = False  # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
+    # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"
+    # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
+    mask_truncated: bool = False
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
-    tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
-    max_token_staleness: int = -1  # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
+    # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
+    tis_cap: float = 0.0
+    # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
+    max_token_staleness: int = -1
     num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
-    # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x width; a longer
-    # sequence gets one of its own), rows no wider than the longest sequence (batching.py); micro_batch_size is
-    # then unused. 0: padded micro-batches of micro_batch_size rows
+    # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
+    # width; a longer sequence gets one of its own), rows no wider than the longest sequence
+    # (batching.py); micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size
+    # rows
     max_tokens_per_micro_batch: int = 0
-    gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~1/3 more compute
-    # a non-finite loss or gradient norm skips that update (logged, counted in train/skipped_updates); this many
-    # in a row stop the run with a NonFiniteError: the policy is broken, not unlucky
+    # recompute decoder activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False
+    # a non-finite loss or gradient norm skips that update (logged, counted in
+    # train/skipped_updates); this many in a row stop the run with a NonFiniteError: the policy is
+    # broken, not unlucky
     max_bad_updates: int = 3
     threads: int = 1  # torch threads of the trainer process
     seed: int = 0
 
     def clip_range(self):
-        """(low, high) clip epsilons of the ratio: [1 - low, 1 + high]; GSPO's own with ratio_level=sequence."""
+        """(low, high) clip epsilons of the ratio: [1 - low, 1 + high]; GSPO's own with
+        ratio_level=sequence."""
         if self.ratio_level == "sequence":
             return self.sequence_clip_eps, self.sequence_clip_eps_high
         return self.clip_eps, self.clip_eps_high or self.clip_eps
@@ -129,8 +164,10 @@ class RunConfig:
     out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
     val_every: int = 10  # steps between validations (greedy and sampled)
     checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
-    nproc: int = 0  # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
-    log_samples: int = 4  # greedy validation trajectories written to TensorBoard as text (val/samples)
+    # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
+    nproc: int = 0
+    # greedy validation trajectories written to TensorBoard as text (val/samples)
+    log_samples: int = 4
 
 
 @dataclasses.dataclass
@@ -143,85 +180,152 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        choices = {"data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k", "chat")),
-                   "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
-                   "train.loss_agg": (self.train.loss_agg, ("token-mean", "seq-mean-token-sum",
-                                      "seq-mean-token-mean", "seq-mean-token-sum-norm")),
-                   "train.ratio_level": (self.train.ratio_level, ("token", "sequence")),
-                   "model.compute_dtype": (self.model.compute_dtype, ("float32", "bfloat16")),
-                   "model.engine_dtype": (self.model.engine_dtype, ("float32", "bfloat16")),
-                   "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off"))}
+        choices = {
+            "data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k", "chat")),
+            "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
+            "train.loss_agg": (
+                self.train.loss_agg,
+                (
+                    "token-mean",
+                    "seq-mean-token-sum",
+                    "seq-mean-token-mean",
+                    "seq-mean-token-sum-norm",
+                ),
+            ),
+            "train.ratio_level": (self.train.ratio_level, ("token", "sequence")),
+            "train.lr_schedule": (self.train.lr_schedule, ("constant", "cosine")),
+            "model.compute_dtype": (self.model.compute_dtype, ("float32", "bfloat16")),
+            "model.engine_dtype": (self.model.engine_dtype, ("float32", "bfloat16")),
+            "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off")),
+        }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
         if not 0 <= self.rollout.drop_rate < 1:
-            raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1")
+            raise ConfigError(
+                f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1"
+            )
         if self.rollout.drop_rate > 0 and self.rollout.over_sample_rate > 0:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
         if self.data.task in ("gsm8k", "chat") and not self.data.train_path:
-            raise ConfigError(f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a hub name)")
+            raise ConfigError(
+                f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
+            )
         if self.data.task == "chat" and not self.data.reward:
-            raise ConfigError("data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'")
+            raise ConfigError(
+                "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
+            )
         if self.train.ratio_level == "sequence" and self.train.loss_agg != "seq-mean-token-mean":
-            raise ConfigError(f"train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
-                              f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}")
+            raise ConfigError(
+                f"train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
+                f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}"
+            )
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
             raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
         if self.rollout.partial and self.rollout.cancel == "none":
-            raise ConfigError("rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
-                              "nothing: choose a cancel policy (count, time or group)")
+            raise ConfigError(
+                "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
+                "nothing: choose a cancel policy (count, time or group)"
+            )
         if self.rollout.max_staleness < 0 or self.train.max_token_staleness < -1:
-            raise ConfigError(f"rollout.max_staleness={self.rollout.max_staleness} must be >= 0 and "
-                              f"train.max_token_staleness={self.train.max_token_staleness} >= -1 (-1 = off)")
-        if self.rollout.filter_groups and 0 < self.rollout.max_prompts_per_step < self.rollout.prompts_per_step:
-            raise ConfigError(f"rollout.max_prompts_per_step={self.rollout.max_prompts_per_step} is below "
-                              f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill its batch")
+            raise ConfigError(
+                f"rollout.max_staleness={self.rollout.max_staleness} must be >= 0 and "
+                f"train.max_token_staleness={self.train.max_token_staleness} >= -1 (-1 = off)"
+            )
+        if (
+            self.rollout.filter_groups
+            and 0 < self.rollout.max_prompts_per_step < self.rollout.prompts_per_step
+        ):
+            raise ConfigError(
+                f"rollout.max_prompts_per_step={self.rollout.max_prompts_per_step} is below "
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill its batch"
+            )
         if self.run.nproc < 0:
-            raise ConfigError(f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1")
+            raise ConfigError(
+                f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1"
+            )
         if self.rollout.group_size < 2:
-            raise ConfigError("rollout.group_size must be >= 2: GRPO compares samples within a group")
+            raise ConfigError(
+                "rollout.group_size must be >= 2: GRPO compares samples within a group"
+            )
         for key, value, low in self._bounds():
             if not value >= low:  # also rejects NaN
                 raise ConfigError(f"{key}={value!r}: expected >= {low}")
-        if self.rollout.over_sample_rate < 0 or self.rollout.time_factor <= 0 or not 0 < self.rollout.time_quantile <= 1:
-            raise ConfigError("rollout.over_sample_rate must be >= 0, time_factor > 0 and 0 < time_quantile <= 1")
+        if (
+            self.rollout.over_sample_rate < 0
+            or self.rollout.time_factor <= 0
+            or not 0 < self.rollout.time_quantile <= 1
+        ):
+            raise ConfigError(
+                "rollout.over_sample_rate must be >= 0, time_factor > 0 and 0 < time_quantile <= 1"
+            )
+        if self.train.min_lr_ratio > 1:
+            raise ConfigError(
+                f"train.min_lr_ratio={self.train.min_lr_ratio}: expected 0 <= ratio <= 1"
+            )
         if self.data.tiny_operand_digits > 7:  # the calculator takes operands < 1e15
-            raise ConfigError(f"data.tiny_operand_digits={self.data.tiny_operand_digits}: expected <= 7")
+            raise ConfigError(
+                f"data.tiny_operand_digits={self.data.tiny_operand_digits}: expected <= 7"
+            )
         if self.train.lr <= 0 or self.train.clip_eps <= 0 or self.train.grad_clip <= 0:
-            raise ConfigError(f"train.lr={self.train.lr}, clip_eps={self.train.clip_eps} and "
-                              f"grad_clip={self.train.grad_clip} must all be > 0")
+            raise ConfigError(
+                f"train.lr={self.train.lr}, clip_eps={self.train.clip_eps} and "
+                f"grad_clip={self.train.grad_clip} must all be > 0"
+            )
 
     def _bounds(self):
         """(key, value, smallest allowed) of every count and size."""
         r, t, m, d = self.rollout, self.train, self.model, self.data
-        return [("rollout.prompts_per_step", r.prompts_per_step, 1), ("rollout.max_new_tokens", r.max_new_tokens, 1),
-                ("rollout.max_turns", r.max_turns, 1), ("rollout.max_response_tokens", r.max_response_tokens, 0),
-                ("rollout.engine_threads", r.engine_threads, 1), ("rollout.max_total_tokens", r.max_total_tokens, 0),
-                ("rollout.temperature", r.temperature, 0), ("rollout.top_p", r.top_p, 1e-9),
-                ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3), ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
-                ("rollout.request_timeout_s", r.request_timeout_s, 0), ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
-                ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
-                ("rollout.refill_prompts", r.refill_prompts, 0), ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
-                ("train.steps", t.steps, 0), ("train.micro_batch_size", t.micro_batch_size, 1),
-                ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
-                ("train.num_minibatches", t.num_minibatches, 1), ("train.threads", t.threads, 1),
-                ("train.warmup_steps", t.warmup_steps, 0), ("train.kl_coef", t.kl_coef, 0),
-                ("train.weight_decay", t.weight_decay, 0), ("train.clip_eps_high", t.clip_eps_high, 0),
-                ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
-                ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9),
-                ("train.max_bad_updates", t.max_bad_updates, 1),
-                ("model.hidden_size", m.hidden_size, 1), ("model.intermediate_size", m.intermediate_size, 1),
-                ("model.num_layers", m.num_layers, 1), ("model.num_heads", m.num_heads, 1),
-                ("model.max_position_embeddings", m.max_position_embeddings, 2),
-                ("data.max_prompt_len", d.max_prompt_len, 1), ("data.tiny_max_count", d.tiny_max_count, 1),
-                ("data.tiny_operand_digits", d.tiny_operand_digits, 1), ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
-                ("data.num_val_prompts", d.num_val_prompts, 1), ("memory.bucket_mb", self.memory.bucket_mb, 1),
-                ("run.val_every", self.run.val_every, 1), ("run.checkpoint_every", self.run.checkpoint_every, 0),
-                ("run.log_samples", self.run.log_samples, 0)]
+        return [
+            ("rollout.prompts_per_step", r.prompts_per_step, 1),
+            ("rollout.max_new_tokens", r.max_new_tokens, 1),
+            ("rollout.max_turns", r.max_turns, 1),
+            ("rollout.max_response_tokens", r.max_response_tokens, 0),
+            ("rollout.engine_threads", r.engine_threads, 1),
+            ("rollout.max_total_tokens", r.max_total_tokens, 0),
+            ("rollout.temperature", r.temperature, 0),
+            ("rollout.top_p", r.top_p, 1e-9),
+            ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3),
+            ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
+            ("rollout.request_timeout_s", r.request_timeout_s, 0),
+            ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
+            ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
+            ("rollout.refill_prompts", r.refill_prompts, 0),
+            ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
+            ("train.steps", t.steps, 0),
+            ("train.micro_batch_size", t.micro_batch_size, 1),
+            ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
+            ("train.num_minibatches", t.num_minibatches, 1),
+            ("train.threads", t.threads, 1),
+            ("train.warmup_steps", t.warmup_steps, 0),
+            ("train.min_lr_ratio", t.min_lr_ratio, 0),
+            ("train.kl_coef", t.kl_coef, 0),
+            ("train.weight_decay", t.weight_decay, 0),
+            ("train.clip_eps_high", t.clip_eps_high, 0),
+            ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
+            ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9),
+            ("train.max_bad_updates", t.max_bad_updates, 1),
+            ("model.hidden_size", m.hidden_size, 1),
+            ("model.intermediate_size", m.intermediate_size, 1),
+            ("model.num_layers", m.num_layers, 1),
+            ("model.num_heads", m.num_heads, 1),
+            ("model.max_position_embeddings", m.max_position_embeddings, 2),
+            ("data.max_prompt_len", d.max_prompt_len, 1),
+            ("data.tiny_max_count", d.tiny_max_count, 1),
+            ("data.tiny_operand_digits", d.tiny_operand_digits, 1),
+            ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
+            ("data.num_val_prompts", d.num_val_prompts, 1),
+            ("memory.bucket_mb", self.memory.bucket_mb, 1),
+            ("run.val_every", self.run.val_every, 1),
+            ("run.checkpoint_every", self.run.checkpoint_every, 0),
+            ("run.log_samples", self.run.log_samples, 0),
+        ]
 
 
-RENAMED = {"model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "
-                          "parameters are always float32"}
+RENAMED = {
+    "model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "
+    "parameters are always float32"
+}
 
 
 def _coerce(key, value, kind):

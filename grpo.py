@@ -1,19 +1,26 @@
-"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss (with
-clip-higher, GSPO's sequence-level ratio, and optional truncated importance sampling for engine-vs-trainer
-mismatch).
+"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss
+(with clip-higher, GSPO's sequence-level ratio, and optional truncated importance sampling for
+engine-vs-trainer mismatch).
 
 Owns no state, no model and no engine; train.py calls these on padded [B, T] batches. Masked rows
 (aborted or padded samples) are exactly equivalent to removed rows under every function here.
 """
+
 import math
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 RATIO_LEVELS = ("token", "sequence")
-SEQUENCE_RATIO_AGG = "seq-mean-token-mean"  # GSPO's objective averages over sequences; the only mode it defines
+# GSPO's objective averages over sequences; the only mode it defines
+SEQUENCE_RATIO_AGG = "seq-mean-token-mean"
 
 
 def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
@@ -31,7 +38,8 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
     total = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, rewards * weight)
     mean = total / count.clamp(min=1)
     deviation = (rewards - mean[group_ids]) * weight
-    # unbiased std over survivors, like torch.std; clamp keeps 1-member groups finite (they get 0 below)
+    # unbiased std over survivors, like torch.std; clamp keeps 1-member groups finite (they get 0
+    # below)
     sum_sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, deviation**2)
     std = (sum_sq / (count - 1).clamp(min=1)).sqrt()
     advantages = deviation / (std[group_ids] + eps) if scale_by_std else deviation
@@ -45,10 +53,11 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
 def token_logprobs(logits, target_ids, temperature=1.0):
     """Log-prob of each target token and the entropy of each position's distribution.
 
-    logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no autograd).
-    The engine samples from softmax(logits / temperature), so the trainer scores the same scaled
-    distribution; otherwise ratio and engine/trainer gap would compare different policies. The entropy is
-    a statistic, never differentiated: computed without a graph, so it keeps nothing alive.
+    logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
+    autograd). The engine samples from softmax(logits / temperature), so the trainer scores the same
+    scaled distribution; otherwise ratio and engine/trainer gap would compare different policies.
+    The entropy is a statistic, never differentiated: computed without a graph, so it keeps nothing
+    alive.
     """
     scaled = logits.float() / temperature
     logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
@@ -59,31 +68,51 @@ def token_logprobs(logits, target_ids, temperature=1.0):
 
 
 def _linear_token_logprobs(hidden, weight, bias, target_ids, temperature, index=None):
-    return token_logprobs(F.linear(hidden if index is None else hidden[index], weight, bias), target_ids, temperature)
+    return token_logprobs(
+        F.linear(hidden if index is None else hidden[index], weight, bias), target_ids, temperature
+    )
 
 
 def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_tokens=1024, index=None):
-    """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V] logits.
+    """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V]
+    logits.
 
-    hidden: [B, T, H], weight: [V, H], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]), fp32.
-    With `index` [N] (positions of hidden flattened to [B * T, H]; target_ids [N]): only there, -> ([N], [N]);
-    each chunk gathers its positions inside its checkpoint, so no [N, H] copy outlives the forward.
-    The output projection runs on about `chunk_tokens` tokens (over the batch) at a time, and with
-    autograd each chunk is checkpointed: its logits and their fp32 copies are freed after the forward
-    and recomputed in the backward. Peak memory is then a few chunks of [chunk_tokens, V], not several
-    full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB per fp32 copy of 1,024 tokens,
-    against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost: the projection runs twice.
+    hidden: [B, T, H], weight: [V, H], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]),
+    fp32. With `index` [N] (positions of hidden flattened to [B * T, H]; target_ids [N]): only
+    there, -> ([N], [N]); each chunk gathers its positions inside its checkpoint, so no [N, H] copy
+    outlives the forward. The output projection runs on about `chunk_tokens` tokens (over the batch)
+    at a time, and with autograd each chunk is checkpointed: its logits and their fp32 copies are
+    freed after the forward and recomputed in the backward. Peak memory is then a few chunks of
+    [chunk_tokens, V], not several full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB
+    per fp32 copy of 1,024 tokens, against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost:
+    the projection runs twice.
     """
-    if index is not None:  # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
+    # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
+    if index is not None:
         flat, dim = hidden.flatten(0, 1), 0
-        chunks = [(flat, i, targets) for i, targets in zip(index.split(chunk_tokens), target_ids.split(chunk_tokens))]
+        chunks = [
+            (flat, i, targets)
+            for i, targets in zip(index.split(chunk_tokens), target_ids.split(chunk_tokens))
+        ]
     else:  # chunks of about chunk_tokens over the batch: views, no copy
         step, dim = max(chunk_tokens // max(hidden.shape[0], 1), 1), 1
-        chunks = [(h, None, targets) for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))]
+        chunks = [
+            (h, None, targets)
+            for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))
+        ]
     logprobs, entropies = [], []
     for h, i, targets in chunks:
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_linear_token_logprobs, h, weight, bias, targets, temperature, i, use_reentrant=False)
+            lp, ent = checkpoint(
+                _linear_token_logprobs,
+                h,
+                weight,
+                bias,
+                targets,
+                temperature,
+                i,
+                use_reentrant=False,
+            )
         else:
             lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature, i)
         logprobs.append(lp)
@@ -116,26 +145,40 @@ def aggregate(per_token, loss_mask, mode, norm_length=1):
 
 
 def aggregation_count(loss_mask, mode):
-    """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the rest), not
-    clamped (a batch with nothing to train counts 0). Weighting micro-batch losses by count / total count
-    makes gradient accumulation exact, and with the total summed over ranks, so is data parallelism."""
+    """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the
+    rest), not clamped (a batch with nothing to train counts 0). Weighting micro-batch losses by
+    count / total count makes gradient accumulation exact, and with the total summed over ranks,
+    so is data parallelism."""
     token_count = loss_mask.sum(-1)  # [B]
     if mode == "token-mean":
         return token_count.sum()
     return (token_count > 0).sum()
 
 
-def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg_mode="token-mean",
-                norm_length=1, ref_logprobs=None, kl_coef=0.0, engine_logprobs=None, tis_cap=0.0,
-                clip_eps_high=None, ratio_level="token"):
-    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and optional
-    truncated importance sampling for tokens the engine sampled from a different distribution.
+def policy_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_eps=0.2,
+    agg_mode="token-mean",
+    norm_length=1,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    engine_logprobs=None,
+    tis_cap=0.0,
+    clip_eps_high=None,
+    ratio_level="token",
+):
+    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and
+    optional truncated importance sampling for tokens the engine sampled from a different
+    distribution.
 
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]; clip_eps_high > clip_eps is DAPO's
-    clip-higher (Yu et al. 2025, sec. 3.1: 0.2 / 0.28), which lets unlikely tokens rise and keeps entropy
-    up; None = symmetric. ratio_level="sequence" is GSPO (Zheng et al. 2025, eq. 7): one ratio per sequence,
-    the geometric mean of its token ratios, clipped per sequence (with GSPO's own small range, ~3e-4/4e-4),
-    defined with seq-mean-token-mean only.
+    clip-higher (Yu et al. 2025, sec. 3.1: 0.2 / 0.28), which lets unlikely tokens rise and keeps
+    entropy up; None = symmetric. ratio_level="sequence" is GSPO (Zheng et al. 2025, eq. 7): one
+    ratio per sequence, the geometric mean of its token ratios, clipped per sequence (with GSPO's
+    own small range, ~3e-4/4e-4), defined with seq-mean-token-mean only.
 
     logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs: [B, T]; advantages: [B];
     loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and importance weights
@@ -144,34 +187,48 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_eps=0.2, agg
     log_ratio = logprobs - old_logprobs  # [B, T]
     if ratio_level == "sequence":
         if agg_mode != SEQUENCE_RATIO_AGG:
-            raise ValueError(f"ratio_level='sequence' (GSPO) is defined with {SEQUENCE_RATIO_AGG!r}, not {agg_mode!r}")
-        # GSPO's token form (eq. 10 there): every token carries sg(s_i) * pi_t / sg(pi_t). Its value is the
-        # sequence ratio s_i; its gradient, averaged over the sequence's tokens, is exactly grad s_i.
+            raise ValueError(
+                f"ratio_level='sequence' (GSPO) is defined with {SEQUENCE_RATIO_AGG!r}, not {agg_mode!r}"
+            )
+        # GSPO's token form (eq. 10 there): every token carries sg(s_i) * pi_t / sg(pi_t). Its value
+        # is the sequence ratio s_i; its gradient, averaged over the sequence's tokens, is exactly
+        # grad s_i.
         mask = loss_mask.to(log_ratio.dtype)
-        sequence_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        sequence_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(
+            -1, keepdim=True
+        ).clamp(min=1)
         log_ratio = sequence_log_ratio.detach() + logprobs - logprobs.detach()
     elif ratio_level != "token":
         raise ValueError(f"unknown ratio level {ratio_level!r}; expected one of {RATIO_LEVELS}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)  # [B, 1]: every token of a sample shares its outcome advantage
     unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)) * adv
+    clipped = (
+        ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)) * adv
+    )
     per_token = -torch.minimum(unclipped, clipped)
-    stats = {"clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()}
+    stats = {
+        "clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()
+    }
     if engine_logprobs is not None:
-        # The engine sampled from mu, not from pi_old (other kernels and precision; an older weight version
-        # once generations resume across steps). Truncated importance sampling (Yao et al. 2025, "Your
-        # efficient RL framework secretly brings you off-policy RL training") weights each token's surrogate
-        # by min(pi_old / mu, C): a constant, so PPO's clip still acts on pi / pi_old alone.
+        # The engine sampled from mu, not from pi_old (other kernels and precision; an older weight
+        # version once generations resume across steps). Truncated importance sampling (Yao et al.
+        # 2025, "Your efficient RL framework secretly brings you off-policy RL training") weights
+        # each token's surrogate by min(pi_old / mu, C): a constant, so PPO's clip still acts on pi
+        # / pi_old alone.
         if tis_cap < 1:
             raise ValueError(f"tis_cap={tis_cap}: a cap below 1 would down-weight on-policy tokens")
         log_weight = (old_logprobs - engine_logprobs).detach()  # [B, T]
-        tis_weight = torch.exp(log_weight.clamp(max=math.log(tis_cap)))  # capped before exp: never inf
+        # capped before exp: never inf
+        tis_weight = torch.exp(log_weight.clamp(max=math.log(tis_cap)))
         per_token = per_token * tis_weight
         stats["tis_weight"] = aggregate(tis_weight, loss_mask, "token-mean")
-        stats["tis_capped_frac"] = aggregate((log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean")
+        stats["tis_capped_frac"] = aggregate(
+            (log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean"
+        )
     if ref_logprobs is not None:
-        # k3 estimator (Schulman 2020): unbiased, always >= 0, used by GRPO (Shao et al. 2024, eq. 4)
+        # k3 estimator (Schulman 2020): unbiased, always >= 0, used by GRPO (Shao et al. 2024, eq.
+        # 4)
         log_ratio = ref_logprobs - logprobs
         kl = torch.exp(log_ratio) - log_ratio - 1
         per_token = per_token + kl_coef * kl

@@ -1,10 +1,13 @@
-"""Multi-turn merging: folds the step-wise turns of a tool-using trajectory into as few sequences as possible.
+"""Multi-turn merging: folds the step-wise turns of a tool-using trajectory into as few sequences as
+possible.
 
-Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0) and the
-merge statistics. Does not tokenize, score, compute advantages, or drop over-length sequences: the trainer
-drops those, counted. The idea follows SkyRL PR 1532 (prefix-aware merging); the code is our own.
-Speed comes from the per-token arrays (rollout.Sample): every copy and prefix compare below is a memcpy/memcmp.
+Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0)
+and the merge statistics. Does not tokenize, score, compute advantages, or drop over-length
+sequences: the trainer drops those, counted. The idea follows SkyRL PR 1532 (prefix-aware merging);
+the code is our own. Speed comes from the per-token arrays (rollout.Sample): every copy and prefix
+compare below is a memcpy/memcmp.
 """
+
 import array
 import dataclasses
 import warnings
@@ -12,11 +15,16 @@ import warnings
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
 # What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
-LAST_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(Sample)
-                         if f.name not in PER_TOKEN_TYPECODES)
+LAST_TURN_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Sample) if f.name not in PER_TOKEN_TYPECODES
+)
 
 # one observation token's entries
-NO_LOGPROB, NOT_TRAINED, NO_VERSION = array.array("f", [0.0]), array.array("B", [0]), array.array("i", [NOT_GENERATED])
+NO_LOGPROB, NOT_TRAINED, NO_VERSION = (
+    array.array("f", [0.0]),
+    array.array("B", [0]),
+    array.array("i", [NOT_GENERATED]),
+)
 
 
 class MergeError(ValueError):
@@ -25,25 +33,31 @@ class MergeError(ValueError):
 
 @dataclasses.dataclass
 class MergeStats:
-    turns: int = 0              # turns seen, over all trajectories
-    sequences_before: int = 0   # step-wise sequences (one per turn, so equal to `turns`)
-    sequences_after: int = 0    # sequences after merging
-    prefix_breaks: int = 0      # times a turn's prompt did not extend the previous sequence
-    over_length: int = 0        # merged sequences longer than max_seq_len (returned, not truncated)
+    turns: int = 0  # turns seen, over all trajectories
+    sequences_before: int = 0  # step-wise sequences (one per turn, so equal to `turns`)
+    sequences_after: int = 0  # sequences after merging
+    prefix_breaks: int = 0  # times a turn's prompt did not extend the previous sequence
+    over_length: int = 0  # merged sequences longer than max_seq_len (returned, not truncated)
 
     @property
     def merge_ratio(self) -> float:
-        """Step-wise sequences per merged sequence; 1.0 means nothing merged (or nothing to merge)."""
+        """Step-wise sequences per merged sequence; 1.0 means nothing merged (or nothing to
+        merge)."""
         return self.sequences_before / self.sequences_after if self.sequences_after else 1.0
 
     def __add__(self, other: "MergeStats") -> "MergeStats":
         # Field by field; dataclasses.astuple deep-copies and was the slowest line of merge_batch.
-        return MergeStats(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                             for f in dataclasses.fields(self)})
+        return MergeStats(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
 
 
 def _validate(turns: list[Sample]) -> None:
-    """Raise MergeError unless `turns` are the in-order turns of one trajectory with aligned per-token arrays."""
+    """Raise MergeError unless `turns` are the in-order turns of one trajectory with aligned
+    per-token arrays."""
     if not turns:
         raise MergeError("trajectory has no turns")
     prev = None
@@ -51,33 +65,41 @@ def _validate(turns: list[Sample]) -> None:
         if prev is not None and t.trajectory_id != prev.trajectory_id:
             raise MergeError(f"turns mix trajectories {prev.trajectory_id} and {t.trajectory_id}")
         if prev is not None and t.turn <= prev.turn:
-            raise MergeError(f"trajectory {t.trajectory_id}: turn {t.turn} follows turn {prev.turn}")
+            raise MergeError(
+                f"trajectory {t.trajectory_id}: turn {t.turn} follows turn {prev.turn}"
+            )
         if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask) == len(t.versions):
             lengths = (len(t.response_ids), len(t.logprobs), len(t.loss_mask), len(t.versions))
-            raise MergeError(f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask/versions "
-                             f"lengths {lengths} differ")
+            raise MergeError(
+                f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask/versions "
+                f"lengths {lengths} differ"
+            )
         prev = t
 
 
 def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
-    """Merge turns[start], turns[start + 1], ... while each turn's prompt extends the sequence built so far.
-    Returns the merged sequence and the index of the first turn it did not take (a prefix break, or the end)."""
+    """Merge turns[start], turns[start + 1], ... while each turn's prompt extends the sequence
+    built so far. Returns the merged sequence and the index of the first turn it did not take (a
+    prefix break, or the end)."""
     first = turns[start]
-    context = first.prompt_ids + first.response_ids  # the sequence so far: prompt, then response (a copy)
+    # the sequence so far: prompt, then response (a copy)
+    context = first.prompt_ids + first.response_ids
     logprobs, mask, versions = first.logprobs[:], first.loss_mask[:], first.versions[:]
     end = start + 1
-    for turn in turns[start + 1:]:
-        # The turn extends the sequence iff its prompt = context + something (tool output, template glue).
-        # Append that something, then compare whole arrays: one typed C loop, no prefix copy.
+    for turn in turns[start + 1 :]:
+        # The turn extends the sequence iff its prompt = context + something (tool output, template
+        # glue). Append that something, then compare whole arrays: one typed C loop, no prefix copy.
         seen = len(context)
         context += turn.prompt_ids[seen:]
         if context != turn.prompt_ids:
-            # History was rewritten (truncated, re-templated): this turn is trained on its own context.
+            # History was rewritten (truncated, re-templated): this turn is trained on its own
+            # context.
             del context[seen:]  # undo the tentative append
             break
         num_observation = len(context) - seen
         context += turn.response_ids
-        logprobs += NO_LOGPROB * num_observation  # observation tokens were not sampled by the policy ...
+        # observation tokens were not sampled by the policy ...
+        logprobs += NO_LOGPROB * num_observation
         logprobs += turn.logprobs
         mask += NOT_TRAINED * num_observation  # ... and are not trained
         mask += turn.loss_mask
@@ -88,14 +110,27 @@ def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
     prompt = context[:split]
     del context[:split]  # what is left is the response: moved down in place
     # Per-turn scalars (reward, finish_reason, weight_version, ...) come from the last merged turn;
-    # trajectory_id/group_id are shared by all turns, so each sequence keeps its trajectory's credit.
+    # trajectory_id/group_id are shared by all turns, so each sequence keeps its trajectory's
+    # credit.
     last = turns[end - 1]  # built directly: dataclasses.replace costs twice as much
-    return Sample(prompt_ids=prompt, response_ids=context, logprobs=logprobs, loss_mask=mask, versions=versions,
-                  **{name: getattr(last, name) for name in LAST_TURN_FIELDS}), end
+    return (
+        Sample(
+            prompt_ids=prompt,
+            response_ids=context,
+            logprobs=logprobs,
+            loss_mask=mask,
+            versions=versions,
+            **{name: getattr(last, name) for name in LAST_TURN_FIELDS},
+        ),
+        end,
+    )
 
 
-def _merge_into(turns: list[Sample], max_seq_len: int, sequences: list[Sample], stats: MergeStats) -> None:
-    """Merge one trajectory's turns: append its sequences to `sequences` and add its counts to `stats`."""
+def _merge_into(
+    turns: list[Sample], max_seq_len: int, sequences: list[Sample], stats: MergeStats
+) -> None:
+    """Merge one trajectory's turns: append its sequences to `sequences` and add its counts to
+    `stats`."""
     if max_seq_len <= 0:
         raise MergeError(f"max_seq_len must be positive, got {max_seq_len}")
     _validate(turns)
@@ -103,7 +138,8 @@ def _merge_into(turns: list[Sample], max_seq_len: int, sequences: list[Sample], 
     stats.sequences_before += len(turns)
     start = 0
     while start < len(turns):
-        stats.prefix_breaks += start > 0  # a sequence that does not start at turn 0 starts at a prefix break
+        # a sequence that does not start at turn 0 starts at a prefix break
+        stats.prefix_breaks += start > 0
         sequence, start = _merge_run(turns, start)
         sequences.append(sequence)
         stats.sequences_after += 1
@@ -112,16 +148,20 @@ def _merge_into(turns: list[Sample], max_seq_len: int, sequences: list[Sample], 
 
 def _warn_over_length(stats: MergeStats, max_seq_len: int) -> None:
     if stats.over_length:
-        warnings.warn(f"{stats.over_length} merged sequence(s) exceed max_seq_len={max_seq_len}; "
-                      f"returned untruncated, the trainer drops them (counted)", stacklevel=3)
+        warnings.warn(
+            f"{stats.over_length} merged sequence(s) exceed max_seq_len={max_seq_len}; "
+            f"returned untruncated, the trainer drops them (counted)",
+            stacklevel=3,
+        )
 
 
 def merge_trajectory(turns: list[Sample], max_seq_len: int) -> tuple[list[Sample], MergeStats]:
-    """Greedily merge consecutive turns of one trajectory while each sequence is a prefix of the next prompt.
+    """Greedily merge consecutive turns of one trajectory while each sequence is a prefix of the
+    next prompt.
 
-    Every returned sequence keeps its trajectory's trajectory_id and group_id, so the trainer must give each
-    one the trajectory's advantage. (Known bug elsewhere: step-wise training gave the advantage only to the
-    last step, so earlier steps of a trajectory were never credited.)
+    Every returned sequence keeps its trajectory's trajectory_id and group_id, so the trainer must
+    give each one the trajectory's advantage. (Known bug elsewhere: step-wise training gave the
+    advantage only to the last step, so earlier steps of a trajectory were never credited.)
     """
     sequences, stats = [], MergeStats()
     _merge_into(turns, max_seq_len, sequences, stats)
@@ -129,8 +169,11 @@ def merge_trajectory(turns: list[Sample], max_seq_len: int) -> tuple[list[Sample
     return sequences, stats
 
 
-def merge_batch(trajectories: list[list[Sample]], max_seq_len: int) -> tuple[list[Sample], MergeStats]:
-    """merge_trajectory over a batch; one warning for the whole batch if any sequence is over length."""
+def merge_batch(
+    trajectories: list[list[Sample]], max_seq_len: int
+) -> tuple[list[Sample], MergeStats]:
+    """merge_trajectory over a batch; one warning for the whole batch if any sequence is over
+    length."""
     sequences, stats = [], MergeStats()
     for turns in trajectories:
         _merge_into(turns, max_seq_len, sequences, stats)
@@ -139,8 +182,8 @@ def merge_batch(trajectories: list[list[Sample]], max_seq_len: int) -> tuple[lis
 
 
 def unmerged(trajectories: list[list[Sample]]) -> list[Sample]:
-    """The step-wise path (`merge_turns: false`): every turn is its own sequence, validated the same way."""
+    """The step-wise path (`merge_turns: false`): every turn is its own sequence, validated the
+    same way."""
     for turns in trajectories:
         _validate(turns)
     return [turn for turns in trajectories for turn in turns]
-

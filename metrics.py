@@ -3,6 +3,7 @@
 Owns what is computed for logging and where it goes (TensorBoard events, one console line per step,
 config.yaml in the run directory). Does not own any training math (grpo.py) or timing decisions.
 """
+
 import dataclasses
 import os
 
@@ -20,21 +21,28 @@ def masked_mean(values, mask):
 def length_stats(lengths, prefix):
     """mean / p50 / p90 / max of a list of token counts (empty list -> zeros)."""
     t = torch.tensor(lengths or [0], dtype=torch.float)
-    return {f"{prefix}_mean": t.mean().item(), f"{prefix}_p50": t.quantile(0.5).item(),
-            f"{prefix}_p90": t.quantile(0.9).item(), f"{prefix}_max": t.max().item()}
+    return {
+        f"{prefix}_mean": t.mean().item(),
+        f"{prefix}_p50": t.quantile(0.5).item(),
+        f"{prefix}_p90": t.quantile(0.9).item(),
+        f"{prefix}_max": t.max().item(),
+    }
 
 
 def rollout_metrics(samples, stats):
-    """Reward, length, cancellation and tool statistics of one training rollout (`stats`: RolloutStats).
+    """Reward, length, cancellation and tool statistics of one training rollout (`stats`:
+    RolloutStats).
 
     Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
     failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
     `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
     (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
     """
-    launched = list({s.trajectory_id: s for s in samples}.values())  # the last turn of each trajectory
+    # the last turn of each trajectory
+    launched = list({s.trajectory_id: s for s in samples}.values())
     finished = [s for s in launched if not s.is_aborted]
-    aborted = [s for s in samples if s.is_aborted and s.finish_reason != "error"]  # turns cut by cancellation
+    # turns cut by cancellation
+    aborted = [s for s in samples if s.is_aborted and s.finish_reason != "error"]
     num_aborted = sum(s.is_aborted and s.finish_reason != "error" for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
     num_tokens = sum(len(s.response_ids) for s in samples)
@@ -47,12 +55,14 @@ def rollout_metrics(samples, stats):
         "rollout/aborted": num_aborted,
         "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
         "rollout/failed": sum(s.finish_reason == "error" for s in samples),
-        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished) / max(len(finished), 1),
+        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
+        / max(len(finished), 1),
         "rollout/wasted_tokens": sum(len(s.response_ids) for s in aborted),
         "perf/rollout_tokens_per_s": num_tokens / max(stats.rollout_s, 1e-9),
         "timing/rollout_s": stats.rollout_s,
         "rollout/cancel_decision_s": stats.decision_s,  # launch -> enough finished
-        "rollout/cancel_latency_s": stats.cancel_latency_s,  # decision -> every aborted request returned
+        # decision -> every aborted request returned
+        "rollout/cancel_latency_s": stats.cancel_latency_s,
         "rollout/tool_calls": stats.num_tool_calls,
         "rollout/tool_errors": stats.num_tool_errors,
         "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
@@ -65,30 +75,40 @@ def rollout_metrics(samples, stats):
         out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
     return out
 
+
 def filter_metrics(trajectories, counts, stats, target_groups, filtering):
-    """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it would save).
-    `trajectories`: the trained ones; `counts`: cancel.filter_groups'. `train/reward_mean` is what was
-    trained on and `train/reward_mean_unfiltered` every finished trajectory (NeMo-RL issue 3794: a filter
-    whose logged reward was silently the unfiltered one)."""
+    """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
+    would save). `trajectories`: the trained ones; `counts`: cancel.filter_groups'.
+    `train/reward_mean` is what was trained on and `train/reward_mean_unfiltered` every finished
+    trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
+    one)."""
     rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
-    return {**{f"filter/{name}": value for name, value in counts.items()},
-            "filter/prompts_launched": stats.prompts_launched,
-            "filter/truncated_steps": int(filtering and counts["kept_groups"] < target_groups),
-            "train/reward_mean": sum(rewards) / max(len(rewards), 1),
-            "perf/generated_tokens_per_kept_group": stats.generated_tokens / max(counts["kept_groups"], 1)}
+    return {
+        **{f"filter/{name}": value for name, value in counts.items()},
+        "filter/prompts_launched": stats.prompts_launched,
+        "filter/truncated_steps": int(filtering and counts["kept_groups"] < target_groups),
+        "train/reward_mean": sum(rewards) / max(len(rewards), 1),
+        "perf/generated_tokens_per_kept_group": stats.generated_tokens
+        / max(counts["kept_groups"], 1),
+    }
 
 
 def trajectory_texts(trajectories, tokenizer, count):
-    """Markdown of the first `count` trajectories: the prompt, then everything generated after it (every turn,
-    tool observations included) with special tokens kept, so a wrong stop or a malformed call shows."""
+    """Markdown of the first `count` trajectories: the prompt, then everything generated after it
+    (every turn, tool observations included) with special tokens kept, so a wrong stop or a
+    malformed call shows."""
     blocks = []
     for turns in trajectories[:count]:
         first, last = turns[0], turns[-1]
-        full = list(last.prompt_ids) + list(last.response_ids)  # a later turn's prompt holds the earlier turns
+        # a later turn's prompt holds the earlier turns
+        full = list(last.prompt_ids) + list(last.response_ids)
         prompt = tokenizer.decode(list(first.prompt_ids), skip_special_tokens=False)
-        generated = tokenizer.decode(full[len(first.prompt_ids):], skip_special_tokens=False)
-        blocks.append(f"reward {last.reward:.3f}, finish {last.finish_reason}, {len(turns)} turn(s)\n\n"
-                      f"    {prompt[-300:]!r}\n\n    {generated!r}")  # indented: a code block, nothing rendered
+        generated = tokenizer.decode(full[len(first.prompt_ids) :], skip_special_tokens=False)
+        blocks.append(
+            f"reward {last.reward:.3f}, finish {last.finish_reason}, {len(turns)} turn(s)\n\n"
+            # indented: a code block, nothing rendered
+            f"    {prompt[-300:]!r}\n\n    {generated!r}"
+        )
     return "\n\n---\n\n".join(blocks)
 
 
@@ -107,12 +127,22 @@ class Logger:
         for name, text in (texts or {}).items():
             self.writer.add_text(name, text, step)
         self.writer.flush()  # a crash or Ctrl-C keeps every logged step visible in TensorBoard
-        keys = [("reward", "train/reward_mean"), ("launched", "train/reward_mean_launched"),
-                ("val", "val/reward_mean"), ("val_sampled", "val/reward_mean_sampled"),
-                ("len", "rollout/response_len_mean"), ("aborted", "rollout/aborted_ratio"),
-                ("loss", "train/loss"), ("gap", "train/logprob_gap"), ("s", "timing/step_s")]
-        parts = [f"{short} {scalars[key]:.2e}" if short == "gap" else f"{short} {scalars[key]:.3f}"
-                 for short, key in keys if key in scalars]
+        keys = [
+            ("reward", "train/reward_mean"),
+            ("launched", "train/reward_mean_launched"),
+            ("val", "val/reward_mean"),
+            ("val_sampled", "val/reward_mean_sampled"),
+            ("len", "rollout/response_len_mean"),
+            ("aborted", "rollout/aborted_ratio"),
+            ("loss", "train/loss"),
+            ("gap", "train/logprob_gap"),
+            ("s", "timing/step_s"),
+        ]
+        parts = [
+            f"{short} {scalars[key]:.2e}" if short == "gap" else f"{short} {scalars[key]:.3f}"
+            for short, key in keys
+            if key in scalars
+        ]
         echo(f"step {step:4d} | " + " | ".join(parts))
 
     def close(self):

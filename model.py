@@ -1,9 +1,13 @@
-"""The policy model: built from the config (the CPU demo's tiny Qwen2) or loaded from a HF folder, with
-float32 master weights whatever the compute dtype, and its optimizer and learning-rate schedule.
+"""The policy model: built from the config (the CPU demo's tiny Qwen2) or loaded from a HF folder,
+with float32 master weights whatever the compute dtype, and its optimizer and learning-rate
+schedule.
 
 Owns how the model and optimizer are made. Does not own sharding (parallel.py), checkpoints
 (checkpoint.py) or the engine's copy of the weights (sglang_engine.py).
 """
+
+import math
+
 import torch
 
 import tasks
@@ -14,44 +18,81 @@ class ModelError(RuntimeError):
 
 
 def build_policy(cfg, init_dir):
-    """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master weights
-    AdamW updates (compute runs in `model.compute_dtype`, the engine in `model.engine_dtype`). The dtype is
-    explicit: transformers 5 would load "auto" (bfloat16 for Qwen). `model.path: tiny` builds the demo
-    model from the config (random init, seeded); anything else loads a HF checkpoint. `init_dir` (a
-    resumed checkpoint) wins over both."""
+    """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master
+    weights AdamW updates (compute runs in `model.compute_dtype`, the engine in
+    `model.engine_dtype`). The dtype is explicit: transformers 5 would load "auto" (bfloat16 for
+    Qwen). `model.path: tiny` builds the demo model from the config (random init, seeded);
+    anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     path = init_dir or cfg.model.path
     try:
         if cfg.model.path == "tiny":
-            # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer (shared/notes/tiny-demo.md)
+            # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer
+            # (shared/notes/tiny-demo.md)
             tokenizer = tasks.build_char_tokenizer()
             if init_dir:
-                model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, trust_remote_code=False)
+                model = AutoModelForCausalLM.from_pretrained(
+                    init_dir, dtype=torch.float32, trust_remote_code=False
+                )
             else:
                 m = cfg.model
                 torch.manual_seed(cfg.train.seed)
-                config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-                                     intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
-                                     num_attention_heads=m.num_heads, num_key_value_heads=m.num_heads,
-                                     max_position_embeddings=m.max_position_embeddings, tie_word_embeddings=True,
-                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                     pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+                config = Qwen2Config(
+                    vocab_size=len(tokenizer),
+                    hidden_size=m.hidden_size,
+                    intermediate_size=m.intermediate_size,
+                    num_hidden_layers=m.num_layers,
+                    num_attention_heads=m.num_heads,
+                    num_key_value_heads=m.num_heads,
+                    max_position_embeddings=m.max_position_embeddings,
+                    tie_word_embeddings=True,
+                    bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id,
+                    torch_dtype="float32",
+                )
                 model = Qwen2ForCausalLM(config).float()
         else:
-            trust = cfg.model.trust_remote_code  # off unless the config turns it on: a folder's code runs here
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust)
+            # off unless the config turns it on: a folder's code runs here
+            trust = cfg.model.trust_remote_code
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, trust_remote_code=trust
+            )
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except OSError as e:
-        raise ModelError(f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-    if cfg.train.gradient_checkpointing:  # each decoder layer's activations recomputed in the backward
+        raise ModelError(
+            f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
+        ) from None
+    # each decoder layer's activations recomputed in the backward
+    if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 
 def build_optimizer(policy, t):
-    """AdamW over the fp32 masters, and a linear warmup of `t.warmup_steps` steps, then a constant rate."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay)
-    warmup = lambda step: min(1.0, (step + 1) / t.warmup_steps) if t.warmup_steps else 1.0  # noqa: E731
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    """AdamW over the fp32 masters, and its learning-rate schedule (`lr_factor`)."""
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+    )
+    num_updates = t.steps * t.num_minibatches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda update: lr_factor(update, num_updates, t)
+    )
+    return optimizer, scheduler
+
+
+def lr_factor(update, num_updates, t):
+    """The learning rate of optimizer step `update` (0-based) as a fraction of `t.lr`: a linear
+    warmup over `t.warmup_steps`, then constant, or a cosine from 1 down to `t.min_lr_ratio` at
+    the last update (as nanoGPT's get_lr). The decay is why the CPU demo ends where it peaked
+    (configs/tiny.yaml)."""
+    warmup = min(1.0, (update + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+    if t.lr_schedule == "constant":
+        return warmup
+    progress = min(update / max(num_updates - 1, 1), 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine)

@@ -1,10 +1,12 @@
-"""Data parallelism with PyTorch's own stack: starting the ranks (elastic_launch / torchrun), sharding the
-policy with FSDP2, reductions across ranks, and sharded checkpoints (torch.distributed.checkpoint).
+"""Data parallelism with PyTorch's own stack: starting the ranks (elastic_launch / torchrun),
+sharding the policy with FSDP2, reductions across ranks, and sharded checkpoints
+(torch.distributed.checkpoint).
 
-Owns every torch.distributed call of the trainer. With one rank (no process group) each function is the
-plain single-process equivalent, so train.py reads the same with 1 rank or 8. Does not own what is
-reduced or saved (train.py decides), nor the engine (rollout.py: every rank has its own).
+Owns every torch.distributed call of the trainer. With one rank (no process group) each function is
+the plain single-process equivalent, so train.py reads the same with 1 rank or 8. Does not own what
+is reduced or saved (train.py decides), nor the engine (rollout.py: every rank has its own).
 """
+
 import math
 import os
 import uuid
@@ -12,8 +14,12 @@ import uuid
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 
 class RankError(RuntimeError):
@@ -35,7 +41,8 @@ def local_rank():
 
 def gpu_index(device_count=None):
     """This rank's GPU: its LOCAL_RANK, or 0 when the launcher shows each rank one GPU (SLURM
-    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank): `cuda:LOCAL_RANK` would not exist there."""
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank): `cuda:LOCAL_RANK` would not exist
+    there."""
     device_count = torch.cuda.device_count() if device_count is None else device_count
     return 0 if device_count == 1 else local_rank()
 
@@ -43,11 +50,12 @@ def gpu_index(device_count=None):
 def rank_share(items):
     """This rank's contiguous share of a list (all of it with one rank)."""
     this_rank, world = rank(), world_size()
-    return items[this_rank * len(items) // world:(this_rank + 1) * len(items) // world]
+    return items[this_rank * len(items) // world : (this_rank + 1) * len(items) // world]
 
 
 def under_launcher():
-    """True in a process started by torchrun or elastic_launch (they set the rendezvous variables)."""
+    """True in a process started by torchrun or elastic_launch (they set the rendezvous
+    variables)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
@@ -57,27 +65,38 @@ def default_nproc():
 
 
 def launch(nproc, entrypoint, *args):
-    """Run `entrypoint(*args)` in `nproc` fresh processes on this node (spawned, non-daemonic: each can
-    start SGLang's scheduler processes), rendezvous on a free localhost port, no restarts. A rank that
-    raises ends the job: the launcher stops the other ranks, and RankError carries the failing rank's
-    error instead of a hang."""
+    """Run `entrypoint(*args)` in `nproc` fresh processes on this node (spawned, non-daemonic:
+    each can start SGLang's scheduler processes), rendezvous on a free localhost port, no
+    restarts. A rank that raises ends the job: the launcher stops the other ranks, and RankError
+    carries the failing rank's error instead of a hang."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=0, start_method="spawn",
-                          run_id=uuid.uuid4().hex, monitor_interval=0.5)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        start_method="spawn",
+        run_id=uuid.uuid4().hex,
+        monitor_interval=0.5,
+    )
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        failures = [f"rank {r}: {f.message or f'exit code {f.exitcode}'}" for r, f in sorted(e.failures.items())]
+        failures = [
+            f"rank {r}: {f.message or f'exit code {f.exitcode}'}"
+            for r, f in sorted(e.failures.items())
+        ]
         raise RankError("; ".join(failures)) from None
 
 
 def init():
-    """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one per
-    local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer matches it so
-    both sides' NCCL communicators use the same memory path."""
+    """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one
+    per local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer
+    matches it so both sides' NCCL communicators use the same memory path."""
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
@@ -98,10 +117,11 @@ def barrier():
 
 # ---------------------------------------------------------------- sharding
 def shard(model, compute_dtype):
-    """FSDP2: each decoder layer and the root own a shard of the fp32 parameters; forward/backward
-    all-gather them cast to `compute_dtype`, gradients reduce in fp32. Gradients are *summed* over ranks
-    (no division): train.py normalises the loss by global counts, and FSDP's averaging is silently
-    wrong on gloo (pytorch issue 162338). The divide factor is per FSDP module, so set it on each."""
+    """FSDP2: each decoder layer and the root own a shard of the fp32 parameters;
+    forward/backward all-gather them cast to `compute_dtype`, gradients reduce in fp32. Gradients
+    are *summed* over ranks (no division): train.py normalises the loss by global counts, and
+    FSDP's averaging is silently wrong on gloo (pytorch issue 162338). The divide factor is per
+    FSDP module, so set it on each."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -116,7 +136,8 @@ def shard(model, compute_dtype):
 
 
 def full_tensor(tensor):
-    """The whole tensor from a DTensor shard (a collective: every rank calls it in the same order)."""
+    """The whole tensor from a DTensor shard (a collective: every rank calls it in the same
+    order)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
@@ -126,7 +147,9 @@ def all_reduce(values, op="sum"):
     if not dist.is_initialized():
         return [float(v) for v in values]
     # NCCL reduces device tensors only (one small copy each way); gloo reduces CPU tensors
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return tensor.tolist()
@@ -141,12 +164,27 @@ def gather_objects(obj):
     return out
 
 
-SUMMED_METRICS = {"rollout/launched", "rollout/aborted", "rollout/failed", "rollout/wasted_tokens", "rollout/timed_out",
-                  "rollout/reward_errors",
-                  "rollout/tool_calls", "rollout/tool_errors", "merge/sequences_before", "merge/sequences_after",
-                  "merge/prefix_breaks", "merge/over_length_dropped", "train/degenerate_groups",
-                  "perf/rollout_tokens_per_s", "perf/train_tokens_per_s", "train/tokens", "train/micro_batches",
-                  "train/over_budget_sequences", "train/truncated_masked"}
+SUMMED_METRICS = {
+    "rollout/launched",
+    "rollout/aborted",
+    "rollout/failed",
+    "rollout/wasted_tokens",
+    "rollout/timed_out",
+    "rollout/reward_errors",
+    "rollout/tool_calls",
+    "rollout/tool_errors",
+    "merge/sequences_before",
+    "merge/sequences_after",
+    "merge/prefix_breaks",
+    "merge/over_length_dropped",
+    "train/degenerate_groups",
+    "perf/rollout_tokens_per_s",
+    "perf/train_tokens_per_s",
+    "train/tokens",
+    "train/micro_batches",
+    "train/over_budget_sequences",
+    "train/truncated_masked",
+}
 
 
 def reduce_metrics(scalars):
@@ -159,7 +197,9 @@ def reduce_metrics(scalars):
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
-        if key in SUMMED_METRICS or (key.startswith(("partial/", "staleness/", "filter/")) and not key.endswith("_steps")):
+        if key in SUMMED_METRICS or (
+            key.startswith(("partial/", "staleness/", "filter/")) and not key.endswith("_steps")
+        ):
             out[key] = sum(values)
         elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max", "_steps")):
             out[key] = max(values)
@@ -181,12 +221,16 @@ def load_state(path, model, optimizer):
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to load into
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
 def full_state_dict(model):
-    """The whole fp32 model on rank 0's CPU (empty elsewhere), gathered one tensor at a time: for the HF
-    export. A collective: every rank calls it."""
+    """The whole fp32 model on rank 0's CPU (empty elsewhere), gathered one tensor at a time: for
+    the HF export. A collective: every rank calls it."""
     if not dist.is_initialized():
         return {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )

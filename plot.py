@@ -1,26 +1,43 @@
-"""Plot a run: the curves a reader looks at first, from a run directory's TensorBoard events, as one PNG.
+"""Plot a run: the curves a reader looks at first, from a run directory's TensorBoard events, as one
+PNG.
 
-    python plot.py runs/tiny            # writes runs/tiny/curves.png
-    python plot.py runs/tiny --out demo.png
+python plot.py runs/tiny            # writes runs/tiny/curves.png python plot.py runs/tiny --out
+demo.png
 
-Owns nothing of training: it only reads what metrics.py logged. Panels whose metrics a run did not log
-(e.g. validation in a run without it) are left out, and the figure says which metrics it drew.
+Owns nothing of training: it only reads what metrics.py logged. Panels whose metrics a run did not
+log (e.g. validation in a run without it) are left out, and the figure says which metrics it drew.
 """
+
 import argparse
 import os
 import sys
 
 # (panel title, [(metric, label)]): the first look at a GRPO run
 PANELS = [
-    ("train reward", [("train/reward_mean_completed", "completed"), ("train/reward_mean_launched", "launched")]),
+    (
+        "train reward",
+        [("train/reward_mean_completed", "completed"), ("train/reward_mean_launched", "launched")],
+    ),
     ("validation reward", [("val/reward_mean", "greedy"), ("val/reward_mean_sampled", "sampled")]),
-    ("response length (tokens)", [("rollout/response_len_mean", "mean"), ("rollout/response_len_p90", "p90")]),
+    (
+        "response length (tokens)",
+        [("rollout/response_len_mean", "mean"), ("rollout/response_len_p90", "p90")],
+    ),
     ("aborted ratio", [("rollout/aborted_ratio", "aborted")]),
-    ("step time (s)", [("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("timing/train_s", "train")]),
+    (
+        "step time (s)",
+        [("timing/step_s", "step"), ("timing/rollout_s", "rollout"), ("timing/train_s", "train")],
+    ),
 ]
 # drawn only for runs that called a tool (a single-turn run logs these as flat 0 and 1)
-TOOL_PANEL = ("tool use (multi-turn)", [("rollout/tool_calls_per_trajectory", "calls per trajectory"),
-                                        ("val/tool_call_ratio", "val: share that called"), ("merge/ratio", "merge ratio")])
+TOOL_PANEL = (
+    "tool use (multi-turn)",
+    [
+        ("rollout/tool_calls_per_trajectory", "calls per trajectory"),
+        ("val/tool_call_ratio", "val: share that called"),
+        ("merge/ratio", "merge ratio"),
+    ],
+)
 
 
 def read_scalars(run_dir):
@@ -32,8 +49,10 @@ def read_scalars(run_dir):
         raise FileNotFoundError(f"no TensorBoard events under {events_dir}")
     events = EventAccumulator(events_dir, size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
-    return {tag: ([e.step for e in events.Scalars(tag)], [e.value for e in events.Scalars(tag)])
-            for tag in events.Tags()["scalars"]}
+    return {
+        tag: ([e.step for e in events.Scalars(tag)], [e.value for e in events.Scalars(tag)])
+        for tag in events.Tags()["scalars"]
+    }
 
 
 def plot(run_dir, out_path, title=None):
@@ -45,21 +64,25 @@ def plot(run_dir, out_path, title=None):
 
     scalars = read_scalars(run_dir)
     called_tool = max(scalars.get("rollout/tool_calls", ([], [0]))[1], default=0) > 0
-    panels = [(title, [(m, label) for m, label in curves if m in scalars])
-              for title, curves in PANELS + [TOOL_PANEL] * called_tool]
+    panels = [
+        (title, [(m, label) for m, label in curves if m in scalars])
+        for title, curves in PANELS + [TOOL_PANEL] * called_tool
+    ]
     panels = [(title, curves) for title, curves in panels if curves]
     if not panels:
         raise ValueError(f"{run_dir}: none of the plotted metrics were logged")
     columns = min(len(panels), 3)
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     drawn = []
     for ax, (panel_title, curves) in zip(axes.flat, panels):
         for metric, label in curves:
             steps, values = scalars[metric]
-            ax.plot(steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
+            ax.plot(
+                steps, values, label=label, marker="o" if len(steps) < 30 else None, markersize=3
+            )
             drawn.append(metric)
         ax.set_title(panel_title)
         ax.set_xlabel("step")

@@ -1,39 +1,55 @@
-"""The per-sample record every stage passes on: engine output (tokens, log-probs, versions, flags) for one
-sequence or one turn, as the trainer, the merger and the metrics read it.
+"""The per-sample record every stage passes on: engine output (tokens, log-probs, versions, flags)
+for one sequence or one turn, as the trainer, the merger and the metrics read it.
 
-Owns the record's fields and their storage (typed arrays per token), and grouping turns into trajectories.
-Does not own how samples are made (rollout.py), merged (merge.py) or trained on (train.py).
+Owns the record's fields and their storage (typed arrays per token), and grouping turns into
+trajectories. Does not own how samples are made (rollout.py), merged (merge.py) or trained on
+(train.py).
 """
+
 import array
 import dataclasses
 
-# Per-token fields are typed arrays, not lists: 4 bytes a token (a list holds an 8-byte pointer to a 28-byte
-# int), copied and compared at memcpy speed, and invisible to the garbage collector. merge.py depends on it.
-PER_TOKEN_TYPECODES = {"prompt_ids": "i", "response_ids": "i", "logprobs": "f", "loss_mask": "B", "versions": "i"}
+# Per-token fields are typed arrays, not lists: 4 bytes a token (a list holds an 8-byte pointer to a
+# 28-byte int), copied and compared at memcpy speed, and invisible to the garbage collector.
+# merge.py depends on it.
+PER_TOKEN_TYPECODES = {
+    "prompt_ids": "i",
+    "response_ids": "i",
+    "logprobs": "f",
+    "loss_mask": "B",
+    "versions": "i",
+}
 NOT_GENERATED = -1  # the `versions` entry of a token no policy sampled (a tool observation)
 
 
 @dataclasses.dataclass
 class Sample:
     """One generated sequence (or one turn of a multi-turn trajectory), as the trainer sees it.
-    Per-token fields given as lists are converted to arrays (a float token id or a negative mask raises)."""
-    prompt_ids: array.array      # int32: tokens the engine was given
-    response_ids: array.array    # int32: tokens the engine produced (plus tool observations once merged)
-    logprobs: array.array        # float32: engine log-prob per response token (0.0 on observation tokens)
-    loss_mask: array.array       # uint8 per response token: 1 = trained, 0 = observation / not trained
-    group_id: int                # index of the prompt this sample answers (GRPO group)
-    trajectory_id: int = 0       # multi-turn: turns of one trajectory share this id
-    turn: int = 0                # multi-turn: index of the turn inside its trajectory
+    Per-token fields given as lists are converted to arrays (a float token id or a negative mask
+    raises)."""
+
+    prompt_ids: array.array  # int32: tokens the engine was given
+    # int32: tokens the engine produced (plus tool observations once merged)
+    response_ids: array.array
+    # float32: engine log-prob per response token (0.0 on observation tokens)
+    logprobs: array.array
+    # uint8 per response token: 1 = trained, 0 = observation / not trained
+    loss_mask: array.array
+    group_id: int  # index of the prompt this sample answers (GRPO group)
+    trajectory_id: int = 0  # multi-turn: turns of one trajectory share this id
+    turn: int = 0  # multi-turn: index of the turn inside its trajectory
     finish_reason: str = "stop"  # "stop" | "length" | "abort" | "error"
-    is_aborted: bool = False     # cancelled before finishing: masked out of loss and reward means
-    weight_version: int = 0      # policy version that generated the tokens
+    is_aborted: bool = False  # cancelled before finishing: masked out of loss and reward means
+    weight_version: int = 0  # policy version that generated the tokens
     reward: float = 0.0
-    latency_s: float = 0.0       # launch -> returned
-    # int32 per response token: the weight version that sampled it. A sample resumed across steps (partial
-    # rollout, buffer.py) mixes versions; left empty, every token gets `weight_version`.
+    latency_s: float = 0.0  # launch -> returned
+    # int32 per response token: the weight version that sampled it. A sample resumed across steps
+    # (partial rollout, buffer.py) mixes versions; left empty, every token gets `weight_version`.
     versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
-    times_resumed: int = 0       # partial rollout: steps this sample was continued in after a cancellation
-    tool_call: int = 0           # multi-turn: 1 = this turn ended in a well-formed tool call, -1 = a malformed one
+    # partial rollout: steps this sample was continued in after a cancellation
+    times_resumed: int = 0
+    # multi-turn: 1 = this turn ended in a well-formed tool call, -1 = a malformed one
+    tool_call: int = 0
 
     def __post_init__(self):
         for name, typecode in PER_TOKEN_TYPECODES.items():
@@ -44,16 +60,24 @@ class Sample:
             self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
 
     def continued_by(self, more):
-        """This unfinished sample followed by `more`, which the engine generated from prompt + this response:
-        one sample holding every token with its own log-prob and version; scalars but the group (finish
-        reason, version, trajectory id, latency) are the continuation's. Token ids are concatenated, never re-tokenised."""
+        """This unfinished sample followed by `more`, which the engine generated from prompt +
+        this response: one sample holding every token with its own log-prob and version; scalars
+        but the group (finish reason, version, trajectory id, latency) are the continuation's.
+        Token ids are concatenated, never re-tokenised."""
         return dataclasses.replace(
-            more, prompt_ids=self.prompt_ids, response_ids=self.response_ids + more.response_ids,
-            logprobs=self.logprobs + more.logprobs, loss_mask=self.loss_mask + more.loss_mask,
-            versions=self.versions + more.versions, group_id=self.group_id, times_resumed=self.times_resumed + 1)
+            more,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids + more.response_ids,
+            logprobs=self.logprobs + more.logprobs,
+            loss_mask=self.loss_mask + more.loss_mask,
+            versions=self.versions + more.versions,
+            group_id=self.group_id,
+            times_resumed=self.times_resumed + 1,
+        )
 
     def to_state(self):
-        """Plain lists and values (what `torch.load(weights_only=True)` reads back); `Sample(**state)` inverts it."""
+        """Plain lists and values (what `torch.load(weights_only=True)` reads back);
+        `Sample(**state)` inverts it."""
         state = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)

@@ -1,10 +1,11 @@
 """The SGLang engine's lifecycle, and every call into SGLang's API (written against sglang 0.5.23).
 
 Owns starting the in-process engine (its environment, ports, device), watching its processes, the
-process's signal handling (SGLang's handlers replaced; the trainer's StopSignal), single requests and
-aborts, weight pushes, and memory release/resume. Does not own what is generated or when it is cancelled
-(rollout.py), nor when memory moves (memory.py).
+process's signal handling (SGLang's handlers replaced; the trainer's StopSignal), single requests
+and aborts, weight pushes, and memory release/resume. Does not own what is generated or when it is
+cancelled (rollout.py), nor when memory moves (memory.py).
 """
+
 import asyncio
 import logging
 import os
@@ -21,52 +22,77 @@ CPU_COMPAT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_c
 
 
 class RolloutError(RuntimeError):
-    """The engine failed in a way the step cannot survive (too many failed requests, a stuck abort)."""
+    """The engine failed in a way the step cannot survive (too many failed requests, a stuck
+    abort)."""
 
 
 class EngineDiedError(RolloutError):
-    """A process of the SGLang engine (its scheduler) exited or raised while the trainer needed it."""
+    """A process of the SGLang engine (its scheduler) exited or raised while the trainer needed
+    it."""
 
 
 class Engine:
-    """An SGLang `Engine` in this process (its scheduler runs in child processes), used by the trainer."""
+    """An SGLang `Engine` in this process (its scheduler runs in child processes), used by the
+    trainer."""
 
-    def __init__(self, model_path, cfg, dtype="float32", seed=0, gpu_id=0, local_rank=0, trust_remote_code=False):
+    def __init__(
+        self,
+        model_path,
+        cfg,
+        dtype="float32",
+        seed=0,
+        gpu_id=0,
+        local_rank=0,
+        trust_remote_code=False,
+    ):
         self.cfg = cfg
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         on_gpu = torch.cuda.is_available()
-        self.engine = start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu)
+        self.engine = start_sglang(
+            model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu
+        )
         self.tokenizer_manager = self.engine.tokenizer_manager
-        # An engine process that dies must end the step with EngineDiedError (and a checkpoint), never kill the
-        # trainer. SGLang has three ways to kill this process instead, all replaced here (sglang 0.5.23):
-        # - its watchdog polls the scheduler processes and sends SIGQUIT on a death: stopped; we watch the same
-        #   processes ourselves, from inside every wait on the engine (`_while_alive`);
-        # - a scheduler that raises (CUDA OOM, an illegal access, a rejected weight push) sends SIGQUIT to its
-        #   parent (managers/scheduler.py, `run_scheduler_process`), whose handler runs kill_process_tree on
-        #   itself: at launch `engine.py`'s launch_phase_sigquit_handler, once the event loop runs
-        #   tokenizer_manager.py's SignalHandler.running_phase_sigquit_handler. Both only record it now;
-        # - on its first request the tokenizer manager hooks SIGTERM to drain the engine and exit 0 (the run
-        #   would end without a checkpoint): SIGTERM goes to `on_sigterm` (the trainer's StopSignal).
+        # An engine process that dies must end the step with EngineDiedError (and a checkpoint),
+        # never kill the trainer. SGLang has three ways to kill this process instead, all replaced
+        # here (sglang 0.5.23):
+        # - its watchdog polls the scheduler processes and sends SIGQUIT on a death: stopped; we
+        #   watch the same   processes ourselves, from inside every wait on the engine
+        #   (`_while_alive`);
+        # - a scheduler that raises (CUDA OOM, an illegal access, a rejected weight push) sends
+        #   SIGQUIT to its   parent (managers/scheduler.py, `run_scheduler_process`), whose handler
+        #   runs kill_process_tree on   itself: at launch `engine.py`'s
+        #   launch_phase_sigquit_handler, once the event loop runs   tokenizer_manager.py's
+        #   SignalHandler.running_phase_sigquit_handler. Both only record it now;
+        # - on its first request the tokenizer manager hooks SIGTERM to drain the engine and exit 0
+        #   (the run   would end without a checkpoint): SIGTERM goes to `on_sigterm` (the trainer's
+        #   StopSignal).
         watchdog = self.tokenizer_manager._subprocess_watchdog  # the scheduler processes it polls
         self._engine_processes = list(zip(watchdog._processes, watchdog._names)) if watchdog else []
         if watchdog:
             watchdog.stop()
-        self.child_failed = None  # set by SIGQUIT: an engine process raised (its traceback is in the log)
+        # set by SIGQUIT: an engine process raised (its traceback is in the log)
+        self.child_failed = None
         signal.signal(signal.SIGQUIT, self._on_sigquit)
         self.on_sigterm = None
-        self.tokenizer_manager.signal_handler_class = trainer_signals(self.tokenizer_manager.signal_handler_class, self)
-        # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache (run
-        # by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call before, 1 ms after.
+        self.tokenizer_manager.signal_handler_class = trainer_signals(
+            self.tokenizer_manager.signal_handler_class, self
+        )
+        # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache
+        # (run by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call
+        # before, 1 ms after.
         self._run(self.tokenizer_manager.freeze_gc())
-        # SGLang creates its request loop at the first request, and installs its signal handlers (TrainerSignals
-        # above) on it there. Create it now, at start: the trainer's own SIGINT/SIGTERM handlers (StopSignal,
-        # installed later) then take precedence in every phase. Created at the first rollout instead, the
-        # loop's handlers replaced them, and a SIGTERM that came while training was never seen.
+        # SGLang creates its request loop at the first request, and installs its signal handlers
+        # (TrainerSignals above) on it there. Create it now, at start: the trainer's own
+        # SIGINT/SIGTERM handlers (StopSignal, installed later) then take precedence in every phase.
+        # Created at the first rollout instead, the loop's handlers replaced them, and a SIGTERM
+        # that came while training was never seen.
         self._run(self._create_request_loop())
         self.weight_shapes = checkpoint.tensor_shapes(model_path)
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
-        self.memory_tags = ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
+        self.memory_tags = (
+            ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
+        )
 
     async def _create_request_loop(self):
         self.tokenizer_manager.auto_create_handle_loop()
@@ -75,10 +101,11 @@ class Engine:
         self.child_failed = "it raised an exception and sent SIGQUIT (its traceback is above)"
 
     def _run(self, coroutine):
-        """Run an engine coroutine to completion on the engine's own event loop (we are not inside one),
-        checking twice a second that the engine's processes are alive: a dead scheduler never answers.
-        Every call into the engine goes through here: SGLang's own synchronous methods (`Engine.flush_cache`,
-        `release_memory_occupation`, ...) wait on a reply with no timeout (managers/communicator.py)."""
+        """Run an engine coroutine to completion on the engine's own event loop (we are not
+        inside one), checking twice a second that the engine's processes are alive: a dead
+        scheduler never answers. Every call into the engine goes through here: SGLang's own
+        synchronous methods (`Engine.flush_cache`, `release_memory_occupation`, ...) wait on a
+        reply with no timeout (managers/communicator.py)."""
         return self.engine.loop.run_until_complete(self._while_alive(coroutine))
 
     async def _while_alive(self, coroutine):
@@ -91,12 +118,21 @@ class Engine:
         return task.result()
 
     def check_alive(self, cancel=None):
-        """Raise EngineDiedError if a process of the engine has exited (cancelling `cancel` first)."""
-        deadline = time.monotonic() + 2.0  # after SIGQUIT the process that raised is exiting: wait to name it
-        while self.child_failed and all(p.is_alive() for p, _ in self._engine_processes) and time.monotonic() < deadline:
+        """Raise EngineDiedError if a process of the engine has exited (cancelling `cancel`
+        first)."""
+        # after SIGQUIT the process that raised is exiting: wait to name it
+        deadline = time.monotonic() + 2.0
+        while (
+            self.child_failed
+            and all(p.is_alive() for p, _ in self._engine_processes)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
-        dead = [f"{name} (pid {p.pid}, exit code {p.exitcode})" for p, name in self._engine_processes
-                if not p.is_alive()]
+        dead = [
+            f"{name} (pid {p.pid}, exit code {p.exitcode})"
+            for p, name in self._engine_processes
+            if not p.is_alive()
+        ]
         if self.child_failed:
             dead.append(self.child_failed)
         if dead:
@@ -106,19 +142,27 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     async def request(self, rid, input_ids, sampling):
-        """One generation from token ids: (output ids, their log-probs, finish reason type, the engine's finish
-        reason, weight version). With `skip_tokenizer_init` the output ids include a matched stop token."""
-        out = await self.engine.async_generate(input_ids=list(input_ids), sampling_params=sampling,
-                                               return_logprob=True, rid=rid)
+        """One generation from token ids: (output ids, their log-probs, finish reason type, the
+        engine's finish reason, weight version). With `skip_tokenizer_init` the output ids
+        include a matched stop token."""
+        out = await self.engine.async_generate(
+            input_ids=list(input_ids), sampling_params=sampling, return_logprob=True, rid=rid
+        )
         meta = out["meta_info"]
         logprobs = [lp for lp, _token, _ in meta["output_token_logprobs"]]
         version = meta.get("weight_version", "0")
-        return (out["output_ids"], logprobs, (meta.get("finish_reason") or {}).get("type", "error"),
-                meta.get("finish_reason"), int(version) if str(version).isdigit() else 0)
+        return (
+            out["output_ids"],
+            logprobs,
+            (meta.get("finish_reason") or {}).get("type", "error"),
+            meta.get("finish_reason"),
+            int(version) if str(version).isdigit() else 0,
+        )
 
     def abort(self, rids):
-        """Abort requests inside the engine (fire and forget: each returns its partial output). SGLang matches
-        rids by *prefix*, so rids must be uuids; all of the engine's requests at once go as one abort_all."""
+        """Abort requests inside the engine (fire and forget: each returns its partial output).
+        SGLang matches rids by *prefix*, so rids must be uuids; all of the engine's requests at
+        once go as one abort_all."""
         if len(rids) == self.num_in_flight():
             self.tokenizer_manager.abort_request(abort_all=True)
         else:
@@ -137,29 +181,44 @@ class Engine:
         return len(self.tokenizer_manager.rid_to_state)
 
     # ------------------------------------------------------------------ weights and memory
-    def update_weights(self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor):
+    def update_weights(
+        self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor
+    ):
         """Push the trainer's parameters bucket by bucket (`weight_buckets`), then stamp `version`.
 
-        sglang 0.5.23 requires begin_weight_update()/end_weight_update() around the pushes. The prefix cache
-        is flushed once, with the last bucket: KV computed with the old weights must not be reused.
+        sglang 0.5.23 requires begin_weight_update()/end_weight_update() around the pushes. The
+        prefix cache is flushed once, with the last bucket: KV computed with the old weights must
+        not be reused.
         """
-        from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
-                                                   UpdateWeightsFromTensorReqInput)
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
         from sglang.srt.utils import MultiprocessingSerializer
 
         named_params = list(named_params)
         for name, param in named_params:
-            # a mismatched tensor makes SGLang's scheduler raise (and die): refuse it here, with its name
-            if self.weight_shapes.get(name) != tuple(param.shape):  # a DTensor's shape is the whole tensor's
-                raise RolloutError(f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
-                                   f"model ({self.weight_shapes.get(name, 'no such tensor')})")
+            # a mismatched tensor makes SGLang's scheduler raise (and die): refuse it here, with its
+            # name
+            # a DTensor's shape is the whole tensor's
+            if self.weight_shapes.get(name) != tuple(param.shape):
+                raise RolloutError(
+                    f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
+                    f"model ({self.weight_shapes.get(name, 'no such tensor')})"
+                )
         self._run(self.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None))
         num_buckets = 0
         for bucket, is_last in weight_buckets(named_params, self.dtype, bucket_bytes, gather):
             request = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],  # one per TP rank
-                flush_cache=is_last, weight_version=str(version) if is_last else None)
-            ok, message = self._run(self.tokenizer_manager.update_weights_from_tensor(request, None))
+                # one per TP rank
+                serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],
+                flush_cache=is_last,
+                weight_version=str(version) if is_last else None,
+            )
+            ok, message = self._run(
+                self.tokenizer_manager.update_weights_from_tensor(request, None)
+            )
             if not ok:
                 raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
             num_buckets += 1  # the pushed tensors are freed when `bucket` is rebound
@@ -168,35 +227,49 @@ class Engine:
         return num_buckets
 
     def flush_cache(self):
-        """Drop the prefix cache (weight sync does this too: KV from old weights must not be reused)."""
+        """Drop the prefix cache (weight sync does this too: KV from old weights must not be
+        reused)."""
         return self._run(self.tokenizer_manager.flush_cache())
 
     def release(self, tags):
-        """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"), once the engine is idle."""
+        """Free engine memory by tag ("weights", "kv_cache", "cuda_graph"), once the engine is
+        idle."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         self.wait_until_idle()
-        self._run(self.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
+        self._run(
+            self.tokenizer_manager.release_memory_occupation(
+                ReleaseMemoryOccupationReqInput(tags=tags), None
+            )
+        )
 
     def wait_until_idle(self, poll_s=0.01):
-        """The last request returning does not mean the scheduler is idle: its overlap loop (on by default on
-        GPU) runs one more iteration, and release asserts idleness. flush_cache succeeds only on an idle
-        scheduler (and drops the prefix cache, which a release frees anyway): retry it until it does."""
+        """The last request returning does not mean the scheduler is idle: its overlap loop (on
+        by default on GPU) runs one more iteration, and release asserts idleness. flush_cache
+        succeeds only on an idle scheduler (and drops the prefix cache, which a release frees
+        anyway): retry it until it does."""
         deadline = time.perf_counter() + self.cfg.abort_timeout_s
         while not self.flush_cache().success:
             if time.perf_counter() > deadline:
-                raise RolloutError(f"the engine was not idle {self.cfg.abort_timeout_s}s after the rollout: "
-                                   "cannot release its memory")
+                raise RolloutError(
+                    f"the engine was not idle {self.cfg.abort_timeout_s}s after the rollout: "
+                    "cannot release its memory"
+                )
             time.sleep(poll_s)
 
     def resume(self, tags):
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        self._run(self.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
+        self._run(
+            self.tokenizer_manager.resume_memory_occupation(
+                ResumeMemoryOccupationReqInput(tags=tags), None
+            )
+        )
 
     def kv_cache_tokens(self):
-        """Token capacity of the engine's KV pool (what `kv_cache` release frees), as the scheduler reported it
-        at start (`Engine.get_server_info` reads the same dict, after a round trip with no timeout)."""
+        """Token capacity of the engine's KV pool (what `kv_cache` release frees), as the
+        scheduler reported it at start (`Engine.get_server_info` reads the same dict, after a
+        round trip with no timeout)."""
         return self.engine._scheduler_init_result.scheduler_infos[0]["max_total_num_tokens"]
 
     def shutdown(self):
@@ -210,24 +283,34 @@ class Engine:
 
 
 class StopSignal:
-    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save a checkpoint
-    and return; a second one exits at once (the engine killed, no checkpoint, exit 130). The engine's
-    processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only the trainer decides."""
+    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save
+    a checkpoint and return; a second one exits at once (the engine killed, no checkpoint, exit
+    130). The engine's processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only
+    the trainer decides."""
 
     def __init__(self, engine):
         self.received, self.engine = None, engine
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         engine.on_sigterm = self._handle
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.received:  # may run inside the engine's event loop, which swallows exceptions: exit from here
-            print(f"interrupted (second signal ({name})): exited at once; the last checkpoint stands",
-                  file=sys.stderr, flush=True)
+        # may run inside the engine's event loop, which swallows exceptions: exit from here
+        if self.received:
+            print(
+                f"interrupted (second signal ({name})): exited at once; the last checkpoint stands",
+                file=sys.stderr,
+                flush=True,
+            )
             self.engine.kill()
             os._exit(130)
         self.received = name
-        log.warning("%s: finishing this step, then a checkpoint and exit (send it again to exit at once)", name)
+        log.warning(
+            "%s: finishing this step, then a checkpoint and exit (send it again to exit at once)",
+            name,
+        )
 
     def restore(self):
         for sig, handler in self._previous.items():
@@ -238,11 +321,12 @@ class StopSignal:
 def weight_buckets(named_params, dtype, bucket_bytes, gather):
     """([(name, whole tensor in `dtype`)], is_last) buckets of about `bucket_bytes`, for the engine.
 
-    Each parameter is cast *before* `gather` (FSDP2's `full_tensor()`, a collective: every rank walks the
-    same names in the same order): the cast is elementwise, so the result is bit-identical, and the
-    all-gather moves half the bytes of an fp32 one with no fp32 copy of the whole tensor ever made. A
-    bucket is yielded once it reaches `bucket_bytes`, so it holds at most that plus one tensor; the caller
-    pushes it and drops it before the next is built: never a second copy of the model."""
+    Each parameter is cast *before* `gather` (FSDP2's `full_tensor()`, a collective: every rank
+    walks the same names in the same order): the cast is elementwise, so the result is
+    bit-identical, and the all-gather moves half the bytes of an fp32 one with no fp32 copy of
+    the whole tensor ever made. A bucket is yielded once it reaches `bucket_bytes`, so it holds
+    at most that plus one tensor; the caller pushes it and drops it before the next is built:
+    never a second copy of the model."""
     bucket, size = [], 0
     for i, (name, param) in enumerate(named_params):
         tensor = gather(param.detach().to(dtype))
@@ -255,9 +339,10 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather):
 
 
 def trainer_signals(sglang_signal_handler, rollout_engine):
-    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop at its first
-    request), with SIGTERM handed to `rollout_engine.on_sigterm` and SIGQUIT (an engine process raised)
-    recorded for `check_alive` instead of killing this process tree."""
+    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop at its
+    first request), with SIGTERM handed to `rollout_engine.on_sigterm` and SIGQUIT (an engine
+    process raised) recorded for `check_alive` instead of killing this process tree."""
+
     class TrainerSignals(sglang_signal_handler):
         def sigterm_handler(self, signum=None, frame=None):
             if rollout_engine.on_sigterm is not None:
@@ -265,12 +350,14 @@ def trainer_signals(sglang_signal_handler, rollout_engine):
 
         def running_phase_sigquit_handler(self, signum=None, frame=None):
             rollout_engine._on_sigquit(signum, frame)
+
     return TrainerSignals
 
 
 def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu):
-    """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes) for this rank:
-    the environment its processes inherit, its device, its port; returns it. `Engine` then takes it over."""
+    """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes)
+    for this rank: the environment its processes inherit, its device, its port; returns it.
+    `Engine` then takes it over."""
     # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
     # being oversubscribed (measured 70x faster generation than the default thread count).
     os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
@@ -280,33 +367,50 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
         # here (SGLang imports it in this process too) and in the scheduler processes
         if CPU_COMPAT_DIR not in sys.path:
             sys.path.insert(0, CPU_COMPAT_DIR)
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")]))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")])
+        )
     prepare_engine_environment(on_gpu)
     import sglang
 
-    # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL port
-    # from its local rank's own window: SGLang would pick it with the `random` module, which ranks started
-    # with one seed draw identically (verl issue 3977).
-    device_args = dict(base_gpu_id=gpu_id) if on_gpu else dict(
-        device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-    # SGLang reconfigures the root logger of this process to its own log_level and handler: without the
-    # restore below, every trainer warning after engine start (e.g. rollout queueing) was dropped.
+    # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL
+    # port from its local rank's own window: SGLang would pick it with the `random` module, which
+    # ranks started with one seed draw identically (verl issue 3977).
+    device_args = (
+        dict(base_gpu_id=gpu_id)
+        if on_gpu
+        else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+    )
+    # SGLang reconfigures the root logger of this process to its own log_level and handler: without
+    # the restore below, every trainer warning after engine start (e.g. rollout queueing) was
+    # dropped.
     root_logger = logging.getLogger()
     root_level, root_handlers = root_logger.level, root_logger.handlers[:]
-    # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides how
-    # to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for SIGINT.)
+    # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides
+    # how to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for
+    # SIGINT.)
     previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = sglang.Engine(
-            model_path=model_path, dtype=dtype, random_seed=seed, skip_tokenizer_init=True,
-            # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads libcuda)
-            enable_memory_saver=on_gpu, mem_fraction_static=cfg.mem_fraction_static,
-            max_total_tokens=cfg.max_total_tokens or None, skip_server_warmup=True, log_level="error",
-            # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and, on a shared
-            # CPU, the other ranks) gets that core while the engine is idle (measured: 2 ranks on 2 cores
-            # trained 2-3x slower with spinning schedulers)
-            sleep_on_idle=True, nccl_port=free_port(local_rank), trust_remote_code=trust_remote_code,
-            **device_args)
+            model_path=model_path,
+            dtype=dtype,
+            random_seed=seed,
+            skip_tokenizer_init=True,
+            # the memory saver frees weights/KV on release; it needs CUDA (its LD_PRELOAD hook loads
+            # libcuda)
+            enable_memory_saver=on_gpu,
+            mem_fraction_static=cfg.mem_fraction_static,
+            max_total_tokens=cfg.max_total_tokens or None,
+            skip_server_warmup=True,
+            log_level="error",
+            # an idle scheduler waits on its sockets instead of spinning a core: the trainer (and,
+            # on a shared CPU, the other ranks) gets that core while the engine is idle (measured: 2
+            # ranks on 2 cores trained 2-3x slower with spinning schedulers)
+            sleep_on_idle=True,
+            nccl_port=free_port(local_rank),
+            trust_remote_code=trust_remote_code,
+            **device_args,
+        )
     finally:
         signal.signal(signal.SIGINT, previous_sigint)
     root_logger.setLevel(root_level)
@@ -316,25 +420,29 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
 
 def prepare_engine_environment(on_gpu):
     """The engine's processes inherit this process's environment; what they need there.
-    torch_memory_saver refuses `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF (the engine would die
-    at start with a message about a library the user never chose): removed here, and said so.
-    TORCHELASTIC_USE_AGENT_STORE, set by torchrun, can make SGLang's private TCPStore hang (pytorch
-    issue 192113): SGLang's scheduler is not part of the trainer's rendezvous.
-    On GPU, two more (sglang 0.5.23):
-    - SGLANG_MEMORY_SAVER_CUDA_GRAPH=1: without it SGLang captures CUDA graphs outside the memory saver's
-      regions (model_executor/runner_backend/full_cuda_graph_backend.py, `_memory_saver_adapter`), so a
-      release of the "cuda_graph" tag frees nothing; with it the graph pool is paused too (a pinned CPU
-      backup is kept, since replays read capture-time state).
+    torch_memory_saver refuses `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF (the engine
+    would die at start with a message about a library the user never chose): removed here, and
+    said so. TORCHELASTIC_USE_AGENT_STORE, set by torchrun, can make SGLang's private TCPStore
+    hang (pytorch issue 192113): SGLang's scheduler is not part of the trainer's rendezvous. On
+    GPU, two more (sglang 0.5.23):
+    - SGLANG_MEMORY_SAVER_CUDA_GRAPH=1: without it SGLang captures CUDA graphs outside the memory
+      saver's regions (model_executor/runner_backend/full_cuda_graph_backend.py,
+      `_memory_saver_adapter`), so a release of the "cuda_graph" tag frees nothing; with it the
+      graph pool is paused too (a pinned CPU backup is kept, since replays read capture-time
+      state).
     - CUDA tensors pushed to the engine name their device by UUID, not index
-      (sglang.srt.utils.patch_torch.monkey_patch_torch_reductions; the scheduler applies it on its side,
-      managers/tp_worker.py): an index is wrong when the two processes see the GPUs in another order (a
-      launcher that sets CUDA_VISIBLE_DEVICES per rank). CUDA-only: the patch breaks CPU tensor pickling."""
+      (sglang.srt.utils.patch_torch.monkey_patch_torch_reductions; the scheduler applies it on
+      its side, managers/tp_worker.py): an index is wrong when the two processes see the GPUs in
+      another order (a launcher that sets CUDA_VISIBLE_DEVICES per rank). CUDA-only: the patch
+      breaks CPU tensor pickling."""
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     options = [o for o in alloc_conf.split(",") if o.strip()]
     kept = [o for o in options if o.replace(" ", "").lower() != "expandable_segments:true"]
     if len(kept) != len(options):
-        log.warning("removed expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF: SGLang's memory saver "
-                    "(torch_memory_saver) refuses it and the engine would not start")
+        log.warning(
+            "removed expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF: SGLang's memory saver "
+            "(torch_memory_saver) refuses it and the engine would not start"
+        )
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if on_gpu:
@@ -348,11 +456,12 @@ PORT_WINDOW = 1000  # each local rank draws its engine's NCCL port from its own 
 
 
 def free_port(local_rank=0, low=20000, window=PORT_WINDOW):
-    """A free TCP port for the engine's NCCL rendezvous, below the ephemeral range, from `local_rank`'s own
-    window (ranks of one node never draw the same port; 10 windows, then they repeat). Test-bound on the
-    IPv4 wildcard, as the scheduler's TCPStore binds it later (sglang srt/utils/network.py,
-    `get_free_port_below_ephemeral`): a port taken on any interface is refused, not only on 127.0.0.1.
-    Drawn with an RNG of this process's own, not the seeded global one."""
+    """A free TCP port for the engine's NCCL rendezvous, below the ephemeral range, from
+    `local_rank`'s own window (ranks of one node never draw the same port; 10 windows, then they
+    repeat). Test-bound on the IPv4 wildcard, as the scheduler's TCPStore binds it later (sglang
+    srt/utils/network.py, `get_free_port_below_ephemeral`): a port taken on any interface is
+    refused, not only on 127.0.0.1. Drawn with an RNG of this process's own, not the seeded
+    global one."""
     import random
     import socket
 
@@ -365,4 +474,6 @@ def free_port(local_rank=0, low=20000, window=PORT_WINDOW):
                 return port
             except OSError:
                 continue
-    raise RolloutError(f"no free port in {start}-{start + window - 1} for the engine's NCCL rendezvous")
+    raise RolloutError(
+        f"no free port in {start}-{start + window - 1} for the engine's NCCL rendezvous"
+    )

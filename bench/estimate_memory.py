@@ -1,14 +1,15 @@
-"""Per-GPU memory of a config, estimated without a GPU: what each phase of a step holds on one rank, for
-1 rank and for N ranks (FSDP2 shards the trainer's fp32 state; every rank holds a whole engine).
+"""Per-GPU memory of a config, estimated without a GPU: what each phase of a step holds on one rank,
+for 1 rank and for N ranks (FSDP2 shards the trainer's fp32 state; every rank holds a whole engine).
 
-    python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 79.2]
+python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 79.2]
 
 Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
-comments, and the activation term is an estimate (SDPA attention, bf16 activations). The model's shape
-comes from its HF config (`model.path`), or, offline, from the public configs of the models the shipped
-configs name. Ends with one line per rank count:
-  estimate: config=<path> ranks=<n> rollout_gib=<f> train_gib=<f> sync_gib=<f> peak_gib=<f> headroom=<f>
+comments, and the activation term is an estimate (SDPA attention, bf16 activations). The model's
+shape comes from its HF config (`model.path`), or, offline, from the public configs of the models
+the shipped configs name. Ends with one line per rank count: estimate: config=<path> ranks=<n>
+rollout_gib=<f> train_gib=<f> sync_gib=<f> peak_gib=<f> headroom=<f>
 """
+
 import argparse
 import os
 import sys
@@ -17,19 +18,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from config import load_config  # noqa: E402
 
-# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab), for offline use.
-KNOWN_SHAPES = {"Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936),
-                "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936)}
+# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab), for
+# offline use.
+KNOWN_SHAPES = {
+    "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936),
+    "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936),
+}
 CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
-CUDA_GRAPH_GIB = 2.0  # the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
-# SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable region)
+# the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
+CUDA_GRAPH_GIB = 2.0
+# SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
+# region)
 CHUNK_TOKENS = 1024  # grpo.head_logprobs' default
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 
 def model_shape(path):
-    """(hidden, intermediate, layers, heads, KV heads, vocab): a local HF folder's config, else a known public
-    shape, else the hub (where reachable)."""
+    """(hidden, intermediate, layers, heads, KV heads, vocab): a local HF folder's config, else a
+    known public shape, else the hub (where reachable)."""
     if not os.path.isdir(path) and path in KNOWN_SHAPES:
         return KNOWN_SHAPES[path]
     try:
@@ -37,25 +43,46 @@ def model_shape(path):
 
         c = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
-        raise SystemExit(f"model.path={path!r}: no HF config reachable and no known shape; add it to KNOWN_SHAPES")
-    return c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+        raise SystemExit(
+            f"model.path={path!r}: no HF config reachable and no known shape; add it to KNOWN_SHAPES"
+        )
+    return (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+    )
 
 
 def estimate(cfg, ranks, gpu_bytes):
     """{component: bytes} per rank, and the three phase totals."""
     hidden, inter, layers, heads, kv_heads, vocab = model_shape(cfg.model.path)
     head_dim = hidden // heads
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    per_layer = (
+        2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    )
     embedding = vocab * hidden  # tied with the output head (Qwen2.5 <= 3B): the largest tensor
     params = embedding + layers * per_layer + hidden
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = cfg.data.max_prompt_len + (r.max_response_tokens or r.max_new_tokens * r.max_turns)
-    # packed: at most the token budget in a micro-batch, or one sequence longer than it; padded: rows x longest
-    tokens = max(t.max_tokens_per_micro_batch, seq_len) if t.max_tokens_per_micro_batch else t.micro_batch_size * seq_len
-    batch = f"{tokens} tokens, packed" if t.max_tokens_per_micro_batch else f"{t.micro_batch_size} x {seq_len} tokens"
-    # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4 I values)
+    # packed: at most the token budget in a micro-batch, or one sequence longer than it; padded:
+    # rows x longest
+    tokens = (
+        max(t.max_tokens_per_micro_batch, seq_len)
+        if t.max_tokens_per_micro_batch
+        else t.micro_batch_size * seq_len
+    )
+    batch = (
+        f"{tokens} tokens, packed"
+        if t.max_tokens_per_micro_batch
+        else f"{t.micro_batch_size} x {seq_len} tokens"
+    )
+    # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4
+    # I values)
     per_token_layer = (10 * hidden + 4 * inter) * compute
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
         activations = tokens * (layers * hidden * compute + per_token_layer)
@@ -66,7 +93,8 @@ def estimate(cfg, ranks, gpu_bytes):
     contexts = 2 * CONTEXT_GIB * 2**30
     if r.max_total_tokens:
         kv_cache = r.max_total_tokens * kv_per_token
-    else:  # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less the
+    # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less the
+    else:
         # weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
     sharded = ranks > 1
@@ -74,33 +102,43 @@ def estimate(cfg, ranks, gpu_bytes):
         "trainer params (fp32, sharded)": params * 4 / ranks,
         "gradients (fp32, sharded)": params * 4 / ranks,
         "AdamW state (fp32, sharded)": 2 * params * 4 / ranks,
-        # FSDP2: the root unit (the tied embedding, used again by the head) stays gathered from the forward to
-        # the end of the backward; decoder layers are gathered one ahead of use
+        # FSDP2: the root unit (the tied embedding, used again by the head) stays gathered from the
+        # forward to the end of the backward; decoder layers are gathered one ahead of use
         "FSDP root unit, gathered (embedding)": embedding * compute if sharded else 0,
         "FSDP layer units (2 in flight)": 2 * per_layer * compute if sharded else 0,
         "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
-        # one rank: autocast caches a compute-dtype copy of every weight for the forward and backward
+        # one rank: autocast caches a compute-dtype copy of every weight for the forward and
+        # backward
         "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
         f"activations ({batch})": activations,
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
         "engine weights": weights_engine,
         "engine KV cache": kv_cache,
         "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
-        # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the largest tensor,
-        # all in the engine's dtype (sglang_engine.weight_buckets casts each shard before gathering it)
+        # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the
+        # largest tensor, all in the engine's dtype (sglang_engine.weight_buckets casts each shard
+        # before gathering it)
         "weight-sync bucket": cfg.memory.bucket_mb * 2**20 + embedding * engine,
         "CUDA contexts (trainer + engine)": contexts,
     }
-    trainer_state = sum(v for k, v in parts.items() if k.startswith(("trainer", "gradients", "AdamW")))
-    train_extra = ("FSDP root unit, gathered (embedding)", "FSDP layer units (2 in flight)",
-                   "root gradient, unsharded fp32 (reduce-scatter)", "autocast weight copies",
-                   "log-prob path (chunked head)")
+    trainer_state = sum(
+        v for k, v in parts.items() if k.startswith(("trainer", "gradients", "AdamW"))
+    )
+    train_extra = (
+        "FSDP root unit, gathered (embedding)",
+        "FSDP layer units (2 in flight)",
+        "root gradient, unsharded fp32 (reduce-scatter)",
+        "autocast weight copies",
+        "log-prob path (chunked head)",
+    )
     phases = {
         # rollout: engine resident, trainer params and optimizer offloaded to the CPU
         "rollout": weights_engine + kv_cache + parts["engine CUDA graphs"] + contexts,
-        # train: engine released (weights, KV cache, CUDA graphs); trainer state, gathered units, activations
+        # train: engine released (weights, KV cache, CUDA graphs); trainer state, gathered units,
+        # activations
         "train": trainer_state + sum(parts[k] for k in train_extra) + activations + contexts,
-        # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one bucket
+        # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one
+        # bucket
         "sync": params * 4 / ranks + weights_engine + parts["weight-sync bucket"] + contexts,
     }
     if cfg.memory.mode == "off":  # nothing released: everything at once
@@ -113,23 +151,35 @@ def main():
     parser.add_argument("--config", default="configs/gsm8k.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--ranks", type=int, default=8, help="N, shown beside 1 rank")
-    parser.add_argument("--gpu-gib", type=float, default=H100_80GB_GIB, help="the card's total as CUDA reports it")
+    parser.add_argument(
+        "--gpu-gib", type=float, default=H100_80GB_GIB, help="the card's total as CUDA reports it"
+    )
     args = parser.parse_args()
     cfg = load_config(args.config, args.set + ["data.train_path=unused-by-the-estimate"])
     gpu_bytes = args.gpu_gib * 2**30
     results = {n: estimate(cfg, n, gpu_bytes) for n in sorted({1, args.ranks})}
     gib = lambda b: f"{b / 2**30:8.2f}"  # noqa: E731
-    print(f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), {args.gpu_gib:g} GiB card")
-    print(f"{'component':<48}" + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results))
+    print(
+        f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), {args.gpu_gib:g} GiB card"
+    )
+    print(
+        f"{'component':<48}"
+        + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results)
+    )
     for name in results[1][0]:
         print(f"{name:<48}" + "".join(f"{gib(parts[name]):>10}" for parts, _ in results.values()))
     for phase in ("rollout", "train", "sync"):
-        print(f"{'peak: ' + phase + ' phase':<48}" + "".join(f"{gib(ph[phase]):>10}" for _, ph in results.values()))
+        print(
+            f"{'peak: ' + phase + ' phase':<48}"
+            + "".join(f"{gib(ph[phase]):>10}" for _, ph in results.values())
+        )
     for n, (_, phases) in results.items():
         peak = max(phases.values())
-        print(f"estimate: config={args.config} ranks={n} rollout_gib={phases['rollout'] / 2**30:.2f} "
-              f"train_gib={phases['train'] / 2**30:.2f} sync_gib={phases['sync'] / 2**30:.2f} "
-              f"peak_gib={peak / 2**30:.2f} headroom={1 - peak / gpu_bytes:.3f}")
+        print(
+            f"estimate: config={args.config} ranks={n} rollout_gib={phases['rollout'] / 2**30:.2f} "
+            f"train_gib={phases['train'] / 2**30:.2f} sync_gib={phases['sync'] / 2**30:.2f} "
+            f"peak_gib={peak / 2**30:.2f} headroom={1 - peak / gpu_bytes:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Runs real steps (rollout -> train -> sync) for the configured model in both mode
 On CPU release frees nothing, so peaks are *modelled* from a ledger of real tensor sizes; on a GPU
 the same script samples device-wide memory at every transition and reports *measured* peaks.
 """
+
 import argparse
 import os
 import sys
@@ -24,9 +25,11 @@ def one_step(run, phases, step):
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)  # scored as they finish
-    advantages, _ = grpo.group_advantages(torch.tensor([s.reward for s in samples]),
-                                          torch.tensor([s.group_id for s in samples]),
-                                          torch.ones(len(samples), dtype=torch.bool))
+    advantages, _ = grpo.group_advantages(
+        torch.tensor([s.reward for s in samples]),
+        torch.tensor([s.group_id for s in samples]),
+        torch.ones(len(samples), dtype=torch.bool),
+    )
     phases.to_train()
     train.train_on_rollout(run, samples, advantages)
     phases.sync(version=step + 1)
@@ -36,29 +39,43 @@ def one_step(run, phases, step):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("--set", action="append", default=[], help="config override, as in train.py")
+    parser.add_argument(
+        "--set", action="append", default=[], help="config override, as in train.py"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="steps per mode, alternating")
     args = parser.parse_args()
-    cfg = load_config(args.config, args.set + [f"run.out={tempfile.mkdtemp(prefix='bench_memory_')}"])
+    cfg = load_config(
+        args.config, args.set + [f"run.out={tempfile.mkdtemp(prefix='bench_memory_')}"]
+    )
     run = train.setup(cfg)
     dtype = getattr(torch, cfg.model.engine_dtype)
     bucket = cfg.memory.bucket_mb << 20
-    phases = {mode: MemoryPhases(run.engine, run.policy, run.optimizer, mode, bucket, dtype)
-              for mode in ("staged", "all_at_once")}
+    phases = {
+        mode: MemoryPhases(run.engine, run.policy, run.optimizer, mode, bucket, dtype)
+        for mode in ("staged", "all_at_once")
+    }
     peaks = {mode: [] for mode in phases}
     try:
         for step in range(args.repeats):
             for mode, machine in phases.items():
                 per_phase = one_step(run, machine, step)
                 peaks[mode].append(max(per_phase.values()))
-                print(f"step {step} {mode:11s} " + " ".join(f"{p}={b / 2**20:.2f}MiB" for p, b in per_phase.items()))
+                print(
+                    f"step {step} {mode:11s} "
+                    + " ".join(f"{p}={b / 2**20:.2f}MiB" for p, b in per_phase.items())
+                )
     finally:
         run.engine.shutdown()
     ledger, source = phases["staged"].ledger, phases["staged"].source
-    print(f"ledger ({source} peaks): " + " ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in vars(ledger).items()))
+    print(
+        f"ledger ({source} peaks): "
+        + " ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in vars(ledger).items())
+    )
     staged, all_at_once = max(peaks["staged"]), max(peaks["all_at_once"])
-    print(f"memory: staged_peak_bytes={staged} all_at_once_peak_bytes={all_at_once} "
-          f"engine_weight_bytes={ledger.engine_weights} saving_bytes={all_at_once - staged} source={source}")
+    print(
+        f"memory: staged_peak_bytes={staged} all_at_once_peak_bytes={all_at_once} "
+        f"engine_weight_bytes={ledger.engine_weights} saving_bytes={all_at_once - staged} source={source}"
+    )
 
 
 if __name__ == "__main__":

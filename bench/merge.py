@@ -1,9 +1,12 @@
-"""Benchmark for merge.py: merge time on synthetic multi-turn batches, and trained tokens merged vs step-wise.
+"""Benchmark for merge.py: merge time on synthetic multi-turn batches, and trained tokens merged vs
+step-wise.
 
-Owns the synthetic trajectory generator and the timing. The timings use synthetic batches only; the token
-counts per step come from real rollouts of the CPU multi-turn demo (starts the engine; --demo-steps 0 skips it).
-Run from the repo root: `python bench/merge.py`. The last line is the machine-readable summary.
+Owns the synthetic trajectory generator and the timing. The timings use synthetic batches only; the
+token counts per step come from real rollouts of the CPU multi-turn demo (starts the engine;
+--demo-steps 0 skips it). Run from the repo root: `python bench/merge.py`. The last line is the
+machine-readable summary.
 """
+
 import argparse
 import array
 import dataclasses
@@ -23,12 +26,21 @@ from sample import Sample, trajectories_of  # noqa: E402
 VOCAB_SIZE = 151_936  # a Qwen-sized vocabulary
 
 
-def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, break_prob: float,
-                    group_size: int = 8) -> list[list[Sample]]:
-    """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation (~200/100/20 tokens),
-    as the rollout builds them: per-token arrays, each turn's prompt a new array (rollout.py's `context`)."""
+def synthetic_batch(
+    num_trajectories: int,
+    num_turns: int,
+    rng: random.Random,
+    break_prob: float,
+    group_size: int = 8,
+) -> list[list[Sample]]:
+    """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation
+    (~200/100/20 tokens), as the rollout builds them: per-token arrays, each turn's prompt a new
+    array (rollout.py's `context`)."""
+
     def tokens(mean: int) -> array.array:
-        return array.array("i", [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(mean // 2, mean * 3 // 2))])
+        return array.array(
+            "i", [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(mean // 2, mean * 3 // 2))]
+        )
 
     batch = []
     for traj in range(num_trajectories):
@@ -37,10 +49,17 @@ def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, b
             if turn > 0 and rng.random() < break_prob:
                 history = tokens(200)  # e.g. the history was re-templated: a prefix break
             response = tokens(100)
-            turns.append(Sample(prompt_ids=history, response_ids=response,
-                                logprobs=array.array("f", [-1.0]) * len(response),
-                                loss_mask=array.array("B", [1]) * len(response),
-                                group_id=traj // group_size, trajectory_id=traj, turn=turn))
+            turns.append(
+                Sample(
+                    prompt_ids=history,
+                    response_ids=response,
+                    logprobs=array.array("f", [-1.0]) * len(response),
+                    loss_mask=array.array("B", [1]) * len(response),
+                    group_id=traj // group_size,
+                    trajectory_id=traj,
+                    turn=turn,
+                )
+            )
             history = history + response + tokens(20)
         batch.append(turns)
     return batch
@@ -48,19 +67,23 @@ def synthetic_batch(num_trajectories: int, num_turns: int, rng: random.Random, b
 
 @dataclasses.dataclass
 class Timing:
-    ms: float         # median wall time of merge_batch over the repeats: the number the issue tracks
-    min_ms: float     # fastest and slowest repeat: a wide spread means another process had the CPU
+    # median wall time of merge_batch over the repeats: the number the issue tracks
+    ms: float
+    min_ms: float  # fastest and slowest repeat: a wide spread means another process had the CPU
     max_ms: float
-    cpu_ms: float     # median CPU time of the same calls: near `ms` unless the process was descheduled
-    gc_ms: float      # median part of `ms` spent in Python's garbage collector
-    free_ms: float    # median time to free the merged batch afterwards: the trainer pays it after the step
+    # median CPU time of the same calls: near `ms` unless the process was descheduled
+    cpu_ms: float
+    gc_ms: float  # median part of `ms` spent in Python's garbage collector
+    # median time to free the merged batch afterwards: the trainer pays it after the step
+    free_ms: float
 
 
 def time_merge(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> Timing:
     """Time merge_batch as the trainer calls it: GC on, and the result kept while the clock runs.
 
-    GC stays on (the trainer runs with it on); gc.collect() first, so each repeat starts from the same GC
-    state. The trainer keeps the merged batch for the whole step, so freeing it is timed apart (free_ms).
+    GC stays on (the trainer runs with it on); gc.collect() first, so each repeat starts from the
+    same GC state. The trainer keeps the merged batch for the whole step, so freeing it is timed
+    apart (free_ms).
     """
     gc_seconds, gc_start = [0.0], [0.0]
 
@@ -95,33 +118,42 @@ def num_tokens(samples: list[Sample]) -> int:
 
 
 def token_counts(trajectories: list[list[Sample]]) -> tuple[int, int]:
-    """(merged, step-wise) totals of prompt + response tokens over all sequences, for any trajectories:
-    synthetic here, real multi-turn rollouts in the demo. No max_seq_len: it only counts and warns."""
+    """(merged, step-wise) totals of prompt + response tokens over all sequences, for any
+    trajectories: synthetic here, real multi-turn rollouts in the demo. No max_seq_len: it only
+    counts and warns."""
     merged, _ = merge_batch(trajectories, max_seq_len=sys.maxsize)
     return num_tokens(merged), num_tokens(unmerged(trajectories))
 
 
 def demo_token_counts(steps: int) -> tuple[int, int]:
-    """Trained tokens per step, merged vs step-wise, on the CPU multi-turn demo (configs/tiny_tool.yaml):
-    real rollouts from the real engine with the calculator tool, medians over `steps` rollouts."""
+    """Trained tokens per step, merged vs step-wise, on the CPU multi-turn demo
+    (configs/tiny_tool.yaml): real rollouts from the real engine with the calculator tool,
+    medians over `steps` rollouts."""
     import tempfile
 
     import train  # noqa: E402  (imports torch and SGLang's engine only when the demo runs)
     from config import load_config
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(repo, "configs", "tiny_tool.yaml"), [f"run.out={tempfile.mkdtemp(prefix='bench_merge_')}"])
+    cfg = load_config(
+        os.path.join(repo, "configs", "tiny_tool.yaml"),
+        [f"run.out={tempfile.mkdtemp(prefix='bench_merge_')}"],
+    )
     run = train.setup(cfg)
     merged, stepwise = [], []
     try:
         for step in range(steps):
             prompts = run.stream.take(cfg.rollout.prompts_per_step)
-            samples, stats = train.generate(run, prompts, cfg.rollout.group_size, cfg.rollout.temperature)
+            samples, stats = train.generate(
+                run, prompts, cfg.rollout.group_size, cfg.rollout.temperature
+            )
             counts = token_counts(trajectories_of(samples))
             merged.append(counts[0])
             stepwise.append(counts[1])
-            print(f"demo step {step}: {len(samples)} turns, {stats.num_tool_calls} tool calls, "
-                  f"tokens {counts[1]} step-wise -> {counts[0]} merged")
+            print(
+                f"demo step {step}: {len(samples)} turns, {stats.num_tool_calls} tool calls, "
+                f"tokens {counts[1]} step-wise -> {counts[0]} merged"
+            )
     finally:
         run.engine.shutdown()
     return round(statistics.median(merged)), round(statistics.median(stepwise))
@@ -131,12 +163,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trajectories", type=int, default=2560, help="trajectories per step (1x)")
     parser.add_argument("--turns", type=int, default=5, help="turns per trajectory")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats; the median is reported")
-    parser.add_argument("--break-prob", type=float, default=0.0, help="chance a turn's prompt breaks the prefix")
+    parser.add_argument(
+        "--repeats", type=int, default=9, help="timed repeats; the median is reported"
+    )
+    parser.add_argument(
+        "--break-prob", type=float, default=0.0, help="chance a turn's prompt breaks the prefix"
+    )
     parser.add_argument("--max-seq-len", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--demo-steps", type=int, default=3,
-                        help="rollouts of the CPU multi-turn demo for the token counts (0: synthetic counts)")
+    parser.add_argument(
+        "--demo-steps",
+        type=int,
+        default=3,
+        help="rollouts of the CPU multi-turn demo for the token counts (0: synthetic counts)",
+    )
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -145,23 +185,31 @@ def main() -> None:
         batch = synthetic_batch(args.trajectories * scale, args.turns, rng, args.break_prob)
         t = time_merge(batch, args.max_seq_len, args.repeats)
         ms[scale] = t.ms
-        print(f"{args.trajectories * scale} trajectories x {args.turns} turns: {t.ms:.1f} ms "
-              f"(range {t.min_ms:.1f}-{t.max_ms:.1f}, cpu {t.cpu_ms:.1f}; {t.ms / scale:.1f} ms per "
-              f"{args.trajectories}; garbage collection {t.gc_ms:.1f} ms; freeing the result {t.free_ms:.1f} ms, "
-              f"not timed)")
+        print(
+            f"{args.trajectories * scale} trajectories x {args.turns} turns: {t.ms:.1f} ms "
+            f"(range {t.min_ms:.1f}-{t.max_ms:.1f}, cpu {t.cpu_ms:.1f}; {t.ms / scale:.1f} ms per "
+            f"{args.trajectories}; garbage collection {t.gc_ms:.1f} ms; freeing the result {t.free_ms:.1f} ms, "
+            f"not timed)"
+        )
         if scale == 1:
             stats = merge_batch(batch, args.max_seq_len)[1]
             tokens_merged, tokens_unmerged = token_counts(batch)
-            print(f"sequences {stats.sequences_before} -> {stats.sequences_after} "
-                  f"(ratio {stats.merge_ratio:.2f}, prefix breaks {stats.prefix_breaks}, "
-                  f"over length {stats.over_length}); tokens {tokens_unmerged} -> {tokens_merged} "
-                  f"({tokens_unmerged / tokens_merged:.2f}x fewer)")
+            print(
+                f"sequences {stats.sequences_before} -> {stats.sequences_after} "
+                f"(ratio {stats.merge_ratio:.2f}, prefix breaks {stats.prefix_breaks}, "
+                f"over length {stats.over_length}); tokens {tokens_unmerged} -> {tokens_merged} "
+                f"({tokens_unmerged / tokens_merged:.2f}x fewer)"
+            )
     if args.demo_steps:
         tokens_merged, tokens_unmerged = demo_token_counts(args.demo_steps)
-        print(f"multi-turn demo, per step: tokens {tokens_unmerged} step-wise -> {tokens_merged} merged "
-              f"({tokens_unmerged / tokens_merged:.2f}x fewer)")
-    print(f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} ms_2x={ms[2]:.2f} "
-          f"ms_4x={ms[4]:.2f} tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}")
+        print(
+            f"multi-turn demo, per step: tokens {tokens_unmerged} step-wise -> {tokens_merged} merged "
+            f"({tokens_unmerged / tokens_merged:.2f}x fewer)"
+        )
+    print(
+        f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} ms_2x={ms[2]:.2f} "
+        f"ms_4x={ms[4]:.2f} tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}"
+    )
 
 
 if __name__ == "__main__":  # SGLang's scheduler processes re-import this file: guard main()

@@ -1,6 +1,7 @@
-"""Shared test fixtures (one real SGLang engine per session: starting one costs ~20-50 s on CPU), background
-runs of the subprocesses whose tests only read their output, and the suite's time budget: a full run that
-takes far longer than README's 8 minutes fails."""
+"""Shared test fixtures (one real SGLang engine per session: starting one costs ~20-50 s on CPU),
+background runs of the subprocesses whose tests only read their output, and the suite's time
+budget: a full run that takes far longer than README's 8 minutes fails."""
+
 import concurrent.futures
 import os
 import shutil
@@ -18,22 +19,24 @@ import checkpoint  # noqa: E402
 import train  # noqa: E402
 from config import load_config  # noqa: E402
 
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests need no download.
+# The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests
+# need no download.
 GSM8K_TRAIN = os.path.join(REPO, "tests", "data", "gsm8k_train_100.jsonl")
 
 
 def tiny_config(out_dir, *sets):
     """The CPU demo config, smaller and faster, writing under `out_dir`."""
-    return load_config("configs/tiny.yaml", [f"run.out={out_dir}", "rollout.prompts_per_step=8",
-                                             "data.num_val_prompts=16", *sets])
+    return load_config(
+        "configs/tiny.yaml",
+        [f"run.out={out_dir}", "rollout.prompts_per_step=8", "data.num_val_prompts=16", *sets],
+    )
 
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
-    """A real SGLang engine serving the seeded tiny model; tests that change its weights restore them
-    by syncing a fresh policy (train.setup does that when given this engine)."""
+    """A real SGLang engine serving the seeded tiny model; tests that change its weights restore
+    them by syncing a fresh policy (train.setup does that when given this engine)."""
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path_factory.mktemp("engine")
     cfg = tiny_config(out)
@@ -52,12 +55,14 @@ def policy(engine, tmp_path):
     return policy
 
 
-# A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~40 s, most of it supervised steps on the shipped GSM8K
-# rows, so it stops at <|im_end|> and writes tool calls), built once per session by the background worker,
-# first in its queue when a collected test needs it; the background runs that train it chain BUILD_QWEN (a
-# no-op once built). Its folder is removed when the session ends.
+# A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~40 s, most of it supervised steps on the
+# shipped GSM8K rows, so it stops at <|im_end|> and writes tool calls), built once per session by
+# the background worker, first in its queue when a collected test needs it; the background runs that
+# train it chain BUILD_QWEN (a no-op once built). Its folder is removed when the session ends.
 QWEN_TINY = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
-BUILD_QWEN = f"(test -d {QWEN_TINY} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {QWEN_TINY})"
+BUILD_QWEN = (
+    f"(test -d {QWEN_TINY} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {QWEN_TINY})"
+)
 
 
 @pytest.fixture(scope="session")
@@ -70,11 +75,12 @@ def qwen_tiny_dir(background_runs):
 
 # ---------------------------------------------------------------- background runs
 class BackgroundRuns:
-    """Commands whose tests only read their result (a benchmark's last line, a run's exit code and files),
-    started when the suite is collected and run one at a time in a worker thread: each process (~30 s,
-    most of it importing SGLang) uses the core that the in-process tests leave idle, instead of adding its
-    time to the suite's. A test marks its command with `@pytest.mark.background(name, command)` and reads
-    `background_runs.result(name)`: the CompletedProcess, waited for."""
+    """Commands whose tests only read their result (a benchmark's last line, a run's exit code
+    and files), started when the suite is collected and run one at a time in a worker thread:
+    each process (~30 s, most of it importing SGLang) uses the core that the in-process tests
+    leave idle, instead of adding its time to the suite's. A test marks its command with
+    `@pytest.mark.background(name, command)` and reads `background_runs.result(name)`: the
+    CompletedProcess, waited for."""
 
     def __init__(self):
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -87,7 +93,9 @@ class BackgroundRuns:
     def _run(self, name, command, timeout):
         start = time.monotonic()
         try:
-            return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+            return subprocess.run(
+                command, cwd=REPO, capture_output=True, text=True, timeout=timeout
+            )
         finally:
             self.seconds[name] = time.monotonic() - start
 
@@ -102,12 +110,14 @@ class BackgroundRuns:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "background(name, command): run `command` in the background from collection on")
+    config.addinivalue_line(
+        "markers", "background(name, command): run `command` in the background from collection on"
+    )
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Start the background runs, in test order, and move the tests that read them to the end: the in-process
-    tests run meanwhile instead of waiting on the worker (both cores stay busy)."""
+    """Start the background runs, in test order, and move the tests that read them to the end:
+    the in-process tests run meanwhile instead of waiting on the worker (both cores stay busy)."""
     runs = config.stash[BACKGROUND] = BackgroundRuns()
     if any("qwen_tiny_dir" in item.fixturenames for item in items):
         runs.start("qwen_build", ["bash", "-c", BUILD_QWEN])
@@ -130,16 +140,20 @@ def _seed():
 
 # ---------------------------------------------------------------- the suite's time budget
 SUITE_BUDGET_S = 480  # README: the whole suite in 8 minutes on 2 cores, engine starts included
-BUDGET_MARGIN = 1.25  # a full run fails only past a clear margin (the slowest tests are listed: --durations)
+# a full run fails only past a clear margin (the slowest tests are listed: --durations)
+BUDGET_MARGIN = 1.25
 CALIBRATION_REFERENCE_S = 0.18  # `calibrate()` on the 2-core machine where the budget was measured
 MAX_SLOWDOWN = 2.0  # a slower machine gets a proportionally larger limit, at most this much larger
 
 
 def calibrate():
-    """Seconds for a fixed single-threaded workload (torch matmuls and a Python loop, like the suite's mix)."""
+    """Seconds for a fixed single-threaded workload (torch matmuls and a Python loop, like the
+    suite's mix)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    start, a = time.perf_counter(), torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    start, a = time.perf_counter(), torch.randn(
+        256, 256, generator=torch.Generator().manual_seed(0)
+    )
     for _ in range(200):
         a = torch.tanh(a @ a * 0.01)
     total = sum(i % 7 for i in range(2_000_000))
@@ -153,27 +167,40 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """On a full run (no paths, -k or -m given), fail when the wall time exceeds the budget by the margin,
-    scaled by how much slower than the reference this machine ran the calibration workload (capped)."""
+    """On a full run (no paths, -k or -m given), fail when the wall time exceeds the budget by
+    the margin, scaled by how much slower than the reference this machine ran the calibration
+    workload (capped)."""
     config = session.config
     started, calibration_s = config.stash[CALIBRATION]
     elapsed = time.monotonic() - started
     slowdown = min(max(calibration_s / CALIBRATION_REFERENCE_S, 1.0), MAX_SLOWDOWN)
     limit = SUITE_BUDGET_S * BUDGET_MARGIN * slowdown
-    full_run = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
-                and not config.option.markexpr)
-    verdict = "over the limit: FAILED" if full_run and elapsed > limit else "ok" if full_run else "not a full run"
-    config.stash[BUDGET_LINE] = (f"suite time: {elapsed:.0f} s, budget {SUITE_BUDGET_S} s, limit {limit:.0f} s "
-                                 f"(margin {BUDGET_MARGIN}, machine slowdown {slowdown:.2f}: calibration "
-                                 f"{calibration_s:.3f} s vs {CALIBRATION_REFERENCE_S} s): {verdict}")
+    full_run = (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not config.option.keyword
+        and not config.option.markexpr
+    )
+    verdict = (
+        "over the limit: FAILED"
+        if full_run and elapsed > limit
+        else "ok" if full_run else "not a full run"
+    )
+    config.stash[BUDGET_LINE] = (
+        f"suite time: {elapsed:.0f} s, budget {SUITE_BUDGET_S} s, limit {limit:.0f} s "
+        f"(margin {BUDGET_MARGIN}, machine slowdown {slowdown:.2f}: calibration "
+        f"{calibration_s:.3f} s vs {CALIBRATION_REFERENCE_S} s): {verdict}"
+    )
     if full_run and elapsed > limit and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if BACKGROUND in config.stash and config.stash[BACKGROUND].seconds:  # the worker thread is often the critical path
+    # the worker thread is often the critical path
+    if BACKGROUND in config.stash and config.stash[BACKGROUND].seconds:
         runs = sorted(config.stash[BACKGROUND].seconds.items(), key=lambda item: -item[1])
-        terminalreporter.write_line("background runs: " + ", ".join(f"{name} {s:.0f} s" for name, s in runs))
+        terminalreporter.write_line(
+            "background runs: " + ", ".join(f"{name} {s:.0f} s" for name, s in runs)
+        )
     if BUDGET_LINE in config.stash:
         terminalreporter.write_line(config.stash[BUDGET_LINE])
 
@@ -184,4 +211,8 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
 
 
-CALIBRATION, BUDGET_LINE, BACKGROUND = pytest.StashKey[tuple](), pytest.StashKey[str](), pytest.StashKey[BackgroundRuns]()
+CALIBRATION, BUDGET_LINE, BACKGROUND = (
+    pytest.StashKey[tuple](),
+    pytest.StashKey[str](),
+    pytest.StashKey[BackgroundRuns](),
+)

@@ -1,6 +1,8 @@
-"""What each rank runs in tests/test_distributed.py (the launcher pickles these functions by reference,
-so they live in a module the spawned ranks can import). Every function here is a real rank's job:
-FSDP2 over gloo, a real SGLang engine per rank, results written as files for the test to check."""
+"""What each rank runs in tests/test_distributed.py (the launcher pickles these functions by
+reference, so they live in a module the spawned ranks can import). Every function here is a real
+rank's job: FSDP2 over gloo, a real SGLang engine per rank, results written as files for the test
+to check."""
+
 import dataclasses
 import json
 import os
@@ -13,7 +15,8 @@ import types
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")  # absolute: ranks may start in any directory
+# absolute: ranks may start in any directory
+TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
 sys.path.insert(0, REPO)
 
 import batching  # noqa: E402
@@ -25,43 +28,74 @@ from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
 MODES = grpo.LOSS_AGG_MODES
-# (loss mode, packed): the parity runs, each loss mode padded, two of them packed under a 20-token budget
-PARITY_RUNS = [(mode, False) for mode in MODES] + [("token-mean", True), ("seq-mean-token-mean", True)]
+# (loss mode, packed): the parity runs, each loss mode padded, two of them packed under a 20-token
+# budget
+PARITY_RUNS = [(mode, False) for mode in MODES] + [
+    ("token-mean", True),
+    ("seq-mean-token-mean", True),
+]
 PACKED = "train.max_tokens_per_micro_batch=20"
 
 
 def fixed_batch(num_groups=4, group_size=4, seed=0):
-    """Samples with uneven lengths and aborted rows, and their advantages: the same on every rank."""
+    """Samples with uneven lengths and aborted rows, and their advantages: the same on every
+    rank."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for group_id in range(num_groups):
         for member in range(group_size):
-            prompt = torch.randint(4, 25, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-            response = torch.randint(4, 25, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g).tolist()
+            prompt = torch.randint(
+                4, 25, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
+            ).tolist()
+            response = torch.randint(
+                4, 25, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g
+            ).tolist()
             logprobs = (-torch.rand(len(response), generator=g) * 3).tolist()
             is_aborted = (group_id + member) % 3 == 0  # a third of the rows, in every group
-            samples.append(Sample(prompt, response, logprobs, [1] * len(response), group_id,
-                                  trajectory_id=len(samples), is_aborted=is_aborted,
-                                  finish_reason="abort" if is_aborted else "stop"))
+            samples.append(
+                Sample(
+                    prompt,
+                    response,
+                    logprobs,
+                    [1] * len(response),
+                    group_id,
+                    trajectory_id=len(samples),
+                    is_aborted=is_aborted,
+                    finish_reason="abort" if is_aborted else "stop",
+                )
+            )
     rewards = torch.rand(len(samples), generator=g)
-    advantages, _ = grpo.group_advantages(rewards, torch.tensor([s.group_id for s in samples]),
-                                          torch.tensor([not s.is_aborted for s in samples]))
+    advantages, _ = grpo.group_advantages(
+        rewards,
+        torch.tensor([s.group_id for s in samples]),
+        torch.tensor([not s.is_aborted for s in samples]),
+    )
     return samples, advantages
 
 
 def update_once(cfg, samples, advantages, shard):
-    """One train_on_rollout from the seeded initial policy; returns the policy (sharded if `shard`)."""
+    """One train_on_rollout from the seeded initial policy; returns the policy (sharded if
+    `shard`)."""
     policy, _ = train.build_policy(cfg, None)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     if shard:
         policy = parallel.shard(policy, compute_dtype)
     t = cfg.train
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay)
-    run = types.SimpleNamespace(cfg=cfg, policy=policy, optimizer=optimizer, reference=None,
-                                scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-                                device=torch.device("cpu"),
-                                autocast_dtype=None if shard or compute_dtype == torch.float32 else compute_dtype)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.weight_decay,
+    )
+    run = types.SimpleNamespace(
+        cfg=cfg,
+        policy=policy,
+        optimizer=optimizer,
+        reference=None,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        device=torch.device("cpu"),
+        autocast_dtype=None if shard or compute_dtype == torch.float32 else compute_dtype,
+    )
     stats = train.train_on_rollout(run, samples, advantages)
     return policy, optimizer, stats
 
@@ -71,12 +105,15 @@ def parity_file(mode, packed):
 
 
 def parity_config(out_dir, mode, *sets):
-    return load_config(TINY_CONFIG, [f"run.out={out_dir}", f"train.loss_agg={mode}",
-                                             "train.micro_batch_size=3", *sets])
+    return load_config(
+        TINY_CONFIG,
+        [f"run.out={out_dir}", f"train.loss_agg={mode}", "train.micro_batch_size=3", *sets],
+    )
 
 
 def local_share(samples, advantages):
-    """Rank 0 takes groups 0-2, rank 1 group 3: uneven shares, so rank 1 runs padding micro-batches."""
+    """Rank 0 takes groups 0-2, rank 1 group 3: uneven shares, so rank 1 runs padding
+    micro-batches."""
     groups = {0, 1, 2} if parallel.rank() == 0 else {3}
     rows = [i for i, s in enumerate(samples) if s.group_id in groups]
     return [samples[i] for i in rows], advantages[rows]
@@ -87,44 +124,71 @@ def full_params(policy):
 
 
 def full_grads(policy):
-    """The (clipped) gradients the update used, whole. Adam's first step is nearly sign(grad) and clipping
-    rescales, both blind to a wrong gradient scale: the test compares these, the loss and the pre-clip
-    gradient norm too (a mean instead of a sum over ranks shows in the norm)."""
+    """The (clipped) gradients the update used, whole. Adam's first step is nearly sign(grad) and
+    clipping rescales, both blind to a wrong gradient scale: the test compares these, the loss
+    and the pre-clip gradient norm too (a mean instead of a sum over ranks shows in the norm)."""
     return {name: parallel.full_tensor(p.grad).clone() for name, p in policy.named_parameters()}
 
 
 def check_ranks(out_dir):
-    """The 2-rank job: parity per loss mode, bf16 precision, a real training step (engine per rank,
-    weight sync, checkpoint), engine-vs-trainer scoring after the sync, and resuming with 2 ranks."""
+    """The 2-rank job: parity per loss mode, bf16 precision, a real training step (engine per
+    rank, weight sync, checkpoint), engine-vs-trainer scoring after the sync, and resuming with 2
+    ranks."""
     parallel.init()
     rank, results = parallel.rank(), {}
     samples, advantages = fixed_batch()
     mine, my_advantages = local_share(samples, advantages)
-    for mode, packed in PARITY_RUNS:  # one update from the same start, this rank's share of the fixed batch
+    # one update from the same start, this rank's share of the fixed batch
+    for mode, packed in PARITY_RUNS:
         cfg = parity_config(out_dir, mode, *[PACKED] * packed)
         policy, _, stats = update_once(cfg, mine, my_advantages, shard=True)
         params, grads = full_params(policy), full_grads(policy)
         if rank == 0:
-            torch.save({"params": params, "grads": grads, "loss": stats["train/loss"],
-                        "grad_norm": stats["train/grad_norm"]}, os.path.join(out_dir, parity_file(mode, packed)))
+            torch.save(
+                {
+                    "params": params,
+                    "grads": grads,
+                    "loss": stats["train/loss"],
+                    "grad_norm": stats["train/grad_norm"],
+                },
+                os.path.join(out_dir, parity_file(mode, packed)),
+            )
 
-    # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6 lands
+    # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6
+    # lands
     cfg = parity_config(out_dir, "token-mean", "model.compute_dtype=bfloat16", "train.lr=1e-6")
-    before = full_params(parallel.shard(train.build_policy(cfg, None)[0], torch.bfloat16))  # the initial weights
+    # the initial weights
+    before = full_params(parallel.shard(train.build_policy(cfg, None)[0], torch.bfloat16))
     policy, optimizer, _ = update_once(cfg, mine, my_advantages, shard=True)
     after = full_params(policy)
     if rank == 0:
         changed = sum(int((after[k] != before[k]).sum()) for k in before)
         results["changed_fraction_bf16"] = changed / sum(v.numel() for v in before.values())
     results["param_dtypes"] = sorted({str(p.to_local().dtype) for p in policy.parameters()})
-    results["optimizer_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
-                                          for k, v in s.items() if k != "step"})
+    results["optimizer_dtypes"] = sorted(
+        {
+            str(v.to_local().dtype)
+            for s in optimizer.state.values()
+            for k, v in s.items()
+            if k != "step"
+        }
+    )
 
-    # a real step through the loop: rollout on each rank's engine, update, weight sync, log, checkpoint
+    # a real step through the loop: rollout on each rank's engine, update, weight sync, log,
+    # checkpoint
     run_dir = os.path.join(out_dir, "run")
-    cfg = load_config(TINY_CONFIG, [f"run.out={run_dir}", "rollout.prompts_per_step=4",
-                                            "data.num_val_prompts=8", "train.steps=1", "run.val_every=100",
-                                            "rollout.cancel=count", "rollout.drop_rate=0.25"])
+    cfg = load_config(
+        TINY_CONFIG,
+        [
+            f"run.out={run_dir}",
+            "rollout.prompts_per_step=4",
+            "data.num_val_prompts=8",
+            "train.steps=1",
+            "run.val_every=100",
+            "rollout.cancel=count",
+            "rollout.drop_rate=0.25",
+        ],
+    )
     run = train.setup(cfg)
     train.train(run)
     # the engine now holds the updated weights: it must score its own samples like the trainer does
@@ -142,20 +206,34 @@ def check_ranks(out_dir):
         torch.save(trained, os.path.join(out_dir, "params_trained.pt"))
 
     # resume with 2 ranks from the checkpoint the step wrote: same parameters and optimizer state
-    resumed = train.setup(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)), resume=True,
-                          engine=run.engine)
+    resumed = train.setup(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=2)),
+        resume=True,
+        engine=run.engine,
+    )
     results["resumed_step"] = resumed.start_step
-    results["resumed_params_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
-                                          zip(run.policy.parameters(), resumed.policy.parameters()))
+    results["resumed_params_equal"] = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(run.policy.parameters(), resumed.policy.parameters())
+    )
     results["resumed_optimizer_equal"] = all(
-        torch.equal(run.optimizer.state[a][k].to_local() if k != "step" else run.optimizer.state[a][k],
-                    resumed.optimizer.state[b][k].to_local() if k != "step" else resumed.optimizer.state[b][k])
-        for a, b in zip(run.policy.parameters(), resumed.policy.parameters()) for k in run.optimizer.state[a])
+        torch.equal(
+            run.optimizer.state[a][k].to_local() if k != "step" else run.optimizer.state[a][k],
+            (
+                resumed.optimizer.state[b][k].to_local()
+                if k != "step"
+                else resumed.optimizer.state[b][k]
+            ),
+        )
+        for a, b in zip(run.policy.parameters(), resumed.policy.parameters())
+        for k in run.optimizer.state[a]
+    )
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
-    # engine faults, last (each rank's engine is done with): rank 0's scheduler dies while a control call
-    # waits on it; then rank 1's scheduler raises on a pushed tensor, which must end the job with its message
+    # engine faults, last (each rank's engine is done with): rank 0's scheduler dies while a control
+    # call waits on it; then rank 1's scheduler raises on a pushed tensor, which must end the job
+    # with its message
     try:
         if rank == 0:
             message, seconds = control_call_while_the_scheduler_dies(run.engine)
@@ -171,20 +249,24 @@ def check_ranks(out_dir):
 
 
 def rejected_tensor(engine, name):
-    """[(name, a tensor of the wrong shape)], with the trainer's own shape check told it is right: the engine's
-    scheduler gets it and raises inside its weight loader (a Python exception, like a CUDA OOM there)."""
+    """[(name, a tensor of the wrong shape)], with the trainer's own shape check told it is
+    right: the engine's scheduler gets it and raises inside its weight loader (a Python
+    exception, like a CUDA OOM there)."""
     engine.weight_shapes[name] = (3, 3)
     return [(name, torch.zeros(3, 3))]
 
 
 def control_call_while_the_scheduler_dies(engine, kill_after_s=1.0):
-    """Freeze the scheduler (SIGSTOP: alive, never answering), start a control call (flush_cache), SIGKILL the
-    scheduler `kill_after_s` later. Returns (the error the call raised, seconds from the kill to the error);
-    a call that never returns is ended by SIGALRM after 60 s, failing this rank."""
+    """Freeze the scheduler (SIGSTOP: alive, never answering), start a control call
+    (flush_cache), SIGKILL the scheduler `kill_after_s` later. Returns (the error the call
+    raised, seconds from the kill to the error); a call that never returns is ended by SIGALRM
+    after 60 s, failing this rank."""
     pid = engine._engine_processes[0][0].pid
     os.kill(pid, signal.SIGSTOP)
     killed_at = []
-    timer = threading.Timer(kill_after_s, lambda: (killed_at.append(time.monotonic()), os.kill(pid, signal.SIGKILL)))
+    timer = threading.Timer(
+        kill_after_s, lambda: (killed_at.append(time.monotonic()), os.kill(pid, signal.SIGKILL))
+    )
     timer.start()
     signal.alarm(60)
     try:

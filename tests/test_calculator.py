@@ -1,7 +1,9 @@
-"""Tests for calculator.py: correct arithmetic, error observations, and bounded time on hostile input.
+"""Tests for calculator.py: correct arithmetic, error observations, and bounded time on hostile
+input.
 
 Covers calculate() only; tool-call parsing and the multi-turn loop are tested elsewhere.
 """
+
 import ast
 import random
 import time
@@ -11,52 +13,58 @@ import pytest
 from calculator import CalcError, _eval, calculate
 
 
-@pytest.mark.parametrize("expression, expected", [
-    ("2+3*4", "14"),
-    ("(1+2)**3", "27"),
-    ("7/2", "3.5"),
-    ("-3--2", "-1"),
-    ("+5", "5"),
-    ("1.5*4", "6"),           # integral float prints as an int
-    ("0.1+0.2", "0.3"),       # binary noise hidden
-    ("2.5-0.25", "2.25"),
-    ("1/3", "0.333333333333"),
-    ("2**-1", "0.5"),
-    ("2**0.5", "1.41421356237"),
-    ("1e-7", "1e-07"),        # small values are kept, not rounded to 0
-    (" 10 ** 15 ", "1000000000000000"),
-    ("-(2*(3+4))", "-14"),
-])
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("2+3*4", "14"),
+        ("(1+2)**3", "27"),
+        ("7/2", "3.5"),
+        ("-3--2", "-1"),
+        ("+5", "5"),
+        ("1.5*4", "6"),  # integral float prints as an int
+        ("0.1+0.2", "0.3"),  # binary noise hidden
+        ("2.5-0.25", "2.25"),
+        ("1/3", "0.333333333333"),
+        ("2**-1", "0.5"),
+        ("2**0.5", "1.41421356237"),
+        ("1e-7", "1e-07"),  # small values are kept, not rounded to 0
+        (" 10 ** 15 ", "1000000000000000"),
+        ("-(2*(3+4))", "-14"),
+    ],
+)
 def test_correct_results(expression, expected):
     assert calculate(expression) == expected
 
 
-@pytest.mark.parametrize("expression, reason", [
-    ("", "empty"),
-    ("1/0", "division by zero"),
-    ("0**-1", "division by zero"),
-    ("(-8)**0.5", "complex"),
-    ("9**9**9**9", "exponent"),
-    ("2**100000", "exponent"),
-    ("10**40", "too large"),
-    ("1e308*1e308", "operand"),
-    ("1e15*1e15*10", "too large"),
-    ("1" * 10000, "longer than"),
-    ("(" * 10000 + "1" + ")" * 10000, "longer than"),
-    ("(" * 30 + "1" + ")" * 30, "nested"),
-    ("__import__('os').system('ls')", "unsupported character"),
-    ("a", "unsupported character"),
-    ("lambda: 1", "unsupported character"),
-    ("(1).real", "unsupported character"),
-    ("True+1", "unsupported character"),
-    ("1j", "unsupported character"),
-    ("'a'*3", "unsupported character"),
-    ("e", "unsupported syntax: Name"),   # allowed characters, rejected by the AST check
-    ("1e", "syntax"),
-    ("5//2", "FloorDiv"),
-    ("2+", "syntax"),
-    ("1\x002", "unsupported character"),
-])
+@pytest.mark.parametrize(
+    "expression, reason",
+    [
+        ("", "empty"),
+        ("1/0", "division by zero"),
+        ("0**-1", "division by zero"),
+        ("(-8)**0.5", "complex"),
+        ("9**9**9**9", "exponent"),
+        ("2**100000", "exponent"),
+        ("10**40", "too large"),
+        ("1e308*1e308", "operand"),
+        ("1e15*1e15*10", "too large"),
+        ("1" * 10000, "longer than"),
+        ("(" * 10000 + "1" + ")" * 10000, "longer than"),
+        ("(" * 30 + "1" + ")" * 30, "nested"),
+        ("__import__('os').system('ls')", "unsupported character"),
+        ("a", "unsupported character"),
+        ("lambda: 1", "unsupported character"),
+        ("(1).real", "unsupported character"),
+        ("True+1", "unsupported character"),
+        ("1j", "unsupported character"),
+        ("'a'*3", "unsupported character"),
+        ("e", "unsupported syntax: Name"),  # allowed characters, rejected by the AST check
+        ("1e", "syntax"),
+        ("5//2", "FloorDiv"),
+        ("2+", "syntax"),
+        ("1\x002", "unsupported character"),
+    ],
+)
 def test_errors_are_observations(expression, reason):
     result = calculate(expression)
     assert result.startswith("error: ") and reason in result, result
@@ -84,11 +92,24 @@ def test_fuzz_never_raises_and_is_fast():
     allowed = "0123456789+-*/(). e"
     hostile = "*()_'\"[]{}:;,.\\\x00abcjxlmd=<>!~%&|@#$^` \n\t"
     cases = [
-        "9**9**9**9", "2**100000", "(" * 10000 + "1" + ")" * 10000, "1" * 10000,
-        "__import__('os').system('ls')", "a", "1e308*1e308", "lambda: 0", "().__class__",
-        "x" * 100_000, "-" * 199 + "1", "+-" * 99 + "1", "1+" * 99 + "1", "9**" * 60 + "9",
+        "9**9**9**9",
+        "2**100000",
+        "(" * 10000 + "1" + ")" * 10000,
+        "1" * 10000,
+        "__import__('os').system('ls')",
+        "a",
+        "1e308*1e308",
+        "lambda: 0",
+        "().__class__",
+        "x" * 100_000,
+        "-" * 199 + "1",
+        "+-" * 99 + "1",
+        "1+" * 99 + "1",
+        "9**" * 60 + "9",
         "(((((((((((((((((((9**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)",
-        "[" * 199, "{" * 199, "0." + "9" * 190,
+        "[" * 199,
+        "{" * 199,
+        "0." + "9" * 190,
     ]
     for _ in range(5000):
         alphabet = allowed if rng.random() < 0.7 else allowed + hostile

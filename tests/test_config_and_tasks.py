@@ -1,4 +1,5 @@
 """Config errors, data loading with bad rows, and reward parsing on real GSM8K rows."""
+
 import json
 import os
 import runpy
@@ -10,14 +11,17 @@ import tasks
 from config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests need no download.
+# The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests
+# need no download.
 GSM8K_TRAIN = os.path.join(ROOT, "tests", "data", "gsm8k_train_100.jsonl")
 GSM8K_ROWS = 100
 
 
 def test_yaml_and_set_overrides_are_typed():
-    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["train.lr=1e-3", "rollout.group_size=4",
-                                                                 "train.scale_by_std=false", "train.kl_coef=1"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs/tiny.yaml"),
+        ["train.lr=1e-3", "rollout.group_size=4", "train.scale_by_std=false", "train.kl_coef=1"],
+    )
     assert cfg.train.lr == 1e-3 and cfg.rollout.group_size == 4 and cfg.train.scale_by_std is False
     assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
 
@@ -31,22 +35,25 @@ def test_gpu_configs_are_sized_for_eight_ranks_with_bf16_compute(name):
     assert cfg.train.lr <= 1e-5 and cfg.train.tis_cap >= 1
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.nope=1", "unknown config key 'train.nope'"),
-    ("nosection.lr=1", "unknown config key 'nosection'"),
-    ("train.steps=many", "train.steps='many': expected int"),
-    ("train.steps=1.5", "expected int"),
-    ("train.loss_agg=mean", "train.loss_agg='mean': expected one of"),
-    ("rollout.cancel=later", "rollout.cancel"),
-    ("rollout.drop_rate=1.5", "drop_rate"),
-    ("train.lr", "expected section.key=value"),
-    ("train.lr=[", "not a valid YAML scalar"),
-    ("data.task=gsm8k", "needs data.train_path"),
-    ("train.tis_cap=0.5", "train.tis_cap=0.5: expected 0"),
-    ("model.dtype=bfloat16", "replaced by model.compute_dtype"),
-    ("model.compute_dtype=float16", "model.compute_dtype='float16': expected one of"),
-    ("run.nproc=-1", "run.nproc=-1"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.nope=1", "unknown config key 'train.nope'"),
+        ("nosection.lr=1", "unknown config key 'nosection'"),
+        ("train.steps=many", "train.steps='many': expected int"),
+        ("train.steps=1.5", "expected int"),
+        ("train.loss_agg=mean", "train.loss_agg='mean': expected one of"),
+        ("rollout.cancel=later", "rollout.cancel"),
+        ("rollout.drop_rate=1.5", "drop_rate"),
+        ("train.lr", "expected section.key=value"),
+        ("train.lr=[", "not a valid YAML scalar"),
+        ("data.task=gsm8k", "needs data.train_path"),
+        ("train.tis_cap=0.5", "train.tis_cap=0.5: expected 0"),
+        ("model.dtype=bfloat16", "replaced by model.compute_dtype"),
+        ("model.compute_dtype=float16", "model.compute_dtype='float16': expected one of"),
+        ("run.nproc=-1", "run.nproc=-1"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [override])
@@ -62,15 +69,24 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(str(path))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "train.nope=1"], "unknown config key 'train.nope'"),
-    (["--config", "configs/missing.yaml"], "config file not found"),
-    (["--set", "data.task=gsm8k", "--set", "data.train_path=/nonexistent/train.jsonl"], "dataset file not found"),
-    (["--set", "model.path=/nonexistent/model"], "model.path='/nonexistent/model' could not be loaded"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "train.nope=1"], "unknown config key 'train.nope'"),
+        (["--config", "configs/missing.yaml"], "config file not found"),
+        (
+            ["--set", "data.task=gsm8k", "--set", "data.train_path=/nonexistent/train.jsonl"],
+            "dataset file not found",
+        ),
+        (
+            ["--set", "model.path=/nonexistent/model"],
+            "model.path='/nonexistent/model' could not be loaded",
+        ),
+    ],
+)
 def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, capsys, args, message):
-    """train.py's own `__main__` (run here with runpy: these fail before the engine starts, so no process of
-    their own is needed) turns each into exit code 2 and one line, no traceback."""
+    """train.py's own `__main__` (run here with runpy: these fail before the engine starts, so no
+    process of their own is needed) turns each into exit code 2 and one line, no traceback."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["train.py", *args, "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as exited:
@@ -82,10 +98,17 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
-    path.write_text("\n".join([json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]))
+    path.write_text(
+        "\n".join(
+            [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
+        )
+    )
     prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert len(prompts) == 2
-    assert "skipped 1 unparseable rows of 5" in caplog.text and "skipped 2 malformed rows" in caplog.text
+    assert (
+        "skipped 1 unparseable rows of 5" in caplog.text
+        and "skipped 2 malformed rows" in caplog.text
+    )
 
 
 def _wide_char_tokenizer():
@@ -131,7 +154,8 @@ def test_tiny_task_and_reward():
 
 
 def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
-    """Prompts "a*b-c=" whose value is a digit 2..9; "?" ending a turn gets that value from the calculator."""
+    """Prompts "a*b-c=" whose value is a digit 2..9; "?" ending a turn gets that value from the
+    calculator."""
     tokenizer = tasks.build_char_tokenizer()
     prompts = tasks.tiny_tool_prompts(tokenizer, 2000, 2, seed=0)
     tool = tasks.QuestionCalculator(tokenizer)
@@ -140,36 +164,60 @@ def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
         question = tokenizer.decode(p.prompt_ids, skip_special_tokens=True)
         a, rest = question.removesuffix("=").split("*")
         b, c = rest.split("-")
-        assert int(a) * int(b) - int(c) == int(p.answer) and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+        assert (
+            int(a) * int(b) - int(c) == int(p.answer) and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
+        )
         for call in ("?", "31?"):  # text before the "?" is ignored
             observation, is_error = tool(ids(call), p.prompt_ids)
             assert not is_error and tokenizer.decode(observation) == "=" + p.answer
         assert tool(ids("3"), p.prompt_ids) is None  # no call: the turn is the answer
     answers = [p.answer for p in prompts]
-    assert set(answers) == set("23456789") and max(map(answers.count, set(answers))) < 0.15 * len(answers)
-    assert tasks.tiny_tool_reward("4", "4", finished=False) == 1.0  # a one-token turn ends by length
+    assert set(answers) == set("23456789") and max(map(answers.count, set(answers))) < 0.15 * len(
+        answers
+    )
+    # a one-token turn ends by length
+    assert tasks.tiny_tool_reward("4", "4", finished=False) == 1.0
     assert tasks.tiny_tool_reward("5", "4", finished=True) == 0.0
     assert tasks.tiny_tool_reward("43", "4", finished=True) == 0.5
-    assert tasks.tiny_tool_reward("4?", "4", finished=True) == 0.0  # a call never answered is no answer
+    # a call never answered is no answer
+    assert tasks.tiny_tool_reward("4?", "4", finished=True) == 0.0
 
 
 def test_qwen_tool_call_format_round_trip():
     """The chat-template tool format (Qwen2.5/Qwen3): parse the JSON call, answer in a tool turn."""
     tokenizer = _wide_char_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|im_end|>",
-                                                                "<|im_start|>", "<tool_response>", "</tool_response>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<tool_call>",
+                "</tool_call>",
+                "<|im_end|>",
+                "<|im_start|>",
+                "<tool_response>",
+                "</tool_response>",
+            ]
+        }
+    )
     tool = tasks.qwen_calculator(tokenizer)
 
     def call(text):
         return tool(tokenizer(text, add_special_tokens=False).input_ids)
 
-    observation, is_error = call('I add. <tool_call>\n{"name": "calculator", "arguments": {"expression": "48 + 24"}}\n</tool_call>')
+    observation, is_error = call(
+        'I add. <tool_call>\n{"name": "calculator", "arguments": {"expression": "48 + 24"}}\n</tool_call>'
+    )
     assert not is_error
-    assert tokenizer.decode(observation) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n72\n</tool_response>"
-                                             "<|im_end|>\n<|im_start|>assistant\n")
-    for bad in ['<tool_call>{"name": "calculator"}</tool_call>', "<tool_call>not json</tool_call>",
-                '<tool_call>{"arguments": {"expression": 5}}</tool_call>', "</tool_call>",
-                '<tool_call>{"arguments": {"expression": "__import__(\'os\')"}}</tool_call>']:
+    assert tokenizer.decode(observation) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n72\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    for bad in [
+        '<tool_call>{"name": "calculator"}</tool_call>',
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {"expression": 5}}</tool_call>',
+        "</tool_call>",
+        '<tool_call>{"arguments": {"expression": "__import__(\'os\')"}}</tool_call>',
+    ]:
         observation, is_error = call(bad)
         assert is_error and "error" in tokenizer.decode(observation)
     assert call("The answer is 72.") is None  # no tool call: the response is the answer

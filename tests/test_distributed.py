@@ -1,7 +1,9 @@
-"""Data parallelism on CPU: 2 gloo ranks, each with FSDP2 and its own real SGLang engine, against one rank
-on the combined batch; precision (fp32 masters under bf16 compute); checkpoints across world sizes; the
-launcher's handling of a failing rank. `python train.py` on 2 ranks (elastic launch) and under torchrun run
-end to end in tests/test_gpu_readiness.py, on the shipped GSM8K configs."""
+"""Data parallelism on CPU: 2 gloo ranks, each with FSDP2 and its own real SGLang engine, against
+one rank on the combined batch; precision (fp32 masters under bf16 compute); checkpoints across
+world sizes; the launcher's handling of a failing rank. `python train.py` on 2 ranks (elastic
+launch) and under torchrun run end to end in tests/test_gpu_readiness.py, on the shipped GSM8K
+configs."""
+
 import json
 import os
 import subprocess
@@ -23,8 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote. The job ends with
-    rank 1's engine raising on purpose, so the launcher's RankError is expected and kept for the test."""
+    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote. The job
+    ends with rank 1's engine raising on purpose, so the launcher's RankError is expected and
+    kept for the test."""
     out = tmp_path_factory.mktemp("two_ranks")
     with pytest.raises(parallel.RankError) as failure:
         parallel.launch(2, dist_worker.check_ranks, str(out))
@@ -34,12 +37,14 @@ def two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("mode, packed", dist_worker.PARITY_RUNS)
 def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode, packed):
-    """Uneven shares (rank 1 runs padding micro-batches), padded or packed on the ranks; one padded rank."""
+    """Uneven shares (rank 1 runs padding micro-batches), padded or packed on the ranks; one
+    padded rank."""
     out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.is_aborted for s in samples)
-    policy, _, stats = dist_worker.update_once(dist_worker.parity_config(tmp_path, mode), samples, advantages,
-                                               shard=False)
+    policy, _, stats = dist_worker.update_once(
+        dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False
+    )
     initial, _ = train.build_policy(dist_worker.parity_config(tmp_path, mode), None)
     sharded = torch.load(out / dist_worker.parity_file(mode, packed), weights_only=True)
     assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
@@ -47,8 +52,11 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
     for name, p in policy.named_parameters():
         torch.testing.assert_close(sharded["grads"][name], p.grad, atol=1e-7, rtol=1e-4, msg=name)
     moved = 0
-    for (name, expected), (_, start) in zip(policy.state_dict().items(), initial.state_dict().items()):
-        # Adam's first step divides by |grad|: where a gradient is ~1e-8, summation order alone moves it
+    for (name, expected), (_, start) in zip(
+        policy.state_dict().items(), initial.state_dict().items()
+    ):
+        # Adam's first step divides by |grad|: where a gradient is ~1e-8, summation order alone
+        # moves it
         torch.testing.assert_close(sharded["params"][name], expected, atol=1e-5, rtol=0, msg=name)
         moved += int((expected != start).sum())
     assert moved > 0.9 * sum(p.numel() for p in policy.parameters())  # the update really happened
@@ -67,7 +75,9 @@ def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
     initial, _ = train.build_policy(cfg, None)
     policy, optimizer, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
-    assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {torch.float32}
+    assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {
+        torch.float32
+    }
     changed = sum(int((a != b).sum()) for a, b in zip(policy.parameters(), initial.parameters()))
     assert changed >= 0.99 * sum(p.numel() for p in policy.parameters())
     assert torch.isfinite(torch.tensor(stats["train/loss"]))
@@ -83,8 +93,10 @@ def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
 
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
     out, results, _ = two_ranks
-    assert all(r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
-               for r in results)
+    assert all(
+        r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
+        for r in results
+    )
     run_dir = out / "run"
     trained = torch.load(out / "params_trained.pt", weights_only=True)
     cfg = tiny_config(run_dir, "rollout.prompts_per_step=4", "train.steps=2")
@@ -93,7 +105,9 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     assert all(torch.equal(trained[name], p) for name, p in one.policy.state_dict().items())
     assert one.optimizer.state  # AdamW moments came back too
     # the HF export loads with from_pretrained and scores like the resumed trainer
-    exported = AutoModelForCausalLM.from_pretrained(checkpoint.latest(str(run_dir)), dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(
+        checkpoint.latest(str(run_dir)), dtype=torch.float32
+    )
     samples, _ = dist_worker.fixed_batch()
     batch = batching.collate(samples, pad_id=0)
     with torch.no_grad():
@@ -103,9 +117,9 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
 
 
 def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(two_ranks):
-    """Rank 0 froze its scheduler, started flush_cache (SGLang's own call would wait on a reply forever,
-    managers/communicator.py), and SIGKILLed the scheduler a second later: the call raises at the next
-    twice-a-second liveness check."""
+    """Rank 0 froze its scheduler, started flush_cache (SGLang's own call would wait on a reply
+    forever, managers/communicator.py), and SIGKILLed the scheduler a second later: the call
+    raises at the next twice-a-second liveness check."""
     out, _, _ = two_ranks
     result = json.loads((out / "control_call.json").read_text())
     assert result["message"].startswith("the SGLang engine died: scheduler_0"), result
@@ -114,8 +128,8 @@ def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(t
 
 def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ranks):
     """Rank 1's scheduler raised on a pushed tensor and sent SIGQUIT to its rank: the rank raised
-    EngineDiedError (SGLang's handler would have SIGKILLed it: "Signal 9", no message) and the launcher
-    ended the job with it."""
+    EngineDiedError (SGLang's handler would have SIGKILLed it: "Signal 9", no message) and the
+    launcher ended the job with it."""
     _, _, error = two_ranks
     assert "rank 1:" in error and "the SGLang engine died: scheduler_0" in error, error
     assert "raised an exception and sent SIGQUIT" in error, error
@@ -127,9 +141,20 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
 
 
 def test_train_py_reports_a_rank_error_and_exits_non_zero(tmp_path):
-    # 3 prompts cannot be split into whole groups over 2 ranks: each rank raises ConfigError in setup
-    command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(tmp_path),
-               "--set", "run.nproc=2", "--set", "rollout.prompts_per_step=3"]
+    # 3 prompts cannot be split into whole groups over 2 ranks: each rank raises ConfigError in
+    # setup
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "run.nproc=2",
+        "--set",
+        "rollout.prompts_per_step=3",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "RankError" in done.stderr and "must divide evenly over 2 ranks" in done.stderr

@@ -1,5 +1,6 @@
 """The memory benchmarks and estimates that issue 10 names: their output lines, and the GPU configs'
 estimated headroom on an 80 GB card."""
+
 import os
 import re
 import subprocess
@@ -11,7 +12,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_bench(*args):
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()
 
@@ -19,28 +22,41 @@ def run_bench(*args):
 @pytest.mark.parametrize("config", ["configs/gsm8k.yaml", "configs/gsm8k_tool.yaml"])
 def test_gpu_configs_leave_15_percent_headroom_on_80_gb(config):
     lines = run_bench("bench/estimate_memory.py", "--config", config, "--ranks", "8")
-    estimates = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines if line.startswith("estimate:")]
+    estimates = [
+        dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines if line.startswith("estimate:")
+    ]
     assert [e["ranks"] for e in estimates] == ["1", "8"]
     for e in estimates:
         assert float(e["headroom"]) >= 0.15, e
-        assert float(e["peak_gib"]) == max(float(e[k]) for k in ("rollout_gib", "train_gib", "sync_gib"))
-    assert any("activations" in line for line in lines) and any("engine KV cache" in line for line in lines)
+        assert float(e["peak_gib"]) == max(
+            float(e[k]) for k in ("rollout_gib", "train_gib", "sync_gib")
+        )
+    assert any("activations" in line for line in lines) and any(
+        "engine KV cache" in line for line in lines
+    )
 
 
 def test_gradient_checkpointing_lowers_the_train_estimate():
     def train_gib(*sets):
         line = run_bench("bench/estimate_memory.py", "--ranks", "1", *sets)[-1]
         return float(re.search(r"train_gib=(\S+)", line).group(1))
+
     assert train_gib("--set", "train.gradient_checkpointing=true") < train_gib()
 
 
-# a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and micro-batch
-@pytest.mark.background("train_memory_bench", [sys.executable, "bench/train_memory.py", "--vocab", "16384",
-                                               "--device", "cpu"])
+# a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and
+# micro-batch
+@pytest.mark.background(
+    "train_memory_bench",
+    [sys.executable, "bench/train_memory.py", "--vocab", "16384", "--device", "cpu"],
+)
 def test_train_memory_bench_prints_the_issue_line(background_runs):
     line = background_runs.lines("train_memory_bench")[-1]
-    match = re.fullmatch(r"train_memory: vocab=16384 seq_len=1024 micro_batch=4 old_peak_bytes=(\d+) "
-                         r"new_peak_bytes=(\d+) ratio=([\d.]+)", line)
+    match = re.fullmatch(
+        r"train_memory: vocab=16384 seq_len=1024 micro_batch=4 old_peak_bytes=(\d+) "
+        r"new_peak_bytes=(\d+) ratio=([\d.]+)",
+        line,
+    )
     assert match, line
     old, new, ratio = int(match[1]), int(match[2]), float(match[3])
     assert 0 < new < 0.5 * old and ratio == pytest.approx(new / old, abs=1e-3)

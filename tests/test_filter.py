@@ -1,7 +1,8 @@
-"""Dynamic sampling (DAPO) on the real engine: groups judged as their last member finishes (scripted
-rewards make chosen groups zero-variance), the rollout ending at the kept-group target with the rest
-aborted inside the engine, refills launched while other requests run, the prompt bound truncating a step,
-held groups of partial rollout judged whole; and the keep rule itself."""
+"""Dynamic sampling (DAPO) on the real engine: groups judged as their last member finishes
+(scripted rewards make chosen groups zero-variance), the rollout ending at the kept-group target
+with the rest aborted inside the engine, refills launched while other requests run, the prompt
+bound truncating a step, held groups of partial rollout judged whole; and the keep rule itself."""
+
 import dataclasses
 import re
 import statistics
@@ -19,15 +20,24 @@ PROMPT = [1, 5, 12]  # "<bos>1:"
 
 
 def filtering_plan(tmp_path, *sets):
-    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.filter_groups=true", "rollout.group_size=4",
-                      "rollout.prompts_per_step=4", *sets)
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.cancel=count",
+        "rollout.filter_groups=true",
+        "rollout.group_size=4",
+        "rollout.prompts_per_step=4",
+        *sets
+    )
     return plan_launch(cfg.rollout, cfg.rollout.prompts_per_step)
 
 
 def scripted(is_zero_variance):
-    """Reward 1.0 for every member of a group `is_zero_variance(group id)` picks (all correct), else the
-    trajectory id's parity: a group's members have consecutive ids, so its rewards differ."""
-    return lambda turns: 1.0 if is_zero_variance(turns[-1].group_id) else float(turns[-1].trajectory_id % 2)
+    """Reward 1.0 for every member of a group `is_zero_variance(group id)` picks (all correct),
+    else the trajectory id's parity: a group's members have consecutive ids, so its rewards
+    differ."""
+    return lambda turns: (
+        1.0 if is_zero_variance(turns[-1].group_id) else float(turns[-1].trajectory_id % 2)
+    )
 
 
 def test_keep_rule_is_a_float64_std_with_a_threshold():
@@ -52,7 +62,9 @@ def test_group_filter_judges_a_group_when_its_last_member_returns_on_its_survivo
     assert (groups.kept, groups.zero_variance, groups.possible()) == (2, 1, 0)
 
 
-def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(tmp_path):
+def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(
+    tmp_path,
+):
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=2", "rollout.max_prompts_per_step=7")
     groups = GroupFilter()
     for group_id in (0, 1, 2, 3):
@@ -65,27 +77,42 @@ def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_withi
     assert groups.wanted(plan, prompts_launched=7) == 0
 
 
-def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(engine, policy, tmp_path):
-    plan = filtering_plan(tmp_path, "rollout.over_sample_rate=3.0")  # 16 prompts launched for 4 kept groups
+def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
+    engine, policy, tmp_path
+):
+    # 16 prompts launched for 4 kept groups
+    plan = filtering_plan(tmp_path, "rollout.over_sample_rate=3.0")
     assert (plan.num_prompts, plan.target_groups, plan.max_prompts) == (16, 4, 16)
-    samples, stats = engine.generate(PROMPTS * 4, 4, 1.0, 200, plan, reward=scripted(lambda g: g % 2 == 0))
+    samples, stats = engine.generate(
+        PROMPTS * 4, 4, 1.0, 200, plan, reward=scripted(lambda g: g % 2 == 0)
+    )
     assert engine.num_in_flight() == 0  # nothing left running inside the engine
     assert stats.kept_groups == 4 and stats.num_cancelled > 0
     assert [s.trajectory_id for s in samples] == list(range(len(samples)))
     trajectories = sample.trajectories_of(samples)
     for turns in trajectories:  # scored by the rollout as each finished; cancelled ones never
         last = turns[-1]
-        assert last.reward == (0.0 if last.is_aborted else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2)
+        assert last.reward == (
+            0.0 if last.is_aborted else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2
+        )
     kept, counts = filter_groups(trajectories)
-    complete = {g for g in range(16) if all(not t[-1].is_aborted for t in trajectories if t[-1].group_id == g)}
-    assert len([g for g in complete if g % 2]) >= 4  # the target, plus any that finished before the abort landed
+    complete = {
+        g
+        for g in range(16)
+        if all(not t[-1].is_aborted for t in trajectories if t[-1].group_id == g)
+    }
+    # the target, plus any that finished before the abort landed
+    assert len([g for g in complete if g % 2]) >= 4
     survivors = {}  # group id -> parities of its finished members' trajectory ids
     for turns in trajectories:
         if not turns[-1].is_aborted:
             survivors.setdefault(turns[-1].group_id, set()).add(turns[-1].trajectory_id % 2)
     informative_groups = {g for g, parities in survivors.items() if g % 2 and parities == {0, 1}}
-    assert {t[-1].group_id for t in kept} == informative_groups and counts["kept_groups"] == len(informative_groups)
-    assert [t[-1].trajectory_id for t in kept] == list(range(len(kept)))  # renumbered for the advantages
+    assert {t[-1].group_id for t in kept} == informative_groups and counts["kept_groups"] == len(
+        informative_groups
+    )
+    # renumbered for the advantages
+    assert [t[-1].trajectory_id for t in kept] == list(range(len(kept)))
     assert counts["zero_variance_groups"] == len(survivors) - len(informative_groups)
 
 
@@ -98,9 +125,12 @@ def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_p
         return [PROMPT] * len(group_ids)
 
     # the 4 launched groups are all zero-variance: every kept group comes from a refill
-    samples, stats = engine.generate(PROMPTS, 4, 1.0, 200, plan, reward=scripted(lambda g: g < 4), refill=refill)
+    samples, stats = engine.generate(
+        PROMPTS, 4, 1.0, 200, plan, reward=scripted(lambda g: g < 4), refill=refill
+    )
     assert engine.num_in_flight() == 0
-    assert [s.trajectory_id for s in samples] == list(range(len(samples)))  # cancelled before sending too
+    # cancelled before sending too
+    assert [s.trajectory_id for s in samples] == list(range(len(samples)))
     assert [ids for ids, _ in refills] == [[4 + k] for k in range(len(refills))]
     assert any(in_flight > 0 for _, in_flight in refills)  # launched without waiting for the rest
     assert stats.kept_groups == 4 and stats.prompts_launched == 4 + len(refills) <= plan.max_prompts
@@ -109,8 +139,15 @@ def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_p
 
 def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_path):
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=1", "rollout.max_prompts_per_step=6")
-    samples, stats = engine.generate(PROMPTS, 4, 1.0, 24, plan, reward=scripted(lambda g: True),
-                                     refill=lambda group_ids: [PROMPT] * len(group_ids))
+    samples, stats = engine.generate(
+        PROMPTS,
+        4,
+        1.0,
+        24,
+        plan,
+        reward=scripted(lambda g: True),
+        refill=lambda group_ids: [PROMPT] * len(group_ids),
+    )
     assert engine.num_in_flight() == 0
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4
     kept, counts = filter_groups(sample.trajectories_of(samples))
@@ -120,40 +157,65 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
 
 
 def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, policy, tmp_path):
-    """Partial rollout: suspended members are resumed under one group id; the rollout judges their group on
-    the rewards its members earned before (prior) and now, so the same resumed rewards keep the group or not
-    depending on the prior."""
+    """Partial rollout: suspended members are resumed under one group id; the rollout judges
+    their group on the rewards its members earned before (prior) and now, so the same resumed
+    rewards keep the group or not depending on the prior."""
     partial = aborted_samples(engine, tmp_path)[:3]
     resumes = [dataclasses.replace(s, group_id=0) for s in partial]
     plan = filtering_plan(tmp_path, "rollout.max_new_tokens=64", "rollout.partial=true")
     plan = dataclasses.replace(plan, target_groups=1)
     for prior, kept in (([0.0, 0.0], 1), ([1.0, 1.0], 0)):
-        samples, stats = engine.generate([], 4, 1.0, 64, plan, resumes=resumes, reward=lambda turns: 1.0,
-                                         prior_rewards={0: prior})
+        samples, stats = engine.generate(
+            [],
+            4,
+            1.0,
+            64,
+            plan,
+            resumes=resumes,
+            reward=lambda turns: 1.0,
+            prior_rewards={0: prior},
+        )
         assert engine.num_in_flight() == 0
-        assert stats.kept_groups == kept and all(not s.is_aborted and s.reward == 1.0 for s in samples)
+        assert stats.kept_groups == kept and all(
+            not s.is_aborted and s.reward == 1.0 for s in samples
+        )
 
 
-def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(engine, policy, tmp_path):
-    """Steps of the trainer's own rollout (partial on, filter on) until a step resumed what an earlier one
-    suspended (when the target is met, hence what is suspended, depends on timing: at most six steps), under
-    its held group's id; every group handed back is whole, and the groups dynamic sampling keeps have
-    rewards that differ."""
-    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.over_sample_rate=1.0", "rollout.partial=true",
-                      "rollout.filter_groups=true", "rollout.prompts_per_step=4", "rollout.max_new_tokens=64")
+def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
+    engine, policy, tmp_path
+):
+    """Steps of the trainer's own rollout (partial on, filter on) until a step resumed what an
+    earlier one suspended (when the target is met, hence what is suspended, depends on timing: at
+    most six steps), under its held group's id; every group handed back is whole, and the groups
+    dynamic sampling keeps have rewards that differ."""
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.cancel=count",
+        "rollout.over_sample_rate=1.0",
+        "rollout.partial=true",
+        "rollout.filter_groups=true",
+        "rollout.prompts_per_step=4",
+        "rollout.max_new_tokens=64",
+    )
     run = train.setup(cfg, engine=engine)
-    run.reward_fn = lambda text, answer, finished: float(len(text) % 2)  # most groups informative: the target is met
+    # most groups informative: the target is met
+    run.reward_fn = lambda text, answer, finished: float(len(text) % 2)
     plan = plan_launch(cfg.rollout, 4)
     suspended = resumed = 0
     for step in range(6):
         prompts, samples, stats = train.rollout(run, plan)
         assert engine.num_in_flight() == 0
-        suspended, resumed = suspended + run.buffer.counters["suspended"], resumed + run.buffer.counters["resumed"]
+        suspended, resumed = (
+            suspended + run.buffer.counters["suspended"],
+            resumed + run.buffer.counters["resumed"],
+        )
         trajectories = sample.trajectories_of(samples)
         assert all(s.finish_reason != "abort" for s in samples)  # whole groups only
         kept, counts = filter_groups(trajectories)
         for group_id in {t[-1].group_id for t in kept}:
-            assert informative([t[-1].reward for t in kept if t[-1].group_id == group_id and not t[-1].is_aborted])
+            assert informative(
+                [t[-1].reward for t in kept if t[-1].group_id == group_id and not t[-1].is_aborted]
+            )
         assert counts["kept_groups"] + counts["zero_variance_groups"] == len(prompts)
         if resumed:
             break
@@ -163,4 +225,6 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(eng
 @pytest.mark.background("tail_bench_smoke", TAIL_SMOKE)
 def test_tail_bench_filter_prints_the_issue_line(background_runs):
     lines = background_runs.lines("tail_bench_smoke")
-    assert re.fullmatch(r"filter: speedup_vs_rounds=[\d.]+ speedup_vs_wait_all=[\d.]+ kept_groups=\d+", lines[-1])
+    assert re.fullmatch(
+        r"filter: speedup_vs_rounds=[\d.]+ speedup_vs_wait_all=[\d.]+ kept_groups=\d+", lines[-1]
+    )

@@ -1,8 +1,9 @@
 """GPU readiness on CPU: the findings of a review of the GPU branches against the library source
-(../shared/notes/gpu-review.md), each fix with the test a CPU can run, and the shipped GSM8K configs
-rehearsed end to end through train.py with a small Qwen2.5-shaped model (tests/qwen_tiny.py).
-The 2-rank engine faults live in tests/test_distributed.py (they reuse that job's engines); what only a
-GPU shows is listed in README "GPU smoke test"."""
+(../shared/notes/gpu-review.md), each fix with the test a CPU can run, and the shipped GSM8K
+configs rehearsed end to end through train.py with a small Qwen2.5-shaped model
+(tests/qwen_tiny.py). The 2-rank engine faults live in tests/test_distributed.py (they reuse that
+job's engines); what only a GPU shows is listed in README "GPU smoke test"."""
+
 import importlib.util
 import json
 import os
@@ -35,22 +36,29 @@ def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uui
     monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     sglang_engine.prepare_engine_environment(on_gpu=False)
     assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
-    assert not hasattr(reductions, "_reduce_tensor_original")  # CPU: the patch would break CPU pickling
+    # CPU: the patch would break CPU pickling
+    assert not hasattr(reductions, "_reduce_tensor_original")
     original = reductions.reduce_tensor
     try:
         sglang_engine.prepare_engine_environment(on_gpu=True)
-        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # graphs inside the releasable region
-        assert reductions.reduce_tensor.__name__ == "_reduce_tensor_modified"  # device UUIDs, not indices
+        # graphs inside the releasable region
+        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+        # device UUIDs, not indices
+        assert reductions.reduce_tensor.__name__ == "_reduce_tensor_modified"
         monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")
         sglang_engine.prepare_engine_environment(on_gpu=True)
         assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "0"  # a user's own choice is kept
     finally:
-        reductions.reduce_tensor, reductions.rebuild_cuda_tensor = original, reductions._rebuild_cuda_tensor_original
+        reductions.reduce_tensor, reductions.rebuild_cuda_tensor = (
+            original,
+            reductions._rebuild_cuda_tensor_original,
+        )
         del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
         reductions.init_reductions()
 
 
-# ---------------------------------------------------------------- F5: weight sync casts, then gathers
+# ---------------------------------------------------------------- F5: weight sync casts, then
+# gathers
 def test_weight_sync_casts_each_shard_before_gathering():
     torch.manual_seed(0)
     params = [(f"p{i}", torch.randn(n, 8)) for i, n in enumerate([3, 40, 5, 200, 7])]
@@ -69,12 +77,17 @@ def test_weight_sync_casts_each_shard_before_gathering():
         assert torch.equal(sent, master.to(torch.bfloat16))  # bit-identical to gather-then-cast
     assert [is_last for _, is_last in buckets] == [False] * (len(buckets) - 1) + [True]
     largest = max(t.numel() * 2 for _, t in params)
-    assert all(sum(t.numel() * 2 for _, t in bucket) < bucket_bytes + largest for bucket, _ in buckets)
+    assert all(
+        sum(t.numel() * 2 for _, t in bucket) < bucket_bytes + largest for bucket, _ in buckets
+    )
 
 
 # ---------------------------------------------------------------- F6: engine ports
 def test_each_local_rank_draws_its_engine_port_from_its_own_window():
-    windows = [range(20000 + r * sglang_engine.PORT_WINDOW, 20000 + (r + 1) * sglang_engine.PORT_WINDOW) for r in range(8)]
+    windows = [
+        range(20000 + r * sglang_engine.PORT_WINDOW, 20000 + (r + 1) * sglang_engine.PORT_WINDOW)
+        for r in range(8)
+    ]
     for local_rank, window in enumerate(windows):
         ports = {sglang_engine.free_port(local_rank) for _ in range(5)}
         assert all(p in window for p in ports), (local_rank, ports)
@@ -82,8 +95,8 @@ def test_each_local_rank_draws_its_engine_port_from_its_own_window():
 
 
 def test_a_port_taken_on_any_interface_is_refused():
-    """The scheduler's TCPStore binds the IPv4 wildcard: a port another process holds on any one address
-    (here 127.0.0.2, a loopback address other than 127.0.0.1) must not be handed out."""
+    """The scheduler's TCPStore binds the IPv4 wildcard: a port another process holds on any one
+    address (here 127.0.0.2, a loopback address other than 127.0.0.1) must not be handed out."""
     with socket.socket() as held:
         held.bind(("127.0.0.2", 0))
         held.listen()
@@ -97,35 +110,54 @@ def test_a_port_taken_on_any_interface_is_refused():
 def test_a_rank_that_sees_one_gpu_uses_device_0(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert parallel.gpu_index(device_count=8) == 3
-    assert parallel.gpu_index(device_count=1) == 0  # SLURM --gpus-per-task=1: cuda:3 would not exist
+    # SLURM --gpus-per-task=1: cuda:3 would not exist
+    assert parallel.gpu_index(device_count=1) == 0
 
 
 # ---------------------------------------------------------------- F7: the memory estimate
-# configs/gsm8k.yaml on 8 ranks (Qwen2.5-1.5B: 1.54 B parameters, vocab 151,936 x 1,536 tied), GiB per GPU.
-# By hand: params 1.544e9 x 4 B / 8 = 0.72; embedding 233.4 M x 2 B = 0.43 (x 4 B = 0.87); a decoder layer 46.8 M
-# x 2 B x 2 = 0.17; KV = (79.2 - 2 contexts) x 0.5 - 2.88 weights = 35.72; bucket 512 MiB + 0.43 = 0.93;
-# activations: the 4,096-token budget x 28 layers x (10 x 1,536 + 4 x 8,960) x 2 B = 10.94.
+# configs/gsm8k.yaml on 8 ranks (Qwen2.5-1.5B: 1.54 B parameters, vocab 151,936 x 1,536 tied), GiB
+# per GPU. By hand: params 1.544e9 x 4 B / 8 = 0.72; embedding 233.4 M x 2 B = 0.43 (x 4 B = 0.87);
+# a decoder layer 46.8 M x 2 B x 2 = 0.17; KV = (79.2 - 2 contexts) x 0.5 - 2.88 weights = 35.72;
+# bucket 512 MiB + 0.43 = 0.93; activations: the 4,096-token budget x 28 layers x (10 x 1,536 + 4 x
+# 8,960) x 2 B = 10.94.
 ESTIMATE_TABLE = {
-    "trainer params (fp32, sharded)": 0.72, "gradients (fp32, sharded)": 0.72, "AdamW state (fp32, sharded)": 1.44,
-    "FSDP root unit, gathered (embedding)": 0.43, "FSDP layer units (2 in flight)": 0.17,
-    "root gradient, unsharded fp32 (reduce-scatter)": 0.87, "autocast weight copies": 0.0,
-    "activations (4096 tokens, packed)": 10.94, "log-prob path (chunked head)": 2.34, "engine weights": 2.88,
-    "engine KV cache": 35.72, "engine CUDA graphs": 2.0, "weight-sync bucket": 0.93,
+    "trainer params (fp32, sharded)": 0.72,
+    "gradients (fp32, sharded)": 0.72,
+    "AdamW state (fp32, sharded)": 1.44,
+    "FSDP root unit, gathered (embedding)": 0.43,
+    "FSDP layer units (2 in flight)": 0.17,
+    "root gradient, unsharded fp32 (reduce-scatter)": 0.87,
+    "autocast weight copies": 0.0,
+    "activations (4096 tokens, packed)": 10.94,
+    "log-prob path (chunked head)": 2.34,
+    "engine weights": 2.88,
+    "engine KV cache": 35.72,
+    "engine CUDA graphs": 2.0,
+    "weight-sync bucket": 0.93,
     "CUDA contexts (trainer + engine)": 2.0,
 }
 PHASE_TABLE = {"rollout": 42.60, "train": 19.63, "sync": 6.53}
 
 
 def test_memory_estimate_terms_match_the_table():
-    spec = importlib.util.spec_from_file_location("estimate_memory", os.path.join(REPO, "bench", "estimate_memory.py"))
+    spec = importlib.util.spec_from_file_location(
+        "estimate_memory", os.path.join(REPO, "bench", "estimate_memory.py")
+    )
     estimate_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(estimate_memory)
-    cfg = train.load_config(os.path.join(REPO, "configs", "gsm8k.yaml"), [f"data.train_path={GSM8K_TRAIN}"])
+    cfg = train.load_config(
+        os.path.join(REPO, "configs", "gsm8k.yaml"), [f"data.train_path={GSM8K_TRAIN}"]
+    )
     parts, phases = estimate_memory.estimate(cfg, 8, estimate_memory.H100_80GB_GIB * 2**30)
-    assert {k: round(v / 2**30, 2) for k, v in parts.items()} == pytest.approx(ESTIMATE_TABLE, abs=0.006)
-    assert {k: round(v / 2**30, 2) for k, v in phases.items()} == pytest.approx(PHASE_TABLE, abs=0.006)
+    assert {k: round(v / 2**30, 2) for k, v in parts.items()} == pytest.approx(
+        ESTIMATE_TABLE, abs=0.006
+    )
+    assert {k: round(v / 2**30, 2) for k, v in phases.items()} == pytest.approx(
+        PHASE_TABLE, abs=0.006
+    )
     _, one_rank = estimate_memory.estimate(cfg, 1, estimate_memory.H100_80GB_GIB * 2**30)
-    assert one_rank["train"] > phases["train"]  # unsharded fp32 state and autocast copies on one GPU
+    # unsharded fp32 state and autocast copies on one GPU
+    assert one_rank["train"] > phases["train"]
 
 
 # ---------------------------------------------------------------- F8, F4: the trainer's forward
@@ -135,7 +167,9 @@ def test_the_trainer_forward_builds_no_kv_cache(tmp_path):
     assert policy.config.use_cache  # the default this test guards against
     samples, _ = dist_worker.fixed_batch()
     seen = []
-    hook = policy.register_forward_hook(lambda module, args, kwargs, out: seen.append((kwargs, out)), with_kwargs=True)
+    hook = policy.register_forward_hook(
+        lambda module, args, kwargs, out: seen.append((kwargs, out)), with_kwargs=True
+    )
     batching.sequence_logprobs(policy, batching.collate(samples, pad_id=0), 1.0)
     hook.remove()
     kwargs, out = seen[0]
@@ -146,116 +180,205 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
     cfg = dist_worker.parity_config(tmp_path, "seq-mean-token-mean")
     samples, advantages = dist_worker.fixed_batch()
     trajectories = [[s] for s in samples]
-    kept, kept_advantages, _ = train.training_sequences(trajectories, advantages, cfg, max_seq_len=256)
+    kept, kept_advantages, _ = train.training_sequences(
+        trajectories, advantages, cfg, max_seq_len=256
+    )
     assert [s.trajectory_id for s in kept] == [s.trajectory_id for s in samples if not s.is_aborted]
     assert len(kept) < len(samples)
     with_all, _, stats_all = dist_worker.update_once(cfg, samples, advantages, shard=False)
     without, _, stats_kept = dist_worker.update_once(cfg, kept, kept_advantages, shard=False)
-    assert stats_kept["train/loss"] == pytest.approx(stats_all["train/loss"], abs=1e-7)  # ~0 at ratio 1
+    # ~0 at ratio 1
+    assert stats_kept["train/loss"] == pytest.approx(stats_all["train/loss"], abs=1e-7)
     for (name, a), (_, b) in zip(with_all.named_parameters(), without.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=1e-4, msg=name)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
 
 
-# ---------------------------------------------------------------- the small Qwen model and its template
+# ---------------------------------------------------------------- the small Qwen model and its
+# template
 def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
-    """A tool conversation rendered by the model's chat template is, token for token, the context the
-    rollout builds: the prompt, the generated call, tasks.qwen_calculator's observation, the answer."""
+    """A tool conversation rendered by the model's chat template is, token for token, the context
+    the rollout builds: the prompt, the generated call, tasks.qwen_calculator's observation, the
+    answer."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     question = [{"role": "user", "content": "What is 12*3+4?"}]
     tools = [tasks.CALCULATOR_SCHEMA]
-    prompt = encode(tokenizer.apply_chat_template(question, tools=tools, tokenize=False, add_generation_prompt=True))
-    call = encode('<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n</tool_call>')
+    prompt = encode(
+        tokenizer.apply_chat_template(
+            question, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    )
+    call = encode(
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n</tool_call>'
+    )
     observation, is_error = tasks.qwen_calculator(tokenizer)(call)
     answer = encode("#### 40<|im_end|>")
     conversation = question + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*3+4"}}}]},
-        {"role": "tool", "content": "40"}, {"role": "assistant", "content": "#### 40"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "12*3+4"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "40"},
+        {"role": "assistant", "content": "#### 40"},
+    ]
     rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
-    assert not is_error and tokenizer.decode(prompt + call + observation + answer) + "\n" == rendered
+    assert (
+        not is_error and tokenizer.decode(prompt + call + observation + answer) + "\n" == rendered
+    )
     generation = json.load(open(os.path.join(qwen_tiny_dir, "generation_config.json")))
-    assert sorted(generation["eos_token_id"]) == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    assert sorted(generation["eos_token_id"]) == sorted(
+        tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    )
     assert len(encode("</tool_call>")) == 1  # the rollout stops generation on this one token
 
 
-# ---------------------------------------------------------------- the shipped GSM8K configs, rehearsed
-CPU_SIZES = [f"data.train_path={GSM8K_TRAIN}", f"data.val_path={GSM8K_TRAIN}", "data.num_val_prompts=4",
-             "rollout.prompts_per_step=4", "rollout.engine_threads=1", "rollout.max_total_tokens=16384",
-             "train.threads=1", "train.steps=2"]
+# ---------------------------------------------------------------- the shipped GSM8K configs,
+# rehearsed
+CPU_SIZES = [
+    f"data.train_path={GSM8K_TRAIN}",
+    f"data.val_path={GSM8K_TRAIN}",
+    "data.num_val_prompts=4",
+    "rollout.prompts_per_step=4",
+    "rollout.engine_threads=1",
+    "rollout.max_total_tokens=16384",
+    "train.threads=1",
+    "train.steps=2",
+]
 
 
 def rehearse(config, out, model_dir, *sets, torchrun=0):
     """`python train.py --config <a shipped GPU config>` with CPU-size overrides only (under
     `torchrun --nproc-per-node <torchrun>` when given)."""
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
-    command = [sys.executable, *launcher, "train.py", "--config", config, "--out", str(out),
-               "--set", f"model.path={model_dir}"]
+    launcher = (
+        ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
+    )
+    command = [
+        sys.executable,
+        *launcher,
+        "train.py",
+        "--config",
+        config,
+        "--out",
+        str(out),
+        "--set",
+        f"model.path={model_dir}",
+    ]
     for item in CPU_SIZES + list(sets):
         command += ["--set", item]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     events = EventAccumulator(os.path.join(out, "tb"), size_guidance={"tensors": 0})
     events.Reload()
-    texts = [e.tensor_proto.string_val[0].decode() for e in events.Tensors("val/samples/text_summary")]
+    texts = [
+        e.tensor_proto.string_val[0].decode() for e in events.Tensors("val/samples/text_summary")
+    ]
     with open(os.path.join(out, "config.yaml")) as f:
         return scalars(out), texts, yaml.safe_load(f)
 
 
 @pytest.fixture(scope="module")
 def gsm8k_two_ranks(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k.yaml on 2 ranks (FSDP2, bf16 compute, an engine per rank, partial rollout), 2 steps.
-    Its own processes: the shipped config's launch path is what is rehearsed."""
+    """configs/gsm8k.yaml on 2 ranks (FSDP2, bf16 compute, an engine per rank, partial rollout),
+    2 steps. Its own processes: the shipped config's launch path is what is rehearsed."""
     out = tmp_path_factory.mktemp("gsm8k")
-    return out, *rehearse("configs/gsm8k.yaml", out, qwen_tiny_dir, "rollout.max_new_tokens=32", "run.nproc=2")
+    return out, *rehearse(
+        "configs/gsm8k.yaml", out, qwen_tiny_dir, "rollout.max_new_tokens=32", "run.nproc=2"
+    )
 
 
 @pytest.fixture(scope="module")
 def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k_tool.yaml under torchrun on 2 ranks, 2 steps: Qwen JSON tool calls executed, errors
-    answered, turns merged. torchrun is the other launch path: train.py joins its process group."""
+    """configs/gsm8k_tool.yaml under torchrun on 2 ranks, 2 steps: Qwen JSON tool calls executed,
+    errors answered, turns merged. torchrun is the other launch path: train.py joins its process
+    group."""
     out = tmp_path_factory.mktemp("gsm8k_tool")
-    return out, *rehearse("configs/gsm8k_tool.yaml", out, qwen_tiny_dir, "rollout.max_new_tokens=48",
-                          "rollout.max_response_tokens=160", torchrun=2)
+    return out, *rehearse(
+        "configs/gsm8k_tool.yaml",
+        out,
+        qwen_tiny_dir,
+        "rollout.max_new_tokens=48",
+        "rollout.max_response_tokens=160",
+        torchrun=2,
+    )
 
 
 def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_two_ranks):
     out, logged, texts, resolved = gsm8k_two_ranks
-    assert (resolved["model"]["compute_dtype"], resolved["model"]["engine_dtype"]) == ("bfloat16", "bfloat16")
-    assert resolved["rollout"]["partial"] is True and resolved["run"]["nproc"] == 2  # the shipped cancellation
+    assert (resolved["model"]["compute_dtype"], resolved["model"]["engine_dtype"]) == (
+        "bfloat16",
+        "bfloat16",
+    )
+    # the shipped cancellation
+    assert resolved["rollout"]["partial"] is True and resolved["run"]["nproc"] == 2
     # rank 0 alone writes TensorBoard (one value per step); counts are summed over the ranks
-    assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
-    assert logged["rollout/launched"][0] == 2 * 3 * 8  # per rank: 2 prompts x 1.25 over-sampling -> 3, x 8
-    assert all(lo <= hi for lo, hi in zip(logged["timing/rollout_s_min"], logged["timing/rollout_s"]))
-    assert 0 < max(logged["train/logprob_gap"]) < 0.1  # bf16 engine vs the trainer: close, not equal
+    assert len(logged["train/loss"]) == 2 and all(
+        torch.isfinite(torch.tensor(logged["train/loss"]))
+    )
+    # per rank: 2 prompts x 1.25 over-sampling -> 3, x 8
+    assert logged["rollout/launched"][0] == 2 * 3 * 8
+    assert all(
+        lo <= hi for lo, hi in zip(logged["timing/rollout_s_min"], logged["timing/rollout_s"])
+    )
+    # bf16 engine vs the trainer: close, not equal
+    assert 0 < max(logged["train/logprob_gap"]) < 0.1
     # the tail was suspended, and the checkpoint holds both ranks' suspended samples
     state = checkpoint.read_trainer_state(checkpoint.latest(str(out)))
     assert max(logged["rollout/aborted"]) > 0 and max(logged["partial/buffer_samples"]) > 0
     assert logged["partial/buffer_samples"][-1] == len(state["buffer"]["waiting"])
-    assert state["world_size"] == 2 and os.path.isdir(out / "checkpoints" / "step_000002" / "sharded")
+    assert state["world_size"] == 2 and os.path.isdir(
+        out / "checkpoints" / "step_000002" / "sharded"
+    )
 
 
 DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
-DAPO_SETS = CPU_SIZES + [f"model.path={QWEN_TINY}", "rollout.max_new_tokens=32", "run.nproc=1",
-                         "rollout.refill_prompts=2", "rollout.max_prompts_per_step=8"]
-DAPO_COMMAND = " ".join([BUILD_QWEN, "&&", sys.executable, "train.py", "--config", "configs/gsm8k_dapo.yaml",
-                         "--out", f"{DAPO_RUN}/run", *[f"--set {item}" for item in DAPO_SETS]])
+DAPO_SETS = CPU_SIZES + [
+    f"model.path={QWEN_TINY}",
+    "rollout.max_new_tokens=32",
+    "run.nproc=1",
+    "rollout.refill_prompts=2",
+    "rollout.max_prompts_per_step=8",
+]
+DAPO_COMMAND = " ".join(
+    [
+        BUILD_QWEN,
+        "&&",
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/gsm8k_dapo.yaml",
+        "--out",
+        f"{DAPO_RUN}/run",
+        *[f"--set {item}" for item in DAPO_SETS],
+    ]
+)
 
 
 @pytest.mark.background("gsm8k_dapo", ["bash", "-c", DAPO_COMMAND])
 def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filtering(background_runs):
-    """configs/gsm8k_dapo.yaml on one rank, 2 steps (its own model build and engine, in the background: the
-    CPU counts only are overridden, the prompt bound among them). Dynamic sampling runs fused with partial
-    rollout: every step reports its kept and zero-variance groups and the prompts it launched."""
+    """configs/gsm8k_dapo.yaml on one rank, 2 steps (its own model build and engine, in the
+    background: the CPU counts only are overridden, the prompt bound among them). Dynamic
+    sampling runs fused with partial rollout: every step reports its kept and zero-variance
+    groups and the prompts it launched."""
     background_runs.lines("gsm8k_dapo")
     with open(os.path.join(DAPO_RUN, "run", "config.yaml")) as f:
         resolved = yaml.safe_load(f)
     r, t = resolved["rollout"], resolved["train"]
-    assert r["filter_groups"] and r["partial"] and t["clip_eps_high"] == 0.28 and t["mask_truncated"]
+    assert (
+        r["filter_groups"] and r["partial"] and t["clip_eps_high"] == 0.28 and t["mask_truncated"]
+    )
     logged = scalars(os.path.join(DAPO_RUN, "run"))
-    assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
-    assert logged["filter/prompts_launched"][0] >= 5  # 4 prompts x 1.25 over-sampling (then fewer: resumes go first)
+    assert len(logged["train/loss"]) == 2 and all(
+        torch.isfinite(torch.tensor(logged["train/loss"]))
+    )
+    # 4 prompts x 1.25 over-sampling (then fewer: resumes go first)
+    assert logged["filter/prompts_launched"][0] >= 5
     for step in range(2):  # refills of 2 prompts up to the bound of 8
         launched, kept = logged["filter/prompts_launched"][step], logged["filter/kept_groups"][step]
         assert launched <= 8 and kept + logged["filter/zero_variance_groups"][step] >= 1
@@ -265,7 +388,8 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
 
 def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
     """The model's config.json names only <|endoftext|>: a stop at <|im_end|> comes from its
-    generation_config.json, which SGLang must read (the engine does not tokenize: it stops on ids)."""
+    generation_config.json, which SGLang must read (the engine does not tokenize: it stops on
+    ids)."""
     _, logged, texts, _ = gsm8k_two_ranks
     assert min(logged["rollout/truncated_ratio"]) < 0.5
     assert texts and any("finish stop" in t and "<|im_end|>'" in t for t in texts), texts
@@ -275,9 +399,15 @@ def test_gsm8k_tool_config_executes_calls_answers_errors_and_merges_turns(gsm8k_
     out, logged, texts, resolved = gsm8k_tool
     assert resolved["rollout"]["max_turns"] == 5 and resolved["rollout"]["merge_turns"] is True
     calls, errors = sum(logged["rollout/tool_calls"]), sum(logged["rollout/tool_errors"])
-    assert calls > 0 and 0 < errors < calls  # well-formed calls answered, malformed ones answered as errors
+    # well-formed calls answered, malformed ones answered as errors
+    assert calls > 0 and 0 < errors < calls
     assert max(logged["merge/ratio"]) > 1 and max(logged["rollout/turns_per_trajectory"]) > 1
-    assert len(logged["train/loss"]) == 2 and all(torch.isfinite(torch.tensor(logged["train/loss"])))
-    assert logged["rollout/launched"] == [4 * 8, 4 * 8]  # no cancellation: every trajectory of both ranks
+    assert len(logged["train/loss"]) == 2 and all(
+        torch.isfinite(torch.tensor(logged["train/loss"]))
+    )
+    # no cancellation: every trajectory of both ranks
+    assert logged["rollout/launched"] == [4 * 8, 4 * 8]
     assert checkpoint.read_trainer_state(checkpoint.latest(str(out)))["world_size"] == 2
-    assert any("<tool_response>" in t and "finish stop" in t and "<|im_end|>'" in t for t in texts), texts
+    assert any(
+        "<tool_response>" in t and "finish stop" in t and "<|im_end|>'" in t for t in texts
+    ), texts

@@ -1,4 +1,5 @@
 """GRPO math against hand-computed values, and "masked equals removed" for every loss mode."""
+
 import math
 
 import pytest
@@ -28,7 +29,9 @@ def test_group_statistics_use_survivors_only():
     adv, _ = grpo.group_advantages(rewards, torch.zeros(4, dtype=torch.long), valid)
     # survivors [1, 0, 1]: mean 2/3, unbiased std sqrt(1/3); the aborted member gets 0
     std = math.sqrt(1 / 3)
-    assert adv.tolist() == pytest.approx([(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std, 0.0], abs=1e-5)
+    assert adv.tolist() == pytest.approx(
+        [(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std, 0.0], abs=1e-5
+    )
     same, _ = grpo.group_advantages(rewards[:3], torch.zeros(3, dtype=torch.long), valid[:3])
     assert adv[:3].tolist() == pytest.approx(same.tolist())
 
@@ -36,12 +39,15 @@ def test_group_statistics_use_survivors_only():
 def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
     rewards = torch.tensor([1.0, 0.0, 0.3, 0.9, 0.2, 0.4])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    valid = torch.tensor([True, False, False, False, True, True])  # group 0: 1 survivor, group 1: none
+    # group 0: 1 survivor, group 1: none
+    valid = torch.tensor([True, False, False, False, True, True])
     adv, degenerate = grpo.group_advantages(rewards, groups, valid)
     assert torch.isfinite(adv).all()
     assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert degenerate == 2
-    all_aborted, degenerate = grpo.group_advantages(rewards, groups, torch.zeros(6, dtype=torch.bool))
+    all_aborted, degenerate = grpo.group_advantages(
+        rewards, groups, torch.zeros(6, dtype=torch.bool)
+    )
     assert all_aborted.tolist() == [0.0] * 6 and degenerate == 3
 
 
@@ -49,9 +55,15 @@ def test_aggregate_modes_hand_computed():
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert grpo.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
-    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 9) / 2)
-    assert grpo.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4.5) / 2)
-    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum-norm", norm_length=4).item() == pytest.approx(15 / 8)
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(
+        (6 + 9) / 2
+    )
+    assert grpo.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(
+        (2 + 4.5) / 2
+    )
+    assert grpo.aggregate(
+        per_token, mask, "seq-mean-token-sum-norm", norm_length=4
+    ).item() == pytest.approx(15 / 8)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         grpo.aggregate(per_token, mask, "mean")
 
@@ -70,42 +82,74 @@ def test_clipped_ratio_and_kl_hand_computed():
     loss.backward()
     assert logprobs.grad.item() == pytest.approx(1.5)
     ref = torch.full((1, 1), math.log(1.5) + math.log(2.0))  # ref - logp = log 2
-    _, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1)
+    _, stats = grpo.policy_loss(
+        logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1
+    )
     assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
 
 
 def test_clip_higher_hand_computed_and_symmetric_by_default():
-    """DAPO's clip-higher: ratio 1.25 with A > 0 is inside [0.8, 1.28] (gradient flows), outside [0.8, 1.2]."""
+    """DAPO's clip-higher: ratio 1.25 with A > 0 is inside [0.8, 1.28] (gradient flows), outside
+    [0.8, 1.2]."""
     old, mask = torch.zeros(1, 1), torch.ones(1, 1)
-    for high, expected_loss, expected_grad in ((0.28, -1.25, -1.25), (None, -1.2, 0.0), (0.2, -1.2, 0.0)):
+    for high, expected_loss, expected_grad in (
+        (0.28, -1.25, -1.25),
+        (None, -1.2, 0.0),
+        (0.2, -1.2, 0.0),
+    ):
         logprobs = torch.full((1, 1), math.log(1.25), requires_grad=True)
-        loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2, clip_eps_high=high)
+        loss, stats = grpo.policy_loss(
+            logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2, clip_eps_high=high
+        )
         loss.backward()
-        assert loss.item() == pytest.approx(expected_loss) and logprobs.grad.item() == pytest.approx(expected_grad)
+        assert loss.item() == pytest.approx(
+            expected_loss
+        ) and logprobs.grad.item() == pytest.approx(expected_grad)
         assert stats["clip_frac"].item() == (expected_grad == 0.0)
     # the low side keeps clip_eps: ratio 0.7 with A < 0 is clipped at 0.8 whatever clip_eps_high is
     logprobs = torch.full((1, 1), math.log(0.7), requires_grad=True)
-    loss, _ = grpo.policy_loss(logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss, _ = grpo.policy_loss(
+        logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2, clip_eps_high=0.28
+    )
     loss.backward()
     assert loss.item() == pytest.approx(0.8) and logprobs.grad.item() == 0.0
 
 
 def test_sequence_ratio_hand_computed():
-    """GSPO: sequence 0 has token ratios 1.1 and 0.9 (and a masked token), so s = sqrt(0.99) = 0.99499, below
-    1 - 3e-4; with A = 1, min() keeps the unclipped -s, whose gradient is spread evenly over its two trained
-    tokens. Sequence 1: one token of ratio 1.01 > 1 + 4e-4 with A = 1, clipped: -(1 + 4e-4), no gradient.
-    The loss is the mean over the two sequences."""
-    logprobs = torch.tensor([[math.log(1.1), math.log(0.9), 5.0], [math.log(1.01), 0.0, 0.0]], requires_grad=True)
+    """GSPO: sequence 0 has token ratios 1.1 and 0.9 (and a masked token), so s = sqrt(0.99) =
+    0.99499, below 1 - 3e-4; with A = 1, min() keeps the unclipped -s, whose gradient is spread
+    evenly over its two trained tokens. Sequence 1: one token of ratio 1.01 > 1 + 4e-4 with A =
+    1, clipped: -(1 + 4e-4), no gradient. The loss is the mean over the two sequences."""
+    logprobs = torch.tensor(
+        [[math.log(1.1), math.log(0.9), 5.0], [math.log(1.01), 0.0, 0.0]], requires_grad=True
+    )
     old, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0, 1.0]), mask, clip_eps=3e-4, clip_eps_high=4e-4,
-                                   agg_mode="seq-mean-token-mean", ratio_level="sequence")
+    loss, stats = grpo.policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0, 1.0]),
+        mask,
+        clip_eps=3e-4,
+        clip_eps_high=4e-4,
+        agg_mode="seq-mean-token-mean",
+        ratio_level="sequence",
+    )
     s = math.sqrt(1.1 * 0.9)
     assert loss.item() == pytest.approx(-(s + 1 + 4e-4) / 2)
     loss.backward()
-    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(
+        logprobs.grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]])
+    )
     assert stats["clip_frac"].item() == pytest.approx(1 / 3)  # sequence 1's one token
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        grpo.policy_loss(logprobs, old, torch.tensor([1.0, 1.0]), mask, agg_mode="token-mean", ratio_level="sequence")
+        grpo.policy_loss(
+            logprobs,
+            old,
+            torch.tensor([1.0, 1.0]),
+            mask,
+            agg_mode="token-mean",
+            ratio_level="sequence",
+        )
 
 
 def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
@@ -118,31 +162,47 @@ def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
     for level in grpo.RATIO_LEVELS:
         leaf = logits.clone().requires_grad_(True)
         logprobs, _ = grpo.token_logprobs(leaf, torch.zeros(4, 3, dtype=torch.long))
-        loss, _ = grpo.policy_loss(logprobs, old, adv, mask, clip_eps=0.2, agg_mode="seq-mean-token-mean",
-                                   ratio_level=level)
+        loss, _ = grpo.policy_loss(
+            logprobs,
+            old,
+            adv,
+            mask,
+            clip_eps=0.2,
+            agg_mode="seq-mean-token-mean",
+            ratio_level=level,
+        )
         loss.backward()
         results.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(results[0], results[1])
 
 
 def test_truncated_importance_weights_hand_computed():
-    # Three trained tokens and one masked: pi_old / mu = 0.5, 1 and 4 (capped at 2); the masked one would be 100.
+    # Three trained tokens and one masked: pi_old / mu = 0.5, 1 and 4 (capped at 2); the masked one
+    # would be 100.
     old = torch.zeros(1, 4)
     engine = torch.tensor([[math.log(2.0), 0.0, -math.log(4.0), -math.log(100.0)]])  # mu per token
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    logprobs = torch.zeros(1, 4, requires_grad=True)  # ratio pi / pi_old = 1: unclipped, surrogate = -A
-    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=2.0)
+    # ratio pi / pi_old = 1: unclipped, surrogate = -A
+    logprobs = torch.zeros(1, 4, requires_grad=True)
+    loss, stats = grpo.policy_loss(
+        logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=2.0
+    )
     assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0) / 3)
     assert stats["tis_weight"].item() == pytest.approx(3.5 / 3)
     assert stats["tis_capped_frac"].item() == pytest.approx(1 / 3)
     loss.backward()
-    assert logprobs.grad[0].tolist() == pytest.approx([-0.5 / 3, -1 / 3, -2 / 3, 0.0])  # weights scale gradients
+    # weights scale gradients
+    assert logprobs.grad[0].tolist() == pytest.approx([-0.5 / 3, -1 / 3, -2 / 3, 0.0])
     # mu == pi_old: every weight is 1, the loss is the plain one
     plain, _ = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask)
-    same, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=old, tis_cap=2.0)
+    same, stats = grpo.policy_loss(
+        logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=old, tis_cap=2.0
+    )
     assert same.item() == plain.item() and stats["tis_weight"].item() == 1.0
     with pytest.raises(ValueError, match="tis_cap"):
-        grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=0.5)
+        grpo.policy_loss(
+            logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=0.5
+        )
 
 
 def test_token_logprobs_temperature():
@@ -155,17 +215,22 @@ def test_token_logprobs_temperature():
 
 
 def _full_size_token_logprobs(logits, target_ids, temperature):
-    """The log-prob path before chunking (bench/train_memory.py keeps it too): the reference values."""
+    """The log-prob path before chunking (bench/train_memory.py keeps it too): the reference
+    values."""
     log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1), -(
+        log_probs.exp() * log_probs
+    ).sum(-1)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_chunked_head_logprobs_equal_the_full_size_path(seed):
-    # values and gradients (to the hidden states and the head's weight) against the path before chunking
+    # values and gradients (to the hidden states and the head's weight) against the path before
+    # chunking
     torch.manual_seed(seed)
     batch, length, vocab = (int(x) for x in torch.randint(1, 9, (3,)) * torch.tensor([1, 7, 13]))
-    hidden_size, chunk_tokens = 8, int(torch.randint(1, 40, (1,)))  # chunks of 1 position up to all of them
+    # chunks of 1 position up to all of them
+    hidden_size, chunk_tokens = 8, int(torch.randint(1, 40, (1,)))
     hidden, weight = torch.randn(batch, length, hidden_size), torch.randn(vocab, hidden_size)
     targets = torch.randint(0, vocab, (batch, length))
     weights = torch.randn(batch, length)
@@ -173,7 +238,9 @@ def test_chunked_head_logprobs_equal_the_full_size_path(seed):
     for chunked in (False, True):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if chunked:
-            logprobs, entropy = grpo.head_logprobs(h, w, None, targets, 0.8, chunk_tokens=chunk_tokens)
+            logprobs, entropy = grpo.head_logprobs(
+                h, w, None, targets, 0.8, chunk_tokens=chunk_tokens
+            )
         else:
             logprobs, entropy = _full_size_token_logprobs(h @ w.T, targets, 0.8)
         (logprobs * weights).sum().backward()
@@ -187,8 +254,9 @@ def test_entropy_carries_no_autograd_graph():
     assert logprobs.requires_grad and logprobs.dtype == torch.float32
     assert not entropy.requires_grad and entropy.grad_fn is None
     weight = torch.randn(11, 3, requires_grad=True)
-    logprobs, entropy = grpo.head_logprobs(torch.randn(2, 6, 3), weight, None, torch.zeros(2, 6, dtype=torch.long),
-                                           chunk_tokens=4)
+    logprobs, entropy = grpo.head_logprobs(
+        torch.randn(2, 6, 3), weight, None, torch.zeros(2, 6, dtype=torch.long), chunk_tokens=4
+    )
     assert logprobs.requires_grad and not entropy.requires_grad
 
 
@@ -196,8 +264,16 @@ def _loss_grad(logits, old, adv, mask, mode, ref=None):
     logits = logits.clone().requires_grad_(True)
     targets = torch.zeros(logits.shape[:2], dtype=torch.long)
     logprobs, _ = grpo.token_logprobs(logits, targets)
-    loss, _ = grpo.policy_loss(logprobs, old, adv, mask, agg_mode=mode, norm_length=7, ref_logprobs=ref,
-                               kl_coef=0.05 if ref is not None else 0.0)
+    loss, _ = grpo.policy_loss(
+        logprobs,
+        old,
+        adv,
+        mask,
+        agg_mode=mode,
+        norm_length=7,
+        ref_logprobs=ref,
+        kl_coef=0.05 if ref is not None else 0.0,
+    )
     loss.backward()
     return loss.detach(), logits.grad
 
@@ -216,7 +292,9 @@ def test_aborted_rows_masked_equals_removed(mode):
     masked[aborted] = 0  # how collate() marks aborted rows
     keep = ~aborted
     loss_masked, grad_masked = _loss_grad(logits, old, adv, masked, mode, ref)
-    loss_removed, grad_removed = _loss_grad(logits[keep], old[keep], adv[keep], mask[keep], mode, ref[keep])
+    loss_removed, grad_removed = _loss_grad(
+        logits[keep], old[keep], adv[keep], mask[keep], mode, ref[keep]
+    )
     assert loss_masked.item() == pytest.approx(loss_removed.item(), rel=1e-6)
     assert torch.allclose(grad_masked[keep], grad_removed, atol=1e-7)
     assert grad_masked[aborted].abs().max() == 0
@@ -224,7 +302,9 @@ def test_aborted_rows_masked_equals_removed(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_all_aborted_batch_gives_finite_zero(mode):
-    loss, grad = _loss_grad(torch.randn(3, 4, 5), torch.zeros(3, 4), torch.randn(3), torch.zeros(3, 4), mode)
+    loss, grad = _loss_grad(
+        torch.randn(3, 4, 5), torch.zeros(3, 4), torch.randn(3), torch.zeros(3, 4), mode
+    )
     assert loss.item() == 0.0 and torch.isfinite(grad).all() and grad.abs().max() == 0
 
 
@@ -240,6 +320,8 @@ def test_micro_batch_weighting_equals_one_batch(mode):
     leaf = logits.clone().requires_grad_(True)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
         logprobs, _ = grpo.token_logprobs(leaf[rows], torch.zeros(2, 5, dtype=torch.long))
-        loss, _ = grpo.policy_loss(logprobs, old[rows], adv[rows], mask[rows], agg_mode=mode, norm_length=7)
+        loss, _ = grpo.policy_loss(
+            logprobs, old[rows], adv[rows], mask[rows], agg_mode=mode, norm_length=7
+        )
         (loss * grpo.aggregation_count(mask[rows], mode) / total).backward()
     assert torch.allclose(leaf.grad, full_grad, atol=1e-7)

@@ -1,5 +1,6 @@
 """Memory phases on the real engine: release/resume every step, staged weight push parity,
 illegal transitions, and the ledger against real tensor sizes (CPU: peaks are modelled)."""
+
 import asyncio
 import os
 import uuid
@@ -27,7 +28,9 @@ def greedy(engine):
 
 
 def test_phase_cycle_release_resume_and_parity(run):
-    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", bucket_bytes=64 << 10)
+    phases = MemoryPhases(
+        run.engine, run.policy, run.optimizer, mode="staged", bucket_bytes=64 << 10
+    )
     ids_before, logprobs_before = greedy(run.engine)
     for step in range(2):  # the sequence runs every step
         phases.to_train()
@@ -66,8 +69,13 @@ def test_illegal_transitions_raise_named_errors(run):
     phases.sync(version=1)
 
     async def release_while_generating():
-        request = asyncio.ensure_future(run.engine.engine.async_generate(
-            input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 200, "ignore_eos": True}, rid=uuid.uuid4().hex))
+        request = asyncio.ensure_future(
+            run.engine.engine.async_generate(
+                input_ids=PROMPTS[0],
+                sampling_params={"max_new_tokens": 200, "ignore_eos": True},
+                rid=uuid.uuid4().hex,
+            )
+        )
         await asyncio.sleep(0.05)  # the request reaches the engine
         with pytest.raises(PhaseError, match="in flight"):
             phases.to_train()
@@ -89,11 +97,16 @@ def test_ledger_equals_real_tensor_sizes(run):
     state = [v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert ledger.optimizer_state == sum(v.numel() * v.element_size() for v in state)
     assert ledger.optimizer_state >= 2 * ledger.trainer_params  # exp_avg + exp_avg_sq (+ step)
-    with safe_open(os.path.join(r.run.out, "model", "model.safetensors"), "pt") as f:  # what the engine loaded
-        engine_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    # what the engine loaded
+    with safe_open(os.path.join(r.run.out, "model", "model.safetensors"), "pt") as f:
+        engine_bytes = sum(
+            f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()
+        )
     assert ledger.engine_weights == engine_bytes
     # SGLang reports its KV pool size (GB, 3 decimals) from the pool's own tensors
-    reported_gb = run.engine.engine.get_server_info()["internal_states"][0]["memory_usage"]["kvcache"]
+    reported_gb = run.engine.engine.get_server_info()["internal_states"][0]["memory_usage"][
+        "kvcache"
+    ]
     assert abs(ledger.kv_cache / 2**30 - reported_gb) <= 0.0005 + 1e-9
 
 
@@ -105,12 +118,17 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
         phases.sync(version=1)
         peaks[mode] = phases.peaks["sync"]["modelled"]
     ledger = phases.ledger
-    assert peaks["all_at_once"] == ledger.trainer_params + ledger.engine_weights + ledger.kv_cache + \
-        min(256 << 20, ledger.trainer_params)
+    assert peaks[
+        "all_at_once"
+    ] == ledger.trainer_params + ledger.engine_weights + ledger.kv_cache + min(
+        256 << 20, ledger.trainer_params
+    )
     assert peaks["all_at_once"] - peaks["staged"] >= ledger.engine_weights
 
 
-def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train_peak(run, tmp_path):
+def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train_peak(
+    run, tmp_path
+):
     reference = train.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
     phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", reference=reference)
     assert phases.ledger.reference_params == sum(p.numel() * 4 for p in reference.parameters())
@@ -122,15 +140,23 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     phases._note = lambda extra=0: (noted_in.append(phases.phase), note(extra))
     start = len(phases.events)
     phases.sync(version=1)
-    assert noted_in[0] == "train"  # the train phase's peak is taken after the update, before sync begins
+    # the train phase's peak is taken after the update, before sync begins
+    assert noted_in[0] == "train"
     events = phases.events[start:]
-    assert events == ["offload optimizer", "empty cache", "resume weights", "offload params", "empty cache",
-                      "resume kv_cache"]
+    assert events == [
+        "offload optimizer",
+        "empty cache",
+        "resume weights",
+        "offload params",
+        "empty cache",
+        "resume kv_cache",
+    ]
     assert "reference_params" not in phases.resident
 
 
 def test_release_waits_for_an_idle_engine(run):
-    # right after a rollout the engine is idle: the wait returns at once, and the release goes through
+    # right after a rollout the engine is idle: the wait returns at once, and the release goes
+    # through
     run.engine.generate(PROMPTS, 1, 0.0, 8)
     run.engine.wait_until_idle()
     assert run.engine.num_in_flight() == 0

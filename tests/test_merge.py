@@ -1,8 +1,9 @@
 """Tests for merge.py: prefix-aware merging of multi-turn trajectories, on hand-built token arrays.
 
-Checks merge shapes, per-token alignment, masking, validation, stats, and that token-mean quantities are
-unchanged by merging. A model-based parity test lives elsewhere.
+Checks merge shapes, per-token alignment, masking, validation, stats, and that token-mean quantities
+are unchanged by merging. A model-based parity test lives elsewhere.
 """
+
 import dataclasses
 import os
 import random
@@ -17,19 +18,39 @@ from merge import MergeError, MergeStats, merge_batch, merge_trajectory, unmerge
 from sample import Sample
 
 
-def make_turns(responses: list[list[int]], observations: list[list[int]], breaks: frozenset[int] = frozenset(),
-               trajectory_id: int = 7, group_id: int = 3) -> list[Sample]:
+def make_turns(
+    responses: list[list[int]],
+    observations: list[list[int]],
+    breaks: frozenset[int] = frozenset(),
+    trajectory_id: int = 7,
+    group_id: int = 3,
+) -> list[Sample]:
     """Turn i's prompt = turn i-1's prompt + response + observations[i-1], unless i is in `breaks`
     (then the history is rewritten: a fresh prompt that is not an extension)."""
     turns, prompt = [], [1, 2, 3]
     for i, response in enumerate(responses):
         if i > 0:
             prev = turns[-1]
-            prompt = [900 + i] if i in breaks else (prev.prompt_ids + prev.response_ids).tolist() + observations[i - 1]
+            prompt = (
+                [900 + i]
+                if i in breaks
+                else (prev.prompt_ids + prev.response_ids).tolist() + observations[i - 1]
+            )
         logprobs = [-0.1 * (i + 1) - 0.01 * k for k in range(len(response))]  # distinct per token
-        turns.append(Sample(prompt_ids=prompt, response_ids=response, logprobs=logprobs,
-                            loss_mask=[1] * len(response), group_id=group_id, trajectory_id=trajectory_id,
-                            turn=i, reward=float(i), finish_reason=f"stop{i}", weight_version=10 + i))
+        turns.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=response,
+                logprobs=logprobs,
+                loss_mask=[1] * len(response),
+                group_id=group_id,
+                trajectory_id=trajectory_id,
+                turn=i,
+                reward=float(i),
+                finish_reason=f"stop{i}",
+                weight_version=10 + i,
+            )
+        )
     return turns
 
 
@@ -39,9 +60,11 @@ OBSERVATIONS = [[50, 51], [60]]
 
 def test_sample_per_token_fields_become_typed_arrays():
     s = Sample([1, 2], [3], [-0.5], [1], group_id=0)
-    assert [(a.typecode, a.tolist()) for a in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask)] == \
-        [("i", [1, 2]), ("i", [3]), ("f", [-0.5]), ("B", [1])]
-    assert Sample(s.prompt_ids, [], [], [], group_id=0).prompt_ids is s.prompt_ids  # arrays are not copied
+    assert [
+        (a.typecode, a.tolist()) for a in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask)
+    ] == [("i", [1, 2]), ("i", [3]), ("f", [-0.5]), ("B", [1])]
+    # arrays are not copied
+    assert Sample(s.prompt_ids, [], [], [], group_id=0).prompt_ids is s.prompt_ids
     with pytest.raises(TypeError):
         Sample([1.5], [], [], [], group_id=0)  # a token id must be an integer
     with pytest.raises(OverflowError):
@@ -56,7 +79,9 @@ def test_all_turns_merge():
     assert seq.loss_mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 1]
     # The merged sequence is exactly the last turn's full context.
     assert seq.prompt_ids + seq.response_ids == turns[-1].prompt_ids + turns[-1].response_ids
-    assert stats == MergeStats(turns=3, sequences_before=3, sequences_after=1, prefix_breaks=0, over_length=0)
+    assert stats == MergeStats(
+        turns=3, sequences_before=3, sequences_after=1, prefix_breaks=0, over_length=0
+    )
     assert stats.merge_ratio == 3.0
 
 
@@ -73,7 +98,8 @@ def test_partial_merge_with_mismatch_in_the_middle():
     turns = make_turns(responses, [[50], [60], [70]], breaks=frozenset({2}))
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
     assert [s.response_ids.tolist() for s in seqs] == [[10, 50, 20], [30, 70, 40]]
-    assert seqs[1].prompt_ids.tolist() == [902]  # the second sequence starts from the rewritten prompt
+    # the second sequence starts from the rewritten prompt
+    assert seqs[1].prompt_ids.tolist() == [902]
     assert [s.turn for s in seqs] == [1, 3]
     assert (stats.sequences_after, stats.prefix_breaks) == (2, 1)
 
@@ -81,7 +107,9 @@ def test_partial_merge_with_mismatch_in_the_middle():
 def test_response_mismatch_is_a_break():
     # Same prompt, but the next prompt re-tokenized the response differently: not a prefix.
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
-    turns[1] = dataclasses.replace(turns[1], prompt_ids=turns[0].prompt_ids.tolist() + [10, 99] + OBSERVATIONS[0])
+    turns[1] = dataclasses.replace(
+        turns[1], prompt_ids=turns[0].prompt_ids.tolist() + [10, 99] + OBSERVATIONS[0]
+    )
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
     assert len(seqs) == 2 and stats.prefix_breaks == 1
 
@@ -119,7 +147,8 @@ def test_per_token_alignment_and_observation_masking():
 def test_scalar_fields_come_from_last_merged_turn():
     (seq,), _ = merge_trajectory(make_turns(RESPONSES, OBSERVATIONS), max_seq_len=100)
     assert (seq.turn, seq.reward, seq.finish_reason, seq.weight_version) == (2, 2.0, "stop2", 12)
-    assert (seq.trajectory_id, seq.group_id) == (7, 3)  # credit: every sequence keeps its trajectory
+    # credit: every sequence keeps its trajectory
+    assert (seq.trajectory_id, seq.group_id) == (7, 3)
 
 
 def test_validation_errors():
@@ -127,7 +156,9 @@ def test_validation_errors():
     with pytest.raises(MergeError, match="no turns"):
         merge_trajectory([], max_seq_len=100)
     with pytest.raises(MergeError, match="mix trajectories"):
-        merge_trajectory([turns[0], make_turns(RESPONSES, OBSERVATIONS, trajectory_id=8)[1]], max_seq_len=100)
+        merge_trajectory(
+            [turns[0], make_turns(RESPONSES, OBSERVATIONS, trajectory_id=8)[1]], max_seq_len=100
+        )
     with pytest.raises(MergeError, match="follows turn"):
         merge_trajectory([turns[1], turns[0]], max_seq_len=100)
     turns[1].logprobs = turns[1].logprobs[:-1]
@@ -150,11 +181,15 @@ def test_over_length_is_counted_and_not_truncated():
 
 
 def test_batch_sums_stats_and_unmerged_is_step_wise():
-    batch = [make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0),
-             make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1}), trajectory_id=1),
-             make_turns([[5]], [], trajectory_id=2)]
+    batch = [
+        make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0),
+        make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1}), trajectory_id=1),
+        make_turns([[5]], [], trajectory_id=2),
+    ]
     seqs, stats = merge_batch(batch, max_seq_len=100)
-    assert stats == MergeStats(turns=7, sequences_before=7, sequences_after=4, prefix_breaks=1, over_length=0)
+    assert stats == MergeStats(
+        turns=7, sequences_before=7, sequences_after=4, prefix_breaks=1, over_length=0
+    )
     assert stats == sum((merge_trajectory(t, 100)[1] for t in batch), MergeStats())
     assert stats.merge_ratio == 7 / 4
     assert [s.trajectory_id for s in seqs] == [0, 1, 1, 2]
@@ -163,7 +198,8 @@ def test_batch_sums_stats_and_unmerged_is_step_wise():
 
 
 def token_mean(samples: list[Sample], per_token) -> float:
-    """Token-mean loss aggregation: sum over trained tokens of per_token(context, token, logprob) / #trained."""
+    """Token-mean loss aggregation: sum over trained tokens of per_token(context, token, logprob)
+    / #trained."""
     total, count = 0.0, 0
     for s in samples:
         context = list(s.prompt_ids)
@@ -176,7 +212,8 @@ def token_mean(samples: list[Sample], per_token) -> float:
 
 
 def toy_causal_model(context: list[int], token: int, logprob: float) -> float:
-    """A stand-in for a causal LM's per-token loss: depends on the whole context, like a real one would."""
+    """A stand-in for a causal LM's per-token loss: depends on the whole context, like a real one
+    would."""
     return logprob * (hash((tuple(context), token)) % 997) / 997
 
 
@@ -184,7 +221,9 @@ def random_trajectory(rng, trajectory_id, max_turns, vocab, response_lengths, br
     """A trajectory of 1..max_turns turns with random responses/observations; each later turn breaks
     the prefix with probability `break_prob`."""
     n = rng.randint(1, max_turns)
-    responses = [[rng.randrange(vocab) for _ in range(rng.randint(*response_lengths))] for _ in range(n)]
+    responses = [
+        [rng.randrange(vocab) for _ in range(rng.randint(*response_lengths))] for _ in range(n)
+    ]
     observations = [[rng.randrange(vocab) for _ in range(rng.randint(0, 3))] for _ in range(n - 1)]
     breaks = frozenset(i for i in range(1, n) if rng.random() < break_prob)
     return make_turns(responses, observations, breaks, trajectory_id=trajectory_id)
@@ -195,26 +234,38 @@ def test_token_mean_loss_equal_merged_and_unmerged(per_token):
     # Merging must keep each trained token, its logprob AND its context, so token-mean losses match.
     # (Sequence-mean aggregations do not match: merging changes the number of sequences.)
     rng = random.Random(1)
-    batch = [random_trajectory(rng, traj, max_turns=4, vocab=1000, response_lengths=(1, 5), break_prob=0.3)
-             for traj in range(6)]
+    batch = [
+        random_trajectory(
+            rng, traj, max_turns=4, vocab=1000, response_lengths=(1, 5), break_prob=0.3
+        )
+        for traj in range(6)
+    ]
     merged, stats = merge_batch(batch, max_seq_len=1000)
     assert stats.sequences_after < stats.sequences_before  # the batch really exercises merging
-    assert token_mean(merged, per_token) == pytest.approx(token_mean(unmerged(batch), per_token), rel=1e-12)
+    assert token_mean(merged, per_token) == pytest.approx(
+        token_mean(unmerged(batch), per_token), rel=1e-12
+    )
 
 
 def test_break_after_tentative_append_leaves_no_trace():
-    # A re-templated history longer than the open sequence: the merger appends the new tail, finds the first
-    # token changed, and must undo the append, so the closed sequence is exactly the first turn.
+    # A re-templated history longer than the open sequence: the merger appends the new tail, finds
+    # the first token changed, and must undo the append, so the closed sequence is exactly the first
+    # turn.
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
     turns[1] = dataclasses.replace(turns[1], prompt_ids=[99] + turns[1].prompt_ids[1:].tolist())
     first, second = merge_trajectory(turns, max_seq_len=100)[0]
-    assert (first.prompt_ids, first.response_ids, first.logprobs, first.loss_mask) == \
-        (turns[0].prompt_ids, turns[0].response_ids, turns[0].logprobs, turns[0].loss_mask)
+    assert (first.prompt_ids, first.response_ids, first.logprobs, first.loss_mask) == (
+        turns[0].prompt_ids,
+        turns[0].response_ids,
+        turns[0].logprobs,
+        turns[0].loss_mask,
+    )
     assert (second.prompt_ids, second.response_ids) == (turns[1].prompt_ids, turns[1].response_ids)
 
 
 def reference_merge(turns: list[Sample]) -> list[tuple]:
-    """The merge spelled out plainly on lists (slow): extend while prompt + response prefixes the next prompt."""
+    """The merge spelled out plainly on lists (slow): extend while prompt + response prefixes the
+    next prompt."""
     sequences = []
     for turn in turns:
         prompt_ids, response_ids = turn.prompt_ids.tolist(), turn.response_ids.tolist()
@@ -222,11 +273,15 @@ def reference_merge(turns: list[Sample]) -> list[tuple]:
         if sequences:
             prompt, response, merged_logprobs, mask, _ = sequences[-1]
             context = prompt + response
-            if prompt_ids[:len(context)] == context:
-                observation = prompt_ids[len(context):]
-                sequences[-1] = (prompt, response + observation + response_ids,
-                                 merged_logprobs + [0.0] * len(observation) + logprobs,
-                                 mask + [0] * len(observation) + loss_mask, turn.turn)
+            if prompt_ids[: len(context)] == context:
+                observation = prompt_ids[len(context) :]
+                sequences[-1] = (
+                    prompt,
+                    response + observation + response_ids,
+                    merged_logprobs + [0.0] * len(observation) + logprobs,
+                    mask + [0] * len(observation) + loss_mask,
+                    turn.turn,
+                )
                 continue
         sequences.append((prompt_ids, response_ids, logprobs, loss_mask, turn.turn))
     return sequences
@@ -236,25 +291,54 @@ def test_parity_with_reference_merge():
     rng = random.Random(2)
     batch = []
     for traj in range(200):
-        turns = random_trajectory(rng, traj, max_turns=5, vocab=50, response_lengths=(0, 4), break_prob=0.2)
+        turns = random_trajectory(
+            rng, traj, max_turns=5, vocab=50, response_lengths=(0, 4), break_prob=0.2
+        )
         for i, t in enumerate(turns[1:], start=1):
-            if rng.random() < 0.1:  # a rewritten token somewhere in the history, or a truncated history
-                truncated = t.prompt_ids[:rng.randrange(len(t.prompt_ids) + 1)].tolist()
+            # a rewritten token somewhere in the history, or a truncated history
+            if rng.random() < 0.1:
+                truncated = t.prompt_ids[: rng.randrange(len(t.prompt_ids) + 1)].tolist()
                 turns[i] = dataclasses.replace(t, prompt_ids=truncated + [999])
         batch.append(turns)
     merged, stats = merge_batch(batch, max_seq_len=1000)
     expected = [s for turns in batch for s in reference_merge(turns)]
-    assert [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.logprobs.tolist(), s.loss_mask.tolist(), s.turn)
-            for s in merged] == expected
+    assert [
+        (
+            s.prompt_ids.tolist(),
+            s.response_ids.tolist(),
+            s.logprobs.tolist(),
+            s.loss_mask.tolist(),
+            s.turn,
+        )
+        for s in merged
+    ] == expected
     assert stats.prefix_breaks == len(expected) - len(batch) > 0
 
 
 def test_bench_ends_with_the_issue_line():
-    # bench/merge.py's last line is what issue 5 checks; a small synthetic run (no engine) keeps it honest.
+    # bench/merge.py's last line is what issue 5 checks; a small synthetic run (no engine) keeps it
+    # honest.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "bench/merge.py", "--trajectories", "16", "--repeats", "1",
-                          "--demo-steps", "0"], cwd=root, capture_output=True, text=True, check=True).stdout
-    match = re.fullmatch(r"merge: trajectories=16 turns=5 ms=[\d.]+ ms_2x=[\d.]+ ms_4x=[\d.]+ "
-                         r"tokens_merged=(\d+) tokens_unmerged=(\d+)", out.strip().splitlines()[-1])
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/merge.py",
+            "--trajectories",
+            "16",
+            "--repeats",
+            "1",
+            "--demo-steps",
+            "0",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    match = re.fullmatch(
+        r"merge: trajectories=16 turns=5 ms=[\d.]+ ms_2x=[\d.]+ ms_4x=[\d.]+ "
+        r"tokens_merged=(\d+) tokens_unmerged=(\d+)",
+        out.strip().splitlines()[-1],
+    )
     assert match, out
     assert 0 < int(match[1]) < int(match[2])  # 5-turn trajectories: merging trains fewer tokens

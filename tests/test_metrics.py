@@ -1,4 +1,6 @@
-"""Rollout statistics: aborted samples are never averaged in as zeros, except in the 'launched' mean."""
+"""Rollout statistics: aborted samples are never averaged in as zeros, except in the 'launched'
+mean."""
+
 import pytest
 
 from metrics import length_stats, masked_mean, rollout_metrics
@@ -7,13 +9,27 @@ from sample import Sample
 
 
 def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop", turn=0):
-    return Sample([1], [5] * length, [0.0] * length, [1] * length, group_id=0, trajectory_id=trajectory_id,
-                  turn=turn, finish_reason=finish_reason, is_aborted=is_aborted, reward=reward)
+    return Sample(
+        [1],
+        [5] * length,
+        [0.0] * length,
+        [1] * length,
+        group_id=0,
+        trajectory_id=trajectory_id,
+        turn=turn,
+        finish_reason=finish_reason,
+        is_aborted=is_aborted,
+        reward=reward,
+    )
 
 
 def test_completed_vs_launched_reward_means():
-    samples = [sample(0, 1.0, 4), sample(1, 0.5, 6), sample(2, 0.0, 30, is_aborted=True, finish_reason="abort"),
-               sample(3, 0.0, 0, is_aborted=True, finish_reason="error")]
+    samples = [
+        sample(0, 1.0, 4),
+        sample(1, 0.5, 6),
+        sample(2, 0.0, 30, is_aborted=True, finish_reason="abort"),
+        sample(3, 0.0, 0, is_aborted=True, finish_reason="error"),
+    ]
     out = rollout_metrics(samples, RolloutStats(rollout_s=2.0))
     assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
     assert out["train/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
@@ -33,5 +49,6 @@ def test_multi_turn_trajectories_count_once():
 
 def test_masked_mean_and_lengths_never_nan():
     import torch
+
     assert masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])).item() == 0.0
     assert length_stats([], "x") == {"x_mean": 0.0, "x_p50": 0.0, "x_p90": 0.0, "x_max": 0.0}

@@ -1,4 +1,5 @@
 """Multi-turn tool rollouts on the real engine, and merged vs step-wise training sequences."""
+
 import math
 
 import torch
@@ -14,8 +15,16 @@ from conftest import tiny_config
 
 
 def tool_run(engine, tmp_path, *sets):
-    return train.setup(tiny_config(tmp_path, "data.task=tiny_tool", "rollout.max_new_tokens=24",
-                                   "rollout.max_turns=4", *sets), engine=engine)
+    return train.setup(
+        tiny_config(
+            tmp_path,
+            "data.task=tiny_tool",
+            "rollout.max_new_tokens=24",
+            "rollout.max_turns=4",
+            *sets,
+        ),
+        engine=engine,
+    )
 
 
 def test_tool_turns_extend_the_previous_context(engine, tmp_path):
@@ -23,18 +32,23 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     samples, stats = train.generate(run, run.stream.prompts[:16], 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     multi = [t for t in trajectories if len(t) > 1]
-    assert multi and stats.num_tool_calls >= len(multi)  # random init ends a turn with "?" by chance
+    # random init ends a turn with "?" by chance
+    assert multi and stats.num_tool_calls >= len(multi)
     for turns in multi:
         assert [t.turn for t in turns] == list(range(len(turns)))
         for before, after in zip(turns, turns[1:]):
             history = before.prompt_ids + before.response_ids
-            assert after.prompt_ids[:len(history)] == history  # prefix: the turns merge
-            observation = run.tokenizer.decode(after.prompt_ids[len(history):])
-            assert observation == "=" + run.stream.prompts[before.group_id].answer  # the calculator's result
+            assert after.prompt_ids[: len(history)] == history  # prefix: the turns merge
+            observation = run.tokenizer.decode(after.prompt_ids[len(history) :])
+            # the calculator's result
+            assert observation == "=" + run.stream.prompts[before.group_id].answer
             assert before.response_ids[-1] == run.tool.call_end_id and before.tool_call == 1
         assert len({t.reward for t in turns}) == 1  # the trajectory's reward on every turn
         budget = 24 * 4
-        assert len(turns[-1].prompt_ids) + len(turns[-1].response_ids) - len(turns[0].prompt_ids) <= budget
+        assert (
+            len(turns[-1].prompt_ids) + len(turns[-1].response_ids) - len(turns[0].prompt_ids)
+            <= budget
+        )
 
 
 def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path):
@@ -47,8 +61,9 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     run.cfg.rollout.merge_turns = False
     stepwise, stepwise_adv, _ = train.training_sequences(trajectories, advantages, run.cfg, 256)
     assert metrics["merge/ratio"] > 1 and len(merged) < len(stepwise)
-    assert sum(len(s.prompt_ids) + len(s.response_ids) for s in merged) < \
-        sum(len(s.prompt_ids) + len(s.response_ids) for s in stepwise)
+    assert sum(len(s.prompt_ids) + len(s.response_ids) for s in merged) < sum(
+        len(s.prompt_ids) + len(s.response_ids) for s in stepwise
+    )
 
     def token_mean_loss(sequences, seq_advantages):
         batch = batching.collate(sequences, pad_id=0)
@@ -60,7 +75,8 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
 
     merged_loss, merged_tokens = token_mean_loss(merged, merged_adv)
     stepwise_loss, stepwise_tokens = token_mean_loss(stepwise, stepwise_adv)
-    assert merged_tokens == stepwise_tokens  # observation tokens are masked, every response token trained once
+    # observation tokens are masked, every response token trained once
+    assert merged_tokens == stepwise_tokens
     assert math.isclose(merged_loss, stepwise_loss, rel_tol=1e-5, abs_tol=1e-7)
 
 
@@ -69,13 +85,17 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     prompts = run.stream.prompts[:16]
     samples, stats = train.generate(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
-    unanswered = [t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]]
+    unanswered = [
+        t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]
+    ]
     assert unanswered  # random init ends both turns with "?" in a few of 128 trajectories
     for turns in unanswered:
         assert len(turns) == 2 and turns[-1].finish_reason == "length" and turns[-1].tool_call == 0
         assert turns[-1].reward == 0.0  # never executed, never scored as an answer
-    assert stats.num_tool_calls == sum(t.tool_call != 0 for t in samples)  # only executed calls count
-    # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never answered
+    # only executed calls count
+    assert stats.num_tool_calls == sum(t.tool_call != 0 for t in samples)
+    # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never
+    # answered
     run.cfg.rollout.max_new_tokens, run.cfg.rollout.max_response_tokens = 1, 3
     samples, stats = train.generate(run, run.stream.prompts[:64], 8, 1.0)
     called = [s for s in samples if s.tool_call == 1]
@@ -84,18 +104,38 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
 
 
 def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
-    """configs/tiny_tool.yaml as shipped (fewer steps and prompts): merged turns, tool metrics in TensorBoard."""
+    """configs/tiny_tool.yaml as shipped (fewer steps and prompts): merged turns, tool metrics in
+    TensorBoard."""
     from test_train import scalars
-    cfg = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "train.steps=2", "run.val_every=1",
-                                                 "data.num_val_prompts=16", "rollout.prompts_per_step=16"])
+
+    cfg = load_config(
+        "configs/tiny_tool.yaml",
+        [
+            f"run.out={tmp_path}",
+            "train.steps=2",
+            "run.val_every=1",
+            "data.num_val_prompts=16",
+            "rollout.prompts_per_step=16",
+        ],
+    )
     run = train.setup(cfg, engine=engine)
     assert isinstance(run.tool, tasks.QuestionCalculator)
     train.train(run)
     logged = scalars(tmp_path)
-    assert max(logged["rollout/tool_calls"]) > 0 and max(logged["merge/ratio"]) > 1  # one-token turns: "?" ~1 in 25
-    assert all(0 <= v <= 1 for v in logged["val/tool_call_ratio"]) and len(logged["val/tool_call_ratio"]) == 3
+    # one-token turns: "?" ~1 in 25
+    assert max(logged["rollout/tool_calls"]) > 0 and max(logged["merge/ratio"]) > 1
+    assert (
+        all(0 <= v <= 1 for v in logged["val/tool_call_ratio"])
+        and len(logged["val/tool_call_ratio"]) == 3
+    )
     assert all(math.isfinite(v) for v in logged["train/loss"])
     drawn = plot.plot(str(tmp_path), str(tmp_path / "curves.png"))  # the README's tool demo picture
-    assert {"rollout/tool_calls_per_trajectory", "val/tool_call_ratio", "merge/ratio", "val/reward_mean"} <= set(drawn)
+    assert {
+        "rollout/tool_calls_per_trajectory",
+        "val/tool_call_ratio",
+        "merge/ratio",
+        "val/reward_mean",
+    } <= set(drawn)
     no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
-    assert train.build_task(no_tool, run.tokenizer)[3] is None  # the switch the README gives turns the tool off
+    # the switch the README gives turns the tool off
+    assert train.build_task(no_tool, run.tokenizer)[3] is None

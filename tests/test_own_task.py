@@ -1,7 +1,8 @@
-"""Your own task: chat datasets from rows (string prompts, message lists, other field names), the reward
-function a config names (start-up errors named before the engine starts, run-time failures counted and
-kept out, too many of them a named error), GSM8K through the same path, and the Countdown example (its
-reward on hand-checked equations, its config running on CPU)."""
+"""Your own task: chat datasets from rows (string prompts, message lists, other field names), the
+reward function a config names (start-up errors named before the engine starts, run-time failures
+counted and kept out, too many of them a named error), GSM8K through the same path, and the
+Countdown example (its reward on hand-checked equations, its config running on CPU)."""
+
 import json
 import math
 import os
@@ -40,22 +41,49 @@ def rendered(tokenizer, messages):
 def test_chat_rows_render_like_hand_built_chat_prompts(qwen_tiny_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     strings = tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "a.jsonl", ROWS), "train", 256)
-    messages = [{"question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": r["prompt"]}],
-                 "gold": r["answer"]} for r in ROWS]
-    lists = tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "b.jsonl", messages), "train", 256,
-                               prompt_field="question", answer_field="gold")
-    assert [p.prompt_ids for p in strings] == [rendered(tokenizer, [{"role": "user", "content": r["prompt"]}])
-                                                for r in ROWS]
+    messages = [
+        {
+            "question": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": r["prompt"]},
+            ],
+            "gold": r["answer"],
+        }
+        for r in ROWS
+    ]
+    lists = tasks.chat_prompts(
+        tokenizer,
+        write_jsonl(tmp_path / "b.jsonl", messages),
+        "train",
+        256,
+        prompt_field="question",
+        answer_field="gold",
+    )
+    assert [p.prompt_ids for p in strings] == [
+        rendered(tokenizer, [{"role": "user", "content": r["prompt"]}]) for r in ROWS
+    ]
     assert [p.prompt_ids for p in lists] == [rendered(tokenizer, m["question"]) for m in messages]
-    assert [p.answer for p in strings] == [p.answer for p in lists] == ["5", "7"]  # a number answer as text
+    # a number answer as text
+    assert [p.answer for p in strings] == [p.answer for p in lists] == ["5", "7"]
 
 
 def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, caplog):
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
-    bad = ["not json", {"prompt": "no answer"}, {"prompt": [{"role": "user"}], "answer": "1"}, {"prompt": 3, "answer": "1"},
-           {"prompt": "ok", "answer": True}]
-    prompts = tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "rows.jsonl", ROWS + bad), "train", 256)
-    assert len(prompts) == 2 and "skipped 4 malformed rows" in caplog.text and "skipped 1 unparseable" in caplog.text
+    bad = [
+        "not json",
+        {"prompt": "no answer"},
+        {"prompt": [{"role": "user"}], "answer": "1"},
+        {"prompt": 3, "answer": "1"},
+        {"prompt": "ok", "answer": True},
+    ]
+    prompts = tasks.chat_prompts(
+        tokenizer, write_jsonl(tmp_path / "rows.jsonl", ROWS + bad), "train", 256
+    )
+    assert (
+        len(prompts) == 2
+        and "skipped 4 malformed rows" in caplog.text
+        and "skipped 1 unparseable" in caplog.text
+    )
     with pytest.raises(tasks.DataError, match="no usable prompts"):
         tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "bad.jsonl", bad), "train", 256)
 
@@ -65,39 +93,59 @@ def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir
     prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", 512)
     rows = tasks.read_rows(GSM8K_TRAIN, "train")
     assert len(prompts) == len(rows) == 100
-    for prompt, row in zip(prompts, rows):  # what the GSM8K loader built before it became a chat dataset
-        assert prompt.prompt_ids == rendered(tokenizer, [{"role": "user", "content":
-                                                          f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}])
+    # what the GSM8K loader built before it became a chat dataset
+    for prompt, row in zip(prompts, rows):
+        assert prompt.prompt_ids == rendered(
+            tokenizer,
+            [{"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}],
+        )
         assert prompt.answer == row["answer"].rsplit("####", 1)[1].strip()
-        assert tasks.call_reward(tasks.gsm8k_reward, f"so #### {prompt.answer}", prompt.answer, True) == 1.0
+        assert (
+            tasks.call_reward(tasks.gsm8k_reward, f"so #### {prompt.answer}", prompt.answer, True)
+            == 1.0
+        )
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("''", "data.task=chat needs data.reward"),
-    ("no_colon", "expected 'path/to/file.py:function'"),
-    ("examples/countdown/missing.py:countdown_reward", "no file"),
-    ("examples/countdown/reward.py:nope", "has no function 'nope'"),
-    ("tasks:parse_number", "must take (response_text, answer, finished)"),
-    ("no_such_module_xyz:fn", "cannot import"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("''", "data.task=chat needs data.reward"),
+        ("no_colon", "expected 'path/to/file.py:function'"),
+        ("examples/countdown/missing.py:countdown_reward", "no file"),
+        ("examples/countdown/reward.py:nope", "has no function 'nope'"),
+        ("tasks:parse_number", "must take (response_text, answer, finished)"),
+        ("no_such_module_xyz:fn", "cannot import"),
+    ],
+)
 def test_reward_errors_are_named_at_start_up(tmp_path, spec, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        cfg = load_config("configs/tiny.yaml", ["data.task=chat", f"data.train_path={GSM8K_TRAIN}", f"data.reward={spec}"])
+        cfg = load_config(
+            "configs/tiny.yaml",
+            ["data.task=chat", f"data.train_path={GSM8K_TRAIN}", f"data.reward={spec}"],
+        )
         tasks.build_task(cfg, None)
 
 
 def test_a_file_reward_and_a_module_reward_load():
-    assert tasks.load_reward("examples/countdown/reward.py:countdown_reward")("x", '{"target": 1, "numbers": [1]}', True) == 0
+    assert (
+        tasks.load_reward("examples/countdown/reward.py:countdown_reward")(
+            "x", '{"target": 1, "numbers": [1]}', True
+        )
+        == 0
+    )
     assert tasks.load_reward("tasks:gsm8k_reward") is tasks.gsm8k_reward
 
 
 def flaky_reward(fails):
-    """A reward given the trajectory id as its text: raises, returns NaN or a string where `fails(id)` says."""
+    """A reward given the trajectory id as its text: raises, returns NaN or a string where
+    `fails(id)` says."""
+
     def fn(response_text, answer, finished):
         trajectory_id = int(response_text)
         if fails(trajectory_id):
             return [lambda: 1 / 0, lambda: math.nan, lambda: "high"][trajectory_id % 3]()
         return 1.0
+
     return lambda turns: tasks.call_reward(fn, str(turns[-1].trajectory_id), "answer", True)
 
 
@@ -118,23 +166,32 @@ def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engi
 TARGET_24 = json.dumps({"target": 24, "numbers": [3, 4, 8, 2]})
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("<answer>(8 - 4) * 3 * 2</answer>", 1.0),  # 24, each number once
-    ("<answer>(8 - 4) * 3 * 2 = 24</answer>", 1.0),  # "= 24" tolerated: the left side is checked
-    ("first <answer>1</answer> then <answer>2 * 3 * (8 - 4)</answer>", 1.0),  # the last answer counts
-    ("<answer>(4 - 2) * 8 + 3</answer>", FORMAT_CREDIT),  # the right numbers, 19
-    ("<answer>(8 / 4 + 2) * 3</answer> wait", FORMAT_CREDIT),  # 12
-    ("<answer>8 * 3 + 4 - 2 - 2</answer>", FORMAT_CREDIT),  # 2 reused
-    ("<answer>8 * 3</answer>", FORMAT_CREDIT),  # 4 and 2 missing
-    ("<answer>(8 - 4) * 3 * 2 + 0</answer>", FORMAT_CREDIT),  # 0 was not given
-    ("<answer>8 / (4 - 4) * 3 * 2</answer>", FORMAT_CREDIT),  # 4 twice (and a division by zero)
-    ("<answer>" + "(" * 30 + "8" + ")" * 30 + "</answer>", FORMAT_CREDIT),  # numbers missing: never evaluated
-    ("(8 - 4) * 3 * 2", 0.0),  # no <answer> tags
-    ("<answer></answer>", 0.0),
-    ("<answer>(8 - 4) ** 3 * 2</answer>", 0.0),  # not one of the four operations
-    ("<answer>(8 - 4) * 3 * 2.0</answer>", 0.0),  # no decimals
-    ("<answer>__import__('os').system('true')</answer>", 0.0),  # hostile: rejected by character, never run
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<answer>(8 - 4) * 3 * 2</answer>", 1.0),  # 24, each number once
+        (
+            "<answer>(8 - 4) * 3 * 2 = 24</answer>",
+            1.0,
+        ),  # "= 24" tolerated: the left side is checked
+        # the last answer counts
+        ("first <answer>1</answer> then <answer>2 * 3 * (8 - 4)</answer>", 1.0),
+        ("<answer>(4 - 2) * 8 + 3</answer>", FORMAT_CREDIT),  # the right numbers, 19
+        ("<answer>(8 / 4 + 2) * 3</answer> wait", FORMAT_CREDIT),  # 12
+        ("<answer>8 * 3 + 4 - 2 - 2</answer>", FORMAT_CREDIT),  # 2 reused
+        ("<answer>8 * 3</answer>", FORMAT_CREDIT),  # 4 and 2 missing
+        ("<answer>(8 - 4) * 3 * 2 + 0</answer>", FORMAT_CREDIT),  # 0 was not given
+        ("<answer>8 / (4 - 4) * 3 * 2</answer>", FORMAT_CREDIT),  # 4 twice (and a division by zero)
+        # numbers missing: never evaluated
+        ("<answer>" + "(" * 30 + "8" + ")" * 30 + "</answer>", FORMAT_CREDIT),
+        ("(8 - 4) * 3 * 2", 0.0),  # no <answer> tags
+        ("<answer></answer>", 0.0),
+        ("<answer>(8 - 4) ** 3 * 2</answer>", 0.0),  # not one of the four operations
+        ("<answer>(8 - 4) * 3 * 2.0</answer>", 0.0),  # no decimals
+        # hostile: rejected by character, never run
+        ("<answer>__import__('os').system('true')</answer>", 0.0),
+    ],
+)
 def test_countdown_reward_on_hand_checked_equations(response, expected):
     assert countdown_reward(response, TARGET_24, True) == expected
 
@@ -142,23 +199,52 @@ def test_countdown_reward_on_hand_checked_equations(response, expected):
 def test_countdown_reward_divides_exactly():
     row = json.dumps({"target": 2, "numbers": [6, 3]})
     assert countdown_reward("<answer>6 / 3</answer>", row, True) == 1.0
-    assert countdown_reward("<answer>6 / (3 / 0)</answer>", json.dumps({"target": 2, "numbers": [6, 3, 0]}), True) == FORMAT_CREDIT
+    assert (
+        countdown_reward(
+            "<answer>6 / (3 / 0)</answer>", json.dumps({"target": 2, "numbers": [6, 3, 0]}), True
+        )
+        == FORMAT_CREDIT
+    )
 
 
 COUNTDOWN_RUN = tempfile.mkdtemp(prefix="countdown-")
 COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
-    f"data.train_path={COUNTDOWN_RUN}/train.jsonl", f"data.val_path={COUNTDOWN_RUN}/test.jsonl",
-    "data.num_val_prompts=4", f"model.path={QWEN_TINY}", "rollout.max_new_tokens=32", "run.nproc=1"]
-COUNTDOWN_COMMAND = " ".join([
-    sys.executable, "examples/countdown/make_data.py", "--out", COUNTDOWN_RUN, "--train", "64", "--test", "8", "&&",
-    BUILD_QWEN, "&&", sys.executable, "train.py", "--config", "examples/countdown.yaml", "--out", f"{COUNTDOWN_RUN}/run",
-    *[f"--set {item}" for item in COUNTDOWN_SETS]])
+    f"data.train_path={COUNTDOWN_RUN}/train.jsonl",
+    f"data.val_path={COUNTDOWN_RUN}/test.jsonl",
+    "data.num_val_prompts=4",
+    f"model.path={QWEN_TINY}",
+    "rollout.max_new_tokens=32",
+    "run.nproc=1",
+]
+COUNTDOWN_COMMAND = " ".join(
+    [
+        sys.executable,
+        "examples/countdown/make_data.py",
+        "--out",
+        COUNTDOWN_RUN,
+        "--train",
+        "64",
+        "--test",
+        "8",
+        "&&",
+        BUILD_QWEN,
+        "&&",
+        sys.executable,
+        "train.py",
+        "--config",
+        "examples/countdown.yaml",
+        "--out",
+        f"{COUNTDOWN_RUN}/run",
+        *[f"--set {item}" for item in COUNTDOWN_SETS],
+    ]
+)
 
 
 @pytest.mark.background("countdown", ["bash", "-c", COUNTDOWN_COMMAND])
 def test_the_countdown_example_trains_on_cpu(background_runs):
-    """examples/countdown.yaml, 2 steps on one rank with the small Qwen-shaped model (its own build and engine,
-    in the background): data generated, reward loaded from its file, every trajectory scored or counted."""
+    """examples/countdown.yaml, 2 steps on one rank with the small Qwen-shaped model (its own
+    build and engine, in the background): data generated, reward loaded from its file, every
+    trajectory scored or counted."""
     background_runs.lines("countdown")
     logged = scalars(os.path.join(COUNTDOWN_RUN, "run"))
     assert len(logged["train/reward_mean"]) == 2 and "val/reward_mean" in logged

@@ -1,6 +1,7 @@
-"""Padding-free training (batching.py): token-budget micro-batches of packed rows give the same log-probs,
-entropies and updates as the padded path, in every loss mode, and sequences packed together never see
-each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
+"""Padding-free training (batching.py): token-budget micro-batches of packed rows give the same
+log-probs, entropies and updates as the padded path, in every loss mode, and sequences packed
+together never see each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
+
 import random
 import re
 import sys
@@ -16,22 +17,31 @@ from sample import Sample
 
 
 def random_samples(seed, lengths=None):
-    """Samples of mixed lengths (a 1-token response among them), a third aborted, some tokens sampled one or
-    two weight versions ago (partial rollout's stale tokens)."""
+    """Samples of mixed lengths (a 1-token response among them), a third aborted, some tokens
+    sampled one or two weight versions ago (partial rollout's stale tokens)."""
     rng = random.Random(seed)
     lengths = lengths or [(rng.randint(2, 8), rng.randint(1, 30)) for _ in range(11)] + [(3, 1)]
     samples = []
     for i, (num_prompt, num_response) in enumerate(lengths):
         aborted = i % 3 == 2
-        samples.append(Sample([rng.randint(4, 24) for _ in range(num_prompt)],
-                              [rng.randint(4, 24) for _ in range(num_response)],
-                              [-rng.random() * 3 for _ in range(num_response)], [1] * num_response,
-                              group_id=i // 4, trajectory_id=i, is_aborted=aborted,
-                              finish_reason="abort" if aborted else "stop",
-                              versions=[-rng.randint(0, 2) for _ in range(num_response)]))
-    advantages, _ = grpo.group_advantages(torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
-                                          torch.tensor([s.group_id for s in samples]),
-                                          torch.tensor([not s.is_aborted for s in samples]))
+        samples.append(
+            Sample(
+                [rng.randint(4, 24) for _ in range(num_prompt)],
+                [rng.randint(4, 24) for _ in range(num_response)],
+                [-rng.random() * 3 for _ in range(num_response)],
+                [1] * num_response,
+                group_id=i // 4,
+                trajectory_id=i,
+                is_aborted=aborted,
+                finish_reason="abort" if aborted else "stop",
+                versions=[-rng.randint(0, 2) for _ in range(num_response)],
+            )
+        )
+    advantages, _ = grpo.group_advantages(
+        torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
+        torch.tensor([s.group_id for s in samples]),
+        torch.tensor([not s.is_aborted for s in samples]),
+    )
     return samples, advantages
 
 
@@ -40,15 +50,23 @@ def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():
     layout = batching.pack_rows(lengths, max_tokens=128)
     assert sorted(i for mb in layout for row in mb for i in row) == list(range(len(lengths)))
     assert layout[0] == [[7]]  # 150 tokens, over the budget: a micro-batch of its own
-    # rows 64 wide (the longest sequence under the budget), each sequence, longest first, into the first row
-    # with room: 64 | 50+12 | 40+21+3 | 30+9+7; two rows (128 positions) per micro-batch
+    # rows 64 wide (the longest sequence under the budget), each sequence, longest first, into the
+    # first row with room: 64 | 50+12 | 40+21+3 | 30+9+7; two rows (128 positions) per micro-batch
     assert layout[1:] == [[[4], [0, 3]], [[9, 8, 6], [2, 5, 1]]]
 
 
 def packed(samples, max_tokens=10_000):
-    """One micro-batch of `samples` packed as `pack_rows` lays them out (the budget holds them all)."""
-    (layout,) = batching.pack_rows([len(s.prompt_ids) + len(s.response_ids) for s in samples], max_tokens)
-    return batching.collate([samples[i] for row in layout for i in row], 0, [len(row) for row in layout]), layout
+    """One micro-batch of `samples` packed as `pack_rows` lays them out (the budget holds them
+    all)."""
+    (layout,) = batching.pack_rows(
+        [len(s.prompt_ids) + len(s.response_ids) for s in samples], max_tokens
+    )
+    return (
+        batching.collate(
+            [samples[i] for row in layout for i in row], 0, [len(row) for row in layout]
+        ),
+        layout,
+    )
 
 
 def test_packed_logprobs_equal_padded_per_token(tmp_path):
@@ -57,9 +75,12 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path):
     samples, _ = random_samples(0)
     batch, layout = packed(samples)
     padded = batching.collate([samples[i] for row in layout for i in row], pad_id=0)
-    assert batch["packed_ids"].shape[1] == padded["input_ids"].shape[1]  # rows no wider than the longest
-    assert batch["packed_ids"].numel() < padded["input_ids"].numel()  # less padding (only at row ends)
-    assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)  # the head: responses only
+    # rows no wider than the longest
+    assert batch["packed_ids"].shape[1] == padded["input_ids"].shape[1]
+    # less padding (only at row ends)
+    assert batch["packed_ids"].numel() < padded["input_ids"].numel()
+    # the head: responses only
+    assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)
     with torch.no_grad():
         expected, expected_entropy = batching.sequence_logprobs(policy, padded, 1.0)
         got, entropy = batching.sequence_logprobs(policy, batch, 1.0)
@@ -71,33 +92,46 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path):
 
 
 def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
-    """The check above has teeth: with an attention mask passed, or a cache built (use_cache left on), the
-    same packed row gives its second sequence other log-probs (it attends to the first). transformers builds
-    the block-diagonal mask only without either (masking_utils.py, find_packed_sequence_indices)."""
+    """The check above has teeth: with an attention mask passed, or a cache built (use_cache left
+    on), the same packed row gives its second sequence other log-probs (it attends to the first).
+    transformers builds the block-diagonal mask only without either (masking_utils.py,
+    find_packed_sequence_indices)."""
     policy, _ = train.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
     samples, _ = random_samples(1, lengths=[(6, 40), (4, 12), (3, 20)])  # 46, 16, 23 tokens
     batch, layout = packed(samples)
     assert layout == [[0], [2, 1]]  # rows 46 wide: the longest alone, then 23 + 16
     first, second = len(samples[2].prompt_ids) + len(samples[2].response_ids), samples[1]
     n = len(second.prompt_ids) + len(second.response_ids)
-    assert batch["packed_ids"][1, first:first + n].tolist() == (second.prompt_ids + second.response_ids).tolist()
+    assert (
+        batch["packed_ids"][1, first : first + n].tolist()
+        == (second.prompt_ids + second.response_ids).tolist()
+    )
     response = slice(len(second.prompt_ids) - 1, n - 1)
     with torch.no_grad():
-        got = batching.sequence_logprobs(policy, batch, 1.0)[0][2, response]  # sample 1 is third in the batch
-        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][0, response]
+        # sample 1 is third in the batch
+        got = batching.sequence_logprobs(policy, batch, 1.0)[0][2, response]
+        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][
+            0, response
+        ]
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
-        row, positions = batch["packed_ids"][1:, :first + n], batch["position_ids"][1:, :first + n]
-        for careless in (dict(attention_mask=torch.ones_like(row), use_cache=False),
-                         dict(attention_mask=None, use_cache=True)):
+        row, positions = (
+            batch["packed_ids"][1:, : first + n],
+            batch["position_ids"][1:, : first + n],
+        )
+        for careless in (
+            dict(attention_mask=torch.ones_like(row), use_cache=False),
+            dict(attention_mask=None, use_cache=True),
+        ):
             logits = policy(input_ids=row, position_ids=positions, **careless).logits
-            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1:])[0][0][response]
+            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1 :])[0][0][response]
             assert (leaked - alone).abs().max() > 1e-3, careless  # the leak shows
 
 
 @pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
 def test_one_update_packed_equals_padded(tmp_path, mode):
-    """All four loss modes, with aborted rows, truncated importance sampling on and stale tokens (a token
-    budget that splits the batch unevenly, some sequences over it): the same parameters after one update."""
+    """All four loss modes, with aborted rows, truncated importance sampling on and stale tokens
+    (a token budget that splits the batch unevenly, some sequences over it): the same parameters
+    after one update."""
     samples, advantages = random_samples(2)
     budget = 30
     assert max(len(s.prompt_ids) + len(s.response_ids) for s in samples) > budget
@@ -109,7 +143,10 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
     (padded, padded_stats), (packed, packed_stats) = results
     assert packed_stats["train/padded_fraction"] < padded_stats["train/padded_fraction"]
     over = sum(len(s.prompt_ids) + len(s.response_ids) > budget for s in samples)
-    assert packed_stats["train/over_budget_sequences"] == over and packed_stats["train/tokens"] == padded_stats["train/tokens"]
+    assert (
+        packed_stats["train/over_budget_sequences"] == over
+        and packed_stats["train/tokens"] == padded_stats["train/tokens"]
+    )
     assert packed_stats["train/stale_token_frac"] == padded_stats["train/stale_token_frac"] > 0
     assert packed_stats["train/loss"] == pytest.approx(padded_stats["train/loss"], abs=1e-6)
     for (name, a), (_, b) in zip(padded.named_parameters(), packed.named_parameters()):
@@ -117,22 +154,54 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.background("train_step_bench", [sys.executable, "bench/train_step.py", "--repeats", "1",
-                                             "--demo-prompts", "8", "--gsm8k-samples", "2", "--threads", "1"])
+@pytest.mark.background(
+    "train_step_bench",
+    [
+        sys.executable,
+        "bench/train_step.py",
+        "--repeats",
+        "1",
+        "--demo-prompts",
+        "8",
+        "--gsm8k-samples",
+        "2",
+        "--threads",
+        "1",
+    ],
+)
 def test_train_step_bench_prints_its_line(background_runs):
-    """The smallest workload that still prints the line (its own engine for the demo mix's real rollout)."""
+    """The smallest workload that still prints the line (its own engine for the demo mix's real
+    rollout)."""
     line = background_runs.lines("train_step_bench")[-1]
-    assert re.fullmatch(r"train_step: mix=demo speedup=[\d.]+ padded_fraction=[\d.]+ mix=gsm8k speedup=[\d.]+ "
-                        r"padded_fraction=[\d.]+ peak_ratio=[\d.]+", line), line
+    assert re.fullmatch(
+        r"train_step: mix=demo speedup=[\d.]+ padded_fraction=[\d.]+ mix=gsm8k speedup=[\d.]+ "
+        r"padded_fraction=[\d.]+ peak_ratio=[\d.]+",
+        line,
+    ), line
 
 
-@pytest.mark.background("grad_sync_bench", [sys.executable, "bench/grad_sync.py", "--samples", "2", "--repeats", "1",
-                                            "--max-tokens", "256"])
+@pytest.mark.background(
+    "grad_sync_bench",
+    [
+        sys.executable,
+        "bench/grad_sync.py",
+        "--samples",
+        "2",
+        "--repeats",
+        "1",
+        "--max-tokens",
+        "256",
+    ],
+)
 def test_grad_sync_bench_syncs_once_per_minibatch_to_the_same_parameters(background_runs):
-    """2 ranks (its own processes): syncing gradients once per minibatch must end at the same parameters, over
-    several micro-batches (a budget under each sample's length: a micro-batch each)."""
+    """2 ranks (its own processes): syncing gradients once per minibatch must end at the same
+    parameters, over several micro-batches (a budget under each sample's length: a micro-batch
+    each)."""
     lines = background_runs.lines("grad_sync_bench")
     assert int(lines[-2].split()[0]) >= 2, lines[-2]
     line = lines[-1]
-    match = re.fullmatch(r"grad_sync: micro_batch_s=[\d.]+ minibatch_s=[\d.]+ speedup=[\d.]+ max_param_diff=(\S+)", line)
+    match = re.fullmatch(
+        r"grad_sync: micro_batch_s=[\d.]+ minibatch_s=[\d.]+ speedup=[\d.]+ max_param_diff=(\S+)",
+        line,
+    )
     assert match and float(match[1]) < 1e-6, line

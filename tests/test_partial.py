@@ -1,7 +1,8 @@
-"""Partial rollout on the real engine: a cancelled sample continues from its token ids in a later step
-with every token's log-prob and version aligned, within its budget; groups wait for their slowest member;
-the staleness bound restarts old samples; old tokens are importance-weighted or masked; the buffer
-survives a checkpoint."""
+"""Partial rollout on the real engine: a cancelled sample continues from its token ids in a later
+step with every token's log-prob and version aligned, within its budget; groups wait for their
+slowest member; the staleness bound restarts old samples; old tokens are importance-weighted or
+masked; the buffer survives a checkpoint."""
+
 import dataclasses
 import os
 import re
@@ -27,8 +28,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cancelling_plan(tmp_path, num_prompts, drop_rate=0.5):
-    cfg = tiny_config(tmp_path, "rollout.cancel=count", f"rollout.drop_rate={drop_rate}", "rollout.partial=true",
-                      f"rollout.max_new_tokens={BUDGET}")
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.cancel=count",
+        f"rollout.drop_rate={drop_rate}",
+        "rollout.partial=true",
+        f"rollout.max_new_tokens={BUDGET}",
+    )
     return plan_launch(cfg.rollout, num_prompts)
 
 
@@ -49,10 +55,16 @@ def trainer_logprobs(policy, samples):
 
 def aborted_samples(engine, tmp_path, min_tokens=2):
     """Real cancellations: half of 32 samples aborted inside the engine mid-generation."""
-    samples, stats = engine.generate(PROMPTS, 8, 1.0, BUDGET, cancelling_plan(tmp_path, len(PROMPTS)))
+    samples, stats = engine.generate(
+        PROMPTS, 8, 1.0, BUDGET, cancelling_plan(tmp_path, len(PROMPTS))
+    )
     assert engine.num_in_flight() == 0
-    aborted = [s for s in samples if s.finish_reason == "abort" and len(s.response_ids) >= min_tokens]
-    assert len(aborted) >= 4, f"only {len(aborted)} samples were cancelled with >= {min_tokens} tokens"
+    aborted = [
+        s for s in samples if s.finish_reason == "abort" and len(s.response_ids) >= min_tokens
+    ]
+    assert (
+        len(aborted) >= 4
+    ), f"only {len(aborted)} samples were cancelled with >= {min_tokens} tokens"
     return aborted
 
 
@@ -69,23 +81,33 @@ def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
         k = len(before.response_ids)
         assert after.prompt_ids == before.prompt_ids  # the prompt, not prompt + partial
         assert after.response_ids[:k] == before.response_ids and len(after.response_ids) > k
-        assert after.logprobs[:k] == before.logprobs  # the old tokens keep their engine log-probs ...
-        assert after.versions.tolist() == [0] * k + [1] * (len(after.response_ids) - k)  # ... and versions
-        assert len(after.logprobs) == len(after.loss_mask) == len(after.versions) == len(after.response_ids)
+        # the old tokens keep their engine log-probs ...
+        assert after.logprobs[:k] == before.logprobs
+        # ... and versions
+        assert after.versions.tolist() == [0] * k + [1] * (len(after.response_ids) - k)
+        assert (
+            len(after.logprobs)
+            == len(after.loss_mask)
+            == len(after.versions)
+            == len(after.response_ids)
+        )
         assert after.loss_mask.tolist() == [1] * len(after.response_ids)
         assert after.times_resumed == 1 and after.finish_reason in ("stop", "length")
-    # Under the new weights, the trainer's forward over prompt + all tokens gives the engine's log-probs
-    # of the resumed tokens: a duplicated or lost boundary token would shift every one of them.
+    # Under the new weights, the trainer's forward over prompt + all tokens gives the engine's
+    # log-probs of the resumed tokens: a duplicated or lost boundary token would shift every one of
+    # them.
     new_logprobs, batch = trainer_logprobs(policy, resumed)
     fresh = batch["loss_mask"] * (batch["versions"] == 1)
     assert fresh.sum() > 0
     assert ((new_logprobs - batch["engine_logprobs"]).abs() * fresh).max() < 1e-4
     stale = batch["loss_mask"] * (batch["versions"] == 0)
-    assert ((new_logprobs - batch["engine_logprobs"]).abs() * stale).max() > 1e-3  # older policy's numbers
+    # older policy's numbers
+    assert ((new_logprobs - batch["engine_logprobs"]).abs() * stale).max() > 1e-3
 
 
 def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_path):
-    """Six steps of launch -> generate (half cancelled) -> collect, with a version bump between them."""
+    """Six steps of launch -> generate (half cancelled) -> collect, with a version bump between
+    them."""
     plan = cancelling_plan(tmp_path, num_prompts=2)
     buffer = PartialBuffer(group_size=8, max_staleness=10)
     prompts = [tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
@@ -93,11 +115,16 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
     for step in range(6):
         if step:
             perturb_and_sync(engine, policy, version=step)
-        resumes, new = buffer.launch(prompts[2 * step:2 * step + 2], plan.num_prompts, version=step)
+        resumes, new = buffer.launch(
+            prompts[2 * step : 2 * step + 2], plan.num_prompts, version=step
+        )
         resumed_any += sum(s.times_resumed > 0 for s in resumes)
-        samples, _ = engine.generate([p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes)
+        samples, _ = engine.generate(
+            [p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes
+        )
         assert engine.num_in_flight() == 0
-        # only unfinished samples and new prompts were launched: finished members are never regenerated
+        # only unfinished samples and new prompts were launched: finished members are never
+        # regenerated
         assert len(samples) == len(resumes) + 8 * len(new)
         for s in samples:
             assert len(s.response_ids) <= BUDGET  # every resume together stays within the budget
@@ -112,7 +139,8 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
         assert len(out) == 8 * len(out_prompts)
         assert all(out_prompts[s.group_id] is not None for s in out)
     assert resumed_any > 0 and trained
-    for s in trained:  # every trained sample is the one that finished (same object, tokens unchanged)
+    # every trained sample is the one that finished (same object, tokens unchanged)
+    for s in trained:
         assert finished_seen[id(s)] == (s.response_ids.tolist(), s.versions.tolist())
     assert len({id(s) for s in trained}) == len(trained)  # nothing trained twice
     assert max(s.times_resumed for s in trained) >= 1
@@ -138,8 +166,13 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
     assert all(set(s.versions) == {3} for s in restarted)  # only tokens of the current policy
     assert all(s.prompt_ids == p.prompt_ids for s, p in zip(restarted, partial))
     # max_staleness 0 is plain dropping: no buffer
-    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.2", "rollout.partial=true",
-                      "rollout.max_staleness=0")
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.cancel=count",
+        "rollout.drop_rate=0.2",
+        "rollout.partial=true",
+        "rollout.max_staleness=0",
+    )
     assert not plan_launch(cfg.rollout, 8).partial
 
 
@@ -159,17 +192,34 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
         stats = batching.offpolicy_stats([batch], cap)
         expected = log_ratio[stale].exp().clamp(max=cap)
         assert stats["train/stale_is_weight"] == pytest.approx(expected.mean().item(), rel=1e-5)
-        assert stats["train/stale_is_capped_frac"] == pytest.approx((log_ratio[stale].exp() > cap).float().mean().item())
-        # the loss weights tokens the same way: 1 where engine and trainer agree, min(ratio, cap) on old ones
-        _, loss_stats = grpo.policy_loss(batch["old_logprobs"], batch["old_logprobs"], torch.ones(len(resumed)),
-                                         fresh, engine_logprobs=batch["engine_logprobs"], tis_cap=cap)
+        assert stats["train/stale_is_capped_frac"] == pytest.approx(
+            (log_ratio[stale].exp() > cap).float().mean().item()
+        )
+        # the loss weights tokens the same way: 1 where engine and trainer agree, min(ratio, cap) on
+        # old ones
+        _, loss_stats = grpo.policy_loss(
+            batch["old_logprobs"],
+            batch["old_logprobs"],
+            torch.ones(len(resumed)),
+            fresh,
+            engine_logprobs=batch["engine_logprobs"],
+            tis_cap=cap,
+        )
         assert loss_stats["tis_weight"].item() == pytest.approx(1.0, abs=1e-4)
-        _, loss_stats = grpo.policy_loss(batch["old_logprobs"], batch["old_logprobs"], torch.ones(len(resumed)),
-                                         stale, engine_logprobs=batch["engine_logprobs"], tis_cap=cap)
+        _, loss_stats = grpo.policy_loss(
+            batch["old_logprobs"],
+            batch["old_logprobs"],
+            torch.ones(len(resumed)),
+            stale,
+            engine_logprobs=batch["engine_logprobs"],
+            tis_cap=cap,
+        )
         assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
     assert batching.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
     num_stale = int(stale.sum())
-    assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(num_stale / int(batch["loss_mask"].sum()))
+    assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(
+        num_stale / int(batch["loss_mask"].sum())
+    )
     # masking instead: tokens more than 0 versions old leave the loss
     masked = batching.mask_stale_tokens([batch], version=1, max_staleness=0)
     assert masked["staleness/masked_tokens"] == num_stale
@@ -177,8 +227,14 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
 
 
 def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
-    sets = ["rollout.cancel=count", "rollout.drop_rate=0.3", "rollout.partial=true", "train.tis_cap=2",
-            "run.val_every=100", "run.checkpoint_every=0"]
+    sets = [
+        "rollout.cancel=count",
+        "rollout.drop_rate=0.3",
+        "rollout.partial=true",
+        "train.tis_cap=2",
+        "run.val_every=100",
+        "run.checkpoint_every=0",
+    ]
     run = train.setup(tiny_config(tmp_path, "train.steps=2", *sets), engine=engine)
     train.train(run)
     assert engine.num_in_flight() == 0
@@ -198,34 +254,66 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
 def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
     # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
-    turns = [Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, is_aborted=True),
-             Sample([1, 2, 3, 4], [5, 6], [-0.1, -0.2], [1, 1], group_id=0, trajectory_id=0, turn=1,
-                    finish_reason="abort", is_aborted=True),
-             Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1)]
+    turns = [
+        Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, is_aborted=True),
+        Sample(
+            [1, 2, 3, 4],
+            [5, 6],
+            [-0.1, -0.2],
+            [1, 1],
+            group_id=0,
+            trajectory_id=0,
+            turn=1,
+            finish_reason="abort",
+            is_aborted=True,
+        ),
+        Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
+    ]
     prompts, out = buffer.collect(turns, [tasks.Prompt([1, 2], "1")])
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
     assert [s.is_aborted for s in out] == [True, True, False]
-    # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine refuses it)
+    # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
+    # refuses it)
     tool_buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
-    first_turn = [Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", is_aborted=True),
-                  Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1)]
+    first_turn = [
+        Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", is_aborted=True),
+        Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
+    ]
     tool_buffer.collect(first_turn, [tasks.Prompt([1, 2], "1")])
     assert tool_buffer.counters["dropped_multi_turn"] == 1 and not tool_buffer.waiting
 
 
 def test_merged_turns_carry_their_token_versions():
-    first = Sample([1, 2], [3, 4], [-0.1, -0.2], [1, 1], group_id=0, weight_version=5, versions=[4, 5])
+    first = Sample(
+        [1, 2], [3, 4], [-0.1, -0.2], [1, 1], group_id=0, weight_version=5, versions=[4, 5]
+    )
     second = Sample([1, 2, 3, 4, 9, 9], [6], [-0.3], [1], group_id=0, turn=1, weight_version=6)
     (merged,), _ = merge.merge_trajectory([first, second], max_seq_len=64)
     assert merged.response_ids.tolist() == [3, 4, 9, 9, 6]
-    assert merged.versions.tolist() == [4, 5, NOT_GENERATED, NOT_GENERATED, 6]  # observations: no version
+    # observations: no version
+    assert merged.versions.tolist() == [4, 5, NOT_GENERATED, NOT_GENERATED, 6]
     assert merged.loss_mask.tolist() == [1, 1, 0, 0, 1]
 
 
-# --partial and --filter in one process (tests/test_filter.py reads the filter line): one engine start, not two
-TAIL_SMOKE = [sys.executable, "bench/tail.py", "--partial", "--filter", "--prompts", "4", "--group-size", "4",
-              "--steps", "2", "--max-new-tokens", "32", "--repeats", "1"]
+# --partial and --filter in one process (tests/test_filter.py reads the filter line): one engine
+# start, not two
+TAIL_SMOKE = [
+    sys.executable,
+    "bench/tail.py",
+    "--partial",
+    "--filter",
+    "--prompts",
+    "4",
+    "--group-size",
+    "4",
+    "--steps",
+    "2",
+    "--max-new-tokens",
+    "32",
+    "--repeats",
+    "1",
+]
 
 
 @pytest.mark.background("tail_bench_smoke", TAIL_SMOKE)
@@ -233,14 +321,31 @@ def test_tail_bench_partial_prints_the_issue_line(background_runs):
     lines = background_runs.lines("tail_bench_smoke")
     summary = [line for line in lines if line.startswith("partial: speedup")]
     assert len(summary) == 1
-    assert re.fullmatch(r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", summary[0])
+    assert re.fullmatch(
+        r"partial: speedup_vs_baseline=[\d.]+ speedup_vs_drop=[\d.]+ wasted_tokens=\d+", summary[0]
+    )
 
 
-@pytest.mark.background("learning_bench", [sys.executable, "bench/learning.py", "--seeds", "0", "--arms",
-                                           "baseline,dapo", "--steps", "2"])
+@pytest.mark.background(
+    "learning_bench",
+    [
+        sys.executable,
+        "bench/learning.py",
+        "--seeds",
+        "0",
+        "--arms",
+        "baseline,dapo",
+        "--steps",
+        "2",
+    ],
+)
 def test_learning_bench_prints_the_issue_line(background_runs):
-    """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures. (The
-    baseline,partial line comes from the same loop, read at the same step; a third run cost the suite 25 s.)"""
+    """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures.
+    (The baseline,partial line comes from the same loop, read at the same step; a third run cost
+    the suite 25 s.)"""
     lines = background_runs.lines("learning_bench")
-    assert re.fullmatch(r"learning: baseline_val_sampled=[\d.]+ dapo_val_sampled=[\d.]+ "
-                        r"baseline_step_s=[\d.]+ dapo_step_s=[\d.]+", lines[-1])
+    assert re.fullmatch(
+        r"learning: baseline_val_sampled=[\d.]+ dapo_val_sampled=[\d.]+ "
+        r"baseline_step_s=[\d.]+ dapo_step_s=[\d.]+",
+        lines[-1],
+    )

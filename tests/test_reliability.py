@@ -1,6 +1,7 @@
-"""Reliability: faults injected into the real engine and the trainer, hostile input, and the security
-rules. Each test breaks one guarantee on purpose and checks the named error, the counted skip, or that
-nothing hangs and nothing is lost (README "Guarantees" lists them)."""
+"""Reliability: faults injected into the real engine and the trainer, hostile input, and the
+security rules. Each test breaks one guarantee on purpose and checks the named error, the counted
+skip, or that nothing hangs and nothing is lost (README "Guarantees" lists them)."""
+
 import asyncio
 import dataclasses
 import json
@@ -45,13 +46,28 @@ def every_field(config=None, prefix=""):
             yield f"{prefix}{field.name}", kind
 
 
-HOSTILE_VALUES = ["", "abc", "[1, 2]", "{a: 1}", "null", "-1", "0", "-0.5", "1e309", ".nan", "-.inf",
-                  "99999999999999999999", "true", "1.5", "'; rm -rf /'"]
+HOSTILE_VALUES = [
+    "",
+    "abc",
+    "[1, 2]",
+    "{a: 1}",
+    "null",
+    "-1",
+    "0",
+    "-0.5",
+    "1e309",
+    ".nan",
+    "-.inf",
+    "99999999999999999999",
+    "true",
+    "1.5",
+    "'; rm -rf /'",
+]
 
 
 def test_config_fuzzing_gives_a_config_or_a_config_error():
-    """Every field x hostile value (wrong types, negatives, zeros, NaN, inf, huge): the only outcomes are
-    a valid config or a ConfigError naming the key; never another exception."""
+    """Every field x hostile value (wrong types, negatives, zeros, NaN, inf, huge): the only
+    outcomes are a valid config or a ConfigError naming the key; never another exception."""
     tried = rejected = 0
     for key, _ in every_field():
         for value in HOSTILE_VALUES:
@@ -60,28 +76,47 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
                 cfg = load_config("configs/tiny.yaml", [f"{key}={value}"])
             except ConfigError as e:
                 rejected += 1
-                assert key.split(".")[-1] in str(e) or "not a valid YAML" in str(e), (key, value, str(e))
+                assert key.split(".")[-1] in str(e) or "not a valid YAML" in str(e), (
+                    key,
+                    value,
+                    str(e),
+                )
                 continue
             for k, v, low in cfg._bounds():  # accepted: every size still in range
                 assert v >= low, (key, value, k, v)
     assert tried > 700 and rejected > tried // 2
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["rollout.prompts_per_step=0"], "rollout.prompts_per_step=0: expected >= 1"),
-    (["train.micro_batch_size=-4"], "train.micro_batch_size=-4"),
-    (["train.lr=0"], "train.lr=0.0"),
-    (["rollout.temperature=.nan"], "rollout.temperature=nan"),
-    (["rollout.partial=true"], "rollout.partial=true suspends cancelled samples, but rollout.cancel=none"),
-    (["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"], "not both"),
-    (["rollout.group_size=1"], "group_size must be >= 2"),
-    (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
-    (["data.task=gsm8k"], "needs data.train_path"),
-    (["model.dtype=bfloat16"], "was replaced by"),
-    (["train.ratio_level=sequence"], "it needs train.loss_agg=seq-mean-token-mean, not 'token-mean'"),
-    (["train.ratio_level=seq"], "train.ratio_level='seq': expected one of ('token', 'sequence')"),
-    (["train.clip_eps_high=-0.1"], "train.clip_eps_high=-0.1: expected >= 0"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["rollout.prompts_per_step=0"], "rollout.prompts_per_step=0: expected >= 1"),
+        (["train.micro_batch_size=-4"], "train.micro_batch_size=-4"),
+        (["train.lr=0"], "train.lr=0.0"),
+        (["rollout.temperature=.nan"], "rollout.temperature=nan"),
+        (
+            ["rollout.partial=true"],
+            "rollout.partial=true suspends cancelled samples, but rollout.cancel=none",
+        ),
+        (
+            ["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"],
+            "not both",
+        ),
+        (["rollout.group_size=1"], "group_size must be >= 2"),
+        (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
+        (["data.task=gsm8k"], "needs data.train_path"),
+        (["model.dtype=bfloat16"], "was replaced by"),
+        (
+            ["train.ratio_level=sequence"],
+            "it needs train.loss_agg=seq-mean-token-mean, not 'token-mean'",
+        ),
+        (
+            ["train.ratio_level=seq"],
+            "train.ratio_level='seq': expected one of ('token', 'sequence')",
+        ),
+        (["train.clip_eps_high=-0.1"], "train.clip_eps_high=-0.1: expected >= 0"),
+    ],
+)
 def test_impossible_configs_name_the_problem(sets, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", sets)
@@ -90,16 +125,29 @@ def test_impossible_configs_name_the_problem(sets, message):
 def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "#### 5"}
-    hostile = [json.dumps(good), "{not json", json.dumps({"question": 1, "answer": "#### 1"}), "[]", "null",
-               json.dumps({"answer": "#### 2"}), json.dumps({"question": "q", "answer": ["#### 3"]}),
-               json.dumps({"question": "x" * 100_000, "answer": "#### 4"}),  # a huge field: never tokenized
-               json.dumps({"question": "y " * 400, "answer": "#### 6"}),  # over the prompt limit once tokenized
-               "\udcff\udcfe garbage", json.dumps(good)]
+    hostile = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"question": 1, "answer": "#### 1"}),
+        "[]",
+        "null",
+        json.dumps({"answer": "#### 2"}),
+        json.dumps({"question": "q", "answer": ["#### 3"]}),
+        # a huge field: never tokenized
+        json.dumps({"question": "x" * 100_000, "answer": "#### 4"}),
+        # over the prompt limit once tokenized
+        json.dumps({"question": "y " * 400, "answer": "#### 6"}),
+        "\udcff\udcfe garbage",
+        json.dumps(good),
+    ]
     path.write_text("\n".join(hostile), errors="surrogateescape")
     prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert [p.answer for p in prompts] == ["5", "5"]
     assert "skipped 2 unparseable rows of 11" in caplog.text
-    assert "skipped 6 malformed rows" in caplog.text and "skipped 1 prompts longer than 512" in caplog.text
+    assert (
+        "skipped 6 malformed rows" in caplog.text
+        and "skipped 1 prompts longer than 512" in caplog.text
+    )
     path.write_text("{not json\n[]\n")
     with pytest.raises(tasks.DataError, match="no usable prompts"):
         tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
@@ -116,30 +164,56 @@ def test_tool_call_fuzzing_through_the_qwen_json_adapter():
     """Random and adversarial model-written calls: each gives an observation (an answer or an error
     text) or None (no call); the calculator never raises and never evaluates code."""
     tokenizer = _wide_char_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>", "<|im_end|>",
-                                                                "<|im_start|>", "<tool_response>", "</tool_response>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<tool_call>",
+                "</tool_call>",
+                "<|im_end|>",
+                "<|im_start|>",
+                "<tool_response>",
+                "</tool_response>",
+            ]
+        }
+    )
     tool = tasks.qwen_calculator(tokenizer)
-    adversarial = ['{"arguments": {"expression": "9**9**9**9"}}', '{"arguments": {"expression": "(" * 5000}}',
-                   '{"arguments": {"expression": "__import__(\'os\').system(\'echo pwned\')"}}',
-                   '{"arguments": {"expression": "1/0"}}', '{"arguments": {"expression": "' + "1+" * 20000 + '1"}}',
-                   '{"arguments": {"expression": [1, 2]}}', '{"arguments": null}', '[]', '"str"', '{' * 3000,
-                   '{"arguments": {"expression": "0x1p1023 * 2"}}', '{"arguments": {"expression": "1e308*10"}}']
+    adversarial = [
+        '{"arguments": {"expression": "9**9**9**9"}}',
+        '{"arguments": {"expression": "(" * 5000}}',
+        '{"arguments": {"expression": "__import__(\'os\').system(\'echo pwned\')"}}',
+        '{"arguments": {"expression": "1/0"}}',
+        '{"arguments": {"expression": "' + "1+" * 20000 + '1"}}',
+        '{"arguments": {"expression": [1, 2]}}',
+        '{"arguments": null}',
+        "[]",
+        '"str"',
+        "{" * 3000,
+        '{"arguments": {"expression": "0x1p1023 * 2"}}',
+        '{"arguments": {"expression": "1e308*10"}}',
+    ]
     rng = random.Random(0)
     alphabet = '0123456789+-*/(). e"{}[]:,abcxyz_\\'
     fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
     outcomes = {"answer": 0, "error": 0}
     for body in adversarial + fuzz:
-        result = tool(tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids)
+        result = tool(
+            tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
+        )
         observation, is_error = result
         text = tokenizer.decode(observation)
         assert "<tool_response>" in text and "pwned" not in text
         outcomes["error" if is_error else "answer"] += 1
-    assert outcomes["error"] >= len(adversarial)  # each adversarial call was refused with an error text
+    # each adversarial call was refused with an error text
+    assert outcomes["error"] >= len(adversarial)
 
 
 # ---------------------------------------------------------------- security
-PROJECT_FILES = [os.path.join(root, f) for root, _, files in os.walk(REPO) for f in files
-                 if f.endswith(".py") and "/." not in root and "cpu_compat" not in root]
+PROJECT_FILES = [
+    os.path.join(root, f)
+    for root, _, files in os.walk(REPO)
+    for f in files
+    if f.endswith(".py") and "/." not in root and "cpu_compat" not in root
+]
 
 
 def calls(code, opening):
@@ -150,17 +224,24 @@ def calls(code, opening):
             depth += {"(": 1, ")": -1}.get(code[end], 0)
             if depth == 0:
                 break
-        yield code[match.start():end + 1]
+        yield code[match.start() : end + 1]
 
 
 def test_no_eval_exec_or_unsafe_loading_anywhere():
-    """No eval/exec/pickle in the code; every torch.load reads weights only; remote code stays off."""
+    """No eval/exec/pickle in the code; every torch.load reads weights only; remote code stays
+    off."""
     for path in PROJECT_FILES:
         with open(path, "rb") as f:  # tokens, not text: strings and comments may name what we avoid
-            tokens = [t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)]
+            tokens = [
+                t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)
+            ]
         for before, name, after in zip(tokens, tokens[1:], tokens[2:]):
-            is_builtin_call = name.string in ("eval", "exec", "compile", "__import__") and after.string == "("
-            assert not (is_builtin_call and before.string != "."), f"{path}:{name.start[0]}: {name.string}("
+            is_builtin_call = (
+                name.string in ("eval", "exec", "compile", "__import__") and after.string == "("
+            )
+            assert not (
+                is_builtin_call and before.string != "."
+            ), f"{path}:{name.start[0]}: {name.string}("
         if os.path.samefile(path, __file__):
             continue  # the patterns below are spelled out here
         code = re.sub(r"#.*", "", open(path).read())
@@ -175,17 +256,33 @@ def test_no_eval_exec_or_unsafe_loading_anywhere():
 @pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
 def test_degenerate_batches_give_finite_zeros(mode):
     rewards, groups = torch.tensor([1.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
-    for alive in ([True] * 4, [False] * 4, [True, False, False, False]):  # zero variance, all aborted, one left
-        advantages, _ = grpo.group_advantages(rewards, groups, torch.tensor(alive), scale_by_std=True)
+    # zero variance, all aborted, one left
+    for alive in ([True] * 4, [False] * 4, [True, False, False, False]):
+        advantages, _ = grpo.group_advantages(
+            rewards, groups, torch.tensor(alive), scale_by_std=True
+        )
         assert advantages.tolist() == [0.0] * 4
-    empty, _ = grpo.group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), True)
+    empty, _ = grpo.group_advantages(
+        torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), True
+    )
     assert empty.numel() == 0
-    assert train.trajectory_advantages([], scale_by_std=True)[0].numel() == 0  # a partial step with no group done
+    # a partial step with no group done
+    assert train.trajectory_advantages([], scale_by_std=True)[0].numel() == 0
     logprobs = torch.zeros(2, 3, requires_grad=True)
     for mask in (torch.zeros(2, 3), torch.zeros(0, 3)):  # nothing trained; an empty batch
-        lp = logprobs[:len(mask)]
-        loss, stats = grpo.policy_loss(lp, lp.detach(), torch.zeros(len(mask)), mask, agg_mode=mode, norm_length=4,
-                                       engine_logprobs=lp.detach(), tis_cap=2.0, ref_logprobs=lp.detach(), kl_coef=0.1)
+        lp = logprobs[: len(mask)]
+        loss, stats = grpo.policy_loss(
+            lp,
+            lp.detach(),
+            torch.zeros(len(mask)),
+            mask,
+            agg_mode=mode,
+            norm_length=4,
+            engine_logprobs=lp.detach(),
+            tis_cap=2.0,
+            ref_logprobs=lp.detach(),
+            kl_coef=0.1,
+        )
         loss.backward()
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
         assert torch.isfinite(logprobs.grad).all()
@@ -193,6 +290,7 @@ def test_degenerate_batches_give_finite_zeros(mode):
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog, monkeypatch):
     from test_train import rollout_batch
+
     cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
     run = train.setup(cfg, engine=engine)
     samples, advantages = rollout_batch(run)
@@ -200,14 +298,23 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     advantages[0] = math.nan  # one poisoned advantage: the loss and every gradient become NaN
     stats = train.train_on_rollout(run, samples, advantages)
     assert stats["train/skipped_updates"] == 1 and "update skipped" in caplog.text
-    assert all(torch.equal(before[name], p) for name, p in run.policy.named_parameters())  # untouched
-    assert not any(torch.isnan(s).any() for group in run.optimizer.state.values() for s in group.values()
-                   if torch.is_tensor(s))  # AdamW's moments stay clean
+    # untouched
+    assert all(torch.equal(before[name], p) for name, p in run.policy.named_parameters())
+    assert not any(
+        torch.isnan(s).any()
+        for group in run.optimizer.state.values()
+        for s in group.values()
+        if torch.is_tensor(s)
+    )  # AdamW's moments stay clean
     advantages[0] = 0.0
-    assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0  # and it trains on
-    # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself stays
-    # finite: a skipped update never reaches the engine)
-    poisoned = lambda trajectories, scale: (torch.full((len(trajectories),), math.nan), 0)  # noqa: E731
+    # and it trains on
+    assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0
+    # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself
+    # stays finite: a skipped update never reaches the engine)
+    poisoned = lambda trajectories, scale: (
+        torch.full((len(trajectories),), math.nan),
+        0,
+    )  # noqa: E731
     monkeypatch.setattr(train, "trajectory_advantages", poisoned)
     with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
         train.train(run)
@@ -225,6 +332,7 @@ def engine_limits(engine):
 
     def set_limits(**changes):
         engine.cfg = dataclasses.replace(original, **changes)
+
     yield set_limits
     engine.cfg = original
 
@@ -233,8 +341,12 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits
     engine_limits(request_timeout_s=0.05)
     with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
         engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
-    assert engine.num_in_flight() == 0 and "timed out after rollout.request_timeout_s=0.05" in caplog.text
-    engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)  # tolerated: failures are counted, not raised
+    assert (
+        engine.num_in_flight() == 0
+        and "timed out after rollout.request_timeout_s=0.05" in caplog.text
+    )
+    # tolerated: failures are counted, not raised
+    engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)
     samples, stats = engine.generate(PROMPTS, 8, 1.0, 200)
     assert stats.num_failed > 0 and all(s.is_aborted for s in samples if s.finish_reason == "error")
     assert engine.num_in_flight() == 0
@@ -243,35 +355,65 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
     engine_limits(rollout_timeout_s=0.3)
     samples, stats = engine.generate(PROMPTS * 8, 8, 1.0, 200)  # 256 requests of up to 200 tokens
-    assert stats.num_timed_out > 0 and stats.num_cancelled > 0 and stats.rollout_s < 0.3 + engine.cfg.abort_timeout_s
-    assert sum(s.is_aborted for s in samples) == stats.num_cancelled  # masked like any cancelled sample
+    assert (
+        stats.num_timed_out > 0
+        and stats.num_cancelled > 0
+        and stats.rollout_s < 0.3 + engine.cfg.abort_timeout_s
+    )
+    # masked like any cancelled sample
+    assert sum(s.is_aborted for s in samples) == stats.num_cancelled
     assert engine.num_in_flight() == 0
 
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     import resource
     from cancel import plan_launch
+
     prompts = [[1, 5 + i % 10, 12] for i in range(512)]
-    plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 512)
+    plan = plan_launch(
+        tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 512
+    )
     start = time.perf_counter()
     samples, stats = engine.generate(prompts, 8, 1.0, 4, plan)  # 4,096 requests at once
     seconds = time.perf_counter() - start
     assert len(samples) == 4096 and engine.num_in_flight() == 0
     assert sum(not s.is_aborted for s in samples) >= plan.target_samples
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB")
+    print(
+        f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB"
+    )
 
 
-# ---------------------------------------------------------------- the process: engine death, signals
+# ---------------------------------------------------------------- the process: engine death,
+# signals
 def start_training(out_dir, *sets, new_session=False, resume=False):
     """`python train.py` on the CPU demo as a user starts it; stdout is read line by line."""
-    command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", str(out_dir), *["--resume"] * resume,
-               "--set", "run.val_every=1000", "--set", "run.checkpoint_every=0", "--set", "train.steps=400"]
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--out",
+        str(out_dir),
+        *["--resume"] * resume,
+        "--set",
+        "run.val_every=1000",
+        "--set",
+        "run.checkpoint_every=0",
+        "--set",
+        "train.steps=400",
+    ]
     for item in sets:
         command += ["--set", item]
     stderr = open(out_dir / "stderr.txt", "w+")
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                               start_new_session=new_session)
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=new_session,
+    )
     return process, stderr
 
 
@@ -301,7 +443,8 @@ def engine_processes(process):
     return [p for p in psutil.Process(process.pid).children(recursive=True)]
 
 
-DEAD_ENGINE_OUT = os.path.join(tempfile.gettempdir(), f"dead_engine_{os.getpid()}")  # the pytest process's pid
+# the pytest process's pid
+DEAD_ENGINE_OUT = os.path.join(tempfile.gettempdir(), f"dead_engine_{os.getpid()}")
 KILL_THE_SCHEDULER = """
 import json, os, subprocess, sys, time
 import psutil
@@ -326,15 +469,20 @@ print(json.dumps({{"rc": rc, "seconds": time.monotonic() - start, "schedulers": 
 """
 
 
-@pytest.mark.background("dead_engine", [sys.executable, "-c", KILL_THE_SCHEDULER.format(out=DEAD_ENGINE_OUT)])
+@pytest.mark.background(
+    "dead_engine", [sys.executable, "-c", KILL_THE_SCHEDULER.format(out=DEAD_ENGINE_OUT)]
+)
 def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(background_runs):
-    """`python train.py` whose scheduler is SIGKILLed in step 3 (its own engine: it dies; run in the background
-    by a small script that drives it, as a user's terminal would)."""
+    """`python train.py` whose scheduler is SIGKILLed in step 3 (its own engine: it dies; run in
+    the background by a small script that drives it, as a user's terminal would)."""
     done = background_runs.result("dead_engine")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     err = open(os.path.join(DEAD_ENGINE_OUT, "stderr.txt")).read()
-    assert result["schedulers"] >= 1 and result["rc"] == 2 and result["seconds"] < 60, (result, err[-2000:])
+    assert result["schedulers"] >= 1 and result["rc"] == 2 and result["seconds"] < 60, (
+        result,
+        err[-2000:],
+    )
     assert "EngineDiedError: the SGLang engine died: scheduler_0" in err and "Traceback" not in err
     saved = checkpoint.latest(DEAD_ENGINE_OUT)
     state = checkpoint.read_trainer_state(saved)  # loadable: the trainer state and the model folder
@@ -349,25 +497,35 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     children = engine_processes(process)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
     rc, err, seconds = finish(process, stderr, timeout=60)
-    assert rc == 128 + signal.SIGINT and "stopped by SIGINT after a checkpoint; --resume continues" in err, (
-        rc, err[-2000:])
-    assert "Traceback" not in err  # the engine's processes ignored Ctrl-C; the trainer shut them down
+    assert (
+        rc == 128 + signal.SIGINT
+        and "stopped by SIGINT after a checkpoint; --resume continues" in err
+    ), (rc, err[-2000:])
+    # the engine's processes ignored Ctrl-C; the trainer shut them down
+    assert "Traceback" not in err
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    # --resume continues from that step; SIGTERM twice exits at once, leaving the checkpoint as it was
+    # --resume continues from that step; SIGTERM twice exits at once, leaving the checkpoint as it
+    # was
     process, stderr = start_training(tmp_path, resume=True)
     wait_for_step(process, saved)
     process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
-    while "SIGTERM: finishing this step" not in open(tmp_path / "stderr.txt").read():  # one signal, seen
+    # one signal, seen
+    while "SIGTERM: finishing this step" not in open(tmp_path / "stderr.txt").read():
         assert time.monotonic() < deadline and process.poll() is None, (
-            process.poll(), open(tmp_path / "stderr.txt").read()[-2000:])
+            process.poll(),
+            open(tmp_path / "stderr.txt").read()[-2000:],
+        )
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     rc, err, seconds = finish(process, stderr, timeout=30)
-    assert rc == 130 and "interrupted (second signal (SIGTERM)): exited at once" in err and seconds < 30, (
-        rc, seconds, err[-2000:])
+    assert (
+        rc == 130
+        and "interrupted (second signal (SIGTERM)): exited at once" in err
+        and seconds < 30
+    ), (rc, seconds, err[-2000:])
     assert checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"] == saved
 
 
@@ -396,8 +554,13 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
     rng = random.Random(0)
     for attempt in range(3):
         out = tmp_path / f"run{attempt}"
-        process = subprocess.Popen([sys.executable, "-c", KEEP_SAVING.format(repo=REPO, out=out)], cwd=REPO,
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-c", KEEP_SAVING.format(repo=REPO, out=out)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         for _ in range(rng.randint(2, 4)):  # let a few checkpoints complete
             assert process.stdout.readline(), "the saving process died on its own"
         time.sleep(rng.uniform(0, 0.3))  # then kill it somewhere inside the next save
@@ -406,14 +569,21 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
         saved = checkpoint.latest(str(out))
         step = checkpoint.read_trainer_state(saved)["step"]
         model = AutoModelForCausalLM.from_pretrained(saved)
-        assert torch.all(next(model.parameters()) == step)  # complete: the weights of that very step
+        # complete: the weights of that very step
+        assert torch.all(next(model.parameters()) == step)
 
 
 def test_no_rollout_task_outlives_its_rollout(engine, tmp_path):
     from cancel import plan_launch
-    plan = plan_launch(tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4)
+
+    plan = plan_launch(
+        tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4
+    )
     for rollout_plan in (None, plan):
         engine.generate(PROMPTS, 8, 1.0, 64, rollout_plan)
-        ours = [t for t in asyncio.all_tasks(engine.engine.loop)
-                if t.get_coro().__qualname__.startswith("RolloutEngine.")]
+        ours = [
+            t
+            for t in asyncio.all_tasks(engine.engine.loop)
+            if t.get_coro().__qualname__.startswith("RolloutEngine.")
+        ]
         assert not [t for t in ours if not t.done()] and engine.num_in_flight() == 0

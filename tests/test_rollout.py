@@ -1,5 +1,6 @@
 """The real SGLang engine on CPU: generation from token ids, log-prob parity with the HF model,
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
+
 import asyncio
 import dataclasses
 import logging
@@ -42,7 +43,9 @@ def test_generates_from_token_ids_with_matching_logprobs(engine, policy):
     assert len(samples) == 16 and stats.num_cancelled == 0
     for s in samples:
         assert s.prompt_ids.tolist() == PROMPTS[s.group_id]
-        assert 0 < len(s.response_ids) <= 24 and len(s.logprobs) == len(s.response_ids) == len(s.loss_mask)
+        assert 0 < len(s.response_ids) <= 24 and len(s.logprobs) == len(s.response_ids) == len(
+            s.loss_mask
+        )
         assert s.finish_reason in ("stop", "length") and not s.is_aborted
         assert s.finish_reason == "length" or s.response_ids[-1] == 2  # stopped on <eos>
     assert max_gap(policy, samples) < 1e-4  # fp32 engine vs HF forward on the same weights
@@ -54,19 +57,24 @@ def test_weight_sync_matches_the_updated_trainer(engine, policy):
             p.add_(torch.randn_like(p) * 0.05)
     before, _ = engine.generate(PROMPTS, 2, 1.0, 16)
     assert max_gap(policy, before) > 1e-3  # the engine still holds the old weights
-    engine.update_weights(policy.named_parameters(), version=7, bucket_bytes=64 << 10)  # several buckets
+    # several buckets
+    engine.update_weights(policy.named_parameters(), version=7, bucket_bytes=64 << 10)
     after, _ = engine.generate(PROMPTS, 2, 1.0, 16)
     assert max_gap(policy, after) < 1e-4
     assert {s.weight_version for s in after} == {7}
 
 
 def _long_tail_plan(cancel, **kwargs):
-    rollout_cfg = dataclasses.replace(tiny_config("/tmp").rollout, cancel=cancel, group_size=4, **kwargs)
+    rollout_cfg = dataclasses.replace(
+        tiny_config("/tmp").rollout, cancel=cancel, group_size=4, **kwargs
+    )
     return plan_launch(rollout_cfg, 16)
 
 
 def _assert_nothing_left_running(engine):
-    ours = [t for t in asyncio.all_tasks(engine.engine.loop) if "_generate_one" in repr(t.get_coro())]
+    ours = [
+        t for t in asyncio.all_tasks(engine.engine.loop) if "_generate_one" in repr(t.get_coro())
+    ]
     assert ours == [] and engine.num_in_flight() == 0
 
 
@@ -81,7 +89,12 @@ def test_count_cancellation_aborts_the_tail_in_the_engine(engine, policy):
     assert all(s.finish_reason == "abort" for s in aborted)
     assert any(len(s.response_ids) > 0 for s in aborted)  # partial tokens are kept ...
     assert all(len(s.logprobs) == len(s.response_ids) for s in aborted)  # ... with their log-probs
-    assert max_gap(policy, [dataclasses.replace(s, is_aborted=False) for s in aborted if s.response_ids]) < 1e-4
+    assert (
+        max_gap(
+            policy, [dataclasses.replace(s, is_aborted=False) for s in aborted if s.response_ids]
+        )
+        < 1e-4
+    )
     assert 0 < stats.cancel_latency_s < 2.0
     _assert_nothing_left_running(engine)
     # the engine is healthy afterwards
@@ -90,27 +103,32 @@ def test_count_cancellation_aborts_the_tail_in_the_engine(engine, policy):
 
 
 def test_time_cancellation_waits_factor_times_the_quantile_time(engine, policy):
-    plan = _long_tail_plan("time", time_quantile=0.5, time_factor=0.0)  # cancel as soon as half are back
+    # cancel as soon as half are back
+    plan = _long_tail_plan("time", time_quantile=0.5, time_factor=0.0)
     samples, stats = engine.generate(PROMPTS * 4, 4, 1.0, 200, plan)
     assert sum(not s.is_aborted for s in samples) >= 32 and stats.num_cancelled > 0
     _assert_nothing_left_running(engine)
 
 
 def test_group_cancellation_keeps_whole_groups(engine, policy):
-    plan = _long_tail_plan("group", over_sample_rate=0.5)  # launch 24 prompts, keep the first 16 groups
+    # launch 24 prompts, keep the first 16 groups
+    plan = _long_tail_plan("group", over_sample_rate=0.5)
     assert plan.num_prompts == 24 and plan.target_groups == 16
     samples, _ = engine.generate((PROMPTS * 6)[:24], 4, 1.0, 200, plan)
     kept = {s.group_id for s in samples if not s.is_aborted}
     assert len(kept) == 16
     for group in range(24):
         members = [s for s in samples if s.group_id == group]
-        assert len(members) == 4 and len({s.is_aborted for s in members}) == 1  # all kept or all dropped
+        # all kept or all dropped
+        assert len(members) == 4 and len({s.is_aborted for s in members}) == 1
     assert count_complete_groups([s for s in samples if not s.is_aborted], 4) == 16
     _assert_nothing_left_running(engine)
 
 
 def test_validation_never_cancels(engine, policy, tmp_path):
-    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5", "rollout.max_new_tokens=200")
+    cfg = tiny_config(
+        tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5", "rollout.max_new_tokens=200"
+    )
     run = train.setup(cfg, engine=engine)
     samples_seen = []
     original = engine.generate
@@ -125,7 +143,9 @@ def test_validation_never_cancels(engine, policy, tmp_path):
         train.validate(run)
     finally:
         del engine.generate
-    assert len(samples_seen) == 2 * len(run.val_prompts) and not any(s.is_aborted for s in samples_seen)
+    assert len(samples_seen) == 2 * len(run.val_prompts) and not any(
+        s.is_aborted for s in samples_seen
+    )
 
 
 def test_failed_requests_are_counted_not_padded(engine, policy):
@@ -146,7 +166,10 @@ def test_failed_requests_are_counted_not_padded(engine, policy):
 
 
 def test_mismatched_weight_sync_is_refused_before_it_reaches_the_engine(engine, policy):
-    wrong = [("model.embed_tokens.weight", torch.zeros(3, 64)), ("model.no_such.weight", torch.zeros(1))]
+    wrong = [
+        ("model.embed_tokens.weight", torch.zeros(3, 64)),
+        ("model.no_such.weight", torch.zeros(1)),
+    ]
     for name, tensor in wrong:
         with pytest.raises(RolloutError, match="does not match the engine's model"):
             engine.update_weights([(name, tensor)], version=1)
@@ -155,7 +178,8 @@ def test_mismatched_weight_sync_is_refused_before_it_reaches_the_engine(engine, 
 
 
 def test_engine_start_leaves_the_trainers_logging_alone(engine):
-    # SGLang 0.5.23 set the root logger to ERROR when the engine started, silencing the trainer's warnings.
+    # SGLang 0.5.23 set the root logger to ERROR when the engine started, silencing the trainer's
+    # warnings.
     assert logging.getLogger("rollout").isEnabledFor(logging.WARNING)
     assert logging.getLogger("tasks").isEnabledFor(logging.WARNING)
 
@@ -165,6 +189,8 @@ def test_plan_launch_arithmetic():
     none = plan_launch(cfg, 32)
     assert (none.cancel, none.num_prompts, none.target_samples) == ("none", 32, 256)
     drop = plan_launch(dataclasses.replace(cfg, cancel="count", drop_rate=0.2), 32)
-    assert (drop.num_prompts, drop.target_samples, drop.target_groups) == (32, 205, 26)  # ceil(0.8 x 256)
+    # ceil(0.8 x 256)
+    assert (drop.num_prompts, drop.target_samples, drop.target_groups) == (32, 205, 26)
     over = plan_launch(dataclasses.replace(cfg, cancel="group", over_sample_rate=0.25), 32)
-    assert (over.num_prompts, over.target_samples, over.target_groups) == (40, 256, 32)  # keeps the batch size
+    # keeps the batch size
+    assert (over.num_prompts, over.target_samples, over.target_groups) == (40, 256, 32)

@@ -1,5 +1,6 @@
 """End to end on the shared engine: a short run writes its metrics, checkpoint + resume is exact,
 and a fixed-seed golden check of the first steps guards the reward -> advantage -> update path."""
+
 import math
 import os
 
@@ -23,10 +24,12 @@ def scalars(run_dir):
 
 
 def test_collate_places_per_token_arrays():
-    # Position t of targets/loss_mask/engine_logprobs is the token predicted from input t; an aborted row
-    # (here a failed request with an empty response) keeps an all-zero mask.
-    samples = [Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
-               Sample([1], [], [], [], group_id=0, is_aborted=True)]
+    # Position t of targets/loss_mask/engine_logprobs is the token predicted from input t; an
+    # aborted row (here a failed request with an empty response) keeps an all-zero mask.
+    samples = [
+        Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
+        Sample([1], [], [], [], group_id=0, is_aborted=True),
+    ]
     batch = batching.collate(samples, pad_id=0)
     assert batch["input_ids"].dtype == torch.long
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0]]
@@ -36,39 +39,75 @@ def test_collate_places_per_token_arrays():
 
 
 def test_three_steps_write_metrics(engine, tmp_path):
-    cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=2", "run.checkpoint_every=0",
-                      "rollout.cancel=count", "rollout.drop_rate=0.2", "train.kl_coef=0.01", "train.tis_cap=2")
+    cfg = tiny_config(
+        tmp_path,
+        "train.steps=3",
+        "run.val_every=2",
+        "run.checkpoint_every=0",
+        "rollout.cancel=count",
+        "rollout.drop_rate=0.2",
+        "train.kl_coef=0.01",
+        "train.tis_cap=2",
+    )
     train.train(train.setup(cfg, engine=engine))
     logged = scalars(tmp_path)
-    for tag in ["train/reward_mean", "train/reward_mean_completed", "train/reward_mean_launched",
-                "val/reward_mean", "val/reward_mean_sampled", "timing/rollout_s", "timing/train_s",
-                "timing/weight_sync_s", "perf/rollout_tokens_per_s", "rollout/aborted_ratio", "train/loss",
-                "train/grad_norm", "train/entropy", "train/clip_frac", "train/lr", "train/logprob_gap",
-                "rollout/response_len_p90", "rollout/cancel_latency_s", "rollout/wasted_tokens", "train/kl",
-                "memory/sync_peak_bytes_modelled", "memory/resident_kv_cache", "train/tis_weight",
-                "train/tis_capped_frac"]:
+    for tag in [
+        "train/reward_mean",
+        "train/reward_mean_completed",
+        "train/reward_mean_launched",
+        "val/reward_mean",
+        "val/reward_mean_sampled",
+        "timing/rollout_s",
+        "timing/train_s",
+        "timing/weight_sync_s",
+        "perf/rollout_tokens_per_s",
+        "rollout/aborted_ratio",
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "train/clip_frac",
+        "train/lr",
+        "train/logprob_gap",
+        "rollout/response_len_p90",
+        "rollout/cancel_latency_s",
+        "rollout/wasted_tokens",
+        "train/kl",
+        "memory/sync_peak_bytes_modelled",
+        "memory/resident_kv_cache",
+        "train/tis_weight",
+        "train/tis_capped_frac",
+    ]:
         assert tag in logged, tag
     assert len(logged["train/loss"]) == 3 and all(math.isfinite(v) for v in logged["train/loss"])
     assert len(logged["val/reward_mean"]) == 3  # steps 0 and 2, and after the last step
     # a sample that finishes in the same decode step as the target-th one is kept, so 0 is possible
     assert all(0 <= r <= 0.25 for r in logged["rollout/aborted_ratio"])
     assert max(logged["train/logprob_gap"]) < 1e-4  # engine and trainer hold the same weights ...
-    assert all(abs(w - 1) < 1e-4 for w in logged["train/tis_weight"])  # ... so importance weights are ~1
+    # ... so importance weights are ~1
+    assert all(abs(w - 1) < 1e-4 for w in logged["train/tis_weight"])
     assert logged["train/tis_capped_frac"] == [0.0, 0.0, 0.0]
     assert os.path.isfile(tmp_path / "config.yaml")
     assert os.path.isdir(tmp_path / "checkpoints" / "step_000003")  # the last step is always saved
     # plot.py turns these events into one PNG with the named curves
     drawn = plot.plot(str(tmp_path), str(tmp_path / "curves.png"))
     assert os.path.getsize(tmp_path / "curves.png") > 10_000
-    assert {"train/reward_mean_completed", "train/reward_mean_launched", "val/reward_mean", "val/reward_mean_sampled",
-            "rollout/response_len_mean", "rollout/aborted_ratio", "timing/step_s"} <= set(drawn)
+    assert {
+        "train/reward_mean_completed",
+        "train/reward_mean_launched",
+        "val/reward_mean",
+        "val/reward_mean_sampled",
+        "rollout/response_len_mean",
+        "rollout/aborted_ratio",
+        "timing/step_s",
+    } <= set(drawn)
     assert "rollout/tool_calls_per_trajectory" not in drawn  # no tool: no tool panel
 
 
 def rollout_batch(run):
     """One step's samples from the engine, scored, with advantages (what train() does inline)."""
     r = run.cfg.rollout
-    prompts = run.stream.take(r.prompts_per_step)  # reads on from where the run's steps left the stream
+    # reads on from where the run's steps left the stream
+    prompts = run.stream.take(r.prompts_per_step)
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
     trajectories = sample.trajectories_of(samples)  # scored as they finished
     advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
@@ -81,16 +120,23 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     train.train(uninterrupted)  # step 0, then checkpoint step_000001
     position = uninterrupted.stream.position
     assert position == cfg.rollout.prompts_per_step  # step 0 read one batch of prompts
-    next_prompts = train.PromptStream(uninterrupted.stream.prompts, seed=0, position=position).take(8)
+    next_prompts = train.PromptStream(uninterrupted.stream.prompts, seed=0, position=position).take(
+        8
+    )
     samples, advantages = rollout_batch(uninterrupted)  # the same samples go to both runs
     train.train_on_rollout(uninterrupted, samples, advantages)
 
-    resumed_cfg = tiny_config(tmp_path, "train.steps=2", "run.val_every=100", "train.warmup_steps=3")
+    resumed_cfg = tiny_config(
+        tmp_path, "train.steps=2", "run.val_every=100", "train.warmup_steps=3"
+    )
     resumed = train.setup(resumed_cfg, resume=True, engine=engine)
     assert resumed.start_step == 1
-    assert resumed.stream.position == position and resumed.stream.take(8) == next_prompts  # reads on from there
+    # reads on from there
+    assert resumed.stream.position == position and resumed.stream.take(8) == next_prompts
     train.train_on_rollout(resumed, samples, advantages)
-    for (name, a), (_, b) in zip(uninterrupted.policy.named_parameters(), resumed.policy.named_parameters()):
+    for (name, a), (_, b) in zip(
+        uninterrupted.policy.named_parameters(), resumed.policy.named_parameters()
+    ):
         assert torch.equal(a, b), name
     assert resumed.scheduler.get_last_lr() == uninterrupted.scheduler.get_last_lr()
 
@@ -99,12 +145,19 @@ def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
     prompts = list(range(10))
     ranks = [train.PromptStream(prompts, seed=3, rank=r, world_size=2) for r in range(2)]
     first = [stream.take(5) for stream in ranks]
-    assert sorted(first[0] + first[1]) == prompts and first[0] != prompts[:5]  # one shuffled epoch, split
+    # one shuffled epoch, split
+    assert sorted(first[0] + first[1]) == prompts and first[0] != prompts[:5]
     resumed = train.PromptStream.for_rank(prompts, 3, rank=1, world_size=2, positions=[5, 5])
     assert resumed.take(7) == ranks[1].take(7)  # into the next epoch, reshuffled alike
-    # ranks that read unevenly (dynamic sampling), resumed on one rank: on from what they read together
-    assert train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position == 12
-    assert train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
+    # ranks that read unevenly (dynamic sampling), resumed on one rank: on from what they read
+    # together
+    assert (
+        train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position
+        == 12
+    )
+    assert (
+        train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
+    )
 
 
 def test_checkpoint_is_written_atomically(engine, tmp_path):
@@ -113,8 +166,17 @@ def test_checkpoint_is_written_atomically(engine, tmp_path):
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
     path = checkpoint.save(str(tmp_path), 1, run)
     assert checkpoint.latest(str(tmp_path)) == path  # half-written dirs are never picked up
-    assert sorted(os.listdir(path)) == sorted(["config.json", "generation_config.json", "model.safetensors", "sharded",
-                                               "tokenizer.json", "tokenizer_config.json", "trainer_state.pt"])
+    assert sorted(os.listdir(path)) == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "sharded",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "trainer_state.pt",
+        ]
+    )
 
 
 def test_golden_first_steps(engine, tmp_path):
@@ -125,22 +187,39 @@ def test_golden_first_steps(engine, tmp_path):
     cfg = tiny_config(tmp_path, "rollout.prompts_per_step=4", "rollout.group_size=8")
     run = train.setup(cfg, engine=engine)
     rewards, losses = [], []
-    stream = train.PromptStream(run.stream.prompts, seed=0)  # 4 a step: the prompts the golden values were taken on
+    # 4 a step: the prompts the golden values were taken on
+    stream = train.PromptStream(run.stream.prompts, seed=0)
     for step in range(3):
         prompts = stream.take(4)
         torch.manual_seed(step)
         samples = []
         for group_id, p in enumerate(prompts):
-            out = run.policy.generate(torch.tensor([p.prompt_ids]), do_sample=True, max_new_tokens=40,
-                                      num_return_sequences=8, pad_token_id=0, eos_token_id=2)
-            for row in out[:, len(p.prompt_ids):].tolist():
-                response = row[:row.index(2) + 1] if 2 in row else row
-                samples.append(Sample(p.prompt_ids, response, [0.0] * len(response), [1] * len(response),
-                                      group_id, trajectory_id=len(samples),
-                                      finish_reason="stop" if 2 in row else "length"))
+            out = run.policy.generate(
+                torch.tensor([p.prompt_ids]),
+                do_sample=True,
+                max_new_tokens=40,
+                num_return_sequences=8,
+                pad_token_id=0,
+                eos_token_id=2,
+            )
+            for row in out[:, len(p.prompt_ids) :].tolist():
+                response = row[: row.index(2) + 1] if 2 in row else row
+                samples.append(
+                    Sample(
+                        p.prompt_ids,
+                        response,
+                        [0.0] * len(response),
+                        [1] * len(response),
+                        group_id,
+                        trajectory_id=len(samples),
+                        finish_reason="stop" if 2 in row else "length",
+                    )
+                )
         trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
-            turns[-1].reward = train.score(turns, prompts[turns[-1].group_id], run.tokenizer, run.reward_fn)
+            turns[-1].reward = train.score(
+                turns, prompts[turns[-1].group_id], run.tokenizer, run.reward_fn
+            )
         advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
         losses.append(round(train.train_on_rollout(run, samples, advantages)["train/loss"], 4))
@@ -153,11 +232,14 @@ GOLDEN_LOSSES = [-0.0402, 0.0590, 0.0897]
 
 
 def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
-    # the head swap computes the same values and gradients as logits -> log-softmax, and is undone after
+    # the head swap computes the same values and gradients as logits -> log-softmax, and is undone
+    # after
     cfg = tiny_config(tmp_path)
     policy, _ = train.build_policy(cfg, None)
-    samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
-               Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
+    samples = [
+        Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
+        Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
+    ]
     batch = batching.collate(samples, pad_id=0)
     grads = []
     for swapped in (True, False):
@@ -165,21 +247,30 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
         if swapped:
             logprobs, entropy = batching.sequence_logprobs(policy, batch, 0.7)
         else:
-            logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            logits = policy(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits[:, :-1]
             logprobs, entropy = train.grpo.token_logprobs(logits, batch["targets"], 0.7)
         (logprobs * batch["loss_mask"]).sum().backward()
-        grads.append(({n: p.grad.clone() for n, p in policy.named_parameters()}, logprobs.detach(), entropy))
+        grads.append(
+            ({n: p.grad.clone() for n, p in policy.named_parameters()}, logprobs.detach(), entropy)
+        )
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
-    assert policy(input_ids=batch["input_ids"]).logits.shape[-1] == policy.config.vocab_size  # head restored
+    # head restored
+    assert policy(input_ids=batch["input_ids"]).logits.shape[-1] == policy.config.vocab_size
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
-    samples = [Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
-               Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0)]
+    samples = [
+        Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
+        Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
+    ]
     batch = batching.collate(samples, pad_id=0)
     grads = []
     for switch in ("false", "true"):
-        policy, _ = train.build_policy(tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None)
+        policy, _ = train.build_policy(
+            tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None
+        )
         assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
         logprobs, _ = batching.sequence_logprobs(policy, batch, 1.0)
         (logprobs * batch["loss_mask"]).sum().backward()
@@ -189,9 +280,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
 
 def test_micro_batches_are_padded_to_their_own_longest_row():
     lengths = [3, 30, 4, 5, 6, 7, 2]  # one long response must not widen the other micro-batches
-    samples = [Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths]
+    samples = [
+        Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths
+    ]
     mbs, over_budget = batching.micro_batches(samples, torch.zeros(len(samples)), size=2, pad_id=0)
-    assert len(mbs) == 4 and over_budget == 0  # one rank: no padding micro-batches (2 ranks: test_distributed)
+    # one rank: no padding micro-batches (2 ranks: test_distributed)
+    assert len(mbs) == 4 and over_budget == 0
     for i, mb in enumerate(mbs):
-        longest = max(2 + n for n in lengths[2 * i:2 * i + 2])
+        longest = max(2 + n for n in lengths[2 * i : 2 * i + 2])
         assert mb["input_ids"].shape[1] == longest

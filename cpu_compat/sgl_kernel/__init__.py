@@ -5,20 +5,26 @@ imports ops from it. rollout.py puts this folder first on the engine processes' 
 machines. Only `assign_req_to_token_pool_cpu` is called on a CPU without AMX; every other name
 resolves to a placeholder that raises with the op's name, so a new call path fails loudly.
 """
+
 import torch
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
-                                 out_cache_loc, pool_len):
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+):
     """For request row r with token range [start, end): req_to_token[r, start:end] = next KV slots.
 
     req_pool_indices, start_offset, end_offset: [B]; out_cache_loc: [sum(end - start)] slot ids,
     laid out request after request; req_to_token: [num_req_slots, pool_len] (written in place).
     """
     written = 0
-    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        assert 0 <= start <= end <= pool_len, f"token range [{start}, {end}) outside pool length {pool_len}"
-        req_to_token[row, start:end] = out_cache_loc[written:written + end - start]
+    for row, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    ):
+        assert (
+            0 <= start <= end <= pool_len
+        ), f"token range [{start}, {end}) outside pool length {pool_len}"
+        req_to_token[row, start:end] = out_cache_loc[written : written + end - start]
         written += end - start
 
 
@@ -39,4 +45,6 @@ def __getattr__(name):
 # Without a GPU the device the engine runs on is the CPU, so answer with torch.cpu.
 if not torch.cuda.is_available():
     _get_device_module = torch.get_device_module
-    torch.get_device_module = lambda device=None: torch.cpu if device is None else _get_device_module(device)
+    torch.get_device_module = lambda device=None: (
+        torch.cpu if device is None else _get_device_module(device)
+    )

@@ -1,10 +1,12 @@
-"""Countdown data: rows {"prompt", "answer"} for data.task: chat. Each row gives 3 or 4 numbers and a target
-reachable with them (built from a random equation over them: every row has a solution); the answer is JSON
-{"target", "numbers"} for examples/countdown/reward.py.
+"""Countdown data: rows {"prompt", "answer"} for data.task: chat. Each row gives 3 or 4 numbers and
+a target reachable with them (built from a random equation over them: every row has a solution); the
+answer is JSON {"target", "numbers"} for examples/countdown/reward.py.
 
-Run from the repo root: `python examples/countdown/make_data.py` writes examples/countdown/train.jsonl
-(10,000 rows) and test.jsonl (200 rows); `--out DIR --train N --test N --seed S` change that.
+Run from the repo root: `python examples/countdown/make_data.py` writes
+examples/countdown/train.jsonl (10,000 rows) and test.jsonl (200 rows); `--out DIR --train N --test
+N --seed S` change that.
 """
+
 import argparse
 import json
 import os
@@ -12,20 +14,27 @@ import random
 
 from fractions import Fraction
 
-PROMPT = ("Using the numbers {numbers}, write an equation that equals {target}. Use each number exactly once, "
-          "with + - * / and parentheses. Think it through, then give only the equation inside "
-          "<answer></answer>, for example <answer>(1 + 2) * 3</answer>.")
+PROMPT = (
+    "Using the numbers {numbers}, write an equation that equals {target}. Use each number exactly once, "
+    "with + - * / and parentheses. Think it through, then give only the equation inside "
+    "<answer></answer>, for example <answer>(1 + 2) * 3</answer>."
+)
 
 
 def solvable_row(rng):
-    """Numbers and a positive integer target some equation over all of them reaches (exact arithmetic)."""
+    """Numbers and a positive integer target some equation over all of them reaches (exact
+    arithmetic)."""
     while True:
         numbers = [rng.randint(1, 50) for _ in range(rng.choice((3, 4)))]
         order = rng.sample(numbers, len(numbers))
         value = Fraction(order[0])
         for n in order[1:]:
             op = rng.choice("+-*/")
-            value = value + n if op == "+" else value - n if op == "-" else value * n if op == "*" else value / n
+            value = (
+                value + n
+                if op == "+"
+                else value - n if op == "-" else value * n if op == "*" else value / n
+            )
         if value.denominator == 1 and 0 < value <= 1000:
             return numbers, int(value)
 
@@ -34,8 +43,12 @@ def rows(count, rng):
     out = []
     for _ in range(count):
         numbers, target = solvable_row(rng)
-        out.append({"prompt": PROMPT.format(numbers=numbers, target=target),
-                    "answer": json.dumps({"target": target, "numbers": numbers})})
+        out.append(
+            {
+                "prompt": PROMPT.format(numbers=numbers, target=target),
+                "answer": json.dumps({"target": target, "numbers": numbers}),
+            }
+        )
     return out
 
 
