@@ -273,3 +273,25 @@ def offpolicy_stats(micro_batches, tis_cap):
         stats["train/stale_is_weight"] = log_weight.clamp(max=cap).exp().mean().item()
         stats["train/stale_is_capped_frac"] = (log_weight > cap).float().mean().item()
     return stats
+
+
+def minibatches(samples, advantages, cfg, pad_id, device):
+    """The step's `cfg.num_minibatches` minibatches (`cfg`: TrainConfig), each a list of collated
+    micro-batches on `device`: minibatch i is the i-th slice of this rank's samples. Collated
+    once, read by both passes (old log-probs, then the update). Every rank makes the same count
+    (clip_grad_norm_ is a collective too). Returns (minibatches, sequences over the budget)."""
+    size = max(math.ceil(len(samples) / cfg.num_minibatches), 1)
+    out = []
+    over_budget = 0
+    for i in range(cfg.num_minibatches):
+        rows = slice(i * size, (i + 1) * size)
+        batches, over = micro_batches(
+            samples[rows],
+            advantages[rows],
+            cfg.micro_batch_size,
+            pad_id,
+            max_tokens=cfg.max_tokens_per_micro_batch,
+        )
+        out.append([{key: value.to(device) for key, value in mb.items()} for mb in batches])
+        over_budget += over
+    return out, over_budget

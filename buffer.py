@@ -11,7 +11,7 @@ masked in the loss (train.py, grpo.py). Validation never comes here.
 import dataclasses
 import math
 
-from sample import Sample
+from sample import Sample, trajectories_of
 from tasks import Prompt
 
 COUNTERS = (
@@ -49,7 +49,9 @@ class PartialBuffer:
         # multi_turn: the task has a tool, so even a trajectory cancelled in its first turn is not
         # resumed (the engine continues one request; a tool call in the continuation would go
         # unanswered)
-        self.group_size, self.max_staleness, self.multi_turn = group_size, max_staleness, multi_turn
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.multi_turn = multi_turn
         self.groups = []  # HeldGroup, in arrival order
         # (group, member index) of unfinished single-turn samples, in suspension order
         self.waiting = []
@@ -75,7 +77,9 @@ class PartialBuffer:
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
         new_prompts = new_prompts[: self.new_prompts_needed(num_prompts)]
-        resumes, self.resumed, group_ids = [], {}, {}
+        resumes = []
+        self.resumed = {}
+        group_ids = {}  # id(held group) -> its group id this step
         for group, index in self.waiting:
             sample = group.members[index][-1]
             if sample.versions and version - min(sample.versions) > self.max_staleness:
@@ -94,7 +98,8 @@ class PartialBuffer:
             group_id = group_ids.setdefault(id(group), len(new_prompts) + len(group_ids))
             self.resumed[group_id] = group
             resumes.append(dataclasses.replace(sample, group_id=group_id))
-        self._launched, self.waiting = self.waiting, []
+        self._launched = self.waiting
+        self.waiting = []
         return resumes, new_prompts
 
     def prior_rewards(self):
@@ -108,23 +113,22 @@ class PartialBuffer:
 
     def collect(self, samples, new_prompts):
         """File this rollout's trajectories (resumes first, then `group_size` per new prompt, as
-        RolloutEngine.generate returns them) and return (prompts, samples) of the groups now
-        complete, in arrival order: group ids index the returned prompts, trajectory ids are
-        renumbered 0.. `new_prompts` is indexed by group id (dynamic sampling's refills
-        included); the held groups' ids (`resumed`) are skipped."""
-        trajectories = {}
-        self.counters["launched"] = len({s.trajectory_id for s in samples})
-        for s in samples:
-            trajectories.setdefault(s.trajectory_id, []).append(s)
+        RolloutEngine.generate returns them) and return the groups now complete, in arrival
+        order: each a list of its trajectories (lists of turns). Ids are left as the rollout made
+        them: a group's members may come from different steps, so the groups are the structure.
+        `new_prompts` is indexed by group id (dynamic sampling's refills included); the held
+        groups' ids (`resumed`) are skipped."""
+        trajectories = trajectories_of(samples)
+        self.counters["launched"] = len(trajectories)
         fresh = {
             group_id: HeldGroup(prompt, [])
             for group_id, prompt in enumerate(new_prompts)
             if group_id not in self.resumed
         }
-        for trajectory_id in sorted(trajectories):
-            turns = trajectories[trajectory_id]
-            if trajectory_id < len(self._launched):  # a resumed (or restarted) sample
-                group, index = self._launched[trajectory_id]
+        for turns in trajectories:
+            launch_index = turns[0].trajectory_id
+            if launch_index < len(self._launched):  # a resumed (or restarted) sample
+                group, index = self._launched[launch_index]
                 group.members[index] = turns
             else:
                 group = fresh[turns[0].group_id]
@@ -138,21 +142,14 @@ class PartialBuffer:
                 self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
             else:
                 self.waiting.append((group, index))
-        self._launched, self.resumed = [], {}
+        self._launched = []
+        self.resumed = {}
         self.groups += fresh.values()
         waiting = {id(group) for group, _ in self.waiting}
         complete = [g for g in self.groups if id(g) not in waiting]
         self.groups = [g for g in self.groups if id(g) in waiting]
         self.counters["trained_groups"] = len(complete)
-        prompts, out, num_trajectories = [], [], 0
-        for group_id, group in enumerate(complete):
-            prompts.append(group.prompt)
-            for turns in group.members:
-                for turn in turns:
-                    turn.group_id, turn.trajectory_id = group_id, num_trajectories
-                out += turns
-                num_trajectories += 1
-        return prompts, out
+        return [group.members for group in complete]
 
     def metrics(self):
         """This step's counters and the buffer's size after it (all summed over ranks by
@@ -210,7 +207,8 @@ def share_state(state, rank, world_size):
     """This rank's contiguous share of a merged state's groups, with their waiting entries in
     order."""
     num = len(state["groups"])
-    lo, hi = rank * num // world_size, (rank + 1) * num // world_size
+    lo = rank * num // world_size
+    hi = (rank + 1) * num // world_size
     return {
         "groups": state["groups"][lo:hi],
         "waiting": [(group - lo, member) for group, member in state["waiting"] if lo <= group < hi],

@@ -5,9 +5,17 @@ An unknown key or a value of the wrong type is a ConfigError that names it.
 """
 
 import dataclasses
+import difflib
 import typing
 
 import yaml
+
+# Each mode list lives beside the code that reads it; here they are only checked.
+from cancel import CANCEL_POLICIES
+from grpo import LOSS_AGG_MODES, RATIO_LEVELS, SEQUENCE_RATIO_AGG
+from memory import MEMORY_MODES
+from model import DTYPES, LR_SCHEDULES
+from tasks import TASKS
 
 
 class ConfigError(ValueError):
@@ -181,22 +189,14 @@ class Config:
 
     def __post_init__(self):
         choices = {
-            "data.task": (self.data.task, ("tiny", "tiny_tool", "gsm8k", "chat")),
-            "rollout.cancel": (self.rollout.cancel, ("none", "count", "time", "group")),
-            "train.loss_agg": (
-                self.train.loss_agg,
-                (
-                    "token-mean",
-                    "seq-mean-token-sum",
-                    "seq-mean-token-mean",
-                    "seq-mean-token-sum-norm",
-                ),
-            ),
-            "train.ratio_level": (self.train.ratio_level, ("token", "sequence")),
-            "train.lr_schedule": (self.train.lr_schedule, ("constant", "cosine")),
-            "model.compute_dtype": (self.model.compute_dtype, ("float32", "bfloat16")),
-            "model.engine_dtype": (self.model.engine_dtype, ("float32", "bfloat16")),
-            "memory.mode": (self.memory.mode, ("staged", "all_at_once", "off")),
+            "data.task": (self.data.task, TASKS),
+            "rollout.cancel": (self.rollout.cancel, CANCEL_POLICIES),
+            "train.loss_agg": (self.train.loss_agg, LOSS_AGG_MODES),
+            "train.ratio_level": (self.train.ratio_level, RATIO_LEVELS),
+            "train.lr_schedule": (self.train.lr_schedule, LR_SCHEDULES),
+            "model.compute_dtype": (self.model.compute_dtype, DTYPES),
+            "model.engine_dtype": (self.model.engine_dtype, DTYPES),
+            "memory.mode": (self.memory.mode, MEMORY_MODES),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
@@ -209,15 +209,17 @@ class Config:
             raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
         if self.data.task in ("gsm8k", "chat") and not self.data.train_path:
             raise ConfigError(
-                f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
+                f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a "
+                "hub name)"
             )
         if self.data.task == "chat" and not self.data.reward:
             raise ConfigError(
                 "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
             )
-        if self.train.ratio_level == "sequence" and self.train.loss_agg != "seq-mean-token-mean":
+        if self.train.ratio_level == "sequence" and self.train.loss_agg != SEQUENCE_RATIO_AGG:
             raise ConfigError(
-                f"train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
+                "train.ratio_level=sequence (GSPO) averages each sequence's objective over "
+                "sequences: "
                 f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}"
             )
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
@@ -238,7 +240,8 @@ class Config:
         ):
             raise ConfigError(
                 f"rollout.max_prompts_per_step={self.rollout.max_prompts_per_step} is below "
-                f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill its batch"
+                f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill "
+                "its batch"
             )
         if self.run.nproc < 0:
             raise ConfigError(
@@ -352,7 +355,9 @@ def apply(config, overrides, prefix=""):
         if name in RENAMED:
             raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
         if key not in hints:
-            raise ConfigError(f"unknown config key {name!r}; known here: {sorted(hints)}")
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f"did you mean {prefix}{close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown config key {name!r}; {hint}known here: {sorted(hints)}")
         if dataclasses.is_dataclass(hints[key]):
             apply(getattr(config, key), value, prefix=f"{name}.")
         else:

@@ -188,7 +188,8 @@ def policy_loss(
     if ratio_level == "sequence":
         if agg_mode != SEQUENCE_RATIO_AGG:
             raise ValueError(
-                f"ratio_level='sequence' (GSPO) is defined with {SEQUENCE_RATIO_AGG!r}, not {agg_mode!r}"
+                f"ratio_level='sequence' (GSPO) is defined with {SEQUENCE_RATIO_AGG!r}, not "
+                f"{agg_mode!r}"
             )
         # GSPO's token form (eq. 10 there): every token carries sg(s_i) * pi_t / sg(pi_t). Its value
         # is the sequence ratio s_i; its gradient, averaged over the sequence's tokens, is exactly

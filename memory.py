@@ -16,6 +16,7 @@ import torch
 import parallel
 
 # CUDA graph pools are not modelled
+MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
 LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}
 
 
@@ -80,8 +81,8 @@ class MemoryPhases:
         engine_dtype=torch.float32,
         reference=None,
     ):
-        if mode not in ("staged", "all_at_once", "off"):
-            raise ValueError(f"memory mode {mode!r}: expected 'staged', 'all_at_once' or 'off'")
+        if mode not in MEMORY_MODES:
+            raise ValueError(f"memory mode {mode!r}: expected one of {MEMORY_MODES}")
         self.engine, self.policy, self.optimizer, self.reference = (
             engine,
             policy,
@@ -112,7 +113,8 @@ class MemoryPhases:
         self._expect("rollout", "to_train")
         if self.engine.num_in_flight():
             raise PhaseError(
-                f"cannot release engine memory with {self.engine.num_in_flight()} requests in flight"
+                f"cannot release engine memory with {self.engine.num_in_flight()} requests in "
+                "flight"
             )
         self._enter("train")
         if self.mode != "off":

@@ -71,7 +71,8 @@ def _validate(turns: list[Sample]) -> None:
         if not len(t.response_ids) == len(t.logprobs) == len(t.loss_mask) == len(t.versions):
             lengths = (len(t.response_ids), len(t.logprobs), len(t.loss_mask), len(t.versions))
             raise MergeError(
-                f"trajectory {t.trajectory_id} turn {t.turn}: response_ids/logprobs/loss_mask/versions "
+                f"trajectory {t.trajectory_id} turn {t.turn}: "
+                "response_ids/logprobs/loss_mask/versions "
                 f"lengths {lengths} differ"
             )
         prev = t
@@ -169,16 +170,27 @@ def merge_trajectory(turns: list[Sample], max_seq_len: int) -> tuple[list[Sample
     return sequences, stats
 
 
+def merge_each(
+    trajectories: list[list[Sample]], max_seq_len: int
+) -> tuple[list[list[Sample]], MergeStats]:
+    """merge_trajectory over a batch: each trajectory's sequences, in a list aligned with
+    `trajectories` (so the trainer zips them with the trajectories' advantages); one warning for
+    the whole batch if any sequence is over length."""
+    per_trajectory, stats = [], MergeStats()
+    for turns in trajectories:
+        sequences = []
+        _merge_into(turns, max_seq_len, sequences, stats)
+        per_trajectory.append(sequences)
+    _warn_over_length(stats, max_seq_len)
+    return per_trajectory, stats
+
+
 def merge_batch(
     trajectories: list[list[Sample]], max_seq_len: int
 ) -> tuple[list[Sample], MergeStats]:
-    """merge_trajectory over a batch; one warning for the whole batch if any sequence is over
-    length."""
-    sequences, stats = [], MergeStats()
-    for turns in trajectories:
-        _merge_into(turns, max_seq_len, sequences, stats)
-    _warn_over_length(stats, max_seq_len)
-    return sequences, stats
+    """merge_each, flattened: every merged sequence of the batch."""
+    per_trajectory, stats = merge_each(trajectories, max_seq_len)
+    return [s for sequences in per_trajectory for s in sequences], stats
 
 
 def unmerged(trajectories: list[list[Sample]]) -> list[Sample]:

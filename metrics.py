@@ -11,6 +11,8 @@ import torch
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
+import parallel
+
 
 def masked_mean(values, mask):
     """Mean of `values` where `mask` is 1; 0.0 (not NaN) when nothing is unmasked."""
@@ -29,7 +31,7 @@ def length_stats(lengths, prefix):
     }
 
 
-def rollout_metrics(samples, stats):
+def rollout_metrics(trajectories, stats):
     """Reward, length, cancellation and tool statistics of one training rollout (`stats`:
     RolloutStats).
 
@@ -38,8 +40,8 @@ def rollout_metrics(samples, stats):
     `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
     (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
     """
-    # the last turn of each trajectory
-    launched = list({s.trajectory_id: s for s in samples}.values())
+    samples = [turn for turns in trajectories for turn in turns]
+    launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
     finished = [s for s in launched if not s.is_aborted]
     # turns cut by cancellation
     aborted = [s for s in samples if s.is_aborted and s.finish_reason != "error"]
@@ -110,6 +112,30 @@ def trajectory_texts(trajectories, tokenizer, count):
             f"    {prompt[-300:]!r}\n\n    {generated!r}"
         )
     return "\n\n---\n\n".join(blocks)
+
+
+class TokenMeans:
+    """Per-micro-batch token means (entropy, clip fraction, KL, TIS weight) as one token-weighted
+    mean over the step's micro-batches and every rank's: a short or padding micro-batch weighs
+    what its tokens weigh."""
+
+    def __init__(self):
+        self.sums = {}  # name -> sum of mean x tokens
+        self.tokens = {}  # name -> tokens
+
+    def add(self, name, mean, num_tokens):
+        self.sums[name] = self.sums.get(name, 0.0) + mean * num_tokens
+        self.tokens[name] = self.tokens.get(name, 0) + num_tokens
+
+    def means(self):
+        """{name: token-weighted mean}, reduced over ranks (a collective: every rank calls it)."""
+        names = sorted(self.sums)
+        totals = parallel.all_reduce(
+            [self.sums[n] for n in names] + [self.tokens[n] for n in names]
+        )
+        sums = totals[: len(names)]
+        tokens = totals[len(names) :]
+        return {name: s / max(n, 1) for name, s, n in zip(names, sums, tokens)}
 
 
 class Logger:

@@ -1,12 +1,11 @@
-"""Rollout: generation and tail cancellation on the engine (sglang_engine.py owns the engine
-itself).
+"""Rollout: generation and tail cancellation on the engine (sglang_engine.py owns the engine).
 
 Samples group_size trajectories per prompt (single- or multi-turn with a tool, or continuing partial
 rollout's suspended samples), one asyncio task per trajectory, each scored by the caller's reward
-function as it finishes; decides on every completion when enough have finished (with dynamic
-sampling: enough informative groups, launching more prompts while too few can still be) and cancels
-the rest inside the engine, awaiting every task. Does not own how text becomes a reward (train.py's
-`score`), losses, or which samples are suspended (buffer.py).
+function as it finishes. After every completion it asks cancel.py's `decide` whether enough have
+finished, launches more prompts when dynamic sampling asks for them, and at the decision aborts the
+rest inside the engine, awaiting every task. Does not own the stop rules (cancel.py), how text
+becomes a reward (rewards.py), losses, or which samples are suspended (buffer.py).
 """
 
 import array
@@ -16,10 +15,11 @@ import logging
 import time
 import uuid
 
-from cancel import GroupFilter, count_complete_groups, keep_first_complete_groups
+import cancel
+from cancel import GroupFilter, Progress, keep_first_complete_groups
 from sglang_engine import Engine, RolloutError
 from sample import Sample
-from tasks import RewardError
+from rewards import RewardError
 
 log = logging.getLogger("rollout")
 
@@ -43,6 +43,31 @@ class RolloutStats:
     num_reward_errors: int = 0
 
 
+@dataclasses.dataclass
+class Request:
+    """One trajectory to generate: from its prompt, or (partial rollout) continuing `resumed`."""
+
+    index: int  # launch order, 0..: the trajectory_id of every turn it makes
+    group_id: int
+    prompt_ids: list[int]
+    resumed: Sample | None = None  # an unfinished sample of an earlier step, continued here
+
+
+@dataclasses.dataclass
+class Settings:
+    """What every request of one rollout shares (RolloutEngine.generate's arguments, checked)."""
+
+    sampling: dict  # SGLang sampling params: temperature, top_p, max_new_tokens, stop_token_ids
+    group_size: int
+    budget: int  # generated + observation tokens per trajectory
+    max_turns: int = 1
+    tool: object = None  # (response ids, prompt ids) -> (observation ids, is_error); see tools.py
+    reward: object = None  # turns -> float, called as each trajectory finishes
+    plan: cancel.LaunchPlan | None = None  # None: wait for every request (validation)
+    refill: object = None  # dynamic sampling: new group ids -> their prompts' token ids
+    timeout_s: float = 0.0  # rollout.rollout_timeout_s: what is left then is aborted
+
+
 class RolloutEngine(Engine):
     """The engine, generating the trainer's rollouts."""
 
@@ -58,6 +83,7 @@ class RolloutEngine(Engine):
         temperature,
         max_new_tokens,
         plan=None,
+        *,
         tool=None,
         max_turns=1,
         max_response_tokens=0,
@@ -66,21 +92,21 @@ class RolloutEngine(Engine):
         refill=None,
         prior_rewards=None,
     ):
-        """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail per
-        `plan.cancel`.
+        """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail as
+        cancel.decide says.
 
-        prompts: list of token-id lists. A trajectory is one turn, or with a `tool` ((response ids,
-        the trajectory's prompt ids) -> (observation ids, is_error), run on a turn ending in
-        `tool.call_end_id`) up to `max_turns` turns within `max_response_tokens` generated +
-        observation tokens. `resumes` (partial rollout, single-turn only): unfinished samples
+        prompts: list of token-id lists. A trajectory is one turn, or with a `tool` run on a turn
+        ending in `tool.call_end_id`, up to `max_turns` turns within `max_response_tokens` generated
+        + observation tokens. `resumes` (partial rollout, single-turn only): unfinished samples
         launched first, each continued from its prompt + partial response with what is left of the
         budget; the caller gives them group ids after the new prompts' (0..), one per held group.
         `reward` (turns -> float) scores each finished trajectory as it returns, every turn getting
         the value. With `plan.filter_groups` (dynamic sampling), `refill` (new group ids -> token-id
         lists) supplies more prompts, and `prior_rewards` ({group id: rewards}) are what a held
-        group's finished members earned before. Returns (every turn of every trajectory in launch
-        order, resumes first, refills last, with `trajectory_id` numbering the trajectories 0..,
-        RolloutStats).
+        group's finished members earned before.
+
+        Returns (every turn of every trajectory in launch order: resumes first, refills last, each
+        turn's `trajectory_id` its request's launch index; RolloutStats).
         """
         sampling = {
             "temperature": temperature,
@@ -90,89 +116,100 @@ class RolloutEngine(Engine):
         if tool is not None:
             # pause generation at the end of a tool call
             sampling["stop_token_ids"] = [tool.call_end_id]
-        budget = max_response_tokens or max_new_tokens * max_turns
-        units = [(s.group_id, s.prompt_ids, s) for s in resumes]
-        units += [
-            (group_id, ids, None) for group_id, ids in enumerate(prompts) for _ in range(group_size)
-        ]
-        check_launch(units, max_new_tokens, budget, tool is not None, self.cfg.max_total_tokens)
-        groups = GroupFilter(prior_rewards) if plan is not None and plan.filter_groups else None
-        return self._run(
-            self._generate_all(
-                units, sampling, plan, tool, max_turns, budget, group_size, reward, groups, refill
-            )
+        settings = Settings(
+            sampling=sampling,
+            group_size=group_size,
+            budget=max_response_tokens or max_new_tokens * max_turns,
+            max_turns=max_turns,
+            tool=tool,
+            reward=reward,
+            plan=plan,
+            refill=refill,
+            timeout_s=self.cfg.rollout_timeout_s,
         )
+        requests = [Request(i, s.group_id, s.prompt_ids, resumed=s) for i, s in enumerate(resumes)]
+        for group_id, ids in enumerate(prompts):
+            for _ in range(group_size):
+                requests.append(Request(len(requests), group_id, ids))
+        check_launch(requests, settings, self.cfg.max_total_tokens)
+        filtering = plan is not None and plan.filter_groups
+        groups = GroupFilter(prior_rewards) if filtering else None
+        return self._run(self._generate_all(requests, settings, groups))
 
-    async def _generate_all(
-        self, units, sampling, plan, tool, max_turns, budget, group_size, reward, groups, refill
-    ):
-        stats, start = RolloutStats(), time.perf_counter()
-        stats.prompts_launched = len(
-            {group_id for group_id, _, resumed in units if resumed is None}
-        )
-        self._current_rid, self._cancelled = {}, set()
-        tasks, next_group = {}, max((group_id for group_id, _, _ in units), default=-1) + 1
+    async def _generate_all(self, requests, settings, groups):
+        """Launch every request, wait until cancel.decide stops the rollout (or all returned), abort
+        the rest. `groups`: dynamic sampling's tally, or None."""
+        stats = RolloutStats()
+        start = time.perf_counter()
+        stats.prompts_launched = len({r.group_id for r in requests if r.resumed is None})
+        self._current_rid = {}  # request index -> rid of its request in the engine now
+        self._cancelled = set()  # request indices cancelled: no new turn starts
+        tasks = {}  # asyncio task -> request index
+        next_group = max((r.group_id for r in requests), default=-1) + 1
 
-        def launch(new_units):
+        def launch(new_requests):
             new = set()
-            for group_id, ids, partial in new_units:
-                i = len(tasks)
-                work = (
-                    self._resume(i, partial, sampling, budget, start)
-                    if partial is not None
-                    else self._trajectory(
-                        i, ids, group_id, sampling, tool, max_turns, budget, stats, start
-                    )
-                )
-                task = asyncio.create_task(scored(work, reward, stats))
-                tasks[task] = i
+            for request in new_requests:
+                if request.resumed is not None:
+                    work = self._resume(request, settings, start)
+                else:
+                    work = self._trajectory(request, settings, stats, start)
+                task = asyncio.create_task(scored(work, settings.reward, stats))
+                tasks[task] = request.index
                 new.add(task)
                 if groups is not None:
-                    groups.launched(group_id)
+                    groups.launched(request.group_id)
             return new
 
         def returned(turns):
             """Dynamic sampling, on every completion before the decision: tally the group, then
             launch the prompts the filter asks for (the in-flight ones go on)."""
             nonlocal next_group
-            groups.returned(turns[-1].group_id, None if turns[-1].is_aborted else turns[-1].reward)
+            last = turns[-1]
+            groups.returned(last.group_id, None if last.is_aborted else last.reward)
             new = set()
-            while refill is not None and (count := groups.wanted(plan, stats.prompts_launched)) > 0:
-                prompts = refill(list(range(next_group, next_group + count)))
+            while settings.refill is not None:
+                count = groups.wanted(settings.plan, stats.prompts_launched)
+                if count <= 0:
+                    break
+                prompts = settings.refill(list(range(next_group, next_group + count)))
                 if not prompts:
                     break
-                new |= launch(
-                    [
-                        (next_group + k, ids, None)
-                        for k, ids in enumerate(prompts)
-                        for _ in range(group_size)
-                    ]
-                )
-                next_group, stats.prompts_launched = next_group + len(
-                    prompts
-                ), stats.prompts_launched + len(prompts)
+                refills = []
+                for offset, ids in enumerate(prompts):
+                    for _ in range(settings.group_size):
+                        index = len(tasks) + len(refills)
+                        refills.append(Request(index, next_group + offset, ids))
+                new |= launch(refills)
+                next_group += len(prompts)
+                stats.prompts_launched += len(prompts)
             return new
 
-        pending, finished = launch(units), []
-        # a hung request must not hang the run: it is aborted
-        timeout = self.cfg.rollout_timeout_s or None
+        pending = launch(requests)
+        finished = []  # the last turn of each returned trajectory, in completion order
         try:
-            # only dynamic sampling tallies and refills
-            on_return = returned if groups is not None else None
             pending = await wait_for_enough(
-                pending, finished, plan, start, timeout, on_return, groups
+                pending,
+                finished,
+                plan=settings.plan,
+                start=start,
+                timeout_s=settings.timeout_s,
+                groups=groups,
+                on_return=returned if groups is not None else None,
             )
-        # a reward function or a refill raised: nothing may keep running in the engine
         except BaseException:
-            await self._abort([t for t in tasks if not t.done()], tasks, raise_if_stuck=False)
+            # a reward function or a refill raised: nothing may keep running in the engine
+            unfinished = [t for t in tasks if not t.done()]
+            await self._abort(unfinished, tasks, raise_if_stuck=False)
             raise
         stats.decision_s = time.perf_counter() - start
         stats.kept_groups = groups.kept if groups is not None else 0
-        if pending and timeout and stats.decision_s >= timeout:
+        timed_out = settings.timeout_s and stats.decision_s >= settings.timeout_s
+        if pending and timed_out:
             stats.num_timed_out = len(pending)
             log.warning(
                 "rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
-                timeout,
+                settings.timeout_s,
                 len(pending),
             )
         if pending:
@@ -184,20 +221,15 @@ class RolloutEngine(Engine):
         await asyncio.gather(*tasks)
         stats.rollout_s = time.perf_counter() - start
         samples = [turn for t in tasks for turn in t.result()]
-        # a resumed sample's earlier tokens: not now
-        stats.generated_tokens = sum(len(s.response_ids) for s in samples) - sum(
-            len(partial.response_ids) for _, _, partial in units if partial is not None
-        )
-        # partial: finished ones wait
+        # a resumed sample's earlier tokens were generated in an earlier step, not now
+        earlier = sum(len(r.resumed.response_ids) for r in requests if r.resumed is not None)
+        stats.generated_tokens = sum(len(s.response_ids) for s in samples) - earlier
+        plan = settings.plan
         if plan is not None and plan.cancel == "group" and not plan.partial:
-            # the group policy trains complete groups only; dynamic sampling then judges every one
-            # of them
-            keep_first_complete_groups(
-                samples,
-                finished,
-                plan.group_size,
-                len(finished) if groups is not None else plan.target_groups,
-            )
+            # the group policy trains complete groups only (partial: the finished ones wait);
+            # dynamic sampling then judges every one of them
+            num_groups = len(finished) if groups is not None else plan.target_groups
+            keep_first_complete_groups(samples, finished, plan.group_size, num_groups)
         check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
 
@@ -230,43 +262,42 @@ class RolloutEngine(Engine):
                 f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)"
             )
 
-    async def _trajectory(
-        self, trajectory_id, prompt_ids, group_id, sampling, tool, max_turns, budget, stats, start
-    ):
+    async def _trajectory(self, request, settings, stats, start):
         """Turns of one trajectory: generate, run the tool on a tool call, append its
         observation, go on. Each turn's prompt is the previous prompt + response + observation,
         so turns merge (merge.py)."""
-        turns, context = [], array.array("i", prompt_ids)
-        for turn in range(max_turns):
+        turns = []
+        prompt_ids = request.prompt_ids
+        context = array.array("i", prompt_ids)
+        tool = settings.tool
+        for turn in range(settings.max_turns):
             # cancelled before its first request, or while its tool ran
-            if trajectory_id in self._cancelled:
+            if request.index in self._cancelled:
                 if not turns:
-                    cancelled = failed_sample(
-                        prompt_ids, group_id, self.weight_version, start, reason="abort"
-                    )
-                    return [dataclasses.replace(cancelled, trajectory_id=trajectory_id)]
+                    return [failed_sample(request, self.weight_version, start, reason="abort")]
                 turns[-1].finish_reason = "abort"  # unfinished
                 break
-            remaining = budget - (len(context) - len(prompt_ids))
+            remaining = settings.budget - (len(context) - len(prompt_ids))
             if remaining <= 0:  # token budget spent on earlier turns and observations
                 turns[-1].finish_reason = "length"  # its last call is never answered: truncated
                 break
-            # uuid: SGLang aborts by rid *prefix*
-            rid = self._current_rid[trajectory_id] = uuid.uuid4().hex
-            turn_sampling = {
-                **sampling,
-                "max_new_tokens": min(sampling["max_new_tokens"], remaining),
-            }
-            sample = await self._generate_one(rid, context, group_id, turn_sampling, start)
-            sample.trajectory_id, sample.turn = trajectory_id, turn
+            max_new_tokens = min(settings.sampling["max_new_tokens"], remaining)
+            sample = await self._generate_one(
+                request,
+                context,
+                {**settings.sampling, "max_new_tokens": max_new_tokens},
+                start,
+                turn,
+            )
             turns.append(sample)
-            if (
-                tool is None
-                or sample.finish_reason != "stop"
-                or sample.response_ids[-1:].tolist() != [tool.call_end_id]
-            ):
+            ends_in_call = (
+                tool is not None
+                and sample.finish_reason == "stop"
+                and sample.response_ids[-1:].tolist() == [tool.call_end_id]
+            )
+            if not ends_in_call:
                 break  # an answer, a length cut, an abort or an error ends the trajectory
-            if turn == max_turns - 1:
+            if turn == settings.max_turns - 1:
                 # a call with no turn left to read the result: truncated, not an answer
                 sample.finish_reason = "length"
                 break
@@ -281,47 +312,46 @@ class RolloutEngine(Engine):
                 t.is_aborted = True
         return turns
 
-    async def _resume(self, trajectory_id, partial, sampling, budget, start):
+    async def _resume(self, request, settings, start):
         """Continue an unfinished single-turn sample: its prompt + partial response go in as
         token ids, `max_new_tokens` is what is left of the budget, and the result holds every
         token of both."""
-        # cancelled before its request was sent: stays suspended
-        if trajectory_id in self._cancelled:
-            return [dataclasses.replace(partial, trajectory_id=trajectory_id)]
-        # > 0: checked at launch
-        remaining = min(sampling["max_new_tokens"], budget) - len(partial.response_ids)
-        rid = self._current_rid[trajectory_id] = uuid.uuid4().hex
+        partial = request.resumed
+        if request.index in self._cancelled:
+            # cancelled before its request was sent: stays suspended, as this step's trajectory
+            return [dataclasses.replace(partial, trajectory_id=request.index)]
+        budget = min(settings.sampling["max_new_tokens"], settings.budget)
+        remaining = budget - len(partial.response_ids)  # > 0: checked at launch
         more = await self._generate_one(
-            rid,
+            request,
             partial.prompt_ids + partial.response_ids,
-            partial.group_id,
-            {**sampling, "max_new_tokens": remaining},
+            {**settings.sampling, "max_new_tokens": remaining},
             start,
         )
-        more.trajectory_id = trajectory_id
         return [partial.continued_by(more)]
 
-    async def _generate_one(self, rid, prompt_ids, group_id, sampling, start):
-        """One request; an engine exception becomes a sample marked "error" (counted, logged,
-        dropped)."""
+    async def _generate_one(self, request, prompt_ids, sampling, start, turn=0):
+        """One request of `request`'s trajectory; an engine exception becomes a sample marked
+        "error" (counted, logged, dropped)."""
+        # uuid: SGLang aborts by rid *prefix*
+        rid = self._current_rid[request.index] = uuid.uuid4().hex
+        timeout_s = self.cfg.request_timeout_s or None
         try:
             output_ids, logprobs, reason, detail, version = await asyncio.wait_for(
-                self.request(rid, prompt_ids, sampling), timeout=self.cfg.request_timeout_s or None
+                self.request(rid, prompt_ids, sampling), timeout=timeout_s
             )
-        # abort it inside the engine too, and wait until the engine let it go
         except asyncio.TimeoutError:
+            # abort it inside the engine too, and wait until the engine let it go
             await self.abort_and_wait(rid, self.cfg.abort_timeout_s)
-            log.error(
-                "request %s timed out after rollout.request_timeout_s=%s",
-                rid,
-                self.cfg.request_timeout_s,
+            log.error("request %s timed out after rollout.request_timeout_s=%s", rid, timeout_s)
+            return failed_sample(
+                request, self.weight_version, start, prompt_ids=prompt_ids, turn=turn
             )
-            return failed_sample(prompt_ids, group_id, self.weight_version, start)
-        except (
-            Exception
-        ) as e:  # noqa: BLE001 - counted and logged: never silently turned into padding
+        except Exception as e:  # noqa: BLE001 - counted and logged, never silently padding
             log.error("request %s failed inside the engine: %r", rid, e)
-            return failed_sample(prompt_ids, group_id, self.weight_version, start)
+            return failed_sample(
+                request, self.weight_version, start, prompt_ids=prompt_ids, turn=turn
+            )
         if reason == "abort" and rid not in self._cancelling:
             # the engine aborted it by itself (e.g. context overflow): a failure, not our
             # cancellation
@@ -332,15 +362,18 @@ class RolloutEngine(Engine):
             # the abort came after its last token: complete (and a resume would have no budget)
             reason = "length"
         logprobs = array.array("f", logprobs)
-        assert len(logprobs) == len(
-            response_ids
-        ), f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
+        if len(logprobs) != len(response_ids):
+            raise RolloutError(
+                f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
+            )
         return Sample(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             logprobs=logprobs,
             loss_mask=array.array("B", [1]) * len(response_ids),
-            group_id=group_id,
+            group_id=request.group_id,
+            trajectory_id=request.index,
+            turn=turn,
             finish_reason=reason,
             is_aborted=reason in ("abort", "error"),
             weight_version=version,
@@ -348,47 +381,33 @@ class RolloutEngine(Engine):
         )
 
 
-async def wait_for_enough(pending, finished, plan, start, limit_s=None, returned=None, groups=None):
-    """Event-driven: wake on each completion (or a deadline), decide, return what is left.
-    `finished` collects the last turn of each finished trajectory, in completion order;
-    `returned(turns)` sees each one first and hands back tasks it launched. Without a plan (or
-    cancel none and no filter), waits for all."""
-    deadline = None  # the time policy's, once set
-    hard_deadline = start + limit_s if limit_s else None  # rollout.rollout_timeout_s
-    policy = plan.cancel if plan is not None else "none"
+async def wait_for_enough(
+    pending, finished, plan, start, timeout_s=0.0, groups=None, on_return=None
+):
+    """Wake on each completion (or when cancel.decide asks to look again), until `decide` says
+    stop or nothing is pending; returns the tasks still pending. `finished` collects the last turn
+    of each returned trajectory, in completion order; `on_return(turns)` sees each one first and
+    hands back the tasks it launched; `groups` is dynamic sampling's tally (kept groups)."""
+    progress = Progress(group_size=plan.group_size if plan is not None else 0)
     while pending:
-        now = time.perf_counter()
-        if hard_deadline is not None and now >= hard_deadline:
+        progress.elapsed_s = time.perf_counter() - start
+        decision = cancel.decide(plan, progress, timeout_s)
+        if decision.stop:
             break
-        deadlines = [d for d in (deadline, hard_deadline) if d is not None]
-        timeout = max(min(deadlines) - now, 0) if deadlines else None
+        wait_s = None
+        if decision.wake_at_s is not None:
+            wait_s = max(decision.wake_at_s - progress.elapsed_s, 0)
         done, pending = await asyncio.wait(
-            pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
         )
         for task in done:
-            finished.append(task.result()[-1])
-            pending |= returned(task.result()) if returned else set()
-        num_ok = sum(not s.is_aborted for s in finished)
-        # dynamic sampling: enough kept groups end any policy but none's wait
+            turns = task.result()
+            finished.append(turns[-1])
+            progress.returned(turns[-1], elapsed_s=time.perf_counter() - start)
+            if on_return is not None:
+                pending |= on_return(turns)
         if groups is not None:
-            if policy != "none" and groups.kept >= plan.target_groups:
-                break
-            continue
-        if policy == "group":
-            if count_complete_groups(finished, plan.group_size) >= plan.target_groups:
-                break
-        elif policy in ("count", "time") and num_ok >= plan.target_samples:
-            break
-        now = time.perf_counter()
-        if (
-            policy == "time"
-            and deadline is None
-            and num_ok >= plan.time_quantile * plan.target_samples
-        ):
-            # q of the target back at t: wait factor*t more
-            deadline = now + plan.time_factor * (now - start)
-        if deadline is not None and now >= deadline:
-            break
+            progress.kept_groups = groups.kept
     return pending
 
 
@@ -404,45 +423,51 @@ async def scored(work, reward, stats):
             log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
             stats.num_reward_errors += 1
             for turn in turns:
-                turn.is_aborted, turn.finish_reason = True, "error"
+                turn.is_aborted = True
+                turn.finish_reason = "error"
             return turns
         for turn in turns:
             turn.reward = value
     return turns
 
 
-def check_launch(units, max_new_tokens, budget, multi_turn, max_total_tokens):
+def check_launch(requests, settings, max_total_tokens):
     """Before anything is sent: a resume needs budget left and a single-turn task (a
     RolloutError: a caller's bug, since a sample cut exactly at the budget ends "length", never
     "abort"); and a launch larger than the KV pool gets a warning, since SGLang admits a request
     only if the pool can reserve most of its max_new_tokens: the rest queue, and a "tail"
     cancellation would then cancel requests that never started."""
-    for group_id, _, partial in units:
-        if partial is not None and (
-            len(partial.response_ids) >= min(max_new_tokens, budget) or multi_turn
-        ):
+    max_new_tokens = settings.sampling["max_new_tokens"]
+    budget = min(max_new_tokens, settings.budget)
+    multi_turn = settings.tool is not None
+    for request in requests:
+        resumed = request.resumed
+        if resumed is not None and (len(resumed.response_ids) >= budget or multi_turn):
             raise RolloutError(
-                f"cannot resume a sample of group {group_id} with {len(partial.response_ids)} "
-                f"tokens (budget {min(max_new_tokens, budget)}, multi-turn: {multi_turn})"
+                f"cannot resume a sample of group {request.group_id} with "
+                f"{len(resumed.response_ids)} tokens (budget {budget}, multi-turn: {multi_turn})"
             )
-    if max_total_tokens and len(units) * max_new_tokens > max_total_tokens:
+    if max_total_tokens and len(requests) * max_new_tokens > max_total_tokens:
         log.warning(
             "%d requests x %d new tokens exceed rollout.max_total_tokens=%d: requests will queue",
-            len(units),
+            len(requests),
             max_new_tokens,
             max_total_tokens,
         )
 
 
-def failed_sample(prompt_ids, group_id, version, start, reason="error"):
+def failed_sample(request, version, start, reason="error", prompt_ids=None, turn=0):
     """The sample of a request that failed or timed out ("error": counted), or was cancelled
-    before it was sent ("abort"): no tokens, masked out."""
+    before it was sent ("abort"): no tokens, masked out. `prompt_ids`: the failed turn's
+    (default: the trajectory's prompt)."""
     return Sample(
-        prompt_ids,
-        [],
-        [],
-        [],
-        group_id,
+        prompt_ids=request.prompt_ids if prompt_ids is None else prompt_ids,
+        response_ids=[],
+        logprobs=[],
+        loss_mask=[],
+        group_id=request.group_id,
+        trajectory_id=request.index,
+        turn=turn,
         finish_reason=reason,
         is_aborted=True,
         weight_version=version,
@@ -457,8 +482,8 @@ def check_failures(samples, stats, max_failed_ratio):
     num_trajectories = len({s.trajectory_id for s in samples})
     if stats.num_reward_errors > max_failed_ratio * num_trajectories:
         raise RewardError(
-            f"the reward function failed on {stats.num_reward_errors}/{num_trajectories} trajectories "
-            f"(rollout.max_failed_ratio={max_failed_ratio}); see the log for each"
+            f"the reward function failed on {stats.num_reward_errors}/{num_trajectories} "
+            f"trajectories (rollout.max_failed_ratio={max_failed_ratio}); see the log for each"
         )
     stats.num_failed = sum(s.finish_reason == "error" for s in samples)
     if stats.num_failed > max_failed_ratio * len(samples):

@@ -86,8 +86,18 @@ class Sample:
 
 
 def trajectories_of(samples: list[Sample]) -> list[list[Sample]]:
-    """Samples (turns) as trajectories: lists of turns in turn order, index = trajectory_id."""
+    """Samples (turns) as trajectories: lists of turns in turn order, ordered by trajectory_id
+    (a rollout's launch order). The one place turns are grouped into trajectories."""
     trajectories = {}
     for s in samples:
         trajectories.setdefault(s.trajectory_id, []).append(s)
     return [trajectories[i] for i in sorted(trajectories)]
+
+
+def groups_of(trajectories: list[list[Sample]]) -> list[list[list[Sample]]]:
+    """Trajectories of one rollout as GRPO groups (lists of trajectories sharing a group_id), in
+    order of first appearance. Groups that span steps (partial rollout) come from buffer.py."""
+    groups = {}
+    for turns in trajectories:
+        groups.setdefault(turns[-1].group_id, []).append(turns)
+    return list(groups.values())

@@ -1,36 +1,29 @@
-"""Tasks and rewards: the tiny CPU demo tasks (count letters; calculator questions), chat datasets
-(GSM8K and your own: rows of a prompt and an answer, a reward function named in the config), the
-demos' char tokenizer, and the calculator tool adapters (the tiny demo's "?" and Qwen's JSON tool
-calls).
+"""Tasks: the prompts a run trains and validates on. The tiny CPU demo tasks (count letters; a
+calculator question), chat datasets (GSM8K and your own rows of a prompt and an answer), the demos'
+char tokenizer, and the prompt stream each rank reads from.
 
-Owns prompt construction, data loading (bad rows counted and skipped), loading a reward function and
-the built-in ones. Does not own the model, the engine or batching order (PromptStream below hands
-them out).
+Owns prompt construction and data loading (bad rows counted and skipped), and which reward and tool
+each task uses (`build_task`). Does not own the rewards (rewards.py), the tools (tools.py), the
+model or the engine.
 """
 
 import dataclasses
-import importlib
-import importlib.util
-import inspect
 import json
 import logging
 import math
 import os
 import random
-import re
 
-from calculator import calculate
+import rewards
+import tools
 
 log = logging.getLogger("tasks")
+
+TASKS = ("tiny", "tiny_tool", "gsm8k", "chat")  # data.task: see build_task
 
 
 class DataError(ValueError):
     """A data source that cannot be used at all (missing file, no usable rows)."""
-
-
-class RewardError(ValueError):
-    """A reward function raised, or returned something other than a finite number (the trajectory
-    fails)."""
 
 
 @dataclasses.dataclass
@@ -41,9 +34,9 @@ class Prompt:
     answer: str
 
 
-# ---------------------------------------------------------------- tiny demo task Prompt "<bos>17:",
-# target "a" * 17 then <eos>. N ~ 1/N up to max_count, so most answers are short and a few are long:
-# the long-tailed length distribution RL rollouts have (shared/notes/tiny-demo.md).
+# ---------------------------------------------------------------- tiny demo task
+# Prompt "<bos>17:", target "a" * 17 then <eos>. N ~ 1/N up to max_count, so most answers are short
+# and a few are long: the long-tailed length distribution RL rollouts have.
 TINY_CHARS = "0123456789:a+-.=*/()?"  # one vocab for both tiny tasks (tiny_tool uses "*-=?")
 
 
@@ -77,22 +70,11 @@ def tiny_prompts(tokenizer, num_prompts, max_count, seed):
     return prompts
 
 
-def tiny_reward(response_text, answer, finished):
-    """Positionwise credit for N copies of 'a': 1 for exact, 0 if the sample never emitted <eos>."""
-    if not finished:
-        return 0.0
-    target = "a" * int(answer)
-    if response_text == target:
-        return 1.0
-    matches = sum(a == b for a, b in zip(response_text, target))
-    return matches / max(len(response_text), len(target))
-
-
-# ---------------------------------------------------------------- tiny tool task Prompt
-# "<bos>37*85-3141=", answer "4": a product minus a number just below it, so the answer is a digit
-# from 2 to 9 that depends jointly on the last digits of all three numbers (no pair of them tells
-# it) and not at all on the leading ones. A ~130k-parameter model does not learn that from its
-# reward in minutes: without the tool it guesses (1 in 8). The call is one token, "?", ending a
+# ---------------------------------------------------------------- tiny tool task
+# Prompt "<bos>37*85-3141=", answer "4": a product minus a number just below it, so the answer is a
+# digit from 2 to 9 that depends jointly on the last digits of all three numbers (no pair of them
+# tells it) and not at all on the leading ones. A ~130k-parameter model does not learn that from
+# its reward in minutes: without the tool it guesses (1 in 8). The call is one token, "?", ending a
 # turn: the calculator evaluates the question and the rollout appends "=4"; the model answers by
 # repeating the digit. Random init ends its first turn with "?" in about a quarter of the samples,
 # so calls are found by sampling.
@@ -111,134 +93,8 @@ def tiny_tool_prompts(tokenizer, num_prompts, digits, seed):
     return prompts
 
 
-def tiny_tool_reward(response_text, answer, finished):
-    """Positionwise credit of the final answer (the last turn's text), whether or not it ended: 1
-    for exactly the digit. A last turn that is a call ("...?") was never answered: 0."""
-    if response_text.endswith("?"):
-        return 0.0
-    matches = sum(a == b for a, b in zip(response_text, answer))
-    return matches / max(len(response_text), len(answer))
-
-
-class CalculatorTool:
-    """Turns a response that ends in a tool call into observation tokens for the next turn.
-
-    Called by rollout.py with the response ids and the trajectory's prompt ids; returns (observation
-    ids, is_error), or None when the response makes no tool call (it is the answer). The call is
-    untrusted model text: it only ever reaches calculator.calculate, which parses it and answers
-    errors as text, never by raising.
-    """
-
-    def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
-        self.tokenizer, self.call_start, self.call_end = tokenizer, call_start, call_end
-        # rollout stops generation on it
-        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)
-        self.parse_call, self.format_observation = parse_call, format_observation
-
-    def __call__(self, response_ids, prompt_ids=()):
-        if not response_ids or response_ids[-1] != self.call_end_id:
-            return None
-        expression = self.expression(response_ids, prompt_ids)
-        result = calculate(expression) if expression is not None else "error: malformed tool call"
-        observation = self.format_observation(result)
-        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith(
-            "error"
-        )
-
-    def expression(self, response_ids, prompt_ids):
-        """The expression the call asks for: the text between the last call_start and call_end,
-        parsed."""
-        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
-        start = text.rfind(self.call_start)
-        return (
-            self.parse_call(text[start + len(self.call_start) : -len(self.call_end)])
-            if start >= 0
-            else None
-        )
-
-
-class QuestionCalculator(CalculatorTool):
-    """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the
-    question (the prompt's expression; the turn's other text is ignored); the observation is
-    "=4"."""
-
-    def __init__(self, tokenizer):
-        super().__init__(
-            tokenizer,
-            "",
-            "?",
-            parse_call=None,
-            format_observation=lambda result: "=?" if result.startswith("error") else f"={result}",
-        )
-
-    def expression(self, response_ids, prompt_ids):
-        return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).removesuffix("=")
-
-
-CALCULATOR_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-def qwen_calculator(tokenizer):
-    """Qwen2.5/Qwen3 chat-template tool calls: <tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>, answered as a <tool_response> in a user turn, exactly as the chat
-    template renders tool messages."""
-
-    def parse_call(call):
-        try:
-            return json.loads(call)["arguments"]["expression"]  # json.loads never executes anything
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def format_observation(result):
-        return (
-            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
-
-    return CalculatorTool(tokenizer, "<tool_call>", "</tool_call>", parse_call, format_observation)
-
-
-# ---------------------------------------------------------------- GSM8K
+# ---------------------------------------------------------------- chat rows and GSM8K
 GSM8K_INSTRUCTION = "Solve the problem step by step. Put the final numeric answer after '####'."
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def parse_number(text):
-    """'1,234.50' -> 1234.5; None when the text holds no number."""
-    match = _NUMBER.search(text.replace("$", ""))
-    return float(match.group().replace(",", "")) if match else None
-
-
-def extract_answer(response_text):
-    """The model's final answer: after the last '####', else in the last \\boxed{}, else the last
-    number."""
-    if "####" in response_text:
-        return parse_number(response_text.rsplit("####", 1)[1])
-    boxed = re.findall(r"\\boxed\{([^}]*)\}", response_text)
-    if boxed:
-        return parse_number(boxed[-1])
-    numbers = _NUMBER.findall(response_text.replace("$", ""))
-    return float(numbers[-1].replace(",", "")) if numbers else None
-
-
-def gsm8k_reward(response_text, answer, finished):
-    """1 when the extracted number equals the gold answer, else 0 (unfinished answers still
-    count)."""
-    predicted, gold = extract_answer(response_text), parse_number(answer)
-    return float(
-        predicted is not None and gold is not None and math.isclose(predicted, gold, abs_tol=1e-6)
-    )
 
 
 def read_rows(source, split, subset=None):
@@ -287,7 +143,10 @@ def row_problem(row, prompt_field, answer_field, max_chars):
             and isinstance(m.get("content"), str)
             for m in prompt
         ):
-            return f"field {prompt_field!r}: a list of messages needs {{'role': str, 'content': str}} items"
+            return (
+                f"field {prompt_field!r}: a list of messages needs "
+                "{'role': str, 'content': str} items"
+            )
         texts = [m["content"] for m in prompt]
     elif isinstance(prompt, str):
         texts = [prompt]
@@ -365,110 +224,61 @@ def gsm8k_prompts(tokenizer, source, split, max_prompt_len, tools=None, subset="
     )
 
 
-def call_reward(reward_fn, response_text, answer, finished):
-    """reward_fn(response_text, answer, finished) as a float, or RewardError. The three
-    arguments: the text, since a reward judges what the model said (token ids would tie it to one
-    tokenizer); the row's answer, whatever the reward compares against; and whether the response
-    ended on its own (a stop token), not cut at the token budget, since a truncated answer may
-    deserve less. What it returned, if not a finite number (a bool neither), and what it raised,
-    become a RewardError naming the answer and the response's end."""
-    where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
-    try:
-        value = reward_fn(response_text, answer, finished=finished)
-    except (
-        Exception
-    ) as e:  # noqa: BLE001 - the user's function: any error is counted, never a crash mid-rollout
-        raise RewardError(f"the reward function raised {e!r} {where}") from e
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
-    return float(value)
-
-
-def load_reward(spec):
-    """The function `spec` names: "path/to/file.py:function" or "module:function" (importable
-    from the working directory). Called as fn(response_text, answer, finished) -> float. A
-    missing file, module or function, or one that cannot take those three arguments, is a
-    ConfigError here, before the engine starts."""
-    from config import ConfigError
-
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ConfigError(
-            f"data.reward={spec!r}: expected 'path/to/file.py:function' or 'module:function'"
-        )
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ConfigError(f"data.reward={spec!r}: no file {where}")
-        module_spec = importlib.util.spec_from_file_location(
-            f"reward_{os.path.basename(where)[:-3]}", where
-        )
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"data.reward={spec!r}: cannot import {where!r} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"data.reward={spec!r}: {where} has no function {name!r}")
-    try:
-        inspect.signature(fn).bind("response", "answer", finished=True)
-    except TypeError as e:
-        raise ConfigError(
-            f"data.reward={spec!r}: {name} must take (response_text, answer, finished): {e}"
-        ) from None
-    except ValueError:  # a builtin without a signature: called as is
-        pass
-    return fn
-
-
 # ---------------------------------------------------------------- the trainer's view
+@dataclasses.dataclass
+class Task:
+    """What a run trains on: its prompts, how a response is rewarded, and its tool."""
+
+    train_prompts: list[Prompt]
+    val_prompts: list[Prompt]
+    reward_fn: object  # (response_text, answer, finished) -> float; see rewards.call_reward
+    tool: object  # a tools.CalculatorTool for multi-turn tasks (rollout.max_turns > 1), else None
+
+
 def build_task(cfg, tokenizer):
-    """(train prompts, validation prompts, reward function, tool or None) for `data.task`."""
-    d, seed = cfg.data, cfg.train.seed
+    """The `Task` that `data.task` names, its prompts tokenized with `tokenizer`."""
+    d = cfg.data
+    seed = cfg.train.seed
+    use_tool = cfg.rollout.max_turns > 1  # one turn: no tool, whatever the task
     if d.task == "tiny":
         train = tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
         val = tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
-        return train, val, tiny_reward, None
+        return Task(train, val, rewards.tiny_reward, tool=None)
     if d.task == "tiny_tool":
-        train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, d.tiny_operand_digits, seed=seed)
-        val = tiny_tool_prompts(tokenizer, d.num_val_prompts, d.tiny_operand_digits, seed=seed + 1)
-        # 1 turn: no tool
-        tool = QuestionCalculator(tokenizer) if cfg.rollout.max_turns > 1 else None
-        return train, val, tiny_tool_reward, tool
-    use_tool = cfg.rollout.max_turns > 1
-    tools = [CALCULATOR_SCHEMA] if use_tool else None
+        digits = d.tiny_operand_digits
+        train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, digits, seed=seed)
+        val = tiny_tool_prompts(tokenizer, d.num_val_prompts, digits, seed=seed + 1)
+        tool = tools.QuestionCalculator(tokenizer) if use_tool else None
+        return Task(train, val, rewards.tiny_tool_reward, tool)
     # gsm8k: a chat dataset of its own rows, with its own reward unless the config names one; chat:
     # the rows' fields and the reward the config names (loaded first: a wrong one is named before
     # any data is read)
-    reward_fn = load_reward(d.reward) if d.reward else gsm8k_reward
-    sources = ((d.train_path, "train"), (d.val_path or d.train_path, "test"))
-    if d.task == "gsm8k":
-        train, val = (
-            gsm8k_prompts(tokenizer, path, split, d.max_prompt_len, tools, d.hub_subset or "main")
-            for path, split in sources
-        )
-    else:
-        train, val = (
-            chat_prompts(
+    reward_fn = rewards.load_reward(d.reward) if d.reward else rewards.gsm8k_reward
+    schemas = [tools.CALCULATOR_SCHEMA] if use_tool else None  # rendered by the chat template
+    prompts = {}
+    for split, path in (("train", d.train_path), ("test", d.val_path or d.train_path)):
+        if d.task == "gsm8k":
+            prompts[split] = gsm8k_prompts(
                 tokenizer,
                 path,
                 split,
                 d.max_prompt_len,
-                d.prompt_field,
-                d.answer_field,
-                tools,
-                d.hub_subset,
+                tools=schemas,
+                subset=d.hub_subset or "main",
             )
-            for path, split in sources
-        )
-    return (
-        train,
-        val[: d.num_val_prompts],
-        reward_fn,
-        qwen_calculator(tokenizer) if use_tool else None,
-    )
+        else:
+            prompts[split] = chat_prompts(
+                tokenizer,
+                path,
+                split,
+                d.max_prompt_len,
+                prompt_field=d.prompt_field,
+                answer_field=d.answer_field,
+                tools=schemas,
+                subset=d.hub_subset,
+            )
+    tool = tools.qwen_calculator(tokenizer) if use_tool else None
+    return Task(prompts["train"], prompts["test"][: d.num_val_prompts], reward_fn, tool)
 
 
 class PromptStream:

@@ -44,7 +44,8 @@ def model_shape(path):
         c = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         raise SystemExit(
-            f"model.path={path!r}: no HF config reachable and no known shape; add it to KNOWN_SHAPES"
+            f"model.path={path!r}: no HF config reachable and no known shape; "
+            "add it to KNOWN_SHAPES"
         )
     return (
         c.hidden_size,
@@ -160,7 +161,8 @@ def main():
     results = {n: estimate(cfg, n, gpu_bytes) for n in sorted({1, args.ranks})}
     gib = lambda b: f"{b / 2**30:8.2f}"  # noqa: E731
     print(
-        f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), {args.gpu_gib:g} GiB card"
+        f"{args.config}: {cfg.model.path}, per-GPU GiB (estimates, not measured), "
+        f"{args.gpu_gib:g} GiB card"
     )
     print(
         f"{'component':<48}"

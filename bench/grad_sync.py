@@ -29,6 +29,7 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
+import model  # noqa: E402
 import train_step  # noqa: E402
 from config import load_config  # noqa: E402
 
@@ -51,7 +52,7 @@ def update(samples, once_per_minibatch, micro_batches, max_tokens=0):
                 module.set_requires_gradient_sync(calls[0] == micro_batches)
 
         policy.register_forward_pre_hook(sync_last_only, with_kwargs=True)
-    optimizer, scheduler = train.build_optimizer(policy, cfg.train)
+    optimizer, scheduler = model.build_optimizer(policy, cfg.train)
     run = types.SimpleNamespace(
         cfg=cfg,
         policy=policy,
@@ -112,7 +113,8 @@ def main():
         f"sync every micro-batch {every:.3f} s, once per minibatch {once:.3f} s"
     )
     print(
-        f"grad_sync: micro_batch_s={every:.3f} minibatch_s={once:.3f} speedup={every / once:.3f} max_param_diff={diff:.3g}"
+        f"grad_sync: micro_batch_s={every:.3f} minibatch_s={once:.3f} "
+        f"speedup={every / once:.3f} max_param_diff={diff:.3g}"
     )
 
 

@@ -137,9 +137,11 @@ def main():
                 row = summarize(logged[arm])
                 rows[arm].append(row)
                 print(
-                    f"seed {seed} {arm:8s}: val greedy {row['val_greedy']:.3f} sampled {row['val_sampled']:.3f} "
-                    f"at step {row['last_step']} ({row['end_s']:.0f} s), median step {row['step_s']:.2f} s, rollout "
-                    f"{row['rollout_s']:.2f} s, zero-variance groups {row['zero_variance']:.1%}",
+                    f"seed {seed} {arm:8s}: val greedy {row['val_greedy']:.3f} "
+                    f"sampled {row['val_sampled']:.3f} at step {row['last_step']} "
+                    f"({row['end_s']:.0f} s), median step {row['step_s']:.2f} s, "
+                    f"rollout {row['rollout_s']:.2f} s, "
+                    f"zero-variance groups {row['zero_variance']:.1%}",
                     flush=True,
                 )
             # the seed's arms compared at the shortest run's end
@@ -154,8 +156,9 @@ def main():
                 flush=True,
             )
     print(
-        f"\n| arm | val greedy (step {args.steps}) | val sampled | val sampled at equal wall time | median step s "
-        f"| median rollout s | zero-variance groups |"
+        f"\n| arm | val greedy (step {args.steps}) | val sampled "
+        "| val sampled at equal wall time | median step s | median rollout s "
+        "| zero-variance groups |"
     )
     print("|---|---|---|---|---|---|---|")
     mean = {
@@ -167,7 +170,8 @@ def main():
         greedy = ", ".join(f"{r['val_greedy']:.3f}" for r in rows[arm])
         equal = ", ".join(f"{r['val_sampled_equal_time']:.3f}" for r in rows[arm])
         print(
-            f"| {arm} | {mean[arm]['val_greedy']:.3f} ({greedy}) | {mean[arm]['val_sampled']:.3f} ({sampled}) | "
+            f"| {arm} | {mean[arm]['val_greedy']:.3f} ({greedy}) "
+            f"| {mean[arm]['val_sampled']:.3f} ({sampled}) | "
             f"{mean[arm]['val_sampled_equal_time']:.3f} ({equal}) | {mean[arm]['step_s']:.2f} | "
             f"{mean[arm]['rollout_s']:.2f} | {mean[arm]['zero_variance']:.1%} |"
         )
@@ -180,12 +184,15 @@ def main():
         if "baseline" in arms and arm in arms:
             base = [r[key] for r in rows["baseline"]]
             print(
-                f"baseline sampled spread {when} over seeds: {min(base):.3f}..{max(base):.3f}; {arm} step time "
+                f"baseline sampled spread {when} over seeds: {min(base):.3f}..{max(base):.3f}; "
+                f"{arm} step time "
                 f"{mean[arm]['step_s'] / mean['baseline']['step_s']:.3f}x baseline"
             )
             print(
-                f"learning: baseline_val_sampled={mean['baseline'][key]:.3f} {arm}_val_sampled={mean[arm][key]:.3f} "
-                f"baseline_step_s={mean['baseline']['step_s']:.3f} {arm}_step_s={mean[arm]['step_s']:.3f}"
+                f"learning: baseline_val_sampled={mean['baseline'][key]:.3f} "
+                f"{arm}_val_sampled={mean[arm][key]:.3f} "
+                f"baseline_step_s={mean['baseline']['step_s']:.3f} "
+                f"{arm}_step_s={mean[arm]['step_s']:.3f}"
             )
 
 

@@ -74,7 +74,8 @@ def main():
     staged, all_at_once = max(peaks["staged"]), max(peaks["all_at_once"])
     print(
         f"memory: staged_peak_bytes={staged} all_at_once_peak_bytes={all_at_once} "
-        f"engine_weight_bytes={ledger.engine_weights} saving_bytes={all_at_once - staged} source={source}"
+        f"engine_weight_bytes={ledger.engine_weights} saving_bytes={all_at_once - staged} "
+        f"source={source}"
     )
 
 

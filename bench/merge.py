@@ -93,12 +93,17 @@ def time_merge(batch: list[list[Sample]], max_seq_len: int, repeats: int) -> Tim
         else:
             gc_seconds[0] += time.perf_counter() - gc_start[0]
 
-    wall, cpu, gc_ms, free_ms = [], [], [], []
+    wall = []
+    cpu = []
+    gc_ms = []
+    free_ms = []
     gc.callbacks.append(on_gc)
     try:
         for _ in range(repeats):
             gc.collect()
-            gc_seconds[0], start, start_cpu = 0.0, time.perf_counter(), time.process_time()
+            gc_seconds[0] = 0.0
+            start = time.perf_counter()
+            start_cpu = time.process_time()
             merged = merge_batch(batch, max_seq_len)
             wall.append((time.perf_counter() - start) * 1e3)
             cpu.append((time.process_time() - start_cpu) * 1e3)
@@ -188,8 +193,8 @@ def main() -> None:
         print(
             f"{args.trajectories * scale} trajectories x {args.turns} turns: {t.ms:.1f} ms "
             f"(range {t.min_ms:.1f}-{t.max_ms:.1f}, cpu {t.cpu_ms:.1f}; {t.ms / scale:.1f} ms per "
-            f"{args.trajectories}; garbage collection {t.gc_ms:.1f} ms; freeing the result {t.free_ms:.1f} ms, "
-            f"not timed)"
+            f"{args.trajectories}; garbage collection {t.gc_ms:.1f} ms; "
+            f"freeing the result {t.free_ms:.1f} ms, not timed)"
         )
         if scale == 1:
             stats = merge_batch(batch, args.max_seq_len)[1]
@@ -203,12 +208,14 @@ def main() -> None:
     if args.demo_steps:
         tokens_merged, tokens_unmerged = demo_token_counts(args.demo_steps)
         print(
-            f"multi-turn demo, per step: tokens {tokens_unmerged} step-wise -> {tokens_merged} merged "
+            f"multi-turn demo, per step: tokens {tokens_unmerged} step-wise -> "
+            f"{tokens_merged} merged "
             f"({tokens_unmerged / tokens_merged:.2f}x fewer)"
         )
     print(
-        f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} ms_2x={ms[2]:.2f} "
-        f"ms_4x={ms[4]:.2f} tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}"
+        f"merge: trajectories={args.trajectories} turns={args.turns} ms={ms[1]:.2f} "
+        f"ms_2x={ms[2]:.2f} ms_4x={ms[4]:.2f} "
+        f"tokens_merged={tokens_merged} tokens_unmerged={tokens_unmerged}"
     )
 
 

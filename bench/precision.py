@@ -24,13 +24,14 @@ sys.path.insert(
 import dist_worker  # noqa: E402  (its fixed batch: uneven lengths, aborted rows)
 import parallel  # noqa: E402
 import train  # noqa: E402
+import model  # noqa: E402
 from config import load_config  # noqa: E402
 
 
 def one_step(cfg, samples, advantages, device, params_dtype):
     """train_on_rollout once from the seeded initial policy; returns (before, after) whole
     parameters."""
-    policy, _ = train.build_policy(cfg, None)
+    policy, _ = model.build_policy(cfg, None)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     policy = policy.to(params_dtype)  # the bf16 arm: what the GPU config did before fp32 masters
     sharded = parallel.under_launcher()  # FSDP2 even with one rank, so torchrun exercises that path
@@ -95,7 +96,8 @@ def main():
         )
     if parallel.rank() == 0:
         print(
-            f"precision: lr={args.lr:g} compute=bfloat16 changed_fp32_masters={changed['fp32_masters']:.4f} "
+            f"precision: lr={args.lr:g} compute=bfloat16 "
+            f"changed_fp32_masters={changed['fp32_masters']:.4f} "
             f"changed_bf16_params={changed['bf16_params']:.4f} ranks={parallel.world_size()} "
             f"fsdp={parallel.under_launcher()} device={device.type}"
         )

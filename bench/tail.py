@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks  # noqa: E402  (needs the sys.path line above)
 import sample  # noqa: E402
 import checkpoint  # noqa: E402
-import train  # noqa: E402
+import model  # noqa: E402
 from config import load_config  # noqa: E402
 from buffer import PartialBuffer  # noqa: E402
 from cancel import filter_groups, plan_launch  # noqa: E402
@@ -145,7 +145,7 @@ def main():
             f"rollout.engine_threads={args.engine_threads}",
         ],
     )
-    policy, tokenizer = train.build_policy(cfg, None)
+    policy, tokenizer = model.build_policy(cfg, None)
     model_dir = checkpoint.export_for_engine(policy, tokenizer, out_dir)
     plan = plan_launch(
         dataclasses.replace(
@@ -175,8 +175,9 @@ def main():
         launched * args.group_size * (max(map(len, drawn)) + args.max_new_tokens)
     )
     print(
-        f"{args.prompts} prompts x {args.group_size}, policy={args.policy} drop_rate={args.drop_rate} "
-        f"over_sample_rate={args.over_sample_rate}: launch {plan.num_prompts} prompts, "
+        f"{args.prompts} prompts x {args.group_size}, policy={args.policy} "
+        f"drop_rate={args.drop_rate} over_sample_rate={args.over_sample_rate}: "
+        f"launch {plan.num_prompts} prompts, "
         f"stop at {plan.target_samples} samples ({plan.target_groups} groups for 'group')"
     )
 
@@ -199,7 +200,11 @@ def main():
             f"warm-up response lengths: median {lengths[len(lengths) // 2]}, "
             f"p80 {lengths[int(0.8 * len(lengths))]}, max {lengths[-1]}"
         )
-        base_s, cancel_s, ideals, latencies_ms, wasted = [], [], [], [], []
+        base_s = []
+        cancel_s = []
+        ideals = []
+        latencies_ms = []
+        wasted = []
         for repeat in range(args.repeats):
             # alternate the arms so drift in the machine's load hits both alike
             samples, stats, _ = run_arm(engine, base_prompts, args, None)
@@ -211,23 +216,23 @@ def main():
             wasted.append(tokens)
             print(
                 f"repeat {repeat}: baseline {base_s[-1]:.3f} s (ideal {ideals[-1]:.2f}x), cancel "
-                f"{cancel_s[-1]:.3f} s (decided at {stats.decision_s:.3f} s, {stats.num_cancelled} cancelled, "
-                f"{tokens} wasted tokens, cancel latency {latencies_ms[-1]:.1f} ms), "
+                f"{cancel_s[-1]:.3f} s (decided at {stats.decision_s:.3f} s, "
+                f"{stats.num_cancelled} cancelled, {tokens} wasted tokens, "
+                f"cancel latency {latencies_ms[-1]:.1f} ms), "
                 f"speedup {base_s[-1] / cancel_s[-1]:.2f}x"
             )
     finally:
         engine.shutdown()
         shutil.rmtree(out_dir)  # the exported model; the engine no longer reads it
 
-    baseline, cancel, ideal = (
-        statistics.median(base_s),
-        statistics.median(cancel_s),
-        statistics.median(ideals),
-    )
+    baseline = statistics.median(base_s)
+    cancel = statistics.median(cancel_s)
+    ideal = statistics.median(ideals)
     speedup = baseline / cancel
     print(
-        f"tail: baseline_s={baseline:.3f} cancel_s={cancel:.3f} speedup={speedup:.3f} ideal={ideal:.3f} "
-        f"efficiency={speedup / ideal:.3f} cancel_latency_ms={statistics.median(latencies_ms):.1f} "
+        f"tail: baseline_s={baseline:.3f} cancel_s={cancel:.3f} speedup={speedup:.3f} "
+        f"ideal={ideal:.3f} efficiency={speedup / ideal:.3f} "
+        f"cancel_latency_ms={statistics.median(latencies_ms):.1f} "
         f"wasted_tokens={round(statistics.median(wasted))}"
     )
 
@@ -244,7 +249,9 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
     medians over the repeats of each repeat's ratios: one noisy repeat cannot decide."""
     plan = dataclasses.replace(plan, partial=True)
     arms = {"baseline": None, "drop": dataclasses.replace(plan, partial=False), "partial": plan}
-    vs_baseline, vs_drop, partial_wasted = [], [], []
+    vs_baseline = []
+    vs_drop = []
+    partial_wasted = []
     for repeat in range(args.repeats):
         buffer = PartialBuffer(args.group_size, args.max_staleness)
         seconds = {arm: [] for arm in arms}
@@ -281,10 +288,9 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
                 )
                 assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
                 if arm == "partial":  # the buffer's counters are this step's (reset by `launch`)
-                    trained, lost = (
-                        buffer.collect(samples, launch)[1],
-                        buffer.counters["wasted_tokens"],
-                    )
+                    complete = buffer.collect(samples, launch)
+                    trained = [turn for group in complete for turns in group for turn in turns]
+                    lost = buffer.counters["wasted_tokens"]
                 else:
                     trained = [s for s in samples if not s.is_aborted]
                     lost = sum(len(s.response_ids) for s in samples if s.is_aborted)
@@ -302,12 +308,14 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
         for arm in arms:
             print(
                 f"repeat {repeat} {arm}: median_step_s={statistics.median(seconds[arm]):.3f} "
-                f"useful_tokens_per_s={rate[arm]:.1f} useful_tokens={useful[arm]} wasted_tokens={wasted[arm]}"
+                f"useful_tokens_per_s={rate[arm]:.1f} useful_tokens={useful[arm]} "
+                f"wasted_tokens={wasted[arm]}"
             )
         in_buffer = sum(len(g.members[i][-1].response_ids) for g, i in buffer.waiting)
         print(
-            f"repeat {repeat} partial: buffer at the end holds {len(buffer.waiting)} unfinished samples "
-            f"({in_buffer} tokens) and {len(buffer.groups)} groups; max_staleness={args.max_staleness}"
+            f"repeat {repeat} partial: buffer at the end holds {len(buffer.waiting)} "
+            f"unfinished samples ({in_buffer} tokens) and {len(buffer.groups)} groups; "
+            f"max_staleness={args.max_staleness}"
         )
         vs_baseline.append(rate["partial"] / rate["baseline"])
         vs_drop.append(rate["partial"] / rate["drop"])
@@ -318,7 +326,8 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
         f"{' '.join(f'{r:.3f}' for r in vs_drop)}"
     )
     print(
-        f"partial: speedup_vs_baseline={median(vs_baseline):.3f} speedup_vs_drop={median(vs_drop):.3f} "
+        f"partial: speedup_vs_baseline={median(vs_baseline):.3f} "
+        f"speedup_vs_drop={median(vs_drop):.3f} "
         f"wasted_tokens={round(median(partial_wasted))}"
     )
 
@@ -360,7 +369,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
         "wait_all": dataclasses.replace(filter_plan, cancel="none"),
         "abort": filter_plan,
     }
-    vs_rounds, vs_wait_all, kept_groups = [], [], []
+    vs_rounds = []
+    vs_wait_all = []
+    kept_groups = []
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         stream = [
             p.prompt_ids
@@ -372,7 +383,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
             )
         ]
         order = list(arms)[repeat % 3 :] + list(arms)[: repeat % 3]
-        seconds, kept, line = {}, {}, []
+        seconds = {}
+        kept = {}
+        line = []
         for arm in order:
             engine.flush_cache()
             prompts = list(stream[: filter_plan.num_prompts])
@@ -382,7 +395,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                 return prompts[group_ids[0] :]
 
             if arm == "rounds":
-                kept[arm], seconds[arm], rounds = 0, 0.0, 0
+                kept[arm] = 0
+                seconds[arm] = 0.0
+                rounds = 0
                 while kept[arm] < target:
                     batch = stream[rounds * args.round_prompts : (rounds + 1) * args.round_prompts]
                     samples, stats = engine.generate(
@@ -392,7 +407,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                         args.max_new_tokens,
                         reward=reward(batch),
                     )
-                    kept[arm] += filter_groups(sample.trajectories_of(samples))[1]["kept_groups"]
+                    kept[arm] += filter_groups(sample.groups_of(sample.trajectories_of(samples)))[
+                        1
+                    ]["kept_groups"]
                     seconds[arm] += stats.rollout_s
                     rounds += 1
                 line.append(f"rounds {seconds[arm]:.3f} s ({rounds} rounds, {kept[arm]} kept)")
@@ -406,11 +423,13 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                     reward=reward(prompts),
                     refill=refill,
                 )
-                counts = filter_groups(sample.trajectories_of(samples))[1]
+                counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))[1]
                 seconds[arm], kept[arm] = stats.rollout_s, counts["kept_groups"]
                 line.append(
-                    f"{arm} {stats.rollout_s:.3f} s ({stats.prompts_launched} prompts, {counts['kept_groups']} "
-                    f"kept, {counts['zero_variance_groups']} zero-variance, {stats.num_cancelled} cancelled)"
+                    f"{arm} {stats.rollout_s:.3f} s ({stats.prompts_launched} prompts, "
+                    f"{counts['kept_groups']} kept, "
+                    f"{counts['zero_variance_groups']} zero-variance, "
+                    f"{stats.num_cancelled} cancelled)"
                 )
             assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
         print(f"repeat {repeat}{' (warm-up)' if repeat == 0 else ''}: " + ", ".join(line))
@@ -426,7 +445,8 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
         f"{' '.join(f'{r:.3f}' for r in vs_wait_all)}"
     )
     print(
-        f"filter: speedup_vs_rounds={median(vs_rounds):.3f} speedup_vs_wait_all={median(vs_wait_all):.3f} "
+        f"filter: speedup_vs_rounds={median(vs_rounds):.3f} "
+        f"speedup_vs_wait_all={median(vs_wait_all):.3f} "
         f"kept_groups={min(kept_groups)}"
     )
 

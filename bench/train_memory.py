@@ -112,7 +112,8 @@ def main():
         print(f"{arm}: peak {peaks[arm] / 2**30:.2f} GiB over the model and batch ({args.device})")
     print(
         f"train_memory: vocab={args.vocab} seq_len={args.seq_len} micro_batch={args.micro_batch} "
-        f"old_peak_bytes={peaks['old']} new_peak_bytes={peaks['new']} ratio={peaks['new'] / peaks['old']:.3f}"
+        f"old_peak_bytes={peaks['old']} new_peak_bytes={peaks['new']} "
+        f"ratio={peaks['new'] / peaks['old']:.3f}"
     )
 
 

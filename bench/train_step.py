@@ -46,6 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import checkpoint  # noqa: E402
 import grpo  # noqa: E402
 import train  # noqa: E402
+import tasks  # noqa: E402
+import rollout  # noqa: E402
+import model  # noqa: E402
 from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
@@ -63,12 +66,12 @@ def demo_samples(out_dir, num_prompts=0, seed=0):
     engine, with GRPO advantages of random rewards (the update's cost depends on the lengths, not
     the rewards)."""
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={out_dir}"])
-    policy, tokenizer = train.build_policy(cfg, None)
-    engine = train.RolloutEngine(
+    policy, tokenizer = model.build_policy(cfg, None)
+    engine = rollout.RolloutEngine(
         checkpoint.export_for_engine(policy, tokenizer, out_dir), cfg.rollout, seed=seed
     )
     try:
-        prompts = train.PromptStream(train.build_task(cfg, tokenizer)[0], seed).take(
+        prompts = tasks.PromptStream(tasks.build_task(cfg, tokenizer).train_prompts, seed).take(
             num_prompts or cfg.rollout.prompts_per_step
         )
         samples, _ = engine.generate(
@@ -106,7 +109,7 @@ def gsm8k_samples(num_samples=64, seed=0):
 def policy_for(mix, cfg):
     """The mix's model, seeded: the demo's tiny model, or a small Qwen2 with Qwen's vocabulary."""
     if mix == "demo":
-        return train.build_policy(cfg, None)[0]
+        return model.build_policy(cfg, None)[0]
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -138,7 +141,7 @@ def update(mix, samples, packed, on_start=None):
         largest_padded_micro_batch(samples, cfg.train.micro_batch_size) if packed else 0
     )
     policy = policy_for(mix, cfg)
-    optimizer, scheduler = train.build_optimizer(policy, cfg.train)
+    optimizer, scheduler = model.build_optimizer(policy, cfg.train)
     run = types.SimpleNamespace(
         cfg=cfg,
         policy=policy,
@@ -213,11 +216,15 @@ def main():
             print(
                 f"{mix} {name}: update_s={statistics.median(seconds[packed]):.3f} (repeats "
                 f"{' '.join(f'{x:.3f}' for x in seconds[packed])}) tokens={s['train/tokens']} "
-                f"micro_batches={s['train/micro_batches']} head_positions={s['train/head_positions']} padded_fraction={s['train/padded_fraction']:.3f} "
-                f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} peak_mib={peaks[packed] / 2**20:.2f}"
+                f"micro_batches={s['train/micro_batches']} "
+                f"head_positions={s['train/head_positions']} "
+                f"padded_fraction={s['train/padded_fraction']:.3f} "
+                f"tokens_per_s={s['train/tokens'] / statistics.median(seconds[packed]):.0f} "
+                f"peak_mib={peaks[packed] / 2**20:.2f}"
             )
         summary.append(
-            f"mix={mix} speedup={padded_s / packed_s:.3f} padded_fraction={stats[True]['train/padded_fraction']:.3f}"
+            f"mix={mix} speedup={padded_s / packed_s:.3f} "
+            f"padded_fraction={stats[True]['train/padded_fraction']:.3f}"
         )
         peak_ratios.append(peaks[True] / peaks[False])
     print(f"train_step: {' '.join(summary)} peak_ratio={max(peak_ratios):.3f}")

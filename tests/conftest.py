@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import checkpoint  # noqa: E402
-import train  # noqa: E402
+import rollout  # noqa: E402
+import model  # noqa: E402
 from config import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +41,9 @@ def engine(tmp_path_factory):
     os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path_factory.mktemp("engine")
     cfg = tiny_config(out)
-    policy, tokenizer = train.build_policy(cfg, None)
+    policy, tokenizer = model.build_policy(cfg, None)
     model_dir = checkpoint.export_for_engine(policy, tokenizer, str(out))
-    engine = train.RolloutEngine(model_dir, cfg.rollout, dtype="float32", seed=0)
+    engine = rollout.RolloutEngine(model_dir, cfg.rollout, dtype="float32", seed=0)
     yield engine
     engine.shutdown()
 
@@ -50,7 +51,7 @@ def engine(tmp_path_factory):
 @pytest.fixture
 def policy(engine, tmp_path):
     """A fresh seeded tiny policy, pushed into the shared engine as version 0."""
-    policy, _ = train.build_policy(tiny_config(tmp_path), None)
+    policy, _ = model.build_policy(tiny_config(tmp_path), None)
     engine.update_weights(policy.named_parameters(), version=0)
     return policy
 
@@ -151,9 +152,8 @@ def calibrate():
     suite's mix)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    start, a = time.perf_counter(), torch.randn(
-        256, 256, generator=torch.Generator().manual_seed(0)
-    )
+    start = time.perf_counter()
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
     for _ in range(200):
         a = torch.tanh(a @ a * 0.01)
     total = sum(i % 7 for i in range(2_000_000))
@@ -211,8 +211,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
 
 
-CALIBRATION, BUDGET_LINE, BACKGROUND = (
-    pytest.StashKey[tuple](),
-    pytest.StashKey[str](),
-    pytest.StashKey[BackgroundRuns](),
-)
+CALIBRATION = pytest.StashKey[tuple]()
+BUDGET_LINE = pytest.StashKey[str]()
+BACKGROUND = pytest.StashKey[BackgroundRuns]()

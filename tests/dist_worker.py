@@ -24,6 +24,7 @@ import grpo  # noqa: E402
 import parallel  # noqa: E402
 import sglang_engine  # noqa: E402
 import train  # noqa: E402
+import model  # noqa: E402
 from config import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
@@ -76,7 +77,7 @@ def fixed_batch(num_groups=4, group_size=4, seed=0):
 def update_once(cfg, samples, advantages, shard):
     """One train_on_rollout from the seeded initial policy; returns the policy (sharded if
     `shard`)."""
-    policy, _ = train.build_policy(cfg, None)
+    policy, _ = model.build_policy(cfg, None)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     if shard:
         policy = parallel.shard(policy, compute_dtype)
@@ -158,7 +159,7 @@ def check_ranks(out_dir):
     # lands
     cfg = parity_config(out_dir, "token-mean", "model.compute_dtype=bfloat16", "train.lr=1e-6")
     # the initial weights
-    before = full_params(parallel.shard(train.build_policy(cfg, None)[0], torch.bfloat16))
+    before = full_params(parallel.shard(model.build_policy(cfg, None)[0], torch.bfloat16))
     policy, optimizer, _ = update_once(cfg, mine, my_advantages, shard=True)
     after = full_params(policy)
     if rank == 0:

@@ -19,6 +19,7 @@ import re
 import torch
 
 import tasks
+import tools
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # added tokens in Qwen2.5, not special: they stay in decoded text
@@ -32,14 +33,15 @@ QWEN_SPLIT = (
 
 # ChatML; with `tools`, the system turn lists them and says how to call them; an assistant turn
 # renders its tool calls as <tool_call> JSON, and a tool message is a user turn holding a
-# <tool_response> (Qwen2.5's format, which tasks.qwen_calculator's observations reproduce token for
+# <tool_response> (Qwen2.5's format, which tools.qwen_calculator's observations reproduce token for
 # token).
 TOOLS_SYSTEM = (
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
 TOOLS_HOW = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within "
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\n</tool_call><|im_end|>\n"
 )
@@ -52,16 +54,21 @@ CHAT_TEMPLATE = (
     + repr(TOOLS_SYSTEM)
     + " }}{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
     "{{ " + repr(TOOLS_HOW) + " }}"
-    "{% elif messages[0].role != 'system' %}<|im_start|>system{{ '\\n' }}You are a helpful assistant.<|im_end|>{{ '\\n' }}"
+    "{% elif messages[0].role != 'system' %}<|im_start|>system{{ '\\n' }}"
+    "You are a helpful assistant.<|im_end|>{{ '\\n' }}"
     "{% endif %}"
     "{% for m in messages %}"
-    "{% if m.role == 'system' %}{% if not tools %}<|im_start|>system{{ '\\n' + m.content }}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% if m.role == 'system' %}{% if not tools %}"
+    "<|im_start|>system{{ '\\n' + m.content }}<|im_end|>{{ '\\n' }}{% endif %}"
     "{% elif m.role == 'user' %}<|im_start|>user{{ '\\n' + m.content }}<|im_end|>{{ '\\n' }}"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ '\\n' + (m.content or '') }}"
-    "{% for call in m.tool_calls or [] %}{{ '\\n' if m.content or not loop.first else '' }}<tool_call>{{ '\\n' }}"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}{{ \'\\n\' }}</tool_call>'
+    "{% for call in m.tool_calls or [] %}"
+    "{{ '\\n' if m.content or not loop.first else '' }}<tool_call>{{ '\\n' }}"
+    '{"name": "{{ call.function.name }}", '
+    "\"arguments\": {{ call.function.arguments | tojson }}}{{ '\\n' }}</tool_call>"
     "{% endfor %}<|im_end|>{{ '\\n' }}"
-    "{% elif m.role == 'tool' %}<|im_start|>user{{ '\\n' }}<tool_response>{{ '\\n' + m.content + '\\n' }}</tool_response>"
+    "{% elif m.role == 'tool' %}<|im_start|>user{{ '\\n' }}"
+    "<tool_response>{{ '\\n' + m.content + '\\n' }}</tool_response>"
     "<|im_end|>{{ '\\n' }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
@@ -115,29 +122,30 @@ def sft_examples(tokenizer, data, rng, malformed_share=0.3):
     """(input ids, label mask) pairs, built the way the rollout builds contexts: a chat-template
     prompt, then each turn's tokens and each observation's tokens appended as ids (never
     re-tokenized together)."""
-    tool = tasks.qwen_calculator(tokenizer)
+    tool = tools.qwen_calculator(tokenizer)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     examples = []
     for row in data:
         final = row["answer"].rsplit("####", 1)[-1].strip()
         answer_ids = encode(f"#### {final}<|im_end|>")
-        for tools in (None, [tasks.CALCULATOR_SCHEMA]):
+        for schemas in (None, [tools.CALCULATOR_SCHEMA]):
             messages = [
                 {"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}
             ]
             prompt = encode(
                 tokenizer.apply_chat_template(
-                    messages, tools=tools, tokenize=False, add_generation_prompt=True
+                    messages, tools=schemas, tokenize=False, add_generation_prompt=True
                 )
             )
-            if tools is None:
+            if schemas is None:
                 examples.append((prompt + answer_ids, [0] * len(prompt) + [1] * len(answer_ids)))
                 continue
             expression = last_calculation(row["answer"])
             # unquoted: bad JSON
             value = json.dumps(expression) if rng.random() > malformed_share else expression
             call = encode(
-                f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": {value}}}}}\n</tool_call>'
+                '<tool_call>\n{"name": "calculator", '
+                f'"arguments": {{"expression": {value}}}}}\n</tool_call>'
             )
             observation, _ = tool(call)
             ids = prompt + call + observation + answer_ids
@@ -179,7 +187,7 @@ def build(folder, data_path, steps=250, seed=0):
     data = rows(data_path)
     rng = random.Random(seed)
     corpus = [f"{r['question']}\n{tasks.GSM8K_INSTRUCTION}\n{r['answer']}" for r in data]
-    corpus += [CHAT_TEMPLATE, json.dumps(tasks.CALCULATOR_SCHEMA)] * 20
+    corpus += [CHAT_TEMPLATE, json.dumps(tools.CALCULATOR_SCHEMA)] * 20
     tokenizer = build_tokenizer(corpus)
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     torch.manual_seed(seed)

@@ -1,5 +1,5 @@
-"""Tests for calculator.py: correct arithmetic, error observations, and bounded time on hostile
-input.
+"""Tests for tools.py's calculator: correct arithmetic, error observations, and bounded time on
+hostile input.
 
 Covers calculate() only; tool-call parsing and the multi-turn loop are tested elsewhere.
 """
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from calculator import CalcError, _eval, calculate
+from tools import CalcError, _eval, calculate
 
 
 @pytest.mark.parametrize(
@@ -33,6 +33,8 @@ from calculator import CalcError, _eval, calculate
     ],
 )
 def test_correct_results(expression, expected):
+    """Arithmetic comes back as exact text: an integral float prints as an int, binary noise is
+    rounded away, small values are kept."""
     assert calculate(expression) == expected
 
 
@@ -66,17 +68,21 @@ def test_correct_results(expression, expected):
     ],
 )
 def test_errors_are_observations(expression, reason):
+    """Bad input (empty, division by zero, huge exponents or results, deep nesting, names, calls,
+    attributes, other syntax) returns an "error: ..." text naming the reason; it never raises."""
     result = calculate(expression)
     assert result.startswith("error: ") and reason in result, result
 
 
 def test_non_string_input():
+    """A non-string expression (None) is an error observation, not an exception."""
     assert calculate(None).startswith("error: ")
 
 
 @pytest.mark.parametrize("source", ["True", "1j", "'a'", "x", "f(1)", "[1]", "1 if 1 else 2"])
 def test_ast_layer_rejects_non_arithmetic(source):
-    # The character filter already stops these; the AST check must stop them on its own too.
+    """The AST check on its own (the character filter in front of it already stops these) rejects
+    booleans, complex numbers, strings, names, calls, lists and conditionals with a CalcError."""
     with pytest.raises(CalcError):
         _eval(ast.parse(source, mode="eval").body)
 
@@ -88,6 +94,8 @@ def _timed(expression) -> tuple[str, float]:
 
 
 def test_fuzz_never_raises_and_is_fast():
+    """Hostile cases and 5,000 random expressions (70% over the allowed characters): every call
+    returns a string, and none takes 0.1 s or more."""
     rng = random.Random(0)
     allowed = "0123456789+-*/(). e"
     hostile = "*()_'\"[]{}:;,.\\\x00abcjxlmd=<>!~%&|@#$^` \n\t"
@@ -106,7 +114,8 @@ def test_fuzz_never_raises_and_is_fast():
         "+-" * 99 + "1",
         "1+" * 99 + "1",
         "9**" * 60 + "9",
-        "(((((((((((((((((((9**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)**9)",
+        "(((((((((((((((((((9**9)**9)**9)**9)**9)**9)**9)**9)**9)"
+        "**9)**9)**9)**9)**9)**9)**9)**9)**9)",
         "[" * 199,
         "{" * 199,
         "0." + "9" * 190,

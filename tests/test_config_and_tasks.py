@@ -8,6 +8,8 @@ import sys
 import pytest
 
 import tasks
+import tools
+import rewards
 from config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,8 @@ GSM8K_ROWS = 100
 
 
 def test_yaml_and_set_overrides_are_typed():
+    """--set overrides on top of a YAML file are parsed to each field's type (float, int, bool);
+    an int where a float is expected becomes a float."""
     cfg = load_config(
         os.path.join(ROOT, "configs/tiny.yaml"),
         ["train.lr=1e-3", "rollout.group_size=4", "train.scale_by_std=false", "train.kl_coef=1"],
@@ -28,6 +32,9 @@ def test_yaml_and_set_overrides_are_typed():
 
 @pytest.mark.parametrize("name", ["gsm8k.yaml", "gsm8k_tool.yaml", "gsm8k_dapo.yaml"])
 def test_gpu_configs_are_sized_for_eight_ranks_with_bf16_compute(name):
+    """Each shipped GPU config computes and serves in bf16, uses every visible GPU, splits its
+    prompts into whole groups over 8 ranks, and has a small learning rate and an
+    importance-sampling cap of at least 1."""
     cfg = load_config(os.path.join(ROOT, "configs", name), [f"data.train_path={GSM8K_TRAIN}"])
     assert (cfg.model.compute_dtype, cfg.model.engine_dtype) == ("bfloat16", "bfloat16")
     assert cfg.run.nproc == 0  # every visible GPU
@@ -55,11 +62,15 @@ def test_gpu_configs_are_sized_for_eight_ranks_with_bf16_compute(name):
     ],
 )
 def test_bad_overrides_name_the_key(override, message):
+    """A bad --set (unknown key or section, wrong type, value out of range, malformed, a replaced
+    key) is a ConfigError naming the key and what was expected."""
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [override])
 
 
 def test_unknown_key_in_yaml(tmp_path):
+    """An unknown key in a YAML file, and a file that is not valid YAML, are ConfigErrors naming
+    the problem."""
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="train.learning_rate"):
@@ -96,6 +107,8 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
 
 
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
+    """Unparseable lines and rows of the wrong shape are skipped and counted in warnings; the
+    good rows load."""
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
     path.write_text(
@@ -119,6 +132,8 @@ def _wide_char_tokenizer():
 
 
 def test_over_long_prompts_are_counted_and_skipped(caplog):
+    """Prompts longer than max_prompt_len are dropped and counted; a limit that leaves none is a
+    DataError."""
     tokenizer = _wide_char_tokenizer()
     prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=250)
     assert 0 < len(prompts) < GSM8K_ROWS
@@ -129,36 +144,41 @@ def test_over_long_prompts_are_counted_and_skipped(caplog):
 
 
 def test_gsm8k_reward_on_real_rows():
+    """On 50 real GSM8K rows the reference solution scores 1 and a wrong final number 0; a boxed
+    answer, a thousands separator and a last number in the text are read; no number scores 0."""
     rows = tasks.read_rows(GSM8K_TRAIN, "train")[:50]
     for row in rows:
         gold = row["answer"].rsplit("####", 1)[1].strip()
         solution = row["answer"]  # the reference solution ends in "#### <answer>": full credit
-        assert tasks.gsm8k_reward(solution, gold, finished=True) == 1.0
-        wrong = str(int(tasks.parse_number(gold)) + 1)
-        assert tasks.gsm8k_reward(f"So the answer is #### {wrong}", gold, finished=True) == 0.0
-    assert tasks.gsm8k_reward("... so \\boxed{1,234}", "1234", True) == 1.0
-    assert tasks.gsm8k_reward("She pays $18 in total.", "18", True) == 1.0
-    assert tasks.gsm8k_reward("no number here", "18", True) == 0.0
+        assert rewards.gsm8k_reward(solution, gold, finished=True) == 1.0
+        wrong = str(int(rewards.parse_number(gold)) + 1)
+        assert rewards.gsm8k_reward(f"So the answer is #### {wrong}", gold, finished=True) == 0.0
+    assert rewards.gsm8k_reward("... so \\boxed{1,234}", "1234", True) == 1.0
+    assert rewards.gsm8k_reward("She pays $18 in total.", "18", True) == 1.0
+    assert rewards.gsm8k_reward("no number here", "18", True) == 0.0
 
 
 def test_tiny_task_and_reward():
+    """The tiny task's counts are drawn with weight 1/N (short targets dominate) behind "N:"
+    prompts; its reward is 1 for N a's ending in <eos>, partial credit for a wrong count or other
+    characters, 0 without <eos>."""
     tokenizer = tasks.build_char_tokenizer()
     prompts = tasks.tiny_prompts(tokenizer, 2000, 32, seed=0)
     counts = [int(p.answer) for p in prompts]
     assert counts.count(1) > 5 * counts.count(10) > 0  # weight 1/N: short targets dominate
     assert tokenizer.decode(prompts[0].prompt_ids, skip_special_tokens=True) == f"{counts[0]}:"
-    assert tasks.tiny_reward("aaa", "3", finished=True) == 1.0
-    assert tasks.tiny_reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
-    assert tasks.tiny_reward("aa", "4", finished=True) == 0.5
-    assert tasks.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
+    assert rewards.tiny_reward("aaa", "3", finished=True) == 1.0
+    assert rewards.tiny_reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
+    assert rewards.tiny_reward("aa", "4", finished=True) == 0.5
+    assert rewards.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
 
 
 def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
-    """Prompts "a*b-c=" whose value is a digit 2..9; "?" ending a turn gets that value from the
-    calculator."""
+    """Prompts "a*b-c=" whose value is a digit 2..9, spread evenly; "?" ending a turn gets that
+    value from the calculator, and the reward scores the answer, a call never answered as 0."""
     tokenizer = tasks.build_char_tokenizer()
     prompts = tasks.tiny_tool_prompts(tokenizer, 2000, 2, seed=0)
-    tool = tasks.QuestionCalculator(tokenizer)
+    tool = tools.QuestionCalculator(tokenizer)
     ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     for p in prompts[:50]:
         question = tokenizer.decode(p.prompt_ids, skip_special_tokens=True)
@@ -176,15 +196,16 @@ def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
         answers
     )
     # a one-token turn ends by length
-    assert tasks.tiny_tool_reward("4", "4", finished=False) == 1.0
-    assert tasks.tiny_tool_reward("5", "4", finished=True) == 0.0
-    assert tasks.tiny_tool_reward("43", "4", finished=True) == 0.5
+    assert rewards.tiny_tool_reward("4", "4", finished=False) == 1.0
+    assert rewards.tiny_tool_reward("5", "4", finished=True) == 0.0
+    assert rewards.tiny_tool_reward("43", "4", finished=True) == 0.5
     # a call never answered is no answer
-    assert tasks.tiny_tool_reward("4?", "4", finished=True) == 0.0
+    assert rewards.tiny_tool_reward("4?", "4", finished=True) == 0.0
 
 
 def test_qwen_tool_call_format_round_trip():
-    """The chat-template tool format (Qwen2.5/Qwen3): parse the JSON call, answer in a tool turn."""
+    """The chat-template tool format (Qwen2.5/Qwen3): a JSON call is parsed and answered in a tool
+    turn, a malformed one is answered with an error, and a response without a call gets None."""
     tokenizer = _wide_char_tokenizer()
     tokenizer.add_special_tokens(
         {
@@ -198,13 +219,14 @@ def test_qwen_tool_call_format_round_trip():
             ]
         }
     )
-    tool = tasks.qwen_calculator(tokenizer)
+    tool = tools.qwen_calculator(tokenizer)
 
     def call(text):
         return tool(tokenizer(text, add_special_tokens=False).input_ids)
 
     observation, is_error = call(
-        'I add. <tool_call>\n{"name": "calculator", "arguments": {"expression": "48 + 24"}}\n</tool_call>'
+        'I add. <tool_call>\n{"name": "calculator", '
+        '"arguments": {"expression": "48 + 24"}}\n</tool_call>'
     )
     assert not is_error
     assert tokenizer.decode(observation) == (

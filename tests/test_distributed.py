@@ -18,6 +18,7 @@ import checkpoint
 import dist_worker
 import parallel
 import train
+import model
 from conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,15 +38,15 @@ def two_ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("mode, packed", dist_worker.PARITY_RUNS)
 def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_path, mode, packed):
-    """Uneven shares (rank 1 runs padding micro-batches), padded or packed on the ranks; one
-    padded rank."""
+    """Two ranks with uneven shares (rank 1 runs padding micro-batches), padded or packed, end one
+    update with the loss, gradients and parameters of one padded rank on the combined batch."""
     out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.is_aborted for s in samples)
     policy, _, stats = dist_worker.update_once(
         dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False
     )
-    initial, _ = train.build_policy(dist_worker.parity_config(tmp_path, mode), None)
+    initial, _ = model.build_policy(dist_worker.parity_config(tmp_path, mode), None)
     sharded = torch.load(out / dist_worker.parity_file(mode, packed), weights_only=True)
     assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
     assert sharded["grad_norm"] == pytest.approx(stats["train/grad_norm"], rel=1e-5)
@@ -63,6 +64,8 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
 
 
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
+    """Under FSDP2 with bf16 compute both ranks keep fp32 parameters and AdamW state, and an
+    update at lr 1e-6 changes nearly every parameter (bf16 masters would keep ~98% unchanged)."""
     _, results, _ = two_ranks
     for r in results:
         assert r["param_dtypes"] == ["torch.float32"] and r["optimizer_dtypes"] == ["torch.float32"]
@@ -70,9 +73,11 @@ def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
 
 
 def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
+    """On one rank with bf16 autocast, parameters and AdamW state stay fp32 and an update at lr
+    1e-6 changes at least 99% of the parameters."""
     cfg = tiny_config(tmp_path, "model.compute_dtype=bfloat16", "train.lr=1e-6")
     samples, advantages = dist_worker.fixed_batch()
-    initial, _ = train.build_policy(cfg, None)
+    initial, _ = model.build_policy(cfg, None)
     policy, optimizer, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {
@@ -84,6 +89,8 @@ def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
 
 
 def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
+    """After one trained step and its weight sync, each rank's engine holds version 1, gives the
+    trainer's log-probs (within 1e-4) and has no request left."""
     _, results, _ = two_ranks
     for r in results:
         assert r["engine_version"] == 1  # one step trained and synced
@@ -92,6 +99,9 @@ def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
 
 
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
+    """A 2-rank checkpoint resumes on 2 ranks with equal parameters and optimizer state, resumes
+    resharded on one rank with the trained parameters and AdamW moments, and its HF export scores
+    like the resumed trainer."""
     out, results, _ = two_ranks
     assert all(
         r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
@@ -136,13 +146,15 @@ def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ran
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+    """A rank that raises ends the 2-rank job with a RankError carrying that rank's message."""
     with pytest.raises(parallel.RankError, match="rank 1 could not go on"):
         parallel.launch(2, dist_worker.fail_on_rank_1, str(tmp_path))
 
 
 def test_train_py_reports_a_rank_error_and_exits_non_zero(tmp_path):
-    # 3 prompts cannot be split into whole groups over 2 ranks: each rank raises ConfigError in
-    # setup
+    """`train.py` on 2 ranks whose setup raises a ConfigError on each rank (3 prompts cannot be
+    split into whole groups over 2 ranks) exits non-zero with a RankError and the ConfigError's
+    message."""
     command = [
         sys.executable,
         "train.py",

@@ -21,6 +21,9 @@ def run_bench(*args):
 
 @pytest.mark.parametrize("config", ["configs/gsm8k.yaml", "configs/gsm8k_tool.yaml"])
 def test_gpu_configs_leave_15_percent_headroom_on_80_gb(config):
+    """bench/estimate_memory.py on each shipped GPU config, 1 and 8 ranks: the peak (the largest
+    phase) leaves at least 15% of an 80 GB card free, and the breakdown names the activations and
+    the engine's KV cache."""
     lines = run_bench("bench/estimate_memory.py", "--config", config, "--ranks", "8")
     estimates = [
         dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines if line.startswith("estimate:")
@@ -37,6 +40,8 @@ def test_gpu_configs_leave_15_percent_headroom_on_80_gb(config):
 
 
 def test_gradient_checkpointing_lowers_the_train_estimate():
+    """Turning train.gradient_checkpointing on lowers the estimated train-phase memory."""
+
     def train_gib(*sets):
         line = run_bench("bench/estimate_memory.py", "--ranks", "1", *sets)[-1]
         return float(re.search(r"train_gib=(\S+)", line).group(1))
@@ -50,7 +55,10 @@ def test_gradient_checkpointing_lowers_the_train_estimate():
     "train_memory_bench",
     [sys.executable, "bench/train_memory.py", "--vocab", "16384", "--device", "cpu"],
 )
-def test_train_memory_bench_prints_the_issue_line(background_runs):
+def test_train_memory_bench_chunked_path_peaks_under_half_the_old_one(background_runs):
+    """bench/train_memory.py on a 16k vocabulary ends with the issue's line, in which the chunked
+    log-prob path peaks at less than half the memory of the full-logits path and the ratio
+    printed is new / old."""
     line = background_runs.lines("train_memory_bench")[-1]
     match = re.fullmatch(
         r"train_memory: vocab=16384 seq_len=1024 micro_batch=4 old_peak_bytes=(\d+) "
@@ -58,5 +66,7 @@ def test_train_memory_bench_prints_the_issue_line(background_runs):
         line,
     )
     assert match, line
-    old, new, ratio = int(match[1]), int(match[2]), float(match[3])
+    old = int(match[1])
+    new = int(match[2])
+    ratio = float(match[3])
     assert 0 < new < 0.5 * old and ratio == pytest.approx(new / old, abs=1e-3)

@@ -41,6 +41,8 @@ def scripted(is_zero_variance):
 
 
 def test_keep_rule_is_a_float64_std_with_a_threshold():
+    """A group is informative when the float64 std of its rewards exceeds 1e-6: equal rewards
+    that float arithmetic set apart, a single reward and none are not."""
     assert informative([0.0, 1.0]) and informative([0.5, 0.5, 0.5 + 1e-5])
     assert not informative([1.0, 1.0, 1.0]) and not informative([0.7]) and not informative([])
     near = [0.1 + 0.2, 0.3, 0.3]  # equal shaped rewards that float arithmetic set apart
@@ -48,6 +50,9 @@ def test_keep_rule_is_a_float64_std_with_a_threshold():
 
 
 def test_group_filter_judges_a_group_when_its_last_member_returns_on_its_survivors():
+    """A group is judged once its last launched member returns, on its finished members' rewards
+    (a failed member counts nowhere), a held group together with the rewards its members earned
+    before."""
     groups = GroupFilter(prior_rewards={7: [0.0, 1.0]})
     for group_id in (0, 0, 0, 1, 1, 7):
         groups.launched(group_id)
@@ -65,6 +70,8 @@ def test_group_filter_judges_a_group_when_its_last_member_returns_on_its_survivo
 def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(
     tmp_path,
 ):
+    """Refills are asked for only while kept plus in-flight groups fall short of the target,
+    refill_prompts at a time, and never past the step's prompt bound."""
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=2", "rollout.max_prompts_per_step=7")
     groups = GroupFilter()
     for group_id in (0, 1, 2, 3):
@@ -80,7 +87,9 @@ def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_withi
 def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
     engine, policy, tmp_path
 ):
-    # 16 prompts launched for 4 kept groups
+    """16 prompts launched for 4 kept groups, every even group zero-variance: the rollout stops
+    at 4 kept groups and aborts the rest inside the engine; every finished trajectory was scored,
+    and filter_groups keeps exactly the informative groups, renumbered for the advantages."""
     plan = filtering_plan(tmp_path, "rollout.over_sample_rate=3.0")
     assert (plan.num_prompts, plan.target_groups, plan.max_prompts) == (16, 4, 16)
     samples, stats = engine.generate(
@@ -95,7 +104,8 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
         assert last.reward == (
             0.0 if last.is_aborted else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2
         )
-    kept, counts = filter_groups(trajectories)
+    kept_groups, counts = filter_groups(sample.groups_of(trajectories))
+    kept = [turns for group in kept_groups for turns in group]
     complete = {
         g
         for g in range(16)
@@ -111,12 +121,15 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
     assert {t[-1].group_id for t in kept} == informative_groups and counts["kept_groups"] == len(
         informative_groups
     )
-    # renumbered for the advantages
-    assert [t[-1].trajectory_id for t in kept] == list(range(len(kept)))
+    # ids are left as the rollout made them (the advantages are aligned with the groups)
+    assert all(t[-1].trajectory_id == t[0].trajectory_id for t in kept)
     assert counts["zero_variance_groups"] == len(survivors) - len(informative_groups)
 
 
 def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_path):
+    """With the 4 launched groups all zero-variance, refill prompts are launched one at a time
+    under new group ids while other requests still run, until 4 groups are kept within the prompt
+    bound."""
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=1")
     refills = []
 
@@ -138,6 +151,8 @@ def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_p
 
 
 def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_path):
+    """When every group is zero-variance, the rollout stops at the prompt bound (6 prompts)
+    without error, keeps no group, and the step is logged as truncated."""
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=1", "rollout.max_prompts_per_step=6")
     samples, stats = engine.generate(
         PROMPTS,
@@ -150,7 +165,7 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
     )
     assert engine.num_in_flight() == 0
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4
-    kept, counts = filter_groups(sample.trajectories_of(samples))
+    kept, counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))
     assert kept == [] and counts["zero_variance_groups"] == 6
     logged = filter_metrics(kept, counts, stats, plan.target_groups, filtering=True)
     assert logged["filter/truncated_steps"] == 1 and logged["filter/prompts_launched"] == 6
@@ -203,27 +218,26 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
     plan = plan_launch(cfg.rollout, 4)
     suspended = resumed = 0
     for step in range(6):
-        prompts, samples, stats = train.rollout(run, plan)
+        groups, stats = train.rollout(run, plan)
         assert engine.num_in_flight() == 0
-        suspended, resumed = (
-            suspended + run.buffer.counters["suspended"],
-            resumed + run.buffer.counters["resumed"],
-        )
-        trajectories = sample.trajectories_of(samples)
-        assert all(s.finish_reason != "abort" for s in samples)  # whole groups only
-        kept, counts = filter_groups(trajectories)
-        for group_id in {t[-1].group_id for t in kept}:
-            assert informative(
-                [t[-1].reward for t in kept if t[-1].group_id == group_id and not t[-1].is_aborted]
-            )
-        assert counts["kept_groups"] + counts["zero_variance_groups"] == len(prompts)
+        suspended += run.buffer.counters["suspended"]
+        resumed += run.buffer.counters["resumed"]
+        # whole groups only
+        assert all(t[-1].finish_reason != "abort" for group in groups for t in group)
+        kept, counts = filter_groups(groups)
+        for group in kept:
+            assert informative([t[-1].reward for t in group if not t[-1].is_aborted])
+        assert counts["kept_groups"] + counts["zero_variance_groups"] == len(groups)
         if resumed:
             break
     assert suspended > 0 and resumed > 0
 
 
 @pytest.mark.background("tail_bench_smoke", TAIL_SMOKE)
-def test_tail_bench_filter_prints_the_issue_line(background_runs):
+def test_tail_bench_filter_runs_end_to_end_and_reports_its_figures(background_runs):
+    """bench/tail.py --filter runs its three arms on a small workload and ends with the issue's
+    line: both speedups and the kept groups, as numbers (their values are not checked at this
+    size)."""
     lines = background_runs.lines("tail_bench_smoke")
     assert re.fullmatch(
         r"filter: speedup_vs_rounds=[\d.]+ speedup_vs_wait_all=[\d.]+ kept_groups=\d+", lines[-1]

@@ -24,8 +24,9 @@ import checkpoint
 import dist_worker
 import parallel
 import sglang_engine
-import tasks
+import tools
 import train
+import model
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_train import scalars
 
@@ -33,6 +34,9 @@ TESTS = os.path.join(REPO, "tests")
 
 
 def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uuid(monkeypatch):
+    """On GPU the engine's environment puts CUDA graphs in the releasable memory region (a user's
+    own setting is kept) and patches torch's CUDA tensor sharing to name devices by UUID; on CPU
+    it does neither."""
     monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     sglang_engine.prepare_engine_environment(on_gpu=False)
     assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
@@ -60,6 +64,9 @@ def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uui
 # ---------------------------------------------------------------- F5: weight sync casts, then
 # gathers
 def test_weight_sync_casts_each_shard_before_gathering():
+    """Weight sync casts each shard to the engine's dtype before gathering it (half the bytes of
+    an fp32 all-gather), bit-identical to gather-then-cast, in order, in buckets of about
+    bucket_bytes, the last one marked."""
     torch.manual_seed(0)
     params = [(f"p{i}", torch.randn(n, 8)) for i, n in enumerate([3, 40, 5, 200, 7])]
     gathered_dtypes = []
@@ -84,6 +91,8 @@ def test_weight_sync_casts_each_shard_before_gathering():
 
 # ---------------------------------------------------------------- F6: engine ports
 def test_each_local_rank_draws_its_engine_port_from_its_own_window():
+    """Each of 8 local ranks draws its engine ports from its own window, and the windows are
+    disjoint."""
     windows = [
         range(20000 + r * sglang_engine.PORT_WINDOW, 20000 + (r + 1) * sglang_engine.PORT_WINDOW)
         for r in range(8)
@@ -108,6 +117,8 @@ def test_a_port_taken_on_any_interface_is_refused():
 
 # ---------------------------------------------------------------- S2: one visible GPU per rank
 def test_a_rank_that_sees_one_gpu_uses_device_0(monkeypatch):
+    """A rank uses the GPU of its LOCAL_RANK when it sees them all, and device 0 when it sees
+    only one."""
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert parallel.gpu_index(device_count=8) == 3
     # SLURM --gpus-per-task=1: cuda:3 would not exist
@@ -140,6 +151,8 @@ PHASE_TABLE = {"rollout": 42.60, "train": 19.63, "sync": 6.53}
 
 
 def test_memory_estimate_terms_match_the_table():
+    """The memory estimate of configs/gsm8k.yaml on 8 ranks matches, term by term and per phase,
+    the table computed by hand above; on one rank the train phase is larger."""
     spec = importlib.util.spec_from_file_location(
         "estimate_memory", os.path.join(REPO, "bench", "estimate_memory.py")
     )
@@ -162,8 +175,10 @@ def test_memory_estimate_terms_match_the_table():
 
 # ---------------------------------------------------------------- F8, F4: the trainer's forward
 def test_the_trainer_forward_builds_no_kv_cache(tmp_path):
+    """The trainer's forward passes use_cache=False and gets no KV cache back, though the model's
+    config defaults to one."""
     cfg = dist_worker.parity_config(tmp_path, "token-mean")
-    policy, _ = train.build_policy(cfg, None)
+    policy, _ = model.build_policy(cfg, None)
     assert policy.config.use_cache  # the default this test guards against
     samples, _ = dist_worker.fixed_batch()
     seen = []
@@ -177,6 +192,8 @@ def test_the_trainer_forward_builds_no_kv_cache(tmp_path):
 
 
 def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_path):
+    """training_sequences leaves cancelled rows out, and the update without them has the loss,
+    gradients and parameters of the update with them masked."""
     cfg = dist_worker.parity_config(tmp_path, "seq-mean-token-mean")
     samples, advantages = dist_worker.fixed_batch()
     trajectories = [[s] for s in samples]
@@ -198,21 +215,21 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
 # template
 def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
     """A tool conversation rendered by the model's chat template is, token for token, the context
-    the rollout builds: the prompt, the generated call, tasks.qwen_calculator's observation, the
+    the rollout builds: the prompt, the generated call, tools.qwen_calculator's observation, the
     answer."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     question = [{"role": "user", "content": "What is 12*3+4?"}]
-    tools = [tasks.CALCULATOR_SCHEMA]
+    schemas = [tools.CALCULATOR_SCHEMA]
     prompt = encode(
         tokenizer.apply_chat_template(
-            question, tools=tools, tokenize=False, add_generation_prompt=True
+            question, tools=schemas, tokenize=False, add_generation_prompt=True
         )
     )
     call = encode(
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n</tool_call>'
     )
-    observation, is_error = tasks.qwen_calculator(tokenizer)(call)
+    observation, is_error = tools.qwen_calculator(tokenizer)(call)
     answer = encode("#### 40<|im_end|>")
     conversation = question + [
         {
@@ -228,7 +245,7 @@ def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
         {"role": "tool", "content": "40"},
         {"role": "assistant", "content": "#### 40"},
     ]
-    rendered = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False)
+    rendered = tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False)
     assert (
         not is_error and tokenizer.decode(prompt + call + observation + answer) + "\n" == rendered
     )
@@ -310,6 +327,9 @@ def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
 
 
 def test_gsm8k_config_trains_on_two_ranks_with_bf16_and_partial_rollout(gsm8k_two_ranks):
+    """configs/gsm8k.yaml rehearsed on 2 ranks: bf16 compute and engine, finite losses, the
+    over-sampled launch count, a bf16 log-prob gap small but not 0, and the suspended tail logged
+    and saved in the 2-rank checkpoint."""
     out, logged, texts, resolved = gsm8k_two_ranks
     assert (resolved["model"]["compute_dtype"], resolved["model"]["engine_dtype"]) == (
         "bfloat16",
@@ -396,6 +416,9 @@ def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
 
 
 def test_gsm8k_tool_config_executes_calls_answers_errors_and_merges_turns(gsm8k_tool):
+    """configs/gsm8k_tool.yaml rehearsed under torchrun: tool calls executed, malformed ones
+    answered as errors, turns merged, finite losses, every trajectory of both ranks launched, and
+    responses that stop at <|im_end|> after a tool response."""
     out, logged, texts, resolved = gsm8k_tool
     assert resolved["rollout"]["max_turns"] == 5 and resolved["rollout"]["merge_turns"] is True
     calls, errors = sum(logged["rollout/tool_calls"]), sum(logged["rollout/tool_errors"])

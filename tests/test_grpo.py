@@ -11,6 +11,8 @@ MODES = grpo.LOSS_AGG_MODES
 
 
 def test_group_advantages_hand_computed():
+    """Group advantages are (reward - group mean) / unbiased group std, 0 for a group of equal
+    rewards; Dr. GRPO's variant leaves out the division."""
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5])
     groups = torch.tensor([0, 0, 0, 0, 1, 1])
     valid = torch.ones(6, dtype=torch.bool)
@@ -24,6 +26,8 @@ def test_group_advantages_hand_computed():
 
 
 def test_group_statistics_use_survivors_only():
+    """An aborted member is left out of its group's mean and std and gets advantage 0: the
+    survivors get the advantages of the group without it."""
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     valid = torch.tensor([True, True, True, False])
     adv, _ = grpo.group_advantages(rewards, torch.zeros(4, dtype=torch.long), valid)
@@ -37,6 +41,8 @@ def test_group_statistics_use_survivors_only():
 
 
 def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
+    """Groups with fewer than two survivors get advantage 0 (finite) and are counted as
+    degenerate; with every sample aborted, all groups are."""
     rewards = torch.tensor([1.0, 0.0, 0.3, 0.9, 0.2, 0.4])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
     # group 0: 1 survivor, group 1: none
@@ -52,6 +58,7 @@ def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
 
 
 def test_aggregate_modes_hand_computed():
+    """Each loss aggregation mode against hand-computed values; an unknown mode raises."""
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert grpo.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
@@ -69,6 +76,9 @@ def test_aggregate_modes_hand_computed():
 
 
 def test_clipped_ratio_and_kl_hand_computed():
+    """PPO clipping at ratio 1.5: with A > 0 the loss is clipped at 1.2 and passes no gradient;
+    with A < 0 min() keeps the unclipped term and its gradient. The KL estimate is exp(d) - d - 1
+    with d = ref - logp."""
     old = torch.zeros(1, 1)
     logprobs = torch.full((1, 1), math.log(1.5), requires_grad=True)  # ratio 1.5, beyond 1 + 0.2
     mask = torch.ones(1, 1)
@@ -90,7 +100,7 @@ def test_clipped_ratio_and_kl_hand_computed():
 
 def test_clip_higher_hand_computed_and_symmetric_by_default():
     """DAPO's clip-higher: ratio 1.25 with A > 0 is inside [0.8, 1.28] (gradient flows), outside
-    [0.8, 1.2]."""
+    [0.8, 1.2]; without clip_eps_high the clip is symmetric, and the low side keeps clip_eps."""
     old, mask = torch.zeros(1, 1), torch.ones(1, 1)
     for high, expected_loss, expected_grad in (
         (0.28, -1.25, -1.25),
@@ -177,8 +187,9 @@ def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
 
 
 def test_truncated_importance_weights_hand_computed():
-    # Three trained tokens and one masked: pi_old / mu = 0.5, 1 and 4 (capped at 2); the masked one
-    # would be 100.
+    """Truncated importance sampling: weights pi_old / mu of 0.5, 1 and 4 (capped at 2; a masked
+    token's 100 is ignored) scale the loss and each token's gradient, and their mean and capped
+    share are reported; mu == pi_old gives the plain loss; a cap under 1 raises."""
     old = torch.zeros(1, 4)
     engine = torch.tensor([[math.log(2.0), 0.0, -math.log(4.0), -math.log(100.0)]])  # mu per token
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
@@ -206,6 +217,7 @@ def test_truncated_importance_weights_hand_computed():
 
 
 def test_token_logprobs_temperature():
+    """Log-probs and entropies are those of log_softmax(logits / temperature)."""
     logits = torch.randn(2, 3, 5)
     targets = torch.randint(0, 5, (2, 3))
     logprobs, entropy = grpo.token_logprobs(logits, targets, temperature=0.7)
@@ -225,8 +237,8 @@ def _full_size_token_logprobs(logits, target_ids, temperature):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_chunked_head_logprobs_equal_the_full_size_path(seed):
-    # values and gradients (to the hidden states and the head's weight) against the path before
-    # chunking
+    """For random shapes and chunk sizes, the chunked head gives the log-probs, entropies and
+    gradients (to the hidden states and the head's weight) of the path before chunking."""
     torch.manual_seed(seed)
     batch, length, vocab = (int(x) for x in torch.randint(1, 9, (3,)) * torch.tensor([1, 7, 13]))
     # chunks of 1 position up to all of them
@@ -249,6 +261,8 @@ def test_chunked_head_logprobs_equal_the_full_size_path(seed):
 
 
 def test_entropy_carries_no_autograd_graph():
+    """Entropy comes back detached (a metric, never differentiated) while log-probs are fp32 and
+    keep their graph, on the full and on the chunked path."""
     logits = torch.randn(2, 6, 11, requires_grad=True)
     logprobs, entropy = grpo.token_logprobs(logits, torch.zeros(2, 6, dtype=torch.long))
     assert logprobs.requires_grad and logprobs.dtype == torch.float32
@@ -280,7 +294,11 @@ def _loss_grad(logits, old, adv, mask, mode, ref=None):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_aborted_rows_masked_equals_removed(mode):
-    batch, width, vocab = 6, 7, 5
+    """In every loss mode, aborted rows masked out give the loss and gradients of the batch
+    without them, and no gradient of their own."""
+    batch = 6
+    width = 7
+    vocab = 5
     logits = torch.randn(batch, width, vocab)
     old = torch.randn(batch, width) * 0.1 - 1.5
     ref = torch.randn(batch, width) * 0.1 - 1.5
@@ -302,6 +320,7 @@ def test_aborted_rows_masked_equals_removed(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_all_aborted_batch_gives_finite_zero(mode):
+    """In every loss mode, a batch with nothing to train gives loss 0 and zero, finite gradients."""
     loss, grad = _loss_grad(
         torch.randn(3, 4, 5), torch.zeros(3, 4), torch.randn(3), torch.zeros(3, 4), mode
     )
@@ -310,7 +329,8 @@ def test_all_aborted_batch_gives_finite_zero(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_micro_batch_weighting_equals_one_batch(mode):
-    """train.py scales each micro-batch loss by aggregation_count(mb) / aggregation_count(batch)."""
+    """Micro-batch losses scaled by aggregation_count(mb) / aggregation_count(batch), as train.py
+    scales them, add up to the gradients of the whole batch in every loss mode."""
     logits = torch.randn(6, 5, 4)
     old, adv = torch.randn(6, 5) * 0.1 - 1.4, torch.randn(6)
     mask = (torch.rand(6, 5) > 0.4).float()

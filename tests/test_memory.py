@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 import batching
 import train
+import model
 from conftest import tiny_config
 from memory import Ledger, MemoryPhases, PhaseError
 
@@ -28,6 +29,9 @@ def greedy(engine):
 
 
 def test_phase_cycle_release_resume_and_parity(run):
+    """Two steps of to_train/sync release and resume both engine memory tags and leave the engine
+    generating the same greedy tokens and log-probs; after the policy changes, a staged push in
+    several buckets gives the engine the trainer's log-probs."""
     phases = MemoryPhases(
         run.engine, run.policy, run.optimizer, mode="staged", bucket_bytes=64 << 10
     )
@@ -56,6 +60,9 @@ def test_phase_cycle_release_resume_and_parity(run):
 
 
 def test_illegal_transitions_raise_named_errors(run):
+    """Out-of-order transitions (sync before to_train, to_train twice, resuming what was not
+    released, releasing twice, releasing while a request runs) raise a PhaseError naming the
+    problem."""
     phases = MemoryPhases(run.engine, run.policy, run.optimizer)
     with pytest.raises(PhaseError, match="sync\\(\\) needs phase 'train'"):
         phases.sync(version=1)
@@ -86,6 +93,8 @@ def test_illegal_transitions_raise_named_errors(run):
 
 
 def test_ledger_equals_real_tensor_sizes(run):
+    """The ledger's byte counts equal the real sizes: trainer parameters, AdamW state, the
+    engine's loaded weights, and the KV pool SGLang reports."""
     r = run.cfg
     samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 8)
     advantages = torch.randn(len(samples))
@@ -111,6 +120,8 @@ def test_ledger_equals_real_tensor_sizes(run):
 
 
 def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
+    """The modelled sync peak of all_at_once is parameters + engine weights + KV cache + one
+    bucket, and staged's is lower by at least the engine's weights."""
     peaks = {}
     for mode in ("staged", "all_at_once"):
         phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode=mode)
@@ -129,7 +140,10 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
 def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train_peak(
     run, tmp_path
 ):
-    reference = train.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
+    """A staged sync offloads the optimizer and empties the cache before resuming the engine's
+    weights, then offloads the parameters and empties it again before resuming the KV cache; the
+    train peak is noted before the sync; the KL reference is resident only while training."""
+    reference = model.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
     phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", reference=reference)
     assert phases.ledger.reference_params == sum(p.numel() * 4 for p in reference.parameters())
     assert "reference_params" not in phases.resident  # offloaded with the trainer for the rollout
@@ -155,14 +169,32 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
 
 
 def test_release_waits_for_an_idle_engine(run):
-    # right after a rollout the engine is idle: the wait returns at once, and the release goes
-    # through
+    """Right after a rollout, to_train's release first waits until the scheduler says it is idle
+    (flush_cache, retried until it succeeds), then frees every engine memory tag; sync resumes
+    them."""
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer)
     run.engine.generate(PROMPTS, 1, 0.0, 8)
-    run.engine.wait_until_idle()
-    assert run.engine.num_in_flight() == 0
+    flushes = []
+    flush = run.engine.flush_cache
+
+    def recorded_flush():
+        flushes.append(flush())
+        return flushes[-1]
+
+    run.engine.flush_cache = recorded_flush
+    try:
+        phases.to_train()
+    finally:
+        del run.engine.flush_cache
+    assert flushes and flushes[-1].success  # the release waited for an idle engine
+    assert phases.engine_released == set(run.engine.memory_tags)
+    phases.sync(version=1)
+    assert phases.engine_released == set()
 
 
 def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
+    """The engine's environment drops expandable_segments from PYTORCH_CUDA_ALLOC_CONF (with a
+    warning) and TORCHELASTIC_USE_AGENT_STORE, and leaves other allocator settings alone."""
     import sglang_engine
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")

@@ -59,6 +59,8 @@ OBSERVATIONS = [[50, 51], [60]]
 
 
 def test_sample_per_token_fields_become_typed_arrays():
+    """A Sample stores its per-token fields as typed arrays (int ids, float log-probs, byte
+    masks) without copying arrays it is given, and refuses non-integer ids and negative masks."""
     s = Sample([1, 2], [3], [-0.5], [1], group_id=0)
     assert [
         (a.typecode, a.tolist()) for a in (s.prompt_ids, s.response_ids, s.logprobs, s.loss_mask)
@@ -72,6 +74,8 @@ def test_sample_per_token_fields_become_typed_arrays():
 
 
 def test_all_turns_merge():
+    """Turns whose prompts extend the previous context merge into one sequence: the last turn's
+    full context, with the observations masked out."""
     turns = make_turns(RESPONSES, OBSERVATIONS)
     (seq,), stats = merge_trajectory(turns, max_seq_len=100)
     assert seq.prompt_ids.tolist() == [1, 2, 3]
@@ -86,6 +90,8 @@ def test_all_turns_merge():
 
 
 def test_no_turns_merge():
+    """When every later turn's prompt breaks the prefix, each turn stays a sequence of its own
+    and each break is counted."""
     turns = make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1, 2}))
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
     assert [s.response_ids.tolist() for s in seqs] == RESPONSES
@@ -94,6 +100,8 @@ def test_no_turns_merge():
 
 
 def test_partial_merge_with_mismatch_in_the_middle():
+    """A break in the middle closes the merged sequence; the next one starts from the rewritten
+    prompt."""
     responses = [[10], [20], [30], [40]]
     turns = make_turns(responses, [[50], [60], [70]], breaks=frozenset({2}))
     seqs, stats = merge_trajectory(turns, max_seq_len=100)
@@ -105,7 +113,8 @@ def test_partial_merge_with_mismatch_in_the_middle():
 
 
 def test_response_mismatch_is_a_break():
-    # Same prompt, but the next prompt re-tokenized the response differently: not a prefix.
+    """A next prompt that re-tokenized the previous response differently is not a prefix: a
+    break, two sequences."""
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
     turns[1] = dataclasses.replace(
         turns[1], prompt_ids=turns[0].prompt_ids.tolist() + [10, 99] + OBSERVATIONS[0]
@@ -115,6 +124,7 @@ def test_response_mismatch_is_a_break():
 
 
 def test_single_turn_passthrough():
+    """A single turn comes back as an equal copy; the input is left untouched."""
     (turn,) = make_turns([[10, 11]], [])
     (seq,), stats = merge_trajectory([turn], max_seq_len=100)
     assert seq == turn and seq.response_ids is not turn.response_ids  # equal copy, input untouched
@@ -122,6 +132,8 @@ def test_single_turn_passthrough():
 
 
 def test_per_token_alignment_and_observation_masking():
+    """Random turns merge with every response token's log-prob and mask in place, and every
+    observation token masked with log-prob 0."""
     rng = random.Random(0)
     responses = [[rng.randrange(1000) for _ in range(rng.randint(1, 6))] for _ in range(5)]
     observations = [[rng.randrange(1000) for _ in range(rng.randint(0, 4))] for _ in range(4)]
@@ -145,6 +157,8 @@ def test_per_token_alignment_and_observation_masking():
 
 
 def test_scalar_fields_come_from_last_merged_turn():
+    """A merged sequence takes turn, reward, finish reason and weight version from its last turn,
+    and keeps its trajectory and group ids."""
     (seq,), _ = merge_trajectory(make_turns(RESPONSES, OBSERVATIONS), max_seq_len=100)
     assert (seq.turn, seq.reward, seq.finish_reason, seq.weight_version) == (2, 2.0, "stop2", 12)
     # credit: every sequence keeps its trajectory
@@ -152,6 +166,9 @@ def test_scalar_fields_come_from_last_merged_turn():
 
 
 def test_validation_errors():
+    """merge_trajectory refuses no turns, turns of two trajectories, turns out of order,
+    per-token fields of unequal lengths and a max_seq_len of 0, each with a MergeError naming the
+    problem."""
     turns = make_turns(RESPONSES, OBSERVATIONS)
     with pytest.raises(MergeError, match="no turns"):
         merge_trajectory([], max_seq_len=100)
@@ -171,6 +188,8 @@ def test_validation_errors():
 
 
 def test_over_length_is_counted_and_not_truncated():
+    """A merged sequence over max_seq_len warns and is counted, never truncated; exactly at the
+    limit there is no warning."""
     turns = make_turns(RESPONSES, OBSERVATIONS)  # merged length 3 + 9 = 12
     with pytest.warns(UserWarning, match="exceed max_seq_len=10"):
         (seq,), stats = merge_trajectory(turns, max_seq_len=10)
@@ -181,6 +200,8 @@ def test_over_length_is_counted_and_not_truncated():
 
 
 def test_batch_sums_stats_and_unmerged_is_step_wise():
+    """merge_batch sums its trajectories' statistics, and unmerged() returns every turn as a
+    sequence of its own, in order."""
     batch = [
         make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0),
         make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({1}), trajectory_id=1),
@@ -231,8 +252,9 @@ def random_trajectory(rng, trajectory_id, max_turns, vocab, response_lengths, br
 
 @pytest.mark.parametrize("per_token", [lambda context, token, logprob: logprob, toy_causal_model])
 def test_token_mean_loss_equal_merged_and_unmerged(per_token):
-    # Merging must keep each trained token, its logprob AND its context, so token-mean losses match.
-    # (Sequence-mean aggregations do not match: merging changes the number of sequences.)
+    """Merging keeps each trained token, its log-prob and its context, so random batches have the
+    same token-mean loss merged and unmerged. (Sequence-mean aggregations differ: merging changes
+    the number of sequences.)"""
     rng = random.Random(1)
     batch = [
         random_trajectory(
@@ -248,9 +270,8 @@ def test_token_mean_loss_equal_merged_and_unmerged(per_token):
 
 
 def test_break_after_tentative_append_leaves_no_trace():
-    # A re-templated history longer than the open sequence: the merger appends the new tail, finds
-    # the first token changed, and must undo the append, so the closed sequence is exactly the first
-    # turn.
+    """A re-templated history longer than the open sequence whose first token changed: the merger
+    undoes the tail it appended, so the closed sequence is exactly the first turn."""
     turns = make_turns(RESPONSES[:2], OBSERVATIONS)
     turns[1] = dataclasses.replace(turns[1], prompt_ids=[99] + turns[1].prompt_ids[1:].tolist())
     first, second = merge_trajectory(turns, max_seq_len=100)[0]
@@ -288,6 +309,8 @@ def reference_merge(turns: list[Sample]) -> list[tuple]:
 
 
 def test_parity_with_reference_merge():
+    """On 200 random trajectories, some with a rewritten or truncated history, merge_batch gives
+    exactly what a plain list-based merge gives, breaks included."""
     rng = random.Random(2)
     batch = []
     for traj in range(200):
@@ -315,9 +338,9 @@ def test_parity_with_reference_merge():
     assert stats.prefix_breaks == len(expected) - len(batch) > 0
 
 
-def test_bench_ends_with_the_issue_line():
-    # bench/merge.py's last line is what issue 5 checks; a small synthetic run (no engine) keeps it
-    # honest.
+def test_merge_bench_reports_that_merging_trains_fewer_tokens():
+    """bench/merge.py on a small synthetic batch (no engine) ends with the line issue 5 checks,
+    in which merged 5-turn trajectories train fewer tokens than unmerged ones."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run(
         [

@@ -5,7 +5,7 @@ import pytest
 
 from metrics import length_stats, masked_mean, rollout_metrics
 from rollout import RolloutStats
-from sample import Sample
+from sample import Sample, trajectories_of
 
 
 def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop", turn=0):
@@ -24,13 +24,16 @@ def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop"
 
 
 def test_completed_vs_launched_reward_means():
+    """The completed reward mean averages survivors only, the launched mean counts aborted and
+    failed samples as 0; counts, ratios, wasted tokens, lengths and throughput come out as
+    computed by hand."""
     samples = [
         sample(0, 1.0, 4),
         sample(1, 0.5, 6),
         sample(2, 0.0, 30, is_aborted=True, finish_reason="abort"),
         sample(3, 0.0, 0, is_aborted=True, finish_reason="error"),
     ]
-    out = rollout_metrics(samples, RolloutStats(rollout_s=2.0))
+    out = rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=2.0))
     assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
     assert out["train/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
     assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
@@ -41,13 +44,15 @@ def test_completed_vs_launched_reward_means():
 
 
 def test_multi_turn_trajectories_count_once():
+    """A trajectory of several turns counts once in the launched count and in the reward mean."""
     samples = [sample(0, 1.0, 3, turn=0), sample(0, 1.0, 2, turn=1), sample(1, 0.0, 4)]
-    out = rollout_metrics(samples, RolloutStats(rollout_s=1.0))
+    out = rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0))
     assert out["rollout/launched"] == 2
     assert out["train/reward_mean_completed"] == pytest.approx(0.5)
 
 
 def test_masked_mean_and_lengths_never_nan():
+    """An all-masked mean and the length statistics of no samples are 0, not NaN."""
     import torch
 
     assert masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])).item() == 0.0

@@ -8,8 +8,9 @@ import batching
 import grpo
 import sample
 import plot
-import tasks
+import tools
 import train
+import tasks
 from config import load_config
 from conftest import tiny_config
 
@@ -28,6 +29,9 @@ def tool_run(engine, tmp_path, *sets):
 
 
 def test_tool_turns_extend_the_previous_context(engine, tmp_path):
+    """A turn ending in "?" gets the calculator's answer as an observation, and the next turn's
+    prompt is the previous context plus it (so turns merge); every turn carries the trajectory's
+    reward, and a trajectory stays within its token budget."""
     run = tool_run(engine, tmp_path)
     samples, stats = train.generate(run, run.stream.prompts[:16], 8, 1.0)
     trajectories = sample.trajectories_of(samples)
@@ -52,6 +56,8 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
 
 
 def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path):
+    """Real multi-turn rollouts trained merged are fewer, shorter sequences with the same trained
+    tokens and the same token-mean loss as step-wise ones."""
     run = tool_run(engine, tmp_path)
     prompts = run.stream.prompts[:16]
     samples, _ = train.generate(run, prompts, 8, 1.0)
@@ -81,6 +87,9 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
 
 
 def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine, tmp_path):
+    """A tool call in the last allowed turn is never executed and ends the trajectory truncated
+    ("length", reward 0); a call whose observation uses up the token budget ends it the same way,
+    with no further turn started."""
     run = tool_run(engine, tmp_path, "rollout.max_turns=2")
     prompts = run.stream.prompts[:16]
     samples, stats = train.generate(run, prompts, 8, 1.0)
@@ -104,8 +113,8 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
 
 
 def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
-    """configs/tiny_tool.yaml as shipped (fewer steps and prompts): merged turns, tool metrics in
-    TensorBoard."""
+    """configs/tiny_tool.yaml as shipped (fewer steps and prompts) trains with tool calls and
+    merged turns, logs the tool metrics and plot.py draws them; max_turns=1 turns the tool off."""
     from test_train import scalars
 
     cfg = load_config(
@@ -119,7 +128,7 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
         ],
     )
     run = train.setup(cfg, engine=engine)
-    assert isinstance(run.tool, tasks.QuestionCalculator)
+    assert isinstance(run.tool, tools.QuestionCalculator)
     train.train(run)
     logged = scalars(tmp_path)
     # one-token turns: "?" ~1 in 25
@@ -138,4 +147,4 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
     } <= set(drawn)
     no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
     # the switch the README gives turns the tool off
-    assert train.build_task(no_tool, run.tokenizer)[3] is None
+    assert tasks.build_task(no_tool, run.tokenizer).tool is None

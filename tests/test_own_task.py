@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 import sample
 import tasks
+import rewards
 from config import ConfigError, load_config
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_gpu_readiness import CPU_SIZES
@@ -39,6 +40,8 @@ def rendered(tokenizer, messages):
 
 
 def test_chat_rows_render_like_hand_built_chat_prompts(qwen_tiny_dir, tmp_path):
+    """Chat rows (a string prompt, or a message list under other field names) become exactly the
+    token ids of the chat template applied by hand; a number answer becomes text."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     strings = tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "a.jsonl", ROWS), "train", 256)
     messages = [
@@ -68,6 +71,8 @@ def test_chat_rows_render_like_hand_built_chat_prompts(qwen_tiny_dir, tmp_path):
 
 
 def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, caplog):
+    """Unparseable lines and rows with a missing or ill-typed prompt or answer are skipped and
+    counted; a file with no usable row is a DataError."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     bad = [
         "not json",
@@ -89,6 +94,8 @@ def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, ca
 
 
 def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir):
+    """GSM8K through the chat path: every row's question and instruction rendered by the chat
+    template, the answer after "####", and full reward for that answer."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", 512)
     rows = tasks.read_rows(GSM8K_TRAIN, "train")
@@ -100,10 +107,8 @@ def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir
             [{"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}],
         )
         assert prompt.answer == row["answer"].rsplit("####", 1)[1].strip()
-        assert (
-            tasks.call_reward(tasks.gsm8k_reward, f"so #### {prompt.answer}", prompt.answer, True)
-            == 1.0
-        )
+        response = f"so #### {prompt.answer}"
+        assert rewards.call_reward(rewards.gsm8k_reward, response, prompt.answer, True) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -118,6 +123,8 @@ def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir
     ],
 )
 def test_reward_errors_are_named_at_start_up(tmp_path, spec, message):
+    """A bad data.reward (missing, malformed, no such file, function or module, the wrong
+    signature) is a ConfigError naming it when the task is built, before any engine starts."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         cfg = load_config(
             "configs/tiny.yaml",
@@ -127,13 +134,15 @@ def test_reward_errors_are_named_at_start_up(tmp_path, spec, message):
 
 
 def test_a_file_reward_and_a_module_reward_load():
+    """data.reward loads a function from a file (path/to/file.py:function) or from an importable
+    module (module:function)."""
     assert (
-        tasks.load_reward("examples/countdown/reward.py:countdown_reward")(
+        rewards.load_reward("examples/countdown/reward.py:countdown_reward")(
             "x", '{"target": 1, "numbers": [1]}', True
         )
         == 0
     )
-    assert tasks.load_reward("tasks:gsm8k_reward") is tasks.gsm8k_reward
+    assert rewards.load_reward("rewards:gsm8k_reward") is rewards.gsm8k_reward
 
 
 def flaky_reward(fails):
@@ -146,10 +155,13 @@ def flaky_reward(fails):
             return [lambda: 1 / 0, lambda: math.nan, lambda: "high"][trajectory_id % 3]()
         return 1.0
 
-    return lambda turns: tasks.call_reward(fn, str(turns[-1].trajectory_id), "answer", True)
+    return lambda turns: rewards.call_reward(fn, str(turns[-1].trajectory_id), "answer", True)
 
 
 def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engine):
+    """A reward that raises, returns NaN or returns a string fails its trajectory: counted,
+    aborted as an error and scored 0; failures on more than rollout.max_failed_ratio of the
+    trajectories raise a RewardError."""
     prompts = [[1, 5, 12], [1, 6, 4, 12]] * 4  # 64 trajectories: 3 failures are under 10%
     samples, stats = engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i < 3))
     trajectories = sample.trajectories_of(samples)
@@ -158,7 +170,7 @@ def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engi
         failed = turns[-1].trajectory_id < 3
         assert (turns[-1].is_aborted, turns[-1].finish_reason == "error") == (failed, failed)
         assert turns[-1].reward == (0.0 if failed else 1.0)
-    with pytest.raises(tasks.RewardError, match="failed on 32/64 trajectories"):
+    with pytest.raises(rewards.RewardError, match="failed on 32/64 trajectories"):
         engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i % 2 == 0))
     assert engine.num_in_flight() == 0
 
@@ -193,10 +205,14 @@ TARGET_24 = json.dumps({"target": 24, "numbers": [3, 4, 8, 2]})
     ],
 )
 def test_countdown_reward_on_hand_checked_equations(response, expected):
+    """Countdown's reward: 1 when the last <answer> holds an equation that uses each given number
+    once and reaches the target, format credit when it is well formed but wrong, 0 without tags,
+    for other operators, decimals or hostile text."""
     assert countdown_reward(response, TARGET_24, True) == expected
 
 
 def test_countdown_reward_divides_exactly():
+    """Division is exact (6 / 3 reaches 2), and a division by zero earns format credit only."""
     row = json.dumps({"target": 2, "numbers": [6, 3]})
     assert countdown_reward("<answer>6 / 3</answer>", row, True) == 1.0
     assert (

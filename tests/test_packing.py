@@ -12,7 +12,7 @@ import torch
 import batching
 import dist_worker
 import grpo
-import train
+import model
 from sample import Sample
 
 
@@ -46,6 +46,9 @@ def random_samples(seed, lengths=None):
 
 
 def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():
+    """pack_rows places every sequence once: one over the budget in a micro-batch of its own, the
+    rest first-fit decreasing into rows as wide as the longest sequence under the budget, as many
+    rows per micro-batch as the budget holds."""
     lengths = [50, 7, 30, 12, 64, 9, 3, 150, 21, 40]
     layout = batching.pack_rows(lengths, max_tokens=128)
     assert sorted(i for mb in layout for row in mb for i in row) == list(range(len(lengths)))
@@ -70,8 +73,11 @@ def packed(samples, max_tokens=10_000):
 
 
 def test_packed_logprobs_equal_padded_per_token(tmp_path):
+    """Packed rows give the padded path's log-probs and entropies at every position that predicts
+    a response token (0 elsewhere), with less padding and the head run on response positions
+    only."""
     cfg = dist_worker.parity_config(tmp_path, "token-mean")
-    policy, _ = train.build_policy(cfg, None)
+    policy, _ = model.build_policy(cfg, None)
     samples, _ = random_samples(0)
     batch, layout = packed(samples)
     padded = batching.collate([samples[i] for row in layout for i in row], pad_id=0)
@@ -96,7 +102,7 @@ def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
     on), the same packed row gives its second sequence other log-probs (it attends to the first).
     transformers builds the block-diagonal mask only without either (masking_utils.py,
     find_packed_sequence_indices)."""
-    policy, _ = train.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
+    policy, _ = model.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
     samples, _ = random_samples(1, lengths=[(6, 40), (4, 12), (3, 20)])  # 46, 16, 23 tokens
     batch, layout = packed(samples)
     assert layout == [[0], [2, 1]]  # rows 46 wide: the longest alone, then 23 + 16
@@ -169,9 +175,11 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
         "1",
     ],
 )
-def test_train_step_bench_prints_its_line(background_runs):
-    """The smallest workload that still prints the line (its own engine for the demo mix's real
-    rollout)."""
+def test_train_step_bench_times_both_mixes_and_reports_its_figures(background_runs):
+    """bench/train_step.py on the smallest workload that still prints its line (its own engine for
+    the demo mix's real rollout) times padded against packed updates on both mixes and ends with
+    the issue's line: speedups, padded fractions and the peak ratio, as numbers (their values are
+    not checked at this size)."""
     line = background_runs.lines("train_step_bench")[-1]
     assert re.fullmatch(
         r"train_step: mix=demo speedup=[\d.]+ padded_fraction=[\d.]+ mix=gsm8k speedup=[\d.]+ "

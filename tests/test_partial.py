@@ -69,6 +69,10 @@ def aborted_samples(engine, tmp_path, min_tokens=2):
 
 
 def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
+    """A sample cancelled under version 0 and resumed under version 1 keeps its prompt, its old
+    tokens with their log-probs and versions, and goes on within its budget; the trainer's
+    forward over all of it matches the engine's log-probs of the new tokens (a lost or doubled
+    boundary token would shift them), not of the old ones."""
     partial = aborted_samples(engine, tmp_path)
     old_logprobs, batch = trainer_logprobs(policy, partial)  # the cancelled tokens, under version 0
     assert ((old_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
@@ -106,12 +110,15 @@ def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
 
 
 def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_path):
-    """Six steps of launch -> generate (half cancelled) -> collect, with a version bump between
-    them."""
+    """Six steps of launch -> generate (half cancelled) -> collect, a version bump between them:
+    only unfinished samples and new prompts are launched, no sample exceeds the budget, a group is
+    handed back only when complete, and every trained sample is the one that finished, once."""
     plan = cancelling_plan(tmp_path, num_prompts=2)
     buffer = PartialBuffer(group_size=8, max_staleness=10)
     prompts = [tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
-    finished_seen, trained, resumed_any = {}, [], 0
+    finished_seen = {}
+    trained = []
+    resumed_any = 0
     for step in range(6):
         if step:
             perturb_and_sync(engine, policy, version=step)
@@ -131,13 +138,13 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
             assert s.finish_reason != "length" or len(s.response_ids) == BUDGET
             if s.finish_reason != "abort":
                 finished_seen[id(s)] = (s.response_ids.tolist(), s.versions.tolist())
-        out_prompts, out = buffer.collect(samples, new)
+        complete = buffer.collect(samples, new)
+        out = [turn for group in complete for turns in group for turn in turns]
         trained += out
         for group in buffer.groups:  # a held group has at least one member still waiting
             assert any(m[-1].finish_reason == "abort" for m in group.members)
         assert not any(s.finish_reason == "abort" for s in out)  # a trained group is complete
-        assert len(out) == 8 * len(out_prompts)
-        assert all(out_prompts[s.group_id] is not None for s in out)
+        assert all(len(group) == 8 for group in complete)
     assert resumed_any > 0 and trained
     # every trained sample is the one that finished (same object, tokens unchanged)
     for s in trained:
@@ -147,6 +154,9 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
 
 
 def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
+    """A suspended sample within max_staleness versions is continued; an older one restarts from
+    its prompt (counted, its tokens wasted) and then holds current-version tokens only;
+    max_staleness 0 turns the buffer off."""
     partial = aborted_samples(engine, tmp_path)
     buffer = PartialBuffer(group_size=8, max_staleness=2)
     buffer.collect(partial, [tasks.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
@@ -177,6 +187,8 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
 
 
 def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
+    """Tokens an older version sampled are weighted by min(pi_old / mu, cap) in the statistics
+    and in the loss (fresh tokens by 1), or with max_staleness 0 masked out of the loss."""
     partial = aborted_samples(engine, tmp_path)
     perturb_and_sync(engine, policy, version=1)
     resumes = [dataclasses.replace(s, group_id=i) for i, s in enumerate(partial)]
@@ -227,6 +239,8 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
 
 
 def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
+    """A partial-rollout run's checkpoint holds its suspended samples; the resumed run restores
+    the buffer, continues exactly those samples first, and trains tokens that version 1 sampled."""
     sets = [
         "rollout.cancel=count",
         "rollout.drop_rate=0.3",
@@ -252,6 +266,9 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
 
 
 def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
+    """With a tool, a cancelled trajectory is dropped (counted, its tokens wasted), never
+    suspended, whether it was cancelled in its first turn or a later one; its group trains on its
+    finished members."""
     buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
     # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
     turns = [
@@ -269,9 +286,10 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
         ),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
     ]
-    prompts, out = buffer.collect(turns, [tasks.Prompt([1, 2], "1")])
+    complete = buffer.collect(turns, [tasks.Prompt([1, 2], "1")])
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
-    assert not buffer.waiting and len(prompts) == 1  # the group trains on its finished member
+    assert not buffer.waiting and len(complete) == 1  # the group trains on its finished member
+    out = [turn for group in complete for turns in group for turn in turns]
     assert [s.is_aborted for s in out] == [True, True, False]
     # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
     # refuses it)
@@ -285,6 +303,8 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
 
 
 def test_merged_turns_carry_their_token_versions():
+    """Merged turns keep each generated token's weight version; observation tokens are marked not
+    generated and masked."""
     first = Sample(
         [1, 2], [3, 4], [-0.1, -0.2], [1, 1], group_id=0, weight_version=5, versions=[4, 5]
     )
@@ -317,7 +337,10 @@ TAIL_SMOKE = [
 
 
 @pytest.mark.background("tail_bench_smoke", TAIL_SMOKE)
-def test_tail_bench_partial_prints_the_issue_line(background_runs):
+def test_tail_bench_partial_runs_end_to_end_and_reports_its_figures(background_runs):
+    """bench/tail.py --partial runs its three arms on a small workload and prints one summary
+    line: both speedups and the wasted tokens, as numbers (their values are not checked at this
+    size)."""
     lines = background_runs.lines("tail_bench_smoke")
     summary = [line for line in lines if line.startswith("partial: speedup")]
     assert len(summary) == 1
@@ -339,10 +362,11 @@ def test_tail_bench_partial_prints_the_issue_line(background_runs):
         "2",
     ],
 )
-def test_learning_bench_prints_the_issue_line(background_runs):
-    """Two runs of train.py (one per arm), each with its own engine: what the benchmark measures.
-    (The baseline,partial line comes from the same loop, read at the same step; a third run cost
-    the suite 25 s.)"""
+def test_learning_bench_runs_both_arms_and_reports_its_figures(background_runs):
+    """bench/learning.py runs train.py once per arm (baseline and dapo, each with its own engine)
+    and ends with the issue's line: both arms' sampled validation reward and step time, as numbers
+    (their values are not checked at this size). (The baseline,partial line comes from the same
+    loop, read at the same step; a third run cost the suite 25 s.)"""
     lines = background_runs.lines("learning_bench")
     assert re.fullmatch(
         r"learning: baseline_val_sampled=[\d.]+ dapo_val_sampled=[\d.]+ "

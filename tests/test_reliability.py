@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 import checkpoint
 import grpo
 import tasks
+import tools
 import train
 from config import Config, ConfigError, load_config
 from conftest import tiny_config
@@ -118,11 +119,16 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
     ],
 )
 def test_impossible_configs_name_the_problem(sets, message):
+    """Values out of range and contradictory settings are ConfigErrors that name the key and the
+    problem."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", sets)
 
 
 def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
+    """Hostile rows (not JSON, wrong types, missing fields, a huge field, an over-long prompt,
+    invalid UTF-8) are skipped and counted by kind; only the good rows load, and a file with
+    nothing usable is a DataError."""
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "#### 5"}
     hostile = [
@@ -154,6 +160,7 @@ def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
 
 
 def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
+    """GSM8K prompts with a tokenizer that has no chat template are a DataError saying so."""
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}))
     with pytest.raises(tasks.DataError, match="no chat template"):
@@ -176,7 +183,7 @@ def test_tool_call_fuzzing_through_the_qwen_json_adapter():
             ]
         }
     )
-    tool = tasks.qwen_calculator(tokenizer)
+    tool = tools.qwen_calculator(tokenizer)
     adversarial = [
         '{"arguments": {"expression": "9**9**9**9"}}',
         '{"arguments": {"expression": "(" * 5000}}',
@@ -255,6 +262,9 @@ def test_no_eval_exec_or_unsafe_loading_anywhere():
 # ---------------------------------------------------------------- numerics
 @pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
 def test_degenerate_batches_give_finite_zeros(mode):
+    """In every loss mode: zero-variance, all-aborted and one-survivor groups get advantage 0,
+    empty batches empty advantages, and a batch with nothing to train loss 0, zero statistics and
+    finite gradients."""
     rewards, groups = torch.tensor([1.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
     # zero variance, all aborted, one left
     for alive in ([True] * 4, [False] * 4, [True, False, False, False]):
@@ -289,6 +299,9 @@ def test_degenerate_batches_give_finite_zeros(mode):
 
 
 def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog, monkeypatch):
+    """A NaN advantage makes the update non-finite: it is skipped (counted, logged) with
+    parameters and AdamW moments untouched, training goes on after it, and max_bad_updates such
+    steps in a row stop the run with a NonFiniteError."""
     from test_train import rollout_batch
 
     cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
@@ -309,12 +322,13 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     advantages[0] = 0.0
     # and it trains on
     assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0
+
     # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself
     # stays finite: a skipped update never reaches the engine)
-    poisoned = lambda trajectories, scale: (
-        torch.full((len(trajectories),), math.nan),
-        0,
-    )  # noqa: E731
+    def poisoned(groups, scale_by_std):
+        """NaN advantages, one per trajectory."""
+        return torch.full((len(train.flatten(groups)),), math.nan), 0
+
     monkeypatch.setattr(train, "trajectory_advantages", poisoned)
     with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
         train.train(run)
@@ -338,6 +352,9 @@ def engine_limits(engine):
 
 
 def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits, caplog):
+    """Requests over request_timeout_s are aborted inside the engine and logged: over
+    max_failed_ratio a RolloutError, within it counted as failed samples; no request is left in
+    the engine."""
     engine_limits(request_timeout_s=0.05)
     with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
         engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
@@ -353,6 +370,8 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits
 
 
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
+    """At rollout_timeout_s the rollout aborts what still runs (counted as timed out and
+    cancelled, masked like any cancelled sample) and returns within the timeout plus the abort's."""
     engine_limits(rollout_timeout_s=0.3)
     samples, stats = engine.generate(PROMPTS * 8, 8, 1.0, 200)  # 256 requests of up to 200 tokens
     assert (
@@ -366,6 +385,9 @@ def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
 
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
+    """4,096 requests launched at once with count cancellation all come back, finished or
+    cancelled, at least the target finished and none left in the engine (the time and the
+    trainer's peak memory are printed)."""
     import resource
     from cancel import plan_launch
 
@@ -380,7 +402,8 @@ def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     assert sum(not s.is_aborted for s in samples) >= plan.target_samples
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
-        f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, trainer peak RSS {peak_mib:.0f} MiB"
+        f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, "
+        f"trainer peak RSS {peak_mib:.0f} MiB"
     )
 
 
@@ -450,14 +473,16 @@ import json, os, subprocess, sys, time
 import psutil
 out = {out!r}
 os.makedirs(out, exist_ok=True)
-command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out, "--set", "run.val_every=1000",
-           "--set", "run.checkpoint_every=0", "--set", "train.steps=400"]
+command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out,
+           "--set", "run.val_every=1000", "--set", "run.checkpoint_every=0",
+           "--set", "train.steps=400"]
 stderr = open(os.path.join(out, "stderr.txt"), "w")
 process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
 for line in process.stdout:  # the trainer is in step 3 once step 2's line is out
     if line.startswith("step    2 |"):
         break
-schedulers = [p for p in psutil.Process(process.pid).children(recursive=True) if "scheduler" in " ".join(p.cmdline()) + p.name()]
+children = psutil.Process(process.pid).children(recursive=True)
+schedulers = [p for p in children if "scheduler" in " ".join(p.cmdline()) + p.name()]
 schedulers[0].kill()  # SIGKILL: no chance to say goodbye
 start = time.monotonic()
 try:
@@ -474,7 +499,9 @@ print(json.dumps({{"rc": rc, "seconds": time.monotonic() - start, "schedulers": 
 )
 def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(background_runs):
     """`python train.py` whose scheduler is SIGKILLed in step 3 (its own engine: it dies; run in
-    the background by a small script that drives it, as a user's terminal would)."""
+    the background by a small script that drives it, as a user's terminal would) exits 2 within
+    60 s with an EngineDiedError naming the scheduler, no traceback, and a loadable checkpoint of
+    step 3 or later."""
     done = background_runs.result("dead_engine")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -492,6 +519,9 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
 
 
 def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
+    """Ctrl-C (SIGINT to the process group) finishes the step, saves, shuts the engine down and
+    exits 128 + SIGINT, no traceback; --resume continues from that step, and a second SIGTERM
+    during a step exits at once (130), the checkpoint unchanged."""
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
     children = engine_processes(process)
@@ -532,14 +562,28 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoint, train
+import checkpoint, model, setup_run, tasks
 from config import load_config
 cfg = load_config("configs/tiny.yaml", ["run.out={out}"])
-policy, tokenizer = train.build_policy(cfg, None)
+policy, tokenizer = model.build_policy(cfg, None)
 optimizer = torch.optim.AdamW(policy.parameters())
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-run = train.Run(cfg, policy, None, tokenizer, train.PromptStream([], 0), [], None, None, None, optimizer, scheduler,
-                torch.device("cpu"), None, None)
+run = setup_run.Run(
+    cfg=cfg,
+    policy=policy,
+    reference=None,
+    tokenizer=tokenizer,
+    stream=tasks.PromptStream([], 0),
+    val_prompts=[],
+    reward_fn=None,
+    tool=None,
+    engine=None,
+    optimizer=optimizer,
+    scheduler=scheduler,
+    device=torch.device("cpu"),
+    autocast_dtype=None,
+    buffer=None,
+)
 for step in range(1, 10_000):
     with torch.no_grad():
         next(policy.parameters()).fill_(step)  # each checkpoint's weights say which step wrote them
@@ -573,17 +617,27 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
         assert torch.all(next(model.parameters()) == step)
 
 
+def runs_our_code(task):
+    """Whether an asyncio task runs a coroutine defined in one of the trainer's own modules (the
+    rollout's tasks run `rollout.scored`, and `asyncio.wait_for` wraps `Engine.request` in one)."""
+    code = getattr(task.get_coro(), "cr_code", None)
+    if code is None:  # not a Python coroutine
+        return False
+    return os.path.dirname(os.path.realpath(code.co_filename)) == os.path.realpath(REPO)
+
+
 def test_no_rollout_task_outlives_its_rollout(engine, tmp_path):
+    """After a rollout that waits for every sample and after one that cancels its tail, no task
+    running the trainer's code is left pending on the engine's event loop, and the engine tracks
+    no request. (The one check of its kind: the other engine tests assert num_in_flight() == 0.)"""
     from cancel import plan_launch
 
     plan = plan_launch(
         tiny_config(tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4
     )
     for rollout_plan in (None, plan):
-        engine.generate(PROMPTS, 8, 1.0, 64, rollout_plan)
-        ours = [
-            t
-            for t in asyncio.all_tasks(engine.engine.loop)
-            if t.get_coro().__qualname__.startswith("RolloutEngine.")
-        ]
-        assert not [t for t in ours if not t.done()] and engine.num_in_flight() == 0
+        _, stats = engine.generate(PROMPTS, 8, 1.0, 64, rollout_plan)
+        # all_tasks: the tasks not done yet
+        pending = [t for t in asyncio.all_tasks(engine.engine.loop) if runs_our_code(t)]
+        assert pending == [] and engine.num_in_flight() == 0
+    assert stats.num_cancelled > 0  # the second rollout did abort requests inside the engine

@@ -13,6 +13,8 @@ import checkpoint
 import sample
 import plot
 import train
+import tasks
+import model
 from sample import Sample
 from conftest import tiny_config
 
@@ -24,8 +26,9 @@ def scalars(run_dir):
 
 
 def test_collate_places_per_token_arrays():
-    # Position t of targets/loss_mask/engine_logprobs is the token predicted from input t; an
-    # aborted row (here a failed request with an empty response) keeps an all-zero mask.
+    """collate puts at position t of targets, loss_mask and engine_logprobs the token predicted
+    from input t, pads on the right, and gives an aborted row (here a failed request with an
+    empty response) an all-zero mask."""
     samples = [
         Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
         Sample([1], [], [], [], group_id=0, is_aborted=True),
@@ -39,6 +42,9 @@ def test_collate_places_per_token_arrays():
 
 
 def test_three_steps_write_metrics(engine, tmp_path):
+    """Three steps with cancellation, KL and importance sampling log every named metric (finite
+    losses, validation at steps 0 and 2 and after the last, equal engine and trainer log-probs),
+    save the last step, and plot.py draws the named curves."""
     cfg = tiny_config(
         tmp_path,
         "train.steps=3",
@@ -109,18 +115,20 @@ def rollout_batch(run):
     # reads on from where the run's steps left the stream
     prompts = run.stream.take(r.prompts_per_step)
     samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
-    trajectories = sample.trajectories_of(samples)  # scored as they finished
-    advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
+    groups = sample.groups_of(sample.trajectories_of(samples))  # scored as they finished
+    advantages, _ = train.trajectory_advantages(groups, scale_by_std=True)
     return samples, advantages
 
 
 def test_resume_gives_the_same_next_step(engine, tmp_path):
+    """A run resumed from its checkpoint reads on from the same prompt position and, on the same
+    samples, makes exactly the update and learning-rate step of the uninterrupted run."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "train.warmup_steps=3")
     uninterrupted = train.setup(cfg, engine=engine)
     train.train(uninterrupted)  # step 0, then checkpoint step_000001
     position = uninterrupted.stream.position
     assert position == cfg.rollout.prompts_per_step  # step 0 read one batch of prompts
-    next_prompts = train.PromptStream(uninterrupted.stream.prompts, seed=0, position=position).take(
+    next_prompts = tasks.PromptStream(uninterrupted.stream.prompts, seed=0, position=position).take(
         8
     )
     samples, advantages = rollout_batch(uninterrupted)  # the same samples go to both runs
@@ -142,25 +150,30 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
 
 
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
+    """Ranks read disjoint shares of one shuffled epoch; a stream rebuilt from saved positions
+    goes on where it was (into the next epoch alike), and one rank resuming an uneven 2-rank run
+    starts after what both read."""
     prompts = list(range(10))
-    ranks = [train.PromptStream(prompts, seed=3, rank=r, world_size=2) for r in range(2)]
+    ranks = [tasks.PromptStream(prompts, seed=3, rank=r, world_size=2) for r in range(2)]
     first = [stream.take(5) for stream in ranks]
     # one shuffled epoch, split
     assert sorted(first[0] + first[1]) == prompts and first[0] != prompts[:5]
-    resumed = train.PromptStream.for_rank(prompts, 3, rank=1, world_size=2, positions=[5, 5])
+    resumed = tasks.PromptStream.for_rank(prompts, 3, rank=1, world_size=2, positions=[5, 5])
     assert resumed.take(7) == ranks[1].take(7)  # into the next epoch, reshuffled alike
     # ranks that read unevenly (dynamic sampling), resumed on one rank: on from what they read
     # together
     assert (
-        train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position
+        tasks.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position
         == 12
     )
     assert (
-        train.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
+        tasks.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
     )
 
 
 def test_checkpoint_is_written_atomically(engine, tmp_path):
+    """latest() ignores a half-written (.tmp) checkpoint and finds the complete folder, which
+    holds every file."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
     run = train.setup(cfg, engine=engine)
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
@@ -188,7 +201,7 @@ def test_golden_first_steps(engine, tmp_path):
     run = train.setup(cfg, engine=engine)
     rewards, losses = [], []
     # 4 a step: the prompts the golden values were taken on
-    stream = train.PromptStream(run.stream.prompts, seed=0)
+    stream = tasks.PromptStream(run.stream.prompts, seed=0)
     for step in range(3):
         prompts = stream.take(4)
         torch.manual_seed(step)
@@ -217,10 +230,9 @@ def test_golden_first_steps(engine, tmp_path):
                 )
         trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
-            turns[-1].reward = train.score(
-                turns, prompts[turns[-1].group_id], run.tokenizer, run.reward_fn
-            )
-        advantages, _ = train.trajectory_advantages(trajectories, scale_by_std=True)
+            turns[-1].reward = train.scorer(run, prompts)(turns)
+        groups = sample.groups_of(trajectories)  # samples were made group by group: same order
+        advantages, _ = train.trajectory_advantages(groups, scale_by_std=True)
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
         losses.append(round(train.train_on_rollout(run, samples, advantages)["train/loss"], 4))
     assert rewards == GOLDEN_REWARDS
@@ -232,10 +244,10 @@ GOLDEN_LOSSES = [-0.0402, 0.0590, 0.0897]
 
 
 def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
-    # the head swap computes the same values and gradients as logits -> log-softmax, and is undone
-    # after
+    """sequence_logprobs' head swap gives the log-probs, entropies and gradients of logits ->
+    log-softmax, and the model's head is restored after."""
     cfg = tiny_config(tmp_path)
-    policy, _ = train.build_policy(cfg, None)
+    policy, _ = model.build_policy(cfg, None)
     samples = [
         Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
         Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
@@ -261,6 +273,8 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """With train.gradient_checkpointing on, the model checkpoints and its gradients equal those
+    without."""
     samples = [
         Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
         Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
@@ -268,7 +282,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     batch = batching.collate(samples, pad_id=0)
     grads = []
     for switch in ("false", "true"):
-        policy, _ = train.build_policy(
+        policy, _ = model.build_policy(
             tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None
         )
         assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
@@ -279,6 +293,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
 
 
 def test_micro_batches_are_padded_to_their_own_longest_row():
+    """Each micro-batch is padded to its own longest row: one long response widens only its own
+    micro-batch."""
     lengths = [3, 30, 4, 5, 6, 7, 2]  # one long response must not widen the other micro-batches
     samples = [
         Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths

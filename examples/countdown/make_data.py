@@ -15,8 +15,9 @@ import random
 from fractions import Fraction
 
 PROMPT = (
-    "Using the numbers {numbers}, write an equation that equals {target}. Use each number exactly once, "
-    "with + - * / and parentheses. Think it through, then give only the equation inside "
+    "Using the numbers {numbers}, write an equation that equals {target}. "
+    "Use each number exactly once, with + - * / and parentheses. "
+    "Think it through, then give only the equation inside "
     "<answer></answer>, for example <answer>(1 + 2) * 3</answer>."
 )
 

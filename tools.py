@@ -1,12 +1,15 @@
-"""Calculator tool: evaluates model-written (untrusted) arithmetic and returns an observation
-string.
+"""Tools: the calculator a trajectory may call between turns, and its adapters to the two call
+formats (the tiny tool demo's "?" and Qwen's JSON `<tool_call>`).
 
-Owns parsing (Python's `ast`, never eval), the size/depth/magnitude bounds and result formatting.
-Does not find tool calls in model text or decide when the tool runs; bad input is an "error: ..."
-string.
+Owns evaluating model-written (untrusted) arithmetic (Python's `ast`, never eval; bounded in size,
+depth and magnitude; bad input is an "error: ..." observation, never an exception), finding the
+call in a response, and formatting the observation. Does not decide when the tool runs (rollout.py
+calls it on a turn that ends in a call).
 """
 
+
 import ast
+import json
 import math
 import operator
 
@@ -119,3 +122,94 @@ def calculate(expression: str) -> str:
         return "error: expression too complex"
     except (OverflowError, ValueError) as e:  # e.g. float(int) overflow, int literal digit limit
         return f"error: {e}"
+
+
+# ---------------------------------------------------------------- adapters to the call formats
+class CalculatorTool:
+    """Turns a response that ends in a tool call into observation tokens for the next turn.
+
+    Called by rollout.py with the response ids and the trajectory's prompt ids; returns (observation
+    ids, is_error), or None when the response makes no tool call (it is the answer). The call is
+    untrusted model text: it only ever reaches calculator.calculate, which parses it and answers
+    errors as text, never by raising.
+    """
+
+    def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
+        self.tokenizer, self.call_start, self.call_end = tokenizer, call_start, call_end
+        # rollout stops generation on it
+        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)
+        self.parse_call, self.format_observation = parse_call, format_observation
+
+    def __call__(self, response_ids, prompt_ids=()):
+        if not response_ids or response_ids[-1] != self.call_end_id:
+            return None
+        expression = self.expression(response_ids, prompt_ids)
+        result = calculate(expression) if expression is not None else "error: malformed tool call"
+        observation = self.format_observation(result)
+        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith(
+            "error"
+        )
+
+    def expression(self, response_ids, prompt_ids):
+        """The expression the call asks for: the text between the last call_start and call_end,
+        parsed."""
+        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
+        start = text.rfind(self.call_start)
+        return (
+            self.parse_call(text[start + len(self.call_start) : -len(self.call_end)])
+            if start >= 0
+            else None
+        )
+
+
+class QuestionCalculator(CalculatorTool):
+    """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the
+    question (the prompt's expression; the turn's other text is ignored); the observation is
+    "=4"."""
+
+    def __init__(self, tokenizer):
+        super().__init__(
+            tokenizer,
+            "",
+            "?",
+            parse_call=None,
+            format_observation=lambda result: "=?" if result.startswith("error") else f"={result}",
+        )
+
+    def expression(self, response_ids, prompt_ids):
+        return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).removesuffix("=")
+
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+
+def qwen_calculator(tokenizer):
+    """Qwen2.5/Qwen3 chat-template tool calls: <tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>, answered as a <tool_response> in a user turn, exactly as the chat
+    template renders tool messages."""
+
+    def parse_call(call):
+        try:
+            return json.loads(call)["arguments"]["expression"]  # json.loads never executes anything
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def format_observation(result):
+        return (
+            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+
+    return CalculatorTool(tokenizer, "<tool_call>", "</tool_call>", parse_call, format_observation)

@@ -1,0 +1,137 @@
+"""Rewards: the built-in reward functions, loading your own (`data.reward`), calling one safely,
+and `score`, the one place a trajectory's text becomes a reward.
+
+Owns what a reward function is called with and what it may return (a finite number; anything else
+is a RewardError, counted by the rollout). Does not own prompts or data (tasks.py), nor when a
+trajectory is scored (rollout.py scores each one as it finishes).
+"""
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than a finite number (the trajectory
+    fails)."""
+
+
+def score(turns, answer, tokenizer, reward_fn):
+    """The one place text becomes a reward: a finished trajectory's, from its last turn's response,
+    against the prompt's `answer`."""
+    last = turns[-1]
+    text = tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
+    return call_reward(reward_fn, text, answer, finished=last.finish_reason == "stop")
+
+
+def call_reward(reward_fn, response_text, answer, finished):
+    """reward_fn(response_text, answer, finished) as a float, or RewardError. The three
+    arguments: the text, since a reward judges what the model said (token ids would tie it to one
+    tokenizer); the row's answer, whatever the reward compares against; and whether the response
+    ended on its own (a stop token), not cut at the token budget, since a truncated answer may
+    deserve less. What it returned, if not a finite number (a bool neither), and what it raised,
+    become a RewardError naming the answer and the response's end."""
+    where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
+    try:
+        value = reward_fn(response_text, answer, finished=finished)
+    except (
+        Exception
+    ) as e:  # noqa: BLE001 - the user's function: any error is counted, never a crash mid-rollout
+        raise RewardError(f"the reward function raised {e!r} {where}") from e
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
+    return float(value)
+
+
+def load_reward(spec):
+    """The function `spec` names: "path/to/file.py:function" or "module:function" (importable
+    from the working directory). Called as fn(response_text, answer, finished) -> float. A
+    missing file, module or function, or one that cannot take those three arguments, is a
+    ConfigError here, before the engine starts."""
+    from config import ConfigError
+
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(
+            f"data.reward={spec!r}: expected 'path/to/file.py:function' or 'module:function'"
+        )
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ConfigError(f"data.reward={spec!r}: no file {where}")
+        module_spec = importlib.util.spec_from_file_location(
+            f"reward_{os.path.basename(where)[:-3]}", where
+        )
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"data.reward={spec!r}: cannot import {where!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"data.reward={spec!r}: {where} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("response", "answer", finished=True)
+    except TypeError as e:
+        raise ConfigError(
+            f"data.reward={spec!r}: {name} must take (response_text, answer, finished): {e}"
+        ) from None
+    except ValueError:  # a builtin without a signature: called as is
+        pass
+    return fn
+
+
+# ---------------------------------------------------------------- the built-in rewards
+def tiny_reward(response_text, answer, finished):
+    """Positionwise credit for N copies of 'a': 1 for exact, 0 if the sample never emitted <eos>."""
+    if not finished:
+        return 0.0
+    target = "a" * int(answer)
+    if response_text == target:
+        return 1.0
+    matches = sum(a == b for a, b in zip(response_text, target))
+    return matches / max(len(response_text), len(target))
+
+
+def tiny_tool_reward(response_text, answer, finished):
+    """Positionwise credit of the final answer (the last turn's text), whether or not it ended: 1
+    for exactly the digit. A last turn that is a call ("...?") was never answered: 0."""
+    if response_text.endswith("?"):
+        return 0.0
+    matches = sum(a == b for a, b in zip(response_text, answer))
+    return matches / max(len(response_text), len(answer))
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+
+def parse_number(text):
+    """'1,234.50' -> 1234.5; None when the text holds no number."""
+    match = _NUMBER.search(text.replace("$", ""))
+    return float(match.group().replace(",", "")) if match else None
+
+
+def extract_answer(response_text):
+    """The model's final answer: after the last '####', else in the last \\boxed{}, else the last
+    number."""
+    if "####" in response_text:
+        return parse_number(response_text.rsplit("####", 1)[1])
+    boxed = re.findall(r"\\boxed\{([^}]*)\}", response_text)
+    if boxed:
+        return parse_number(boxed[-1])
+    numbers = _NUMBER.findall(response_text.replace("$", ""))
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def gsm8k_reward(response_text, answer, finished):
+    """1 when the extracted number equals the gold answer, else 0 (unfinished answers still
+    count)."""
+    predicted, gold = extract_answer(response_text), parse_number(answer)
+    return float(
+        predicted is not None and gold is not None and math.isclose(predicted, gold, abs_tol=1e-6)
+    )

@@ -1,0 +1,153 @@
+"""Setting up a run: the `Run` the step loop reads, built once per rank by `setup`.
+
+Owns building the policy (sharded over ranks), the task, the rollout engine, the optimizer and the
+partial-rollout buffer, and restoring them from the latest checkpoint on `--resume`. Does not own
+the training step or the loop (train.py), checkpoint files (checkpoint.py) or the model code
+(model.py).
+"""
+
+import dataclasses
+import logging
+
+import torch
+
+import checkpoint
+import parallel
+from buffer import PartialBuffer, share_state
+from cancel import plan_launch
+from config import Config, ConfigError
+from model import build_optimizer, build_policy
+from rollout import RolloutEngine
+from tasks import PromptStream, build_task
+
+log = logging.getLogger("setup")
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the loop needs, built once by `setup`."""
+
+    cfg: Config
+    policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard of them with several ranks
+    # frozen initial policy for the KL term (only when kl_coef > 0)
+    reference: torch.nn.Module | None
+    tokenizer: object
+    stream: PromptStream  # this rank's training prompts; its position is checkpointed
+    val_prompts: list
+    reward_fn: object  # (response_text, answer, finished) -> float; see rewards.py
+    tool: object  # tools.CalculatorTool for multi-turn tasks, else None
+    engine: RolloutEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
+    # partial rollout's unfinished samples and held groups; None when off
+    buffer: PartialBuffer | None
+    start_step: int = 0
+    # optimizer steps the policy holds (the step a checkpoint after a fault records)
+    updates_done: int = 0
+
+
+def setup(cfg, resume=False, engine=None):
+    """Build policy, task, engine and optimizer on this rank; with `resume`, restore the latest
+    checkpoint. An `engine` passed in (tests share one) is synced to the policy instead of
+    starting another."""
+    torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
+    world = parallel.world_size()
+    if cfg.rollout.prompts_per_step % world:
+        raise ConfigError(
+            f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
+            f"{world} ranks (each rank takes whole GRPO groups)"
+        )
+    if torch.cuda.is_available():
+        device = torch.device("cuda", parallel.gpu_index())
+    else:
+        device = torch.device("cpu")
+    resume_dir = checkpoint.latest(cfg.run.out) if resume else None
+    if resume and resume_dir is None:
+        raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
+    state = checkpoint.read_trainer_state(resume_dir) if resume_dir else {}
+    start_step = state.get("step", 0)
+    policy, tokenizer = build_policy(cfg, resume_dir)
+    task = build_task(cfg, tokenizer)
+    shared_engine = engine is not None
+    if engine is None:
+        # before the trainer takes device memory: the engine sizes its KV cache from what is free
+        engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
+        engine = start_engine(cfg, engine_dir, start_step)
+    compute_dtype = getattr(torch, cfg.model.compute_dtype)
+    reference = None
+    if cfg.train.kl_coef > 0:
+        # the KL reference is the *initial* policy, also after a resume: built again, not copied
+        reference = build_policy(cfg, None)[0].requires_grad_(False).eval()
+    if world > 1:
+        policy = parallel.shard(policy, compute_dtype)
+        if reference is not None:
+            reference = parallel.shard(reference, compute_dtype)
+    policy.to(device)
+    if reference is not None:
+        reference.to(device)
+    optimizer, scheduler = build_optimizer(policy, cfg.train)
+    if resume_dir:
+        checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
+    if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
+        engine.update_weights(
+            policy.named_parameters(), version=start_step, gather=parallel.full_tensor
+        )
+    stream = PromptStream.for_rank(
+        task.train_prompts,
+        cfg.train.seed,
+        parallel.rank(),
+        world,
+        positions=state.get("prompt_positions"),
+    )
+    return Run(
+        cfg=cfg,
+        policy=policy,
+        reference=reference,
+        tokenizer=tokenizer,
+        stream=stream,
+        val_prompts=task.val_prompts,
+        reward_fn=task.reward_fn,
+        tool=task.tool,
+        engine=engine,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        autocast_dtype=compute_dtype if world == 1 and compute_dtype != torch.float32 else None,
+        buffer=partial_buffer(cfg, state.get("buffer"), multi_turn=task.tool is not None),
+        start_step=start_step,
+        updates_done=start_step,
+    )
+
+
+def start_engine(cfg, model_dir, start_step):
+    """This rank's SGLang engine, serving the weights in `model_dir` as version `start_step`."""
+    engine = RolloutEngine(
+        model_dir,
+        cfg.rollout,
+        dtype=cfg.model.engine_dtype,
+        seed=cfg.train.seed + start_step + 100_003 * parallel.rank(),
+        gpu_id=parallel.gpu_index(),
+        local_rank=parallel.local_rank(),
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    engine.weight_version = start_step
+    return engine
+
+
+def partial_buffer(cfg, state, multi_turn):
+    """Partial rollout's buffer (None when off), holding this rank's share of a checkpoint's
+    unfinished samples and held groups (`state`, or None)."""
+    if not plan_launch(cfg.rollout, 1).partial:
+        if state:
+            log.warning(
+                "the checkpoint holds %d partial-rollout groups; rollout.partial is off: "
+                "not resumed",
+                len(state["groups"]),
+            )
+        return None
+    buffer = PartialBuffer(cfg.rollout.group_size, cfg.rollout.max_staleness, multi_turn)
+    if state:
+        buffer.load_state_dict(share_state(state, parallel.rank(), parallel.world_size()))
+    return buffer
