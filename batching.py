@@ -14,6 +14,7 @@ import torch
 
 import grpo
 import parallel
+from metrics import summed
 from sample import Sample
 
 # array typecode -> tensor dtype
@@ -227,10 +228,10 @@ def layout_stats(micro_batches):
         for mb in micro_batches
     )
     return {
-        "train/tokens": tokens,
+        "train/tokens": summed(tokens),
         "train/padded_fraction": 1 - tokens / max(positions, 1),
         "train/head_positions": head,
-        "train/micro_batches": len(micro_batches),
+        "train/micro_batches": summed(len(micro_batches)),
         "train/tokens_per_micro_batch": tokens / max(len(micro_batches), 1),
     }
 
@@ -247,7 +248,7 @@ def mask_stale_tokens(micro_batches, version, max_staleness):
             too_old = (mb["staleness"] > max_staleness) & (mb["loss_mask"] > 0)
             masked += int(too_old.sum())
             mb["loss_mask"] = mb["loss_mask"] * ~too_old
-    return {"staleness/masked_tokens": masked}
+    return {"staleness/masked_tokens": summed(masked)}
 
 
 def offpolicy_stats(micro_batches, tis_cap):
@@ -263,8 +264,8 @@ def offpolicy_stats(micro_batches, tis_cap):
             for mb, m in zip(micro_batches, trained)
         ]
     )
-    stats = {f"staleness/tokens_{k}": int((staleness == k).sum()) for k in range(4)}
-    stats["staleness/tokens_4+"] = int((staleness >= 4).sum())
+    stats = {f"staleness/tokens_{k}": summed((staleness == k).sum()) for k in range(4)}
+    stats["staleness/tokens_4+"] = summed((staleness >= 4).sum())
     stats["train/stale_token_frac"] = (
         (staleness > 0).float().mean().item() if len(staleness) else 0.0
     )

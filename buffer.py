@@ -11,6 +11,7 @@ masked in the loss (train.py, grpo.py). Validation never comes here.
 import dataclasses
 import math
 
+from metrics import summed
 from sample import Sample, trajectories_of
 from tasks import Prompt
 
@@ -152,18 +153,17 @@ class PartialBuffer:
         return [group.members for group in complete]
 
     def metrics(self):
-        """This step's counters and the buffer's size after it (all summed over ranks by
-        parallel.py). The rollout/* keys replace rollout_metrics' (which sees only the trained
+        """This step's counters and the buffer's size after it (all summed over ranks). The rollout/* keys replace rollout_metrics' (which sees only the trained
         groups): "aborted" counts the trajectories suspended this step, "wasted_tokens" the
         tokens generated and then thrown away."""
         c = self.counters
-        return {f"partial/{name}": value for name, value in c.items()} | {
-            "partial/buffer_samples": len(self.waiting),
-            "partial/held_groups": len(self.groups),
-            "rollout/launched": c["launched"],
-            "rollout/aborted": c["suspended"],
+        return {f"partial/{name}": summed(value) for name, value in c.items()} | {
+            "partial/buffer_samples": summed(len(self.waiting)),
+            "partial/held_groups": summed(len(self.groups)),
+            "rollout/launched": summed(c["launched"]),
+            "rollout/aborted": summed(c["suspended"]),
             "rollout/aborted_ratio": c["suspended"] / max(c["launched"], 1),
-            "rollout/wasted_tokens": c["wasted_tokens"],
+            "rollout/wasted_tokens": summed(c["wasted_tokens"]),
         }
 
     # ------------------------------------------------------------------ checkpoint form

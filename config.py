@@ -356,7 +356,7 @@ def apply(config, overrides, prefix=""):
             raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
         if key not in hints:
             close = difflib.get_close_matches(key, hints, n=1)
-            hint = f"did you mean {prefix}{close[0]!r}? " if close else ""
+            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
             raise ConfigError(f"unknown config key {name!r}; {hint}known here: {sorted(hints)}")
         if dataclasses.is_dataclass(hints[key]):
             apply(getattr(config, key), value, prefix=f"{name}.")

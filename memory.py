@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 import parallel
+from metrics import slowest
 
 # CUDA graph pools are not modelled
 MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
@@ -239,14 +240,14 @@ class MemoryPhases:
 
     def metrics(self):
         out = {
-            f"memory/{phase}_peak_bytes_{self.source}": peak[self.source]
+            f"memory/{phase}_peak_bytes_{self.source}": slowest(peak[self.source])
             for phase, peak in self.peaks.items()
         }
         if self.device.type == "cuda":
             out |= {
-                f"memory/{phase}_trainer_peak_bytes": peak["trainer"]
+                f"memory/{phase}_trainer_peak_bytes": slowest(peak["trainer"])
                 for phase, peak in self.peaks.items()
             }
         for name in ("engine_weights", "kv_cache", "trainer_params", "optimizer_state"):
-            out[f"memory/resident_{name}"] = float(name in self.resident)
+            out[f"memory/resident_{name}"] = slowest(name in self.resident)
         return out

@@ -5,6 +5,7 @@ config.yaml in the run directory). Does not own any training math (grpo.py) or t
 """
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -12,6 +13,66 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 import parallel
+
+
+class Summed:
+    """Marks a metric summed over ranks (a count, or a throughput): made by `summed(value)` where
+    the metric is produced. A plain number is averaged over the ranks that logged it (rates,
+    losses, means)."""
+
+
+class Slowest:
+    """Marks a metric that is the slowest rank's (the max over ranks): a time or a memory peak,
+    since the step waits for the slowest rank. Made by `slowest(value)`."""
+
+
+class _SummedInt(Summed, int):
+    pass
+
+
+class _SummedFloat(Summed, float):
+    pass
+
+
+class _SlowestInt(Slowest, int):
+    pass
+
+
+class _SlowestFloat(Slowest, float):
+    pass
+
+
+def summed(value):
+    """`value` (a number, or a one-element tensor), marked to be summed over ranks; an int stays
+    an int (it prints as a count)."""
+    value = value.item() if torch.is_tensor(value) else value
+    return _SummedInt(value) if isinstance(value, int) else _SummedFloat(value)
+
+
+def slowest(value):
+    """`value`, marked to be reduced as the slowest rank's (the max)."""
+    value = value.item() if torch.is_tensor(value) else value
+    return _SlowestInt(value) if isinstance(value, int) else _SlowestFloat(value)
+
+
+def reduce_metrics(scalars):
+    """One dict of step metrics from every rank's, each reduced as its producer declared it:
+    Summed, Slowest, else averaged. A collective: every rank calls it. `timing/rollout_s_min`
+    beside the max shows how unevenly the ranks' rollouts ended."""
+    per_rank = parallel.gather_objects(scalars)
+    if len(per_rank) == 1:
+        return scalars
+    out = {}
+    for key in dict.fromkeys(k for d in per_rank for k in d):
+        values = [d[key] for d in per_rank if key in d]
+        if isinstance(values[0], Summed):
+            out[key] = summed(sum(values))
+        elif isinstance(values[0], Slowest):
+            out[key] = slowest(max(values))
+        else:
+            out[key] = sum(values) / len(values)
+    out["timing/rollout_s_min"] = min(d.get("timing/rollout_s", math.inf) for d in per_rank)
+    return out
 
 
 def masked_mean(values, mask):
@@ -27,7 +88,7 @@ def length_stats(lengths, prefix):
         f"{prefix}_mean": t.mean().item(),
         f"{prefix}_p50": t.quantile(0.5).item(),
         f"{prefix}_p90": t.quantile(0.9).item(),
-        f"{prefix}_max": t.max().item(),
+        f"{prefix}_max": slowest(t.max().item()),
     }
 
 
@@ -53,23 +114,23 @@ def rollout_metrics(trajectories, stats):
         "train/reward_mean_launched": rewards.sum().item() / max(len(launched), 1),
         "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
         "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
-        "rollout/launched": len(launched),
-        "rollout/aborted": num_aborted,
+        "rollout/launched": summed(len(launched)),
+        "rollout/aborted": summed(num_aborted),
         "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
-        "rollout/failed": sum(s.finish_reason == "error" for s in samples),
+        "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
         "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
         / max(len(finished), 1),
-        "rollout/wasted_tokens": sum(len(s.response_ids) for s in aborted),
-        "perf/rollout_tokens_per_s": num_tokens / max(stats.rollout_s, 1e-9),
-        "timing/rollout_s": stats.rollout_s,
-        "rollout/cancel_decision_s": stats.decision_s,  # launch -> enough finished
+        "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
+        "perf/rollout_tokens_per_s": summed(num_tokens / max(stats.rollout_s, 1e-9)),
+        "timing/rollout_s": slowest(stats.rollout_s),
+        "rollout/cancel_decision_s": slowest(stats.decision_s),  # launch -> enough finished
         # decision -> every aborted request returned
-        "rollout/cancel_latency_s": stats.cancel_latency_s,
-        "rollout/tool_calls": stats.num_tool_calls,
-        "rollout/tool_errors": stats.num_tool_errors,
+        "rollout/cancel_latency_s": slowest(stats.cancel_latency_s),
+        "rollout/tool_calls": summed(stats.num_tool_calls),
+        "rollout/tool_errors": summed(stats.num_tool_errors),
         "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
-        "rollout/timed_out": stats.num_timed_out,
-        "rollout/reward_errors": stats.num_reward_errors,
+        "rollout/timed_out": summed(stats.num_timed_out),
+        "rollout/reward_errors": summed(stats.num_reward_errors),
     }
     out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
     out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
@@ -86,9 +147,10 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering):
     one)."""
     rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
     return {
-        **{f"filter/{name}": value for name, value in counts.items()},
-        "filter/prompts_launched": stats.prompts_launched,
-        "filter/truncated_steps": int(filtering and counts["kept_groups"] < target_groups),
+        **{f"filter/{name}": summed(value) for name, value in counts.items()},
+        "filter/prompts_launched": summed(stats.prompts_launched),
+        # 1 when any rank launched all it may and still kept too few groups
+        "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
         "train/reward_mean": sum(rewards) / max(len(rewards), 1),
         "perf/generated_tokens_per_kept_group": stats.generated_tokens
         / max(counts["kept_groups"], 1),

@@ -12,7 +12,6 @@ import torch
 
 import tasks
 
-
 LR_SCHEDULES = ("constant", "cosine")  # train.lr_schedule: see lr_factor
 DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
 

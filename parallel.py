@@ -7,7 +7,6 @@ the plain single-process equivalent, so train.py reads the same with 1 rank or 8
 is reduced or saved (train.py decides), nor the engine (rollout.py: every rank has its own).
 """
 
-import math
 import os
 import uuid
 
@@ -161,51 +160,6 @@ def gather_objects(obj):
         return [obj]
     out = [None] * world_size()
     dist.all_gather_object(out, obj)
-    return out
-
-
-SUMMED_METRICS = {
-    "rollout/launched",
-    "rollout/aborted",
-    "rollout/failed",
-    "rollout/wasted_tokens",
-    "rollout/timed_out",
-    "rollout/reward_errors",
-    "rollout/tool_calls",
-    "rollout/tool_errors",
-    "merge/sequences_before",
-    "merge/sequences_after",
-    "merge/prefix_breaks",
-    "merge/over_length_dropped",
-    "train/degenerate_groups",
-    "perf/rollout_tokens_per_s",
-    "perf/train_tokens_per_s",
-    "train/tokens",
-    "train/micro_batches",
-    "train/over_budget_sequences",
-    "train/truncated_masked",
-}
-
-
-def reduce_metrics(scalars):
-    """One dict of step metrics from every rank's: counts (and throughput) summed, times and memory
-    the slowest rank's (the step waits for it), rates and losses averaged over the ranks that logged
-    them. `timing/rollout_s_min` beside the max shows how unevenly the ranks' rollouts ended."""
-    per_rank = gather_objects(scalars)
-    if len(per_rank) == 1:
-        return scalars
-    out = {}
-    for key in dict.fromkeys(k for d in per_rank for k in d):
-        values = [d[key] for d in per_rank if key in d]
-        if key in SUMMED_METRICS or (
-            key.startswith(("partial/", "staleness/", "filter/")) and not key.endswith("_steps")
-        ):
-            out[key] = sum(values)
-        elif key.startswith(("timing/", "memory/")) or key.endswith(("_s", "_max", "_steps")):
-            out[key] = max(values)
-        else:
-            out[key] = sum(values) / len(values)
-    out["timing/rollout_s_min"] = min(d.get("timing/rollout_s", math.inf) for d in per_rank)
     return out
 
 

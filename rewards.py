@@ -109,7 +109,6 @@ def tiny_tool_reward(response_text, answer, finished):
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-
 def parse_number(text):
     """'1,234.50' -> 1234.5; None when the text holds no number."""
     match = _NUMBER.search(text.replace("$", ""))

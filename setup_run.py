@@ -70,10 +70,11 @@ def setup(cfg, resume=False, engine=None):
     start_step = state.get("step", 0)
     policy, tokenizer = build_policy(cfg, resume_dir)
     task = build_task(cfg, tokenizer)
+    # the weights the engine loads (run.out/model: the initial policy), or the checkpoint's
+    engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
     shared_engine = engine is not None
     if engine is None:
         # before the trainer takes device memory: the engine sizes its KV cache from what is free
-        engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
         engine = start_engine(cfg, engine_dir, start_step)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     reference = None

@@ -7,7 +7,6 @@ call in a response, and formatting the observation. Does not decide when the too
 calls it on a turn that ends in a call).
 """
 
-
 import ast
 import json
 import math
@@ -192,7 +191,6 @@ CALCULATOR_SCHEMA = {
         },
     },
 }
-
 
 
 def qwen_calculator(tokenizer):

@@ -29,9 +29,12 @@ from config import ConfigError, load_config
 from memory import MemoryPhases
 from metrics import (
     Logger,
+    slowest,
+    summed,
     TokenMeans,
     filter_metrics,
     masked_mean,
+    reduce_metrics,
     rollout_metrics,
     trajectory_texts,
 )
@@ -97,13 +100,13 @@ def train_step(run, step, plan, phases):
     )
     scalars |= phases.metrics()
     scalars |= {
-        "train/degenerate_groups": num_degenerate,
-        "timing/train_s": sync_start - train_start,
-        "timing/weight_sync_s": now - sync_start,
-        "timing/step_s": now - step_start,
-        "perf/train_tokens_per_s": scalars["train/tokens"] / (sync_start - train_start),
+        "train/degenerate_groups": summed(num_degenerate),
+        "timing/train_s": slowest(sync_start - train_start),
+        "timing/weight_sync_s": slowest(now - sync_start),
+        "timing/step_s": slowest(now - step_start),
+        "perf/train_tokens_per_s": summed(scalars["train/tokens"] / (sync_start - train_start)),
     }
-    return parallel.reduce_metrics(scalars), texts
+    return reduce_metrics(scalars), texts
 
 
 def flatten(groups):
@@ -230,12 +233,12 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
             sequences.append(s)
             sequence_advantages.append(advantage)
     metrics = {
-        "merge/sequences_before": stats.sequences_before,
-        "merge/sequences_after": stats.sequences_after,
+        "merge/sequences_before": summed(stats.sequences_before),
+        "merge/sequences_after": summed(stats.sequences_after),
         "merge/ratio": stats.merge_ratio,
-        "merge/prefix_breaks": stats.prefix_breaks,
-        "train/truncated_masked": num_fitting - len(sequences),
-        "merge/over_length_dropped": num_finished - num_fitting,
+        "merge/prefix_breaks": summed(stats.prefix_breaks),
+        "train/truncated_masked": summed(num_fitting - len(sequences)),
+        "merge/over_length_dropped": summed(num_finished - num_fitting),
         "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1),
     }
     return sequences, torch.tensor(sequence_advantages, dtype=torch.float), metrics
@@ -259,7 +262,7 @@ def train_on_rollout(run, samples, advantages, version=0):
     stats |= old_logprobs(run, every_mb)
     stats |= batching.layout_stats(every_mb)
     stats |= batching.offpolicy_stats(every_mb, t.tis_cap)
-    stats["train/over_budget_sequences"] = over_budget
+    stats["train/over_budget_sequences"] = summed(over_budget)
     token_stats = TokenMeans()
     losses = []
     grad_norms = []

@@ -243,3 +243,38 @@ def test_qwen_tool_call_format_round_trip():
         observation, is_error = call(bad)
         assert is_error and "error" in tokenizer.decode(observation)
     assert call("The answer is 72.") is None  # no tool call: the response is the answer
+
+
+def test_unknown_key_suggests_the_closest_known_one():
+    """A misspelt key names the known key it is closest to (difflib), in any section."""
+    with pytest.raises(ConfigError, match="did you mean 'rollout.group_size'"):
+        load_config(None, ["rollout.groupsize=4"])
+    with pytest.raises(ConfigError, match="did you mean 'train.lr_schedule'"):
+        load_config(None, ["train.lr_shedule=cosine"])
+
+
+def test_help_says_what_the_command_does_and_lists_the_configs(capsys):
+    """`python train.py --help` describes the command (not a docstring's first line) and lists
+    the shipped configs."""
+    import train
+
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "Train a language model with GRPO" in text and "configs/tiny.yaml" in text
+    assert all(f"configs/{name}" in text for name in os.listdir("configs"))
+
+
+def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
+    """lr_factor: the warmup ramps linearly, constant then stays at 1, cosine passes 1 - (1 -
+    floor) / 2 halfway and ends exactly at min_lr_ratio on the last update."""
+    from model import lr_factor
+
+    cfg = load_config(None, ["train.warmup_steps=4", "train.min_lr_ratio=0.1"])
+    t = cfg.train
+    assert [lr_factor(u, 100, t) for u in (0, 3, 50, 99)] == [0.25, 1.0, 1.0, 1.0]
+    t.lr_schedule = "cosine"
+    assert lr_factor(0, 101, t) == pytest.approx(0.25)  # warmup still applies
+    assert lr_factor(50, 101, t) == pytest.approx(0.55)
+    assert lr_factor(100, 101, t) == pytest.approx(0.1)
+    assert lr_factor(500, 101, t) == pytest.approx(0.1)  # never below the floor

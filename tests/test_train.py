@@ -305,3 +305,29 @@ def test_micro_batches_are_padded_to_their_own_longest_row():
     for i, mb in enumerate(mbs):
         longest = max(2 + n for n in lengths[2 * i : 2 * i + 2])
         assert mb["input_ids"].shape[1] == longest
+
+
+def test_step_statistics_are_token_weighted_over_every_micro_batch(tmp_path):
+    """train/entropy and train/tis_weight are token means over all of the step's micro-batches
+    (micro-batches of 3 rows here, the last one shorter), not the last micro-batch's: one forward
+    over the whole batch gives the expected values."""
+    import dist_worker
+
+    sets = ["train.tis_cap=2.0", "train.max_tokens_per_micro_batch=0"]  # padded, 3 rows each
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    samples, advantages = dist_worker.fixed_batch()
+    finished = [i for i, s in enumerate(samples) if not s.is_aborted]
+    samples = [samples[i] for i in finished]
+    advantages = advantages[finished]
+    assert len(samples) % cfg.train.micro_batch_size != 0  # a short last micro-batch
+    policy, _ = model.build_policy(cfg, None)
+    batch = batching.collate(samples, pad_id=0)
+    with torch.no_grad():
+        logprobs, entropy = batching.sequence_logprobs(policy, batch, cfg.rollout.temperature)
+    mask = batch["loss_mask"]
+    log_weight = (logprobs - batch["engine_logprobs"]).clamp(max=math.log(2.0))
+    expected_entropy = ((entropy * mask).sum() / mask.sum()).item()
+    expected_tis = ((torch.exp(log_weight) * mask).sum() / mask.sum()).item()
+    _, _, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
+    assert stats["train/entropy"] == pytest.approx(expected_entropy, rel=1e-5)
+    assert stats["train/tis_weight"] == pytest.approx(expected_tis, rel=1e-5)
