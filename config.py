@@ -188,6 +188,15 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
+        """Every value checked: one of its mode list, within its bounds, and no conflicting
+        combination. A ConfigError names the key."""
+        self._check_choices()
+        for key, value, low in self._bounds():
+            if not value >= low:  # also rejects NaN
+                raise ConfigError(f"{key}={value!r}: expected >= {low}")
+        self._check_combinations()
+
+    def _check_choices(self):
         choices = {
             "data.task": (self.data.task, TASKS),
             "rollout.cancel": (self.rollout.cancel, CANCEL_POLICIES),
@@ -201,6 +210,9 @@ class Config:
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
+
+    def _check_combinations(self):
+        """Values each fine alone, wrong together (or beyond an upper bound)."""
         if not 0 <= self.rollout.drop_rate < 1:
             raise ConfigError(
                 f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1"
@@ -251,9 +263,6 @@ class Config:
             raise ConfigError(
                 "rollout.group_size must be >= 2: GRPO compares samples within a group"
             )
-        for key, value, low in self._bounds():
-            if not value >= low:  # also rejects NaN
-                raise ConfigError(f"{key}={value!r}: expected >= {low}")
         if (
             self.rollout.over_sample_rate < 0
             or self.rollout.time_factor <= 0

@@ -108,6 +108,19 @@ class MemoryPhases:
         self.peaks = {}
         self._move_trainer(onload=False, params=True, optimizer=True)  # rollout comes first
 
+    @classmethod
+    def of(cls, run, cfg):
+        """The phases of a train.py run (`cfg`: MemoryConfig)."""
+        return cls(
+            run.engine,
+            run.policy,
+            run.optimizer,
+            mode=cfg.mode,
+            bucket_bytes=cfg.bucket_mb << 20,
+            engine_dtype=run.engine.dtype,
+            reference=run.reference,
+        )
+
     # ------------------------------------------------------------------ transitions
     def to_train(self):
         """rollout -> train: free the engine (it must be idle), bring the trainer back."""

@@ -31,8 +31,8 @@ def build_policy(cfg, init_dir):
     path = init_dir or cfg.model.path
     try:
         if cfg.model.path == "tiny":
-            # Rebuilt, not reloaded: AutoTokenizer would swap in Qwen2Tokenizer
-            # (shared/notes/tiny-demo.md)
+            # Rebuilt, not reloaded: for a folder with a Qwen2 config.json, AutoTokenizer returns
+            # Qwen2Tokenizer, whose byte-level pre-tokenizer and normalisation change the ids
             tokenizer = tasks.build_char_tokenizer()
             if init_dir:
                 model = AutoModelForCausalLM.from_pretrained(

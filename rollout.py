@@ -69,11 +69,7 @@ class Settings:
 
 
 class RolloutEngine(Engine):
-    """The engine, generating the trainer's rollouts."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._cancelling = set()  # rids this side aborted on purpose (any other abort is a failure)
+    """The engine, generating the trainer's rollouts (one `Rollout` per call of `generate`)."""
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -134,147 +130,171 @@ class RolloutEngine(Engine):
         check_launch(requests, settings, self.cfg.max_total_tokens)
         filtering = plan is not None and plan.filter_groups
         groups = GroupFilter(prior_rewards) if filtering else None
-        return self._run(self._generate_all(requests, settings, groups))
+        rollout = Rollout(self, settings, groups)
+        return self._run(rollout.run(requests))
 
-    async def _generate_all(self, requests, settings, groups):
-        """Launch every request, wait until cancel.decide stops the rollout (or all returned), abort
-        the rest. `groups`: dynamic sampling's tally, or None."""
-        stats = RolloutStats()
-        start = time.perf_counter()
+
+class Rollout:
+    """One rollout in flight: each request an asyncio task, scored as it returns; refills for
+    dynamic sampling; at cancel.decide's stop, the rest aborted inside the engine. Lives for one
+    call of RolloutEngine.generate."""
+
+    def __init__(self, engine, settings, groups):
+        self.engine = engine
+        self.cfg = engine.cfg  # RolloutConfig: timeouts, failure ratio
+        self.settings = settings
+        self.groups = groups  # dynamic sampling's GroupFilter, or None
+        self.stats = RolloutStats()
+        self.start = time.perf_counter()
+        self.tasks = {}  # asyncio task -> its request's index
+        self.current_rid = {}  # request index -> rid of its request in the engine now
+        self.cancelled = set()  # request indices cancelled: no new turn starts
+        self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
+        self.next_group = 0  # the group id a refill gets next
+
+    async def run(self, requests):
+        """Launch every request, wait until cancel.decide stops the rollout (or all returned),
+        abort the rest. Returns (samples, RolloutStats) as RolloutEngine.generate does."""
+        stats = self.stats
         stats.prompts_launched = len({r.group_id for r in requests if r.resumed is None})
-        self._current_rid = {}  # request index -> rid of its request in the engine now
-        self._cancelled = set()  # request indices cancelled: no new turn starts
-        tasks = {}  # asyncio task -> request index
-        next_group = max((r.group_id for r in requests), default=-1) + 1
-
-        def launch(new_requests):
-            new = set()
-            for request in new_requests:
-                if request.resumed is not None:
-                    work = self._resume(request, settings, start)
-                else:
-                    work = self._trajectory(request, settings, stats, start)
-                task = asyncio.create_task(scored(work, settings.reward, stats))
-                tasks[task] = request.index
-                new.add(task)
-                if groups is not None:
-                    groups.launched(request.group_id)
-            return new
-
-        def returned(turns):
-            """Dynamic sampling, on every completion before the decision: tally the group, then
-            launch the prompts the filter asks for (the in-flight ones go on)."""
-            nonlocal next_group
-            last = turns[-1]
-            groups.returned(last.group_id, None if last.is_aborted else last.reward)
-            new = set()
-            while settings.refill is not None:
-                count = groups.wanted(settings.plan, stats.prompts_launched)
-                if count <= 0:
-                    break
-                prompts = settings.refill(list(range(next_group, next_group + count)))
-                if not prompts:
-                    break
-                refills = []
-                for offset, ids in enumerate(prompts):
-                    for _ in range(settings.group_size):
-                        index = len(tasks) + len(refills)
-                        refills.append(Request(index, next_group + offset, ids))
-                new |= launch(refills)
-                next_group += len(prompts)
-                stats.prompts_launched += len(prompts)
-            return new
-
-        pending = launch(requests)
+        self.next_group = max((r.group_id for r in requests), default=-1) + 1
+        pending = self.launch(requests)
         finished = []  # the last turn of each returned trajectory, in completion order
         try:
             pending = await wait_for_enough(
                 pending,
                 finished,
-                plan=settings.plan,
-                start=start,
-                timeout_s=settings.timeout_s,
-                groups=groups,
-                on_return=returned if groups is not None else None,
+                plan=self.settings.plan,
+                start=self.start,
+                timeout_s=self.settings.timeout_s,
+                groups=self.groups,
+                on_return=self.refill if self.groups is not None else None,
             )
         except BaseException:
             # a reward function or a refill raised: nothing may keep running in the engine
-            unfinished = [t for t in tasks if not t.done()]
-            await self._abort(unfinished, tasks, raise_if_stuck=False)
+            await self.abort([t for t in self.tasks if not t.done()], raise_if_stuck=False)
             raise
-        stats.decision_s = time.perf_counter() - start
-        stats.kept_groups = groups.kept if groups is not None else 0
-        timed_out = settings.timeout_s and stats.decision_s >= settings.timeout_s
-        if pending and timed_out:
-            stats.num_timed_out = len(pending)
-            log.warning(
-                "rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
-                settings.timeout_s,
-                len(pending),
-            )
+        stats.decision_s = time.perf_counter() - self.start
+        stats.kept_groups = self.groups.kept if self.groups is not None else 0
         if pending:
-            await self._abort(pending, tasks)
-            stats.cancel_latency_s = time.perf_counter() - start - stats.decision_s
-            # a request can finish on its own between the decision and the abort: it is kept
-            stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
+            await self.cancel_the_rest(pending)
         # every task is done here; re-raises nothing (errors became samples)
-        await asyncio.gather(*tasks)
-        stats.rollout_s = time.perf_counter() - start
-        samples = [turn for t in tasks for turn in t.result()]
+        await asyncio.gather(*self.tasks)
+        stats.rollout_s = time.perf_counter() - self.start
+        samples = [turn for t in self.tasks for turn in t.result()]
         # a resumed sample's earlier tokens were generated in an earlier step, not now
         earlier = sum(len(r.resumed.response_ids) for r in requests if r.resumed is not None)
         stats.generated_tokens = sum(len(s.response_ids) for s in samples) - earlier
-        plan = settings.plan
+        plan = self.settings.plan
         if plan is not None and plan.cancel == "group" and not plan.partial:
             # the group policy trains complete groups only (partial: the finished ones wait);
             # dynamic sampling then judges every one of them
-            num_groups = len(finished) if groups is not None else plan.target_groups
+            num_groups = len(finished) if self.groups is not None else plan.target_groups
             keep_first_complete_groups(samples, finished, plan.group_size, num_groups)
         check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
 
-    async def _abort(self, pending, tasks, raise_if_stuck=True):
+    def launch(self, requests):
+        """Start each request's trajectory as a task; returns the new tasks."""
+        new = set()
+        for request in requests:
+            if request.resumed is not None:
+                work = self.resume(request)
+            else:
+                work = self.trajectory(request)
+            task = asyncio.create_task(scored(work, self.settings.reward, self.stats))
+            self.tasks[task] = request.index
+            new.add(task)
+            if self.groups is not None:
+                self.groups.launched(request.group_id)
+        return new
+
+    def refill(self, turns):
+        """Dynamic sampling, on every return before the decision: tally the trajectory's group,
+        then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
+        tasks."""
+        last = turns[-1]
+        self.groups.returned(last.group_id, None if last.is_aborted else last.reward)
+        new = set()
+        while self.settings.refill is not None:
+            count = self.groups.wanted(self.settings.plan, self.stats.prompts_launched)
+            if count <= 0:
+                break
+            prompts = self.settings.refill(list(range(self.next_group, self.next_group + count)))
+            if not prompts:
+                break
+            requests = []
+            for offset, ids in enumerate(prompts):
+                for _ in range(self.settings.group_size):
+                    index = len(self.tasks) + len(requests)
+                    requests.append(Request(index, self.next_group + offset, ids))
+            new |= self.launch(requests)
+            self.next_group += len(prompts)
+            self.stats.prompts_launched += len(prompts)
+        return new
+
+    async def cancel_the_rest(self, pending):
+        """At the decision: abort what is still running (timed out, if the rollout timeout
+        decided), and count what the abort cut."""
+        stats = self.stats
+        timeout_s = self.settings.timeout_s
+        if timeout_s and stats.decision_s >= timeout_s:
+            stats.num_timed_out = len(pending)
+            log.warning(
+                "rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
+                timeout_s,
+                len(pending),
+            )
+        await self.abort(pending)
+        stats.cancel_latency_s = time.perf_counter() - self.start - stats.decision_s
+        # a request can finish on its own between the decision and the abort: it is kept
+        stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
+
+    async def abort(self, pending, raise_if_stuck=True):
         """Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
         request decoding in the scheduler, burning the compute we wanted back. Returns once every
         task is done."""
         # and no cancelled trajectory starts a turn
-        self._cancelled.update(tasks[t] for t in pending)
+        self.cancelled.update(self.tasks[t] for t in pending)
         # SGLang drops an abort for a rid it does not track yet (managers/tokenizer_manager.py,
         # abort_request): a request sent just before the decision (a refill, a multi-turn
         # trajectory's next turn) must reach the engine first, or it would run to its end unaborted
-        deadline = time.perf_counter() + self.cfg.abort_timeout_s
-        tracked = self.tokenizer_manager.rid_to_state
-        while time.perf_counter() < deadline and any(
-            not t.done() and self._current_rid.get(tasks[t]) not in tracked for t in pending
-        ):
+        timeout_s = self.cfg.abort_timeout_s
+        deadline = time.perf_counter() + timeout_s
+        tracked = self.engine.tokenizer_manager.rid_to_state
+
+        def unsent(task):
+            return not task.done() and self.current_rid.get(self.tasks[task]) not in tracked
+
+        while time.perf_counter() < deadline and any(unsent(t) for t in pending):
             await asyncio.sleep(0.002)
-        rids = [self._current_rid[tasks[t]] for t in pending if not t.done()]
-        self._cancelling.update(rids)
-        self.abort(rids)
-        _, stuck = await asyncio.wait(pending, timeout=self.cfg.abort_timeout_s)
+        rids = [self.current_rid[self.tasks[t]] for t in pending if not t.done()]
+        self.cancelling.update(rids)
+        self.engine.abort(rids)
+        _, stuck = await asyncio.wait(pending, timeout=timeout_s)
         for task in stuck:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # no task outlives the rollout
-        self._cancelling.difference_update(rids)
         if stuck and raise_if_stuck:
             raise RolloutError(
-                f"{len(stuck)} aborted requests did not return within "
-                f"{self.cfg.abort_timeout_s}s (rids {rids[:3]}...)"
+                f"{len(stuck)} aborted requests did not return within {timeout_s}s "
+                f"(rids {rids[:3]}...)"
             )
 
-    async def _trajectory(self, request, settings, stats, start):
+    async def trajectory(self, request):
         """Turns of one trajectory: generate, run the tool on a tool call, append its
         observation, go on. Each turn's prompt is the previous prompt + response + observation,
         so turns merge (merge.py)."""
+        settings = self.settings
         turns = []
         prompt_ids = request.prompt_ids
         context = array.array("i", prompt_ids)
         tool = settings.tool
         for turn in range(settings.max_turns):
             # cancelled before its first request, or while its tool ran
-            if request.index in self._cancelled:
+            if request.index in self.cancelled:
                 if not turns:
-                    return [failed_sample(request, self.weight_version, start, reason="abort")]
+                    return [self.failed(request, reason="abort")]
                 turns[-1].finish_reason = "abort"  # unfinished
                 break
             remaining = settings.budget - (len(context) - len(prompt_ids))
@@ -282,13 +302,8 @@ class RolloutEngine(Engine):
                 turns[-1].finish_reason = "length"  # its last call is never answered: truncated
                 break
             max_new_tokens = min(settings.sampling["max_new_tokens"], remaining)
-            sample = await self._generate_one(
-                request,
-                context,
-                {**settings.sampling, "max_new_tokens": max_new_tokens},
-                start,
-                turn,
-            )
+            sampling = {**settings.sampling, "max_new_tokens": max_new_tokens}
+            sample = await self.generate_one(request, context, sampling, turn)
             turns.append(sample)
             ends_in_call = (
                 tool is not None
@@ -302,8 +317,8 @@ class RolloutEngine(Engine):
                 sample.finish_reason = "length"
                 break
             observation_ids, is_error = tool(sample.response_ids, prompt_ids)
-            stats.num_tool_calls += 1
-            stats.num_tool_errors += is_error
+            self.stats.num_tool_calls += 1
+            self.stats.num_tool_errors += is_error
             sample.tool_call = -1 if is_error else 1
             # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
             context = context + sample.response_ids + array.array("i", observation_ids)
@@ -312,47 +327,41 @@ class RolloutEngine(Engine):
                 t.is_aborted = True
         return turns
 
-    async def _resume(self, request, settings, start):
+    async def resume(self, request):
         """Continue an unfinished single-turn sample: its prompt + partial response go in as
         token ids, `max_new_tokens` is what is left of the budget, and the result holds every
         token of both."""
+        settings = self.settings
         partial = request.resumed
-        if request.index in self._cancelled:
+        if request.index in self.cancelled:
             # cancelled before its request was sent: stays suspended, as this step's trajectory
             return [dataclasses.replace(partial, trajectory_id=request.index)]
         budget = min(settings.sampling["max_new_tokens"], settings.budget)
         remaining = budget - len(partial.response_ids)  # > 0: checked at launch
-        more = await self._generate_one(
-            request,
-            partial.prompt_ids + partial.response_ids,
-            {**settings.sampling, "max_new_tokens": remaining},
-            start,
-        )
+        sampling = {**settings.sampling, "max_new_tokens": remaining}
+        more = await self.generate_one(request, partial.prompt_ids + partial.response_ids, sampling)
         return [partial.continued_by(more)]
 
-    async def _generate_one(self, request, prompt_ids, sampling, start, turn=0):
+    async def generate_one(self, request, prompt_ids, sampling, turn=0):
         """One request of `request`'s trajectory; an engine exception becomes a sample marked
         "error" (counted, logged, dropped)."""
         # uuid: SGLang aborts by rid *prefix*
-        rid = self._current_rid[request.index] = uuid.uuid4().hex
+        rid = uuid.uuid4().hex
+        self.current_rid[request.index] = rid
         timeout_s = self.cfg.request_timeout_s or None
         try:
             output_ids, logprobs, reason, detail, version = await asyncio.wait_for(
-                self.request(rid, prompt_ids, sampling), timeout=timeout_s
+                self.engine.request(rid, prompt_ids, sampling), timeout=timeout_s
             )
         except asyncio.TimeoutError:
             # abort it inside the engine too, and wait until the engine let it go
-            await self.abort_and_wait(rid, self.cfg.abort_timeout_s)
+            await self.engine.abort_and_wait(rid, self.cfg.abort_timeout_s)
             log.error("request %s timed out after rollout.request_timeout_s=%s", rid, timeout_s)
-            return failed_sample(
-                request, self.weight_version, start, prompt_ids=prompt_ids, turn=turn
-            )
+            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
         except Exception as e:  # noqa: BLE001 - counted and logged, never silently padding
             log.error("request %s failed inside the engine: %r", rid, e)
-            return failed_sample(
-                request, self.weight_version, start, prompt_ids=prompt_ids, turn=turn
-            )
-        if reason == "abort" and rid not in self._cancelling:
+            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
+        if reason == "abort" and rid not in self.cancelling:
             # the engine aborted it by itself (e.g. context overflow): a failure, not our
             # cancellation
             log.error("request %s aborted by the engine: %s", rid, detail)
@@ -377,7 +386,25 @@ class RolloutEngine(Engine):
             finish_reason=reason,
             is_aborted=reason in ("abort", "error"),
             weight_version=version,
-            latency_s=time.perf_counter() - start,
+            latency_s=time.perf_counter() - self.start,
+        )
+
+    def failed(self, request, reason="error", prompt_ids=None, turn=0):
+        """The sample of a request that failed or timed out ("error": counted), or was cancelled
+        before it was sent ("abort"): no tokens, masked out. `prompt_ids`: the failed turn's
+        (default: the trajectory's prompt)."""
+        return Sample(
+            prompt_ids=request.prompt_ids if prompt_ids is None else prompt_ids,
+            response_ids=[],
+            logprobs=[],
+            loss_mask=[],
+            group_id=request.group_id,
+            trajectory_id=request.index,
+            turn=turn,
+            finish_reason=reason,
+            is_aborted=True,
+            weight_version=self.engine.weight_version,
+            latency_s=time.perf_counter() - self.start,
         )
 
 
@@ -454,25 +481,6 @@ def check_launch(requests, settings, max_total_tokens):
             max_new_tokens,
             max_total_tokens,
         )
-
-
-def failed_sample(request, version, start, reason="error", prompt_ids=None, turn=0):
-    """The sample of a request that failed or timed out ("error": counted), or was cancelled
-    before it was sent ("abort"): no tokens, masked out. `prompt_ids`: the failed turn's
-    (default: the trajectory's prompt)."""
-    return Sample(
-        prompt_ids=request.prompt_ids if prompt_ids is None else prompt_ids,
-        response_ids=[],
-        logprobs=[],
-        loss_mask=[],
-        group_id=request.group_id,
-        trajectory_id=request.index,
-        turn=turn,
-        finish_reason=reason,
-        is_aborted=True,
-        weight_version=version,
-        latency_s=time.perf_counter() - start,
-    )
 
 
 def check_failures(samples, stats, max_failed_ratio):

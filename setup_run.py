@@ -77,17 +77,7 @@ def setup(cfg, resume=False, engine=None):
         # before the trainer takes device memory: the engine sizes its KV cache from what is free
         engine = start_engine(cfg, engine_dir, start_step)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
-    reference = None
-    if cfg.train.kl_coef > 0:
-        # the KL reference is the *initial* policy, also after a resume: built again, not copied
-        reference = build_policy(cfg, None)[0].requires_grad_(False).eval()
-    if world > 1:
-        policy = parallel.shard(policy, compute_dtype)
-        if reference is not None:
-            reference = parallel.shard(reference, compute_dtype)
-    policy.to(device)
-    if reference is not None:
-        reference.to(device)
+    policy, reference = place_models(cfg, policy, compute_dtype, device)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
     if resume_dir:
         checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
@@ -120,6 +110,22 @@ def setup(cfg, resume=False, engine=None):
         start_step=start_step,
         updates_done=start_step,
     )
+
+
+def place_models(cfg, policy, compute_dtype, device):
+    """(policy, KL reference or None) on `device`, each an FSDP2 shard with several ranks. The
+    reference is the *initial* policy, also after a resume: built again, not copied."""
+    reference = None
+    if cfg.train.kl_coef > 0:
+        reference = build_policy(cfg, None)[0].requires_grad_(False).eval()
+    models = []
+    for model in (policy, reference):
+        if model is not None and parallel.world_size() > 1:
+            model = parallel.shard(model, compute_dtype)
+        if model is not None:
+            model.to(device)
+        models.append(model)
+    return models[0], models[1]
 
 
 def start_engine(cfg, model_dir, start_step):

@@ -396,15 +396,7 @@ def train(run, stop=None):
         Logger(cfg.run.out, cfg) if is_writer else None
     )  # one writer of TensorBoard and console
     plan = plan_launch(cfg.rollout, cfg.rollout.prompts_per_step // parallel.world_size())
-    phases = MemoryPhases(
-        run.engine,
-        run.policy,
-        run.optimizer,
-        mode=cfg.memory.mode,
-        bucket_bytes=cfg.memory.bucket_mb << 20,
-        engine_dtype=run.engine.dtype,
-        reference=run.reference,
-    )
+    phases = MemoryPhases.of(run, cfg.memory)
     own_stop = stop is None
     if own_stop:
         stop = StopSignal(run.engine)
@@ -442,17 +434,22 @@ def train(run, stop=None):
     except EngineDiedError as e:
         if parallel.world_size() > 1:
             raise  # the other ranks wait in collectives: the last periodic checkpoint stands
-        # the trainer's own state is intact: keep it
-        path = checkpoint.save(cfg.run.out, run.updates_done, run)
-        raise EngineDiedError(
-            f"{e}. The trainer's state after {run.updates_done} updates is saved in {path}; "
-            "--resume continues from it"
-        ) from None
+        raise save_after_engine_death(run, e) from None
     finally:
         if own_stop:
             stop.restore()
         if logger:
             logger.close()
+
+
+def save_after_engine_death(run, error):
+    """The trainer's own state is intact when its engine dies: checkpoint it, and return the
+    error to raise, saying where it is."""
+    path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
+    return EngineDiedError(
+        f"{error}. The trainer's state after {run.updates_done} updates is saved in {path}; "
+        "--resume continues from it"
+    )
 
 
 # ---------------------------------------------------------------- command line

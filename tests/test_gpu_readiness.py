@@ -1,5 +1,5 @@
 """GPU readiness on CPU: the findings of a review of the GPU branches against the library source
-(../shared/notes/gpu-review.md), each fix with the test a CPU can run, and the shipped GSM8K
+(SGLang, torch, transformers), each fix with the test a CPU can run, and the shipped GSM8K
 configs rehearsed end to end through train.py with a small Qwen2.5-shaped model
 (tests/qwen_tiny.py). The 2-rank engine faults live in tests/test_distributed.py (they reuse that
 job's engines); what only a GPU shows is listed in README "GPU smoke test"."""

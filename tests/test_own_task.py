@@ -118,7 +118,7 @@ def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir
         ("no_colon", "expected 'path/to/file.py:function'"),
         ("examples/countdown/missing.py:countdown_reward", "no file"),
         ("examples/countdown/reward.py:nope", "has no function 'nope'"),
-        ("tasks:parse_number", "must take (response_text, answer, finished)"),
+        ("rewards:parse_number", "must take (response_text, answer, finished)"),
         ("no_such_module_xyz:fn", "cannot import"),
     ],
 )
