@@ -159,20 +159,19 @@ def micro_batches(samples, advantages, size, pad_id, max_tokens=0):
     samples were longer than the budget: each got one of its own)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if max_tokens:
-        layout = pack_rows(lengths, max_tokens)
-        groups, rows = [[i for row in mb for i in row] for mb in layout], [
-            [len(row) for row in mb] for mb in layout
-        ]
+        layout = pack_rows(lengths, max_tokens)  # [micro-batch][row][sample index]
+        indices = [[i for row in mb for i in row] for mb in layout]
+        row_sizes = [[len(row) for row in mb] for mb in layout]
     else:
-        groups = [
+        indices = [
             list(range(start, min(start + size, len(samples))))
             for start in range(0, len(samples), size)
         ]
-        rows = [None] * len(groups)
+        row_sizes = [None] * len(indices)  # padded: one sample per row
     out = []
-    for group, group_rows in zip(groups, rows):
-        mb = collate([samples[i] for i in group], pad_id, group_rows)
-        mb["advantages"] = advantages[group].float()
+    for mb_indices, mb_row_sizes in zip(indices, row_sizes):
+        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes)
+        mb["advantages"] = advantages[mb_indices].float()
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
@@ -240,7 +239,8 @@ def mask_stale_tokens(micro_batches, version, max_staleness):
     """Each micro-batch's per-token staleness (weight versions between the policy being trained,
     `version`, and the one that sampled the token; 0 where nothing is trained). With
     `max_staleness` >= 0, older tokens leave the loss mask (the alternative to weighting them by
-    TIS). Returns the count masked."""
+    TIS). Returns {"staleness/masked_tokens": the count masked}. Writes mb["staleness"], which
+    old log-probs' gap and `offpolicy_stats` read: it runs first."""
     masked = 0
     for mb in micro_batches:
         mb["staleness"] = (version - mb["versions"]) * (mb["loss_mask"] > 0)

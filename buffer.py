@@ -153,9 +153,10 @@ class PartialBuffer:
         return [group.members for group in complete]
 
     def metrics(self):
-        """This step's counters and the buffer's size after it (all summed over ranks). The rollout/* keys replace rollout_metrics' (which sees only the trained
-        groups): "aborted" counts the trajectories suspended this step, "wasted_tokens" the
-        tokens generated and then thrown away."""
+        """This step's counters and the buffer's size after it (all summed over ranks). Its
+        rollout/* keys replace rollout_metrics' (which sees only the complete groups):
+        `rollout/aborted` counts the trajectories suspended this step, `rollout/wasted_tokens`
+        the tokens generated and then thrown away."""
         c = self.counters
         return {f"partial/{name}": summed(value) for name, value in c.items()} | {
             "partial/buffer_samples": summed(len(self.waiting)),

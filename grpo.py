@@ -2,8 +2,9 @@
 (with clip-higher, GSPO's sequence-level ratio, and optional truncated importance sampling for
 engine-vs-trainer mismatch).
 
-Owns no state, no model and no engine; train.py calls these on padded [B, T] batches. Masked rows
-(aborted or padded samples) are exactly equivalent to removed rows under every function here.
+Owns no state, no model and no engine; train.py and batching.py call these on [B, T] tensors
+(padded rows, or packed rows gathered back to that layout). Masked rows (aborted or padded samples)
+are exactly equivalent to removed rows under every function here.
 """
 
 import math
@@ -179,6 +180,11 @@ def policy_loss(
     entropy up; None = symmetric. ratio_level="sequence" is GSPO (Zheng et al. 2025, eq. 7): one
     ratio per sequence, the geometric mean of its token ratios, clipped per sequence (with GSPO's
     own small range, ~3e-4/4e-4), defined with seq-mean-token-mean only.
+
+    GSPO with TIS: each token keeps its own TIS weight, multiplying its term of the sequence
+    objective (GSPO's token form, eq. 10). TRL's sequence form, one TIS weight per sequence, gives a
+    different gradient. This is a choice: truncated importance sampling (Yao et al. 2025) corrects
+    each token's sampling mismatch, and the token form keeps that correction per token.
 
     logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs: [B, T]; advantages: [B];
     loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and importance weights

@@ -5,8 +5,8 @@ rollout (engine weights + KV cache; trainer offloaded) -> train (engine released
 -> sync, staged as in SGLang RFC 7009: offload the optimizer (its blocks go back to the device at
 once), resume engine weights, push weights in buckets, offload trainer parameters (blocks returned
 again), and only then resume the KV cache. `all_at_once` resumes weights and KV cache together, for
-comparison. The engine calls themselves live in rollout.py; this file decides their order and
-refuses illegal transitions.
+comparison. The engine calls themselves live in sglang_engine.py; this file decides their order
+and refuses illegal transitions.
 """
 
 import dataclasses
@@ -16,8 +16,8 @@ import torch
 import parallel
 from metrics import slowest
 
-# CUDA graph pools are not modelled
 MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
+# the ledger's name of each engine memory tag (CUDA graph pools are not modelled)
 LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}
 
 

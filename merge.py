@@ -4,7 +4,7 @@ possible.
 Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0)
 and the merge statistics. Does not tokenize, score, compute advantages, or drop over-length
 sequences: the trainer drops those, counted. The idea follows SkyRL PR 1532 (prefix-aware merging);
-the code is our own. Speed comes from the per-token arrays (rollout.Sample): every copy and prefix
+the code is our own. Speed comes from the per-token arrays (sample.Sample): every copy and prefix
 compare below is a memcpy/memcmp.
 """
 

@@ -149,7 +149,8 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering):
     return {
         **{f"filter/{name}": summed(value) for name, value in counts.items()},
         "filter/prompts_launched": summed(stats.prompts_launched),
-        # 1 when any rank launched all it may and still kept too few groups
+        # 1 when filtering kept fewer groups than the target (the prompt bound ended the step),
+        # on any rank
         "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
         "train/reward_mean": sum(rewards) / max(len(rewards), 1),
         "perf/generated_tokens_per_kept_group": stats.generated_tokens

@@ -155,7 +155,7 @@ def all_reduce(values, op="sum"):
 
 
 def gather_objects(obj):
-    """Every rank's `obj` (a list of world_size picklable objects), on every rank."""
+    """Every rank's `obj` (any picklable object), on every rank: a list of world_size."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * world_size()

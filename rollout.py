@@ -64,7 +64,9 @@ class Settings:
     tool: object = None  # (response ids, prompt ids) -> (observation ids, is_error); see tools.py
     reward: object = None  # turns -> float, called as each trajectory finishes
     plan: cancel.LaunchPlan | None = None  # None: wait for every request (validation)
-    refill: object = None  # dynamic sampling: new group ids -> their prompts' token ids
+    # dynamic sampling: (count, first_group_id=) -> up to `count` more prompts' token ids, whose
+    # group ids are first_group_id, first_group_id + 1, ...
+    more_prompts: object = None
     timeout_s: float = 0.0  # rollout.rollout_timeout_s: what is left then is aborted
 
 
@@ -85,7 +87,7 @@ class RolloutEngine(Engine):
         max_response_tokens=0,
         resumes=(),
         reward=None,
-        refill=None,
+        more_prompts=None,
         prior_rewards=None,
     ):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail as
@@ -97,9 +99,9 @@ class RolloutEngine(Engine):
         launched first, each continued from its prompt + partial response with what is left of the
         budget; the caller gives them group ids after the new prompts' (0..), one per held group.
         `reward` (turns -> float) scores each finished trajectory as it returns, every turn getting
-        the value. With `plan.filter_groups` (dynamic sampling), `refill` (new group ids -> token-id
-        lists) supplies more prompts, and `prior_rewards` ({group id: rewards}) are what a held
-        group's finished members earned before.
+        the value. With `plan.filter_groups` (dynamic sampling), `more_prompts(count,
+        first_group_id=)` supplies more prompts (token-id lists), and `prior_rewards` ({group id:
+        rewards}) are what a held group's finished members earned before.
 
         Returns (every turn of every trajectory in launch order: resumes first, refills last, each
         turn's `trajectory_id` its request's launch index; RolloutStats).
@@ -120,7 +122,7 @@ class RolloutEngine(Engine):
             tool=tool,
             reward=reward,
             plan=plan,
-            refill=refill,
+            more_prompts=more_prompts,
             timeout_s=self.cfg.rollout_timeout_s,
         )
         requests = [Request(i, s.group_id, s.prompt_ids, resumed=s) for i, s in enumerate(resumes)]
@@ -129,8 +131,8 @@ class RolloutEngine(Engine):
                 requests.append(Request(len(requests), group_id, ids))
         check_launch(requests, settings, self.cfg.max_total_tokens)
         filtering = plan is not None and plan.filter_groups
-        groups = GroupFilter(prior_rewards) if filtering else None
-        rollout = Rollout(self, settings, groups)
+        group_filter = GroupFilter(prior_rewards) if filtering else None
+        rollout = Rollout(self, settings, group_filter)
         return self._run(rollout.run(requests))
 
 
@@ -139,11 +141,11 @@ class Rollout:
     dynamic sampling; at cancel.decide's stop, the rest aborted inside the engine. Lives for one
     call of RolloutEngine.generate."""
 
-    def __init__(self, engine, settings, groups):
+    def __init__(self, engine, settings, group_filter):
         self.engine = engine
         self.cfg = engine.cfg  # RolloutConfig: timeouts, failure ratio
         self.settings = settings
-        self.groups = groups  # dynamic sampling's GroupFilter, or None
+        self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.stats = RolloutStats()
         self.start = time.perf_counter()
         self.tasks = {}  # asyncio task -> its request's index
@@ -167,15 +169,15 @@ class Rollout:
                 plan=self.settings.plan,
                 start=self.start,
                 timeout_s=self.settings.timeout_s,
-                groups=self.groups,
-                on_return=self.refill if self.groups is not None else None,
+                group_filter=self.group_filter,
+                on_return=self.filter_and_refill if self.group_filter is not None else None,
             )
         except BaseException:
             # a reward function or a refill raised: nothing may keep running in the engine
             await self.abort([t for t in self.tasks if not t.done()], raise_if_stuck=False)
             raise
         stats.decision_s = time.perf_counter() - self.start
-        stats.kept_groups = self.groups.kept if self.groups is not None else 0
+        stats.kept_groups = self.group_filter.kept if self.group_filter is not None else 0
         if pending:
             await self.cancel_the_rest(pending)
         # every task is done here; re-raises nothing (errors became samples)
@@ -189,7 +191,7 @@ class Rollout:
         if plan is not None and plan.cancel == "group" and not plan.partial:
             # the group policy trains complete groups only (partial: the finished ones wait);
             # dynamic sampling then judges every one of them
-            num_groups = len(finished) if self.groups is not None else plan.target_groups
+            num_groups = len(finished) if self.group_filter is not None else plan.target_groups
             keep_first_complete_groups(samples, finished, plan.group_size, num_groups)
         check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
@@ -205,22 +207,22 @@ class Rollout:
             task = asyncio.create_task(scored(work, self.settings.reward, self.stats))
             self.tasks[task] = request.index
             new.add(task)
-            if self.groups is not None:
-                self.groups.launched(request.group_id)
+            if self.group_filter is not None:
+                self.group_filter.launched(request.group_id)
         return new
 
-    def refill(self, turns):
+    def filter_and_refill(self, turns):
         """Dynamic sampling, on every return before the decision: tally the trajectory's group,
         then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
         tasks."""
         last = turns[-1]
-        self.groups.returned(last.group_id, None if last.is_aborted else last.reward)
+        self.group_filter.returned(last.group_id, None if last.is_aborted else last.reward)
         new = set()
-        while self.settings.refill is not None:
-            count = self.groups.wanted(self.settings.plan, self.stats.prompts_launched)
+        while self.settings.more_prompts is not None:
+            count = self.group_filter.wanted(self.settings.plan, self.stats.prompts_launched)
             if count <= 0:
                 break
-            prompts = self.settings.refill(list(range(self.next_group, self.next_group + count)))
+            prompts = self.settings.more_prompts(count, first_group_id=self.next_group)
             if not prompts:
                 break
             requests = []
@@ -409,12 +411,12 @@ class Rollout:
 
 
 async def wait_for_enough(
-    pending, finished, plan, start, timeout_s=0.0, groups=None, on_return=None
+    pending, finished, plan, start, timeout_s=0.0, group_filter=None, on_return=None
 ):
     """Wake on each completion (or when cancel.decide asks to look again), until `decide` says
     stop or nothing is pending; returns the tasks still pending. `finished` collects the last turn
     of each returned trajectory, in completion order; `on_return(turns)` sees each one first and
-    hands back the tasks it launched; `groups` is dynamic sampling's tally (kept groups)."""
+    hands back the tasks it launched; `group_filter` is dynamic sampling's tally (kept groups)."""
     progress = Progress(group_size=plan.group_size if plan is not None else 0)
     while pending:
         progress.elapsed_s = time.perf_counter() - start
@@ -433,8 +435,8 @@ async def wait_for_enough(
             progress.returned(turns[-1], elapsed_s=time.perf_counter() - start)
             if on_return is not None:
                 pending |= on_return(turns)
-        if groups is not None:
-            progress.kept_groups = groups.kept
+        if group_filter is not None:
+            progress.kept_groups = group_filter.kept
     return pending
 
 

@@ -112,6 +112,29 @@ def setup(cfg, resume=False, engine=None):
     )
 
 
+def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None):
+    """A Run holding only the trainer half (no engine, no data), with the optimizer and schedule
+    `model.build_optimizer` makes: what train.train_on_rollout reads. For the benchmarks and tests
+    that time or check an update alone."""
+    optimizer, scheduler = build_optimizer(policy, cfg.train)
+    return Run(
+        cfg=cfg,
+        policy=policy,
+        reference=None,
+        tokenizer=None,
+        stream=None,
+        val_prompts=[],
+        reward_fn=None,
+        tool=None,
+        engine=None,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        autocast_dtype=autocast_dtype,
+        buffer=None,
+    )
+
+
 def place_models(cfg, policy, compute_dtype, device):
     """(policy, KL reference or None) on `device`, each an FSDP2 shard with several ranks. The
     reference is the *initial* policy, also after a resume: built again, not copied."""

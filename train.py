@@ -118,7 +118,7 @@ def rollout(run, plan):
     """The step's training rollout: (groups, RolloutStats), each group a list of trajectories
     (lists of turns), new prompts from this rank's stream. Partial rollout: earlier steps'
     unfinished samples go first, and only complete groups come back (buffer.py). Dynamic
-    sampling: the engine asks for more prompts as it goes (`refill`)."""
+    sampling: the engine asks for more prompts as it goes (`more_prompts`)."""
     r = run.cfg.rollout
     buffer = run.buffer
     resumes = []
@@ -133,11 +133,12 @@ def rollout(run, plan):
         prompts_by_group = prompts + [group.prompt for group in buffer.resumed.values()]
         prior_rewards = buffer.prior_rewards()
 
-    def refill(group_ids):
-        """More prompts for dynamic sampling; the engine numbers them after every group id so
-        far, which are `prompts_by_group`'s next indices."""
-        prompts_by_group.extend(run.stream.take(len(group_ids)))
-        return [p.prompt_ids for p in prompts_by_group[group_ids[0] :]]
+    def more_prompts(count, first_group_id):
+        """Dynamic sampling's refills from this rank's stream. Their group ids continue after
+        every group id so far, so they index `prompts_by_group` as the earlier ones do."""
+        assert first_group_id == len(prompts_by_group)
+        prompts_by_group.extend(run.stream.take(count))
+        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
 
     samples, stats = run.engine.generate(
         [p.prompt_ids for p in prompts],
@@ -150,7 +151,7 @@ def rollout(run, plan):
         max_response_tokens=r.max_response_tokens,
         resumes=resumes,
         reward=scorer(run, prompts_by_group),
-        refill=refill,
+        more_prompts=more_prompts,
         prior_rewards=prior_rewards,
     )
     if buffer is None:
@@ -207,8 +208,7 @@ def training_sequences(trajectories, advantages, cfg, max_seq_len):
     if cfg.rollout.merge_turns:
         per_trajectory, stats = merge.merge_each(trajectories, max_seq_len)
     else:
-        merge.unmerged(trajectories)  # validates the turns
-        per_trajectory = [list(turns) for turns in trajectories]
+        per_trajectory = [merge.unmerged([turns]) for turns in trajectories]  # validated
         num_turns = sum(len(turns) for turns in trajectories)
         stats = merge.MergeStats(
             turns=num_turns, sequences_before=num_turns, sequences_after=num_turns

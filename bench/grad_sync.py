@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import time
-import types
 
 import torch
 
@@ -28,8 +27,8 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import grpo  # noqa: E402
 import parallel  # noqa: E402
+import setup_run  # noqa: E402
 import train  # noqa: E402
-import model  # noqa: E402
 import train_step  # noqa: E402
 from config import load_config  # noqa: E402
 
@@ -52,16 +51,7 @@ def update(samples, once_per_minibatch, micro_batches, max_tokens=0):
                 module.set_requires_gradient_sync(calls[0] == micro_batches)
 
         policy.register_forward_pre_hook(sync_last_only, with_kwargs=True)
-    optimizer, scheduler = model.build_optimizer(policy, cfg.train)
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        reference=None,
-        device=torch.device("cpu"),
-        autocast_dtype=None,
-    )
+    run = setup_run.trainer_only(cfg, policy)
     advantages, _ = grpo.group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(0)),
         torch.tensor([s.group_id for s in samples]),

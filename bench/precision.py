@@ -12,7 +12,6 @@ changed_fp32_masters=<f> changed_bf16_params=<f> ranks=<n> fsdp=<b> device=<s>
 import argparse
 import os
 import sys
-import types
 
 import torch
 
@@ -23,6 +22,7 @@ sys.path.insert(
 
 import dist_worker  # noqa: E402  (its fixed batch: uneven lengths, aborted rows)
 import parallel  # noqa: E402
+import setup_run  # noqa: E402
 import train  # noqa: E402
 import model  # noqa: E402
 from config import load_config  # noqa: E402
@@ -38,22 +38,8 @@ def one_step(cfg, samples, advantages, device, params_dtype):
     if sharded:
         policy = parallel.shard(policy, torch.bfloat16)
     policy.to(device)
-    t = cfg.train
-    optimizer = torch.optim.AdamW(
-        policy.parameters(),
-        lr=t.lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.weight_decay,
-    )
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        reference=None,
-        device=device,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        autocast_dtype=None if sharded else torch.bfloat16,
-    )
+    autocast_dtype = None if sharded else torch.bfloat16
+    run = setup_run.trainer_only(cfg, policy, device, autocast_dtype)
     train.train_on_rollout(run, samples, advantages)
     after = {k: v.float().cpu() for k, v in parallel.full_state_dict(policy).items()}
     return before, after

@@ -390,9 +390,10 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
             engine.flush_cache()
             prompts = list(stream[: filter_plan.num_prompts])
 
-            def refill(group_ids):
-                prompts.extend(stream[len(prompts) : len(prompts) + len(group_ids)])
-                return prompts[group_ids[0] :]
+            def more_prompts(count, first_group_id):
+                # group ids index `prompts`: the next ones are first_group_id, ...
+                prompts.extend(stream[len(prompts) : len(prompts) + count])
+                return prompts[first_group_id:]
 
             if arm == "rounds":
                 kept[arm] = 0
@@ -421,7 +422,7 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                     args.max_new_tokens,
                     arms[arm],
                     reward=reward(prompts),
-                    refill=refill,
+                    more_prompts=more_prompts,
                 )
                 counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))[1]
                 seconds[arm], kept[arm] = stats.rollout_s, counts["kept_groups"]

@@ -37,7 +37,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 
 import torch
 
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import checkpoint  # noqa: E402
 import grpo  # noqa: E402
+import setup_run  # noqa: E402
 import train  # noqa: E402
 import tasks  # noqa: E402
 import rollout  # noqa: E402
@@ -141,16 +141,7 @@ def update(mix, samples, packed, on_start=None):
         largest_padded_micro_batch(samples, cfg.train.micro_batch_size) if packed else 0
     )
     policy = policy_for(mix, cfg)
-    optimizer, scheduler = model.build_optimizer(policy, cfg.train)
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        reference=None,
-        device=torch.device("cpu"),
-        autocast_dtype=None,
-    )
+    run = setup_run.trainer_only(cfg, policy)
     advantages, _ = grpo.group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(0)),
         torch.tensor([s.group_id for s in samples]),

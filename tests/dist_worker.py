@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import types
 
 import torch
 
@@ -23,6 +22,7 @@ import batching  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import sglang_engine  # noqa: E402
+import setup_run  # noqa: E402
 import train  # noqa: E402
 import model  # noqa: E402
 from config import load_config  # noqa: E402
@@ -81,24 +81,10 @@ def update_once(cfg, samples, advantages, shard):
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     if shard:
         policy = parallel.shard(policy, compute_dtype)
-    t = cfg.train
-    optimizer = torch.optim.AdamW(
-        policy.parameters(),
-        lr=t.lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.weight_decay,
-    )
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        reference=None,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        device=torch.device("cpu"),
-        autocast_dtype=None if shard or compute_dtype == torch.float32 else compute_dtype,
-    )
+    autocast_dtype = None if shard or compute_dtype == torch.float32 else compute_dtype
+    run = setup_run.trainer_only(cfg, policy, autocast_dtype=autocast_dtype)
     stats = train.train_on_rollout(run, samples, advantages)
-    return policy, optimizer, stats
+    return policy, run.optimizer, stats
 
 
 def parity_file(mode, packed):

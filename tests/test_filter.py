@@ -133,13 +133,15 @@ def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_p
     plan = filtering_plan(tmp_path, "rollout.refill_prompts=1")
     refills = []
 
-    def refill(group_ids):
-        refills.append((group_ids, engine.num_in_flight()))
-        return [PROMPT] * len(group_ids)
+    def more_prompts(count, first_group_id):
+        refills.append(
+            (list(range(first_group_id, first_group_id + count)), engine.num_in_flight())
+        )
+        return [PROMPT] * count
 
     # the 4 launched groups are all zero-variance: every kept group comes from a refill
     samples, stats = engine.generate(
-        PROMPTS, 4, 1.0, 200, plan, reward=scripted(lambda g: g < 4), refill=refill
+        PROMPTS, 4, 1.0, 200, plan, reward=scripted(lambda g: g < 4), more_prompts=more_prompts
     )
     assert engine.num_in_flight() == 0
     # cancelled before sending too
@@ -161,7 +163,7 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
         24,
         plan,
         reward=scripted(lambda g: True),
-        refill=lambda group_ids: [PROMPT] * len(group_ids),
+        more_prompts=lambda count, first_group_id: [PROMPT] * count,
     )
     assert engine.num_in_flight() == 0
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4

@@ -34,3 +34,51 @@ def test_no_line_is_longer_than_the_configured_line_length():
                 if length > limit:
                     too_long.append(f"{os.path.relpath(path, REPO)}:{number}: {length} characters")
     assert not too_long, f"{len(too_long)} lines over {limit} characters:\n" + "\n".join(too_long)
+
+
+def test_every_dotted_name_in_the_readme_exists():
+    """Each `name.attribute` the README shows in backticks is a top-level module's attribute (or
+    a class's method), a config key (`section.field`), or a file: the reading order cannot point
+    at code that moved."""
+    import ast
+    import dataclasses
+    import re
+
+    import config
+
+    modules = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "*.py"))}
+    names = {}  # module or class -> its top-level (or method) names, read without importing
+    for module in modules:
+        with open(os.path.join(REPO, f"{module}.py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        names[module] = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names[module].add(node.name)
+            if isinstance(node, ast.ClassDef):
+                names[node.name] = {n.name for n in ast.walk(node) if hasattr(n, "name")}
+                names[node.name] |= {
+                    t.target.id for t in node.body if isinstance(t, ast.AnnAssign)
+                }
+            for target in getattr(node, "targets", []):
+                names[module].add(getattr(target, "id", None))
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names[module] |= {a.asname or a.name for a in node.names}
+    sections = {f.name: f.type for f in dataclasses.fields(config.Config)}
+    keys = {
+        f"{section}.{field.name}"
+        for section, kind in sections.items()
+        for field in dataclasses.fields(kind)
+    }
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    missing = []
+    for code in re.findall(r"`([^`\n]+)`", readme):
+        for first, second in re.findall(r"\b([A-Za-z_]\w*)\.([A-Za-z_]\w*)\b", code):
+            if first in ("py", "yaml", "md", "png", "jsonl") or second in ("py", "yaml", "md"):
+                continue
+            known = second in names.get(first, ())
+            if first in names or f"{first}.{second}" in keys:
+                if not (known or f"{first}.{second}" in keys):
+                    missing.append(f"{first}.{second}")
+    assert not missing, f"README names that do not exist: {sorted(set(missing))}"
