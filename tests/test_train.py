@@ -197,7 +197,9 @@ def test_golden_first_steps(engine, tmp_path):
     seeded per request in 0.5.23 (deterministic inference needs GPU attention backends), so the
     samples here come from the HF policy with a seeded torch generator; everything after sampling
     (reward, advantages, loss, optimizer) is the trainer's real code."""
-    cfg = tiny_config(tmp_path, "rollout.prompts_per_step=4", "rollout.group_size=8")
+    # the optimizer the golden values were recorded with (the demo's before its cosine schedule)
+    optimizer = ["train.lr=5e-4", "train.lr_schedule=constant"]
+    cfg = tiny_config(tmp_path, "rollout.prompts_per_step=4", "rollout.group_size=8", *optimizer)
     run = train.setup(cfg, engine=engine)
     rewards, losses = [], []
     # 4 a step: the prompts the golden values were taken on
