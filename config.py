@@ -287,7 +287,10 @@ class Config:
 
     def _bounds(self):
         """(key, value, smallest allowed) of every count and size."""
-        r, t, m, d = self.rollout, self.train, self.model, self.data
+        r = self.rollout
+        t = self.train
+        m = self.model
+        d = self.data
         return [
             ("rollout.prompts_per_step", r.prompts_per_step, 1),
             ("rollout.max_new_tokens", r.max_new_tokens, 1),

@@ -84,12 +84,10 @@ class MemoryPhases:
     ):
         if mode not in MEMORY_MODES:
             raise ValueError(f"memory mode {mode!r}: expected one of {MEMORY_MODES}")
-        self.engine, self.policy, self.optimizer, self.reference = (
-            engine,
-            policy,
-            optimizer,
-            reference,
-        )
+        self.engine = engine
+        self.policy = policy
+        self.optimizer = optimizer
+        self.reference = reference
         self.mode, self.bucket_bytes = mode, bucket_bytes
         self.device = next(policy.parameters()).device
         self.ledger = Ledger.measure(

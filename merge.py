@@ -1,17 +1,21 @@
-"""Multi-turn merging: folds the step-wise turns of a tool-using trajectory into as few sequences as
-possible.
+"""Training sequences: folds the step-wise turns of a tool-using trajectory into as few sequences as
+possible (multi-turn merging), and chooses what the trainer trains on (`training_sequences`).
 
-Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0)
-and the merge statistics. Does not tokenize, score, compute advantages, or drop over-length
-sequences: the trainer drops those, counted. The idea follows SkyRL PR 1532 (prefix-aware merging);
-the code is our own. Speed comes from the per-token arrays (sample.Sample): every copy and prefix
-compare below is a memcpy/memcmp.
+Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0),
+the merge statistics, and which sequences train: finished ones within the model's length, each with
+its trajectory's advantage (over-long and, with DAPO's overlong filtering, truncated ones are
+dropped, counted). Does not tokenize, score or compute advantages. The idea follows SkyRL PR 1532
+(prefix-aware merging); the code is our own. Speed comes from the per-token arrays (sample.Sample):
+every copy and prefix compare below is a memcpy/memcmp.
 """
 
 import array
 import dataclasses
 import warnings
 
+import torch
+
+from metrics import summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
 # What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
@@ -19,12 +23,10 @@ LAST_TURN_FIELDS = tuple(
     f.name for f in dataclasses.fields(Sample) if f.name not in PER_TOKEN_TYPECODES
 )
 
-# one observation token's entries
-NO_LOGPROB, NOT_TRAINED, NO_VERSION = (
-    array.array("f", [0.0]),
-    array.array("B", [0]),
-    array.array("i", [NOT_GENERATED]),
-)
+# one observation token's entries: not sampled by the policy, not trained
+NO_LOGPROB = array.array("f", [0.0])
+NOT_TRAINED = array.array("B", [0])
+NO_VERSION = array.array("i", [NOT_GENERATED])
 
 
 class MergeError(ValueError):
@@ -85,7 +87,9 @@ def _merge_run(turns: list[Sample], start: int) -> tuple[Sample, int]:
     first = turns[start]
     # the sequence so far: prompt, then response (a copy)
     context = first.prompt_ids + first.response_ids
-    logprobs, mask, versions = first.logprobs[:], first.loss_mask[:], first.versions[:]
+    logprobs = first.logprobs[:]
+    mask = first.loss_mask[:]
+    versions = first.versions[:]
     end = start + 1
     for turn in turns[start + 1 :]:
         # The turn extends the sequence iff its prompt = context + something (tool output, template
@@ -199,3 +203,49 @@ def unmerged(trajectories: list[list[Sample]]) -> list[Sample]:
     for turns in trajectories:
         _validate(turns)
     return [turn for turns in trajectories for turn in turns]
+
+
+# ---------------------------------------------------------------- what the trainer trains on
+def training_sequences(
+    trajectories, advantages, max_seq_len, merge_turns=True, mask_truncated=False
+):
+    """Sequences to train on and their advantages: merged turns (or one per turn) of finished
+    trajectories, each with its *trajectory's* advantage (`advantages` is aligned with
+    `trajectories`). Over-long ones are dropped and counted, and with `mask_truncated` (DAPO's
+    overlong filtering, `train.mask_truncated`) the ones cut at the budget. Without `merge_turns`
+    (`rollout.merge_turns`) every turn is its own sequence. Returns (sequences, [S], metrics)."""
+    if merge_turns:
+        per_trajectory, stats = merge_each(trajectories, max_seq_len)
+    else:
+        per_trajectory = [unmerged([turns]) for turns in trajectories]  # validated
+        num_turns = sum(len(turns) for turns in trajectories)
+        stats = MergeStats(turns=num_turns, sequences_before=num_turns, sequences_after=num_turns)
+    sequences = []
+    sequence_advantages = []
+    num_finished = 0
+    num_fitting = 0
+    for candidates, advantage in zip(per_trajectory, advantages.tolist()):
+        for s in candidates:
+            # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
+            # would still cost the old-log-prob pass, the forward and the backward, and they are
+            # the longest rows: they stop here.
+            if s.is_aborted:
+                continue
+            num_finished += 1
+            if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:
+                continue
+            num_fitting += 1
+            if mask_truncated and s.finish_reason == "length":
+                continue
+            sequences.append(s)
+            sequence_advantages.append(advantage)
+    metrics = {
+        "merge/sequences_before": summed(stats.sequences_before),
+        "merge/sequences_after": summed(stats.sequences_after),
+        "merge/ratio": stats.merge_ratio,
+        "merge/prefix_breaks": summed(stats.prefix_breaks),
+        "train/truncated_masked": summed(num_fitting - len(sequences)),
+        "merge/over_length_dropped": summed(num_finished - num_fitting),
+        "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1),
+    }
+    return sequences, torch.tensor(sequence_advantages, dtype=torch.float), metrics

@@ -180,7 +180,9 @@ def chat_prompts(
             "the tokenizer has no chat template: chat prompts are rendered with it (use an "
             "instruct model's tokenizer, or give the tokenizer a chat_template)"
         )
-    prompts, num_too_long, num_bad = [], 0, 0
+    prompts = []
+    num_too_long = 0
+    num_bad = 0
     max_chars = 32 * max_prompt_len  # far more than a prompt of max_prompt_len tokens can hold
     for row_no, row in enumerate(rows, 1):
         problem = row_problem(row, prompt_field, answer_field, max_chars)
@@ -289,13 +291,11 @@ class PromptStream:
     every rank's and `--resume` reads on."""
 
     def __init__(self, prompts, seed, rank=0, world_size=1, position=0):
-        self.prompts, self.seed, self.rank, self.world_size, self.position = (
-            prompts,
-            seed,
-            rank,
-            world_size,
-            position,
-        )
+        self.prompts = prompts
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.position = position  # prompts this rank has read
         self._epoch, self._order = None, None
 
     def take(self, count):

@@ -134,10 +134,12 @@ class CalculatorTool:
     """
 
     def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
-        self.tokenizer, self.call_start, self.call_end = tokenizer, call_start, call_end
-        # rollout stops generation on it
-        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)
-        self.parse_call, self.format_observation = parse_call, format_observation
+        self.tokenizer = tokenizer
+        self.call_start = call_start
+        self.call_end = call_end
+        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)  # generation stops on it
+        self.parse_call = parse_call
+        self.format_observation = format_observation
 
     def __call__(self, response_ids, prompt_ids=()):
         if not response_ids or response_ids[-1] != self.call_end_id:

@@ -75,8 +75,12 @@ def train_step(run, step, plan, phases):
 
     # 4. policy update on (merged) sequences, with the engine's memory released
     max_seq_len = run.policy.config.max_position_embeddings
-    sequences, sequence_advantages, merge_metrics = training_sequences(
-        trajectories, advantages, cfg, max_seq_len
+    sequences, sequence_advantages, merge_metrics = merge.training_sequences(
+        trajectories,
+        advantages,
+        max_seq_len,
+        merge_turns=cfg.rollout.merge_turns,
+        mask_truncated=cfg.train.mask_truncated,
     )
     train_start = time.perf_counter()
     phases.to_train()
@@ -198,50 +202,6 @@ def trajectory_advantages(groups, scale_by_std):
         torch.tensor([not s.is_aborted for s in last_turns], dtype=torch.bool),
         scale_by_std,
     )
-
-
-def training_sequences(trajectories, advantages, cfg, max_seq_len):
-    """Sequences to train on and their advantages: merged turns (or one per turn) of finished
-    trajectories, each with its *trajectory's* advantage (`advantages` is aligned with
-    `trajectories`). Over-long ones are dropped and counted, and with `train.mask_truncated`
-    (DAPO's overlong filtering) the ones cut at the budget. Returns (sequences, [S], metrics)."""
-    if cfg.rollout.merge_turns:
-        per_trajectory, stats = merge.merge_each(trajectories, max_seq_len)
-    else:
-        per_trajectory = [merge.unmerged([turns]) for turns in trajectories]  # validated
-        num_turns = sum(len(turns) for turns in trajectories)
-        stats = merge.MergeStats(
-            turns=num_turns, sequences_before=num_turns, sequences_after=num_turns
-        )
-    sequences = []
-    sequence_advantages = []
-    num_finished = 0
-    num_fitting = 0
-    for candidates, advantage in zip(per_trajectory, advantages.tolist()):
-        for s in candidates:
-            # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
-            # would still cost the old-log-prob pass, the forward and the backward, and they are
-            # the longest rows: they stop here.
-            if s.is_aborted:
-                continue
-            num_finished += 1
-            if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:
-                continue
-            num_fitting += 1
-            if cfg.train.mask_truncated and s.finish_reason == "length":
-                continue
-            sequences.append(s)
-            sequence_advantages.append(advantage)
-    metrics = {
-        "merge/sequences_before": summed(stats.sequences_before),
-        "merge/sequences_after": summed(stats.sequences_after),
-        "merge/ratio": stats.merge_ratio,
-        "merge/prefix_breaks": summed(stats.prefix_breaks),
-        "train/truncated_masked": summed(num_fitting - len(sequences)),
-        "merge/over_length_dropped": summed(num_finished - num_fitting),
-        "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1),
-    }
-    return sequences, torch.tensor(sequence_advantages, dtype=torch.float), metrics
 
 
 def train_on_rollout(run, samples, advantages, version=0):

@@ -22,6 +22,7 @@ from torch.multiprocessing import reductions
 import batching
 import checkpoint
 import dist_worker
+import merge
 import parallel
 import sglang_engine
 import tools
@@ -197,9 +198,7 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
     cfg = dist_worker.parity_config(tmp_path, "seq-mean-token-mean")
     samples, advantages = dist_worker.fixed_batch()
     trajectories = [[s] for s in samples]
-    kept, kept_advantages, _ = train.training_sequences(
-        trajectories, advantages, cfg, max_seq_len=256
-    )
+    kept, kept_advantages, _ = merge.training_sequences(trajectories, advantages, max_seq_len=256)
     assert [s.trajectory_id for s in kept] == [s.trajectory_id for s in samples if not s.is_aborted]
     assert len(kept) < len(samples)
     with_all, _, stats_all = dist_worker.update_once(cfg, samples, advantages, shard=False)

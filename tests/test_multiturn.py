@@ -6,6 +6,7 @@ import torch
 
 import batching
 import grpo
+import merge
 import sample
 import plot
 import tools
@@ -63,9 +64,13 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     samples, _ = train.generate(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     advantages = torch.randn(len(trajectories))
-    merged, merged_adv, metrics = train.training_sequences(trajectories, advantages, run.cfg, 256)
+    merged, merged_adv, metrics = merge.training_sequences(
+        trajectories, advantages, 256, merge_turns=run.cfg.rollout.merge_turns
+    )
     run.cfg.rollout.merge_turns = False
-    stepwise, stepwise_adv, _ = train.training_sequences(trajectories, advantages, run.cfg, 256)
+    stepwise, stepwise_adv, _ = merge.training_sequences(
+        trajectories, advantages, 256, merge_turns=run.cfg.rollout.merge_turns
+    )
     assert metrics["merge/ratio"] > 1 and len(merged) < len(stepwise)
     assert sum(len(s.prompt_ids) + len(s.response_ids) for s in merged) < sum(
         len(s.prompt_ids) + len(s.response_ids) for s in stepwise

@@ -57,9 +57,7 @@ def test_every_dotted_name_in_the_readme_exists():
                 names[module].add(node.name)
             if isinstance(node, ast.ClassDef):
                 names[node.name] = {n.name for n in ast.walk(node) if hasattr(n, "name")}
-                names[node.name] |= {
-                    t.target.id for t in node.body if isinstance(t, ast.AnnAssign)
-                }
+                names[node.name] |= {t.target.id for t in node.body if isinstance(t, ast.AnnAssign)}
             for target in getattr(node, "targets", []):
                 names[module].add(getattr(target, "id", None))
             if isinstance(node, (ast.Import, ast.ImportFrom)):
