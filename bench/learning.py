@@ -51,10 +51,11 @@ ARMS = {
 }
 
 
-def train_once(arm, seed, steps, out_dir, over_sample, config):
+def train_once(arm, seed, steps, out_dir, over_sample, config, extra_sets=()):
     """Train one arm; returns {tag: [(step, value, seconds since the run's first event)]} from
     its TensorBoard events."""
     sets = [f"train.seed={seed}", f"train.steps={steps}", "run.checkpoint_every=0", *ARMS[arm]]
+    sets += extra_sets
     if over_sample and arm != "baseline":
         sets = [s.replace("rollout.drop_rate=0.2", "rollout.over_sample_rate=0.25") for s in sets]
     cmd = [sys.executable, "train.py", "--config", config, "--out", out_dir]
@@ -115,6 +116,13 @@ def main():
         default="configs/tiny.yaml",
         help="the demo: configs/tiny.yaml or tiny_tool.yaml",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config override for every arm (repeatable)",
+    )
     args = parser.parse_args()
     seeds, arms = [int(s) for s in args.seeds.split(",")], args.arms.split(",")
     unknown = set(arms) - set(ARMS)
@@ -133,6 +141,7 @@ def main():
                     os.path.join(tmp, f"{arm}-{seed}"),
                     args.over_sample,
                     args.config,
+                    extra_sets=args.set,
                 )
                 row = summarize(logged[arm])
                 rows[arm].append(row)

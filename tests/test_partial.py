@@ -360,6 +360,8 @@ def test_tail_bench_partial_runs_end_to_end_and_reports_its_figures(background_r
         "baseline,dapo",
         "--steps",
         "2",
+        "--set",
+        "data.num_val_prompts=16",
     ],
 )
 def test_learning_bench_runs_both_arms_and_reports_its_figures(background_runs):

@@ -422,6 +422,8 @@ def start_training(out_dir, *sets, new_session=False, resume=False):
         "--set",
         "run.val_every=1000",
         "--set",
+        "data.num_val_prompts=16",  # validated at step 0: 16 prompts, not the demo's 256
+        "--set",
         "run.checkpoint_every=0",
         "--set",
         "train.steps=400",
@@ -475,7 +477,7 @@ out = {out!r}
 os.makedirs(out, exist_ok=True)
 command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out,
            "--set", "run.val_every=1000", "--set", "run.checkpoint_every=0",
-           "--set", "train.steps=400"]
+           "--set", "train.steps=400", "--set", "data.num_val_prompts=16"]
 stderr = open(os.path.join(out, "stderr.txt"), "w")
 process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
 for line in process.stdout:  # the trainer is in step 3 once step 2's line is out
