@@ -131,6 +131,15 @@ def _wide_char_tokenizer():
     return tokenizer
 
 
+def qwen_tool_tokenizer():
+    """_wide_char_tokenizer with Qwen's tool-call and chat tokens as special tokens."""
+    tokenizer = _wide_char_tokenizer()
+    specials = ["<tool_call>", "</tool_call>", "<|im_end|>", "<|im_start|>"]
+    specials += ["<tool_response>", "</tool_response>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
+
+
 def test_over_long_prompts_are_counted_and_skipped(caplog):
     """Prompts longer than max_prompt_len are dropped and counted; a limit that leaves none is a
     DataError."""
@@ -206,19 +215,7 @@ def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
 def test_qwen_tool_call_format_round_trip():
     """The chat-template tool format (Qwen2.5/Qwen3): a JSON call is parsed and answered in a tool
     turn, a malformed one is answered with an error, and a response without a call gets None."""
-    tokenizer = _wide_char_tokenizer()
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<tool_call>",
-                "</tool_call>",
-                "<|im_end|>",
-                "<|im_start|>",
-                "<tool_response>",
-                "</tool_response>",
-            ]
-        }
-    )
+    tokenizer = qwen_tool_tokenizer()
     tool = tools.qwen_calculator(tokenizer)
 
     def call(text):

@@ -30,7 +30,7 @@ import tools
 import train
 from config import Config, ConfigError, load_config
 from conftest import tiny_config
-from test_config_and_tasks import _wide_char_tokenizer
+from test_config_and_tasks import _wide_char_tokenizer, qwen_tool_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -170,19 +170,7 @@ def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
 def test_tool_call_fuzzing_through_the_qwen_json_adapter():
     """Random and adversarial model-written calls: each gives an observation (an answer or an error
     text) or None (no call); the calculator never raises and never evaluates code."""
-    tokenizer = _wide_char_tokenizer()
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<tool_call>",
-                "</tool_call>",
-                "<|im_end|>",
-                "<|im_start|>",
-                "<tool_response>",
-                "</tool_response>",
-            ]
-        }
-    )
+    tokenizer = qwen_tool_tokenizer()
     tool = tools.qwen_calculator(tokenizer)
     adversarial = [
         '{"arguments": {"expression": "9**9**9**9"}}',
@@ -568,24 +556,9 @@ import checkpoint, model, setup_run, tasks
 from config import load_config
 cfg = load_config("configs/tiny.yaml", ["run.out={out}"])
 policy, tokenizer = model.build_policy(cfg, None)
-optimizer = torch.optim.AdamW(policy.parameters())
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-run = setup_run.Run(
-    cfg=cfg,
-    policy=policy,
-    reference=None,
-    tokenizer=tokenizer,
-    stream=tasks.PromptStream([], 0),
-    val_prompts=[],
-    reward_fn=None,
-    tool=None,
-    engine=None,
-    optimizer=optimizer,
-    scheduler=scheduler,
-    device=torch.device("cpu"),
-    autocast_dtype=None,
-    buffer=None,
-)
+run = setup_run.trainer_only(cfg, policy)
+run.tokenizer = tokenizer  # what a checkpoint's HF export and data position need
+run.stream = tasks.PromptStream([], 0)
 for step in range(1, 10_000):
     with torch.no_grad():
         next(policy.parameters()).fill_(step)  # each checkpoint's weights say which step wrote them
