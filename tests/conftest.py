@@ -2,12 +2,14 @@
 background runs of the subprocesses whose tests only read their output, and the suite's time
 budget: a full run that takes far longer than README's 8 minutes fails."""
 
+import collections
 import concurrent.futures
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -77,28 +79,60 @@ def qwen_tiny_dir(background_runs):
 # ---------------------------------------------------------------- background runs
 class BackgroundRuns:
     """Commands whose tests only read their result (a benchmark's last line, a run's exit code
-    and files), started when the suite is collected and run one at a time in a worker thread:
-    each process (~30 s, most of it importing SGLang) uses the core that the in-process tests
-    leave idle, instead of adding its time to the suite's. A test marks its command with
+    and files), started when the suite is collected and run in worker threads ("lanes"), in
+    order: each process (~30 s, most of it importing SGLang) uses a core that the in-process tests
+    leave idle, instead of adding its time to the suite's. One lane while the in-process tests
+    run (they use the other core); a second once they are done (`open_second_lane`), since the
+    tests left then only read results. A test marks its command with
     `@pytest.mark.background(name, command)` and reads `background_runs.result(name)`: the
     CompletedProcess, waited for."""
 
     def __init__(self):
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        self.runs, self.seconds = {}, {}  # seconds: each finished run's wall time, for the summary
+        self.runs = {}  # name -> Future of its CompletedProcess
+        self.seconds = {}  # each finished run's wall time, for the summary
+        self.queue = collections.deque()  # (name, command, timeout) not started yet, in order
+        self.lock = threading.Lock()
+        self.max_lanes = 1
+        self.lanes = 0  # worker threads running
 
     def start(self, name, command, timeout=400):
-        if name not in self.runs:
-            self.runs[name] = self.pool.submit(self._run, name, command, timeout)
+        with self.lock:
+            if name in self.runs:
+                return
+            self.runs[name] = concurrent.futures.Future()
+            self.queue.append((name, command, timeout))
+        self._spawn()
 
-    def _run(self, name, command, timeout):
-        start = time.monotonic()
-        try:
-            return subprocess.run(
-                command, cwd=REPO, capture_output=True, text=True, timeout=timeout
-            )
-        finally:
-            self.seconds[name] = time.monotonic() - start
+    def open_second_lane(self):
+        self.max_lanes = 2
+        self._spawn()
+
+    def _spawn(self):
+        with self.lock:
+            while self.lanes < self.max_lanes and len(self.queue) > self.lanes:
+                self.lanes += 1
+                threading.Thread(target=self._lane, daemon=True).start()
+
+    def _lane(self):
+        """Run queued commands until none is left."""
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.lanes -= 1
+                    return
+                name, command, timeout = self.queue.popleft()
+            future = self.runs[name]
+            start = time.monotonic()
+            try:
+                future.set_result(
+                    subprocess.run(
+                        command, cwd=REPO, capture_output=True, text=True, timeout=timeout
+                    )
+                )
+            except Exception as e:  # noqa: BLE001 - the reading test re-raises it
+                future.set_exception(e)
+            finally:
+                self.seconds[name] = time.monotonic() - start
 
     def result(self, name):
         return self.runs[name].result()
@@ -127,6 +161,13 @@ def pytest_collection_modifyitems(session, config, items):
             runs.start(*marker.args)
     reads = [item for item in items if any(item.iter_markers("background"))]
     items[:] = [item for item in items if item not in reads] + reads
+
+
+def pytest_runtest_setup(item):
+    """The first test that reads a background run starts the tests that only read them (they run
+    last): the in-process core is free from then on."""
+    if any(item.iter_markers("background")):
+        item.config.stash[BACKGROUND].open_second_lane()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ makes a folder that `model.path` can name.
 
 import json
 import os
+import shutil
 import sys
 import random
 import re
@@ -211,15 +212,22 @@ def build(folder, data_path, steps=250, seed=0):
     loss = supervised_steps(
         model, sft_examples(tokenizer, data, rng), steps, batch_size=16, lr=6e-3, seed=seed
     )
-    os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    # written beside the folder, then renamed: a reader (`test -d FOLDER`, another lane of the
+    # suite's background runs) sees the whole model or none
+    partial = f"{folder}.partial-{os.getpid()}"
+    os.makedirs(partial)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
     GenerationConfig(
         bos_token_id=end_of_text,
         eos_token_id=[im_end, end_of_text],
         pad_token_id=end_of_text,
         do_sample=True,
-    ).save_pretrained(folder)
+    ).save_pretrained(partial)
+    try:
+        os.rename(partial, folder)
+    except OSError:  # another build finished first (the same seeded model): keep that one
+        shutil.rmtree(partial)
     return loss
 
 
