@@ -82,8 +82,8 @@ class BackgroundRuns:
     and files), started when the suite is collected and run in worker threads ("lanes"), in
     order: each process (~30 s, most of it importing SGLang) uses a core that the in-process tests
     leave idle, instead of adding its time to the suite's. One lane while the in-process tests
-    run (they use the other core); a second once they are done (`open_second_lane`), since the
-    tests left then only read results. A test marks its command with
+    run (they use the other core); a second from the first time a test waits on a result (its
+    core idles then) or the tests that only read results begin (`open_second_lane`). A test marks its command with
     `@pytest.mark.background(name, command)` and reads `background_runs.result(name)`: the
     CompletedProcess, waited for."""
 
@@ -134,7 +134,17 @@ class BackgroundRuns:
             finally:
                 self.seconds[name] = time.monotonic() - start
 
+    def cancel_queued(self):
+        """Nothing queued starts any more (a run cut short: -x, Ctrl-C)."""
+        with self.lock:
+            for name, _, _ in self.queue:
+                self.runs[name].cancel()
+            self.queue.clear()
+
     def result(self, name):
+        if not self.runs[name].done():
+            # the caller's core idles while it waits: a second lane uses it
+            self.open_second_lane()
         return self.runs[name].result()
 
     def lines(self, name):
@@ -248,7 +258,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_unconfigure(config):
     if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing queued starts any more
-        config.stash[BACKGROUND].pool.shutdown(wait=False, cancel_futures=True)
+        config.stash[BACKGROUND].cancel_queued()
     shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
 
 
