@@ -80,12 +80,12 @@ def qwen_tiny_dir(background_runs):
 class BackgroundRuns:
     """Commands whose tests only read their result (a benchmark's last line, a run's exit code
     and files), started when the suite is collected and run in worker threads ("lanes"), in
-    order: each process (~30 s, most of it importing SGLang) uses a core that the in-process tests
-    leave idle, instead of adding its time to the suite's. One lane while the in-process tests
-    run (they use the other core); a second from the first time a test waits on a result (its
-    core idles then) or the tests that only read results begin (`open_second_lane`). A test marks its command with
-    `@pytest.mark.background(name, command)` and reads `background_runs.result(name)`: the
-    CompletedProcess, waited for."""
+    order: each process (~30 s, most of it importing SGLang) uses a core that the in-process
+    tests leave idle, instead of adding its time to the suite's. One lane while the in-process
+    tests run (they use the other core); a second from the first time a test waits on a result
+    (its core idles then) or the tests that only read results begin (`open_second_lane`). A test
+    marks its command with `@pytest.mark.background(name, command)` and reads
+    `background_runs.result(name)`: the CompletedProcess, waited for."""
 
     def __init__(self):
         self.runs = {}  # name -> Future of its CompletedProcess
