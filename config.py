@@ -14,7 +14,7 @@ import yaml
 from cancel import CANCEL_POLICIES
 from grpo import LOSS_AGG_MODES, RATIO_LEVELS, SEQUENCE_RATIO_AGG
 from memory import MEMORY_MODES
-from model import DTYPES, LR_SCHEDULES
+from model import ATTENTION, DTYPES, LR_SCHEDULES
 from tasks import TASKS
 
 
@@ -32,6 +32,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     # the rollout engine's weights, cast from the masters at every weight sync
     engine_dtype: str = "float32"
+    # the trainer's attention: sdpa | flex_attention (GPU only; see model.ATTENTION)
+    attn_implementation: str = "sdpa"
     # run Python code shipped in a model folder (trainer and engine): only if you trust it
     trust_remote_code: bool = False
     hidden_size: int = 64  # tiny model only, from here on
@@ -205,6 +207,7 @@ class Config:
             "train.lr_schedule": (self.train.lr_schedule, LR_SCHEDULES),
             "model.compute_dtype": (self.model.compute_dtype, DTYPES),
             "model.engine_dtype": (self.model.engine_dtype, DTYPES),
+            "model.attn_implementation": (self.model.attn_implementation, ATTENTION),
             "memory.mode": (self.memory.mode, MEMORY_MODES),
         }
         for key, (value, allowed) in choices.items():

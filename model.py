@@ -14,6 +14,15 @@ import tasks
 
 LR_SCHEDULES = ("constant", "cosine")  # train.lr_schedule: see lr_factor
 DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
+# model.attn_implementation: the trainer's attention kernels (the engine has its own). With packed
+# rows (train.max_tokens_per_micro_batch) transformers finds each sequence's bounds from the
+# position ids (they restart at 0) and masks attention between sequences either way
+# (masking_utils.find_packed_sequence_indices): "sdpa" as a dense [rows, width, width] boolean
+# mask, which keeps torch's SDPA off its flash kernel, and "flex_attention" as FlexAttention's
+# block mask, whose compiled kernel skips the blocks no query attends to. FlexAttention has no
+# backward on CPU (torch/nn/attention/flex_attention.py, _validate_device): there it can only
+# compute log-probs, so a CPU run trains with sdpa (`check_attention`).
+ATTENTION = ("sdpa", "flex_attention")
 
 
 class ModelError(RuntimeError):
@@ -67,10 +76,20 @@ def build_policy(cfg, init_dir):
         raise ModelError(
             f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
         ) from None
+    model.set_attn_implementation(cfg.model.attn_implementation)
     # each decoder layer's activations recomputed in the backward
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
+
+
+def check_attention(cfg, device):
+    """Fail before the first step where the configured attention cannot train on `device`."""
+    if cfg.model.attn_implementation == "flex_attention" and device.type != "cuda":
+        raise ModelError(
+            "model.attn_implementation=flex_attention trains on a GPU only: torch's FlexAttention "
+            "has no backward on CPU. Set model.attn_implementation=sdpa on this machine."
+        )
 
 
 def build_optimizer(policy, t):

@@ -16,7 +16,7 @@ import parallel
 from buffer import PartialBuffer, share_state
 from cancel import plan_launch
 from config import Config, ConfigError
-from model import build_optimizer, build_policy
+from model import build_optimizer, build_policy, check_attention
 from rollout import RolloutEngine
 from tasks import PromptStream, build_task
 
@@ -63,6 +63,7 @@ def setup(cfg, resume=False, engine=None):
         device = torch.device("cuda", parallel.gpu_index())
     else:
         device = torch.device("cpu")
+    check_attention(cfg, device)
     resume_dir = checkpoint.latest(cfg.run.out) if resume else None
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
@@ -116,6 +117,7 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None):
     """A Run holding only the trainer half (no engine, no data), with the optimizer and schedule
     `model.build_optimizer` makes: what train.train_on_rollout reads. For the benchmarks and tests
     that time or check an update alone."""
+    check_attention(cfg, device)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
     return Run(
         cfg=cfg,

@@ -18,11 +18,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from config import load_config  # noqa: E402
 
-# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab), for
-# offline use.
+# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab, tied
+# input and output embeddings), for offline use.
 KNOWN_SHAPES = {
-    "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936),
-    "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936),
+    "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936, True),
+    "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936, True),
+    "Qwen/Qwen2.5-7B-Instruct": (3584, 18944, 28, 28, 4, 152_064, False),
 }
 CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
 # the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
@@ -34,8 +35,8 @@ H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an 
 
 
 def model_shape(path):
-    """(hidden, intermediate, layers, heads, KV heads, vocab): a local HF folder's config, else a
-    known public shape, else the hub (where reachable)."""
+    """(hidden, intermediate, layers, heads, KV heads, vocab, tied): a local HF folder's config,
+    else a known public shape, else the hub (where reachable)."""
     if not os.path.isdir(path) and path in KNOWN_SHAPES:
         return KNOWN_SHAPES[path]
     try:
@@ -54,18 +55,20 @@ def model_shape(path):
         c.num_attention_heads,
         c.num_key_value_heads,
         c.vocab_size,
+        c.tie_word_embeddings,
     )
 
 
-def estimate(cfg, ranks, gpu_bytes):
-    """{component: bytes} per rank, and the three phase totals."""
-    hidden, inter, layers, heads, kv_heads, vocab = model_shape(cfg.model.path)
+def estimate(cfg, ranks, gpu_bytes, shape=None):
+    """{component: bytes} per rank, and the three phase totals. `shape`: a KNOWN_SHAPES tuple
+    (default: `model.path`'s)."""
+    hidden, inter, layers, heads, kv_heads, vocab, tied = shape or model_shape(cfg.model.path)
     head_dim = hidden // heads
     per_layer = (
         2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
     )
-    embedding = vocab * hidden  # tied with the output head (Qwen2.5 <= 3B): the largest tensor
-    params = embedding + layers * per_layer + hidden
+    embedding = vocab * hidden  # the largest tensor; Qwen2.5 <= 3B ties it to the output head
+    params = embedding * (1 if tied else 2) + layers * per_layer + hidden
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train

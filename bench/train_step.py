@@ -27,9 +27,28 @@ repo root: `python bench/train_step.py`. The last line is the machine-readable s
 mix=demo speedup=<f> padded_fraction=<f> mix=gsm8k speedup=<f> padded_fraction=<f> peak_ratio=<f>
 (padded_fraction: the packed path's; peak_ratio: packed peak / padded peak, the larger of the two
 mixes).
+
+`--shape qwen2.5-1.5b` (or qwen2.5-3b, qwen2.5-7b, tiny) instead times the trainer half at a real
+model's shape, on a GPU where there is one: the model built from the public config's numbers with
+random weights (no download) and its real vocabulary, fp32 masters with bf16 compute and one
+rank's GSM8K-shaped batch (`gsm8k_samples`) at configs/gsm8k.yaml's budget, as that config trains.
+Three arms on the same samples: padded rows (sdpa), packed rows with sdpa's dense block-diagonal
+mask, packed rows with FlexAttention's block mask (GPU only: it has no backward on CPU). Each prints
+train tokens/s (real tokens of one full update, old log-probs included, over its median time), MFU
+(6 x matmul parameters x those tokens / time / the card's dense bf16 peak, named on the line; the
+old log-probs' forward, 2 more x parameters per token, is not counted) and the update's peak memory
+(`torch.cuda.max_memory_allocated`; on CPU the profiler's tensor bytes plus the state held before)
+beside bench/estimate_memory.py's train phase for the same config on one rank, less the CUDA
+contexts it adds (the allocator never sees them). On a GPU it first checks that one update of a
+small fp32 model with FlexAttention's packed rows gives the padded update's gradients (`parity`).
+It imports nothing from SGLang: `python bench/train_step.py --shape qwen2.5-1.5b` runs where torch
+(>= 2.6) and transformers (>= 4.56) are installed. The last line: train_step_gpu: device=<name>
+shape=<s> padded_tok_s=<f> packed_tok_s=<f> mfu=<f> peak_gib=<f> estimate_gib=<f> (packed: the
+attention configs/gsm8k.yaml ships where it can train, sdpa on CPU).
 """
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -39,10 +58,12 @@ import tempfile
 import time
 
 import torch
+from packaging.version import Version
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 import checkpoint  # noqa: E402
+import estimate_memory  # noqa: E402  (bench/, beside this file)
 import grpo  # noqa: E402
 import setup_run  # noqa: E402
 import train  # noqa: E402
@@ -57,7 +78,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (config, overrides); the gsm8k mix builds its own Qwen2-shaped model (see `policy_for`)
 MIXES = {
     "demo": ("configs/tiny.yaml", []),
-    "gsm8k": ("configs/gsm8k.yaml", ["data.train_path=unused", "model.compute_dtype=float32"]),
+    "gsm8k": (
+        "configs/gsm8k.yaml",
+        ["data.train_path=unused", "model.compute_dtype=float32", "model.attn_implementation=sdpa"],
+    ),
 }
 
 
@@ -82,7 +106,7 @@ def demo_samples(out_dir, num_prompts=0, seed=0):
     return samples
 
 
-def gsm8k_samples(num_samples=64, seed=0):
+def gsm8k_samples(num_samples=64, seed=0, vocab=VOCAB):
     """Groups of 8 sharing a prompt of ~N(150, 30) tokens, responses log-normal (median 250) cut
     at the 1,024-token budget."""
     rng = random.Random(seed)
@@ -90,13 +114,13 @@ def gsm8k_samples(num_samples=64, seed=0):
     for i in range(num_samples):
         if i % 8 == 0:
             prompt = [
-                rng.randrange(VOCAB) for _ in range(min(max(int(rng.gauss(150, 30)), 40), 512))
+                rng.randrange(vocab) for _ in range(min(max(int(rng.gauss(150, 30)), 40), 512))
             ]
         num_response = min(max(int(rng.lognormvariate(5.5, 0.7)), 1), 1024)
         samples.append(
             Sample(
                 prompt,
-                [rng.randrange(VOCAB) for _ in range(num_response)],
+                [rng.randrange(vocab) for _ in range(num_response)],
                 [-1.0] * num_response,
                 [1] * num_response,
                 group_id=i // 8,
@@ -154,22 +178,247 @@ def update(mix, samples, packed, on_start=None):
     return time.perf_counter() - start, stats
 
 
-def peak_bytes(mix, samples, packed, out_dir):
+def peak_bytes(mix, samples, packed):
     """The most bytes held in live CPU tensors during one update, above the count when it began
     (run after the timed updates of both arms: first-call allocations are not the update's)."""
+    return profiled(lambda: update(mix, samples, packed))[1]
+
+
+def profiled(fn):
+    """(fn(), the most bytes its CPU tensors held at once above the count when it began), from the
+    profiler's count of every allocation and free (`profile_memory=True`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        update(mix, samples, packed)
-    trace = os.path.join(out_dir, f"{mix}-{int(packed)}-trace.json")
-    prof.export_chrome_trace(trace)  # its "[memory]" events carry the allocator's running total
-    with open(trace) as f:
-        totals = [
-            e["args"]["Total Allocated"]
-            for e in json.load(f)["traceEvents"]
-            if e.get("name") == "[memory]"
-        ]
-    return max(totals) - totals[0]
+        result = fn()
+    with tempfile.TemporaryDirectory() as out_dir:
+        trace = os.path.join(out_dir, "trace.json")
+        prof.export_chrome_trace(trace)  # its "[memory]" events carry the allocator's running total
+        with open(trace) as f:
+            totals = [
+                e["args"]["Total Allocated"]
+                for e in json.load(f)["traceEvents"]
+                if e.get("name") == "[memory]"
+            ]
+    return result, max(totals) - totals[0]
+
+
+# --shape: the trainer half at a real model's shape (public config.json numbers; see
+# estimate_memory.KNOWN_SHAPES). tiny: a small Qwen2 for the CPU run in the suite.
+SHAPES = {
+    "tiny": (128, 512, 2, 4, 2, 4096, True),
+    "qwen2.5-1.5b": estimate_memory.KNOWN_SHAPES["Qwen/Qwen2.5-1.5B-Instruct"],
+    "qwen2.5-3b": estimate_memory.KNOWN_SHAPES["Qwen/Qwen2.5-3B-Instruct"],
+    "qwen2.5-7b": estimate_memory.KNOWN_SHAPES["Qwen/Qwen2.5-7B-Instruct"],
+}
+# Dense bf16 tensor-core peaks, TFLOP/s, from NVIDIA's datasheets (without sparsity), matched in
+# order against torch.cuda.get_device_name(); any other device: --peak-tflops, or measured.
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0))
+MIN_VERSIONS = {"torch": "2.6", "transformers": "4.56"}  # FlexAttention training; set_attn_impl.
+
+
+def check_versions():
+    """Exit with a clear message where torch or transformers is older than this mode needs."""
+    import transformers
+
+    for name, module in (("torch", torch), ("transformers", transformers)):
+        if Version(module.__version__) < Version(MIN_VERSIONS[name]):
+            raise SystemExit(
+                f"bench/train_step.py --shape needs {name} >= {MIN_VERSIONS[name]} "
+                "(FlexAttention training, model.set_attn_implementation); "
+                f"found {module.__version__}"
+            )
+
+
+def shape_policy(shape, device, layers=None):
+    """A Qwen2 of `shape` with random fp32 weights (seeded), built on `device`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, num_layers, heads, kv_heads, vocab, tied = shape
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers or num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        max_position_embeddings=4096,
+    )
+    with device:  # allocated and initialised there (a 7B model would not fit the host twice)
+        return Qwen2ForCausalLM(config).float().train()
+
+
+def bf16_peak(device, dtype, override):
+    """(FLOP/s, how it was found): the flag, the card's datasheet, else the best of a few large
+    matmuls timed here in the compute dtype (a CPU has no datasheet figure to compare with)."""
+    if override:
+        return override * 1e12, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in BF16_PEAK_TFLOPS:
+            if key in name:
+                return tflops * 1e12, f"datasheet dense bf16 {tflops:g} TFLOP/s"
+    n = 2048
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    best = 0.0
+    for _ in range(6):  # the first warms up
+        start = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n**3 / (time.perf_counter() - start))
+    return best, f"measured {dtype} matmul {best / 1e12:.3f} TFLOP/s"
+
+
+def matmul_params(policy):
+    """Parameters that multiply every token (an untied input embedding is a lookup, not a
+    matmul)."""
+    total = sum(p.numel() for p in policy.parameters())
+    embedding = policy.get_input_embeddings().weight
+    tied = embedding is policy.get_output_embeddings().weight
+    return total if tied else total - embedding.numel()
+
+
+def state_bytes(run):
+    """Bytes held by parameters, gradients and optimizer state."""
+    tensors = [p for p in run.policy.parameters()] + [
+        p.grad for p in run.policy.parameters() if p.grad is not None
+    ]
+    tensors += [v for state in run.optimizer.state.values() for v in state.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def timed_update(run, samples, advantages, device, profile=False):
+    """One train_on_rollout; returns (seconds, its stats, the peak bytes held). On a GPU the peak
+    is the allocator's. On CPU, with `profile`, it is the state held before plus the profiler's
+    peak above it; else 0 (profiling slows a CPU update: the timed ones are not profiled)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        stats = train.train_on_rollout(run, samples, advantages)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
+    held = state_bytes(run)
+    start = time.perf_counter()
+    if not profile:
+        stats = train.train_on_rollout(run, samples, advantages)
+        return time.perf_counter() - start, stats, 0
+    stats, above = profiled(lambda: train.train_on_rollout(run, samples, advantages))
+    return time.perf_counter() - start, stats, held + above
+
+
+def parity(device):
+    """One update of a small fp32 Qwen2 (tiny's shape) on the same samples, padded with sdpa
+    against packed with FlexAttention: the same loss and gradients, or exit. Runs on a GPU only
+    (the CPU suite checks FlexAttention's forward: tests/test_packing.py)."""
+    samples = gsm8k_samples(16, seed=1, vocab=SHAPES["tiny"][5])
+    advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(1))
+    results = []
+    for attention, budget in (("sdpa", 0), ("flex_attention", 4096)):
+        cfg = shape_config(
+            ["model.compute_dtype=float32", f"train.max_tokens_per_micro_batch={budget}"]
+        )
+        policy = shape_policy(SHAPES["tiny"], device)
+        policy.set_attn_implementation(attention)
+        run = setup_run.trainer_only(cfg, policy, device)
+        stats = train.train_on_rollout(run, samples, advantages)
+        results.append((stats["train/loss"], [p.grad.clone() for p in policy.parameters()]))
+    (padded_loss, padded), (flex_loss, flex) = results
+    # relative to the largest gradient: a mask that leaks between sequences moves log-probs by
+    # ~0.1 (tests/test_packing.py), far above fp32 kernels' rounding
+    diff = max((a - b).abs().max().item() for a, b in zip(padded, flex))
+    scale = max(a.abs().max().item() for a in padded)
+    print(
+        f"parity: flex_attention vs padded sdpa, one fp32 update: loss {flex_loss:.6f} vs "
+        f"{padded_loss:.6f}, max gradient difference {diff / scale:.2e} of the largest"
+    )
+    if diff > 1e-2 * scale or abs(flex_loss - padded_loss) > 1e-3 * max(abs(padded_loss), 1):
+        raise SystemExit("parity: packed FlexAttention does not make the padded update")
+
+
+def shape_config(sets):
+    """configs/gsm8k.yaml as one rank trains it, with `sets` on top."""
+    return load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), ["data.train_path=unused", *sets])
+
+
+def shape_main(args):
+    """Padded against packed (each attention) at a real model's shape: see the module docstring."""
+    check_versions()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    shape = SHAPES[args.shape]
+    # CPU (tiny): sdpa, as FlexAttention has no backward there, and float32, as a CPU without
+    # bf16 matmul units emulates them tens of times slower
+    cpu = ["model.attn_implementation=sdpa", "model.compute_dtype=float32"]
+    base = shape_config([] if device.type == "cuda" else cpu)
+    dtype = getattr(torch, base.model.compute_dtype)
+    card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    contexts = 2 * estimate_memory.CONTEXT_GIB * 2**30  # trainer + engine: not the allocator's
+    arms = [("padded", "sdpa", 0), ("packed", "sdpa", base.train.max_tokens_per_micro_batch)]
+    if device.type == "cuda":
+        arms.append(("packed", "flex_attention", base.train.max_tokens_per_micro_batch))
+        parity(device)
+    else:
+        print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
+    estimates = {}
+    for name, attention, budget in arms:
+        cfg = shape_config([f"train.max_tokens_per_micro_batch={budget}"])
+        cfg.model.compute_dtype = base.model.compute_dtype
+        _, phases = estimate_memory.estimate(cfg, 1, card or 80 * 2**30, shape)
+        estimates[name, attention] = phases["train"] - contexts
+    if card and min(estimates.values()) > card:
+        raise SystemExit(
+            f"shape={args.shape}: the estimate ({min(estimates.values()) / 2**30:.1f} GiB for one "
+            f"rank's update) is over this card's {card / 2**30:.1f} GiB; it needs FSDP over ranks"
+        )
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"device={device_name} torch={torch.__version__} "
+        f"transformers={__import__('transformers').__version__} shape={args.shape} {shape}"
+    )
+    policy = shape_policy(shape, device)
+    run = setup_run.trainer_only(base, policy, device, dtype if dtype != torch.float32 else None)
+    samples = gsm8k_samples(args.gsm8k_samples, vocab=shape[5])
+    advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(0))
+    peak_flops, peak_source = bf16_peak(device, dtype, args.peak_tflops)
+    seconds = {arm: [] for arm in arms}
+    tokens, peaks = {}, {}
+    for repeat in range(args.repeats + 1):  # the first round warms up (compiles, autotunes)
+        for arm in arms if repeat % 2 == 0 else arms[::-1]:
+            _, attention, budget = arm
+            run.cfg.train.max_tokens_per_micro_batch = budget
+            policy.set_attn_implementation(attention)
+            gc.collect()
+            # CPU: the warm-up round measures memory, the others time
+            profile = repeat == 0
+            elapsed, stats, peak = timed_update(run, samples, advantages, device, profile)
+            peaks[arm] = max(peaks.get(arm, 0), peak)
+            if repeat:
+                seconds[arm].append(elapsed)
+            tokens[arm] = stats["train/tokens"]
+    figures = {}
+    for arm in arms:
+        name, attention, _ = arm
+        median = statistics.median(seconds[arm])
+        tok_s = tokens[arm] / median
+        mfu = 6 * matmul_params(policy) * tok_s / peak_flops
+        figures[arm] = (tok_s, mfu, peaks[arm] / 2**30, estimates[name, attention] / 2**30)
+        print(
+            f"train_step_gpu: device={device_name} shape={args.shape} path={name}-{attention} "
+            f"tok_s={tok_s:.1f} mfu={mfu:.3f} peak_gib={figures[arm][2]:.3f} "
+            f"estimate_gib={figures[arm][3]:.3f} update_s={median:.3f} tokens={tokens[arm]}"
+        )
+    print(f"mfu peak: {peak_source}")
+    shipped = base.model.attn_implementation
+    packed = next(arm for arm in arms if arm[0] == "packed" and arm[1] == shipped)
+    tok_s, mfu, peak_gib, estimate_gib = figures[packed]
+    print(
+        f"train_step_gpu: device={device_name} shape={args.shape} "
+        f"padded_tok_s={figures[arms[0]][0]:.1f} packed_tok_s={tok_s:.1f} mfu={mfu:.3f} "
+        f"peak_gib={peak_gib:.3f} estimate_gib={estimate_gib:.3f}"
+    )
 
 
 def main():
@@ -186,8 +435,16 @@ def main():
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (the engine is shut down first)"
     )
+    parser.add_argument(
+        "--shape", choices=SHAPES, help="time the trainer half at this model's shape (see above)"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=0, help="--shape: the device's bf16 peak for MFU"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.shape:
+        return shape_main(args)
     out_dir = tempfile.mkdtemp(prefix="bench-train-step-")
     summary, peak_ratios = [], []
     for mix, samples in (
@@ -200,7 +457,7 @@ def main():
             for packed in ((False, True) if repeat % 2 == 0 else (True, False)):
                 elapsed, stats[packed] = update(mix, samples, packed)
                 seconds[packed].append(elapsed)
-        peaks = {packed: peak_bytes(mix, samples, packed, out_dir) for packed in (False, True)}
+        peaks = {packed: peak_bytes(mix, samples, packed) for packed in (False, True)}
         padded_s, packed_s = statistics.median(seconds[False]), statistics.median(seconds[True])
         for packed, name in ((False, "padded"), (True, "packed")):
             s = stats[packed]

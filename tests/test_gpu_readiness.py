@@ -266,6 +266,7 @@ CPU_SIZES = [
     "rollout.max_total_tokens=16384",
     "train.threads=1",
     "train.steps=2",
+    "model.attn_implementation=sdpa",  # FlexAttention has no backward on CPU (model.ATTENTION)
 ]
 
 

@@ -2,6 +2,7 @@
 log-probs, entropies and updates as the padded path, in every loss mode, and sequences packed
 together never see each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
 
+import functools
 import random
 import re
 import sys
@@ -13,6 +14,7 @@ import batching
 import dist_worker
 import grpo
 import model
+import setup_run
 from sample import Sample
 
 
@@ -72,10 +74,16 @@ def packed(samples, max_tokens=10_000):
     )
 
 
-def test_packed_logprobs_equal_padded_per_token(tmp_path):
-    """Packed rows give the padded path's log-probs and entropies at every position that predicts
-    a response token (0 elsewhere), with less padding and the head run on response positions
-    only."""
+@pytest.mark.parametrize("attention", model.ATTENTION)
+def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch):
+    """Packed rows, under each attention implementation, give the padded path's log-probs and
+    entropies (sdpa, today's reference) at every position that predicts a response token (0
+    elsewhere), with less padding and the head run on response positions only. FlexAttention runs
+    forward only on CPU (no backward there): its gradients are checked on a GPU alone
+    (bench/train_step.py --shape, `parity`)."""
+    # traced, not compiled to C++: the mask is what is tested (a GPU runs Triton's kernel, not the
+    # CPU's), and inductor's CPU build of FlexAttention takes ~20 s
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     cfg = dist_worker.parity_config(tmp_path, "token-mean")
     policy, _ = model.build_policy(cfg, None)
     samples, _ = random_samples(0)
@@ -89,12 +97,26 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path):
     assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)
     with torch.no_grad():
         expected, expected_entropy = batching.sequence_logprobs(policy, padded, 1.0)
+        policy.set_attn_implementation(attention)
+        assert policy.model.layers[0].self_attn.config._attn_implementation == attention
         got, entropy = batching.sequence_logprobs(policy, batch, 1.0)
     real = batch["gathered"]  # every position that predicts a response token
     assert real.sum() == len(batch["head_index"])
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
     assert (got[~real] == 0).all()
+
+
+def test_flex_attention_is_refused_for_training_on_cpu(tmp_path):
+    """FlexAttention cannot train on CPU (torch raises in the backward, after a whole forward):
+    the trainer says so before the first step, and how to fix it."""
+    cfg = dist_worker.parity_config(
+        tmp_path, "token-mean", "model.attn_implementation=flex_attention"
+    )
+    policy, _ = model.build_policy(cfg, None)
+    assert policy.config._attn_implementation == "flex_attention"
+    with pytest.raises(model.ModelError, match="model.attn_implementation=sdpa"):
+        setup_run.trainer_only(cfg, policy)
 
 
 def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
@@ -186,6 +208,38 @@ def test_train_step_bench_times_both_mixes_and_reports_its_figures(background_ru
         r"padded_fraction=[\d.]+ peak_ratio=[\d.]+",
         line,
     ), line
+
+
+@pytest.mark.background(
+    "train_step_shape_bench",
+    [
+        sys.executable,
+        "bench/train_step.py",
+        "--shape",
+        "tiny",
+        "--repeats",
+        "1",
+        "--gsm8k-samples",
+        "8",
+        "--threads",
+        "1",
+    ],
+)
+def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs):
+    """bench/train_step.py --shape, the command a GPU user runs, at the tiny shape on CPU: padded
+    and packed sdpa train the same tokens, FlexAttention is named as not run (no backward on CPU),
+    and the last line is the issue's, with a peak and an estimate in GiB."""
+    lines = background_runs.lines("train_step_shape_bench")
+    assert "packed flex_attention: not run (FlexAttention has no backward on CPU)" in lines
+    paths = [line for line in lines if " path=" in line]
+    assert [re.search(r"path=(\S+)", line)[1] for line in paths] == ["padded-sdpa", "packed-sdpa"]
+    assert len({re.search(r"tokens=(\d+)", line)[1] for line in paths}) == 1
+    summary = re.fullmatch(
+        r"train_step_gpu: device=cpu shape=tiny padded_tok_s=[\d.]+ packed_tok_s=[\d.]+ "
+        r"mfu=[\d.]+ peak_gib=([\d.]+) estimate_gib=([\d.]+)",
+        lines[-1],
+    )
+    assert summary and float(summary[1]) > 0 and float(summary[2]) > 0, lines[-1]
 
 
 @pytest.mark.background(
