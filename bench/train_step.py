@@ -40,7 +40,8 @@ old log-probs' forward, 2 more x parameters per token, is not counted) and the u
 (`torch.cuda.max_memory_allocated`; on CPU the profiler's tensor bytes plus the state held before)
 beside bench/estimate_memory.py's train phase for the same config on one rank, less the CUDA
 contexts it adds (the allocator never sees them). On a GPU it first checks that one update of a
-small fp32 model with FlexAttention's packed rows gives the padded update's gradients (`parity`).
+small fp32 model with FlexAttention's packed rows gives the padded update's gradients (`parity`;
+on CPU, packed sdpa's).
 It imports nothing from SGLang: `python bench/train_step.py --shape qwen2.5-1.5b` runs where torch
 (>= 2.6) and transformers (>= 4.56) are installed. The last line: train_step_gpu: device=<name>
 shape=<s> padded_tok_s=<f> packed_tok_s=<f> mfu=<f> peak_gib=<f> estimate_gib=<f> (packed: the
@@ -310,33 +311,38 @@ def timed_update(run, samples, advantages, device, profile=False):
     return time.perf_counter() - start, stats, held + above
 
 
-def parity(device):
+def parity(device, attention):
     """One update of a small fp32 Qwen2 (tiny's shape) on the same samples, padded with sdpa
-    against packed with FlexAttention: the same loss and gradients, or exit. Runs on a GPU only
-    (the CPU suite checks FlexAttention's forward: tests/test_packing.py)."""
+    against packed with `attention`: the same loss and gradients, or exit. FlexAttention on a GPU
+    (on CPU it has no backward: the suite checks its forward, tests/test_packing.py), sdpa on
+    CPU."""
     samples = gsm8k_samples(16, seed=1, vocab=SHAPES["tiny"][5])
     advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(1))
     results = []
-    for attention, budget in (("sdpa", 0), ("flex_attention", 4096)):
+    for arm_attention, budget in (("sdpa", 0), (attention, 4096)):
         cfg = shape_config(
-            ["model.compute_dtype=float32", f"train.max_tokens_per_micro_batch={budget}"]
+            [
+                "model.compute_dtype=float32",
+                f"model.attn_implementation={arm_attention}",
+                f"train.max_tokens_per_micro_batch={budget}",
+            ]
         )
         policy = shape_policy(SHAPES["tiny"], device)
-        policy.set_attn_implementation(attention)
+        policy.set_attn_implementation(arm_attention)
         run = setup_run.trainer_only(cfg, policy, device)
         stats = train.train_on_rollout(run, samples, advantages)
         results.append((stats["train/loss"], [p.grad.clone() for p in policy.parameters()]))
-    (padded_loss, padded), (flex_loss, flex) = results
+    (padded_loss, padded), (packed_loss, packed) = results
     # relative to the largest gradient: a mask that leaks between sequences moves log-probs by
     # ~0.1 (tests/test_packing.py), far above fp32 kernels' rounding
-    diff = max((a - b).abs().max().item() for a, b in zip(padded, flex))
+    diff = max((a - b).abs().max().item() for a, b in zip(padded, packed))
     scale = max(a.abs().max().item() for a in padded)
     print(
-        f"parity: flex_attention vs padded sdpa, one fp32 update: loss {flex_loss:.6f} vs "
+        f"parity: packed {attention} vs padded sdpa, one fp32 update: loss {packed_loss:.6f} vs "
         f"{padded_loss:.6f}, max gradient difference {diff / scale:.2e} of the largest"
     )
-    if diff > 1e-2 * scale or abs(flex_loss - padded_loss) > 1e-3 * max(abs(padded_loss), 1):
-        raise SystemExit("parity: packed FlexAttention does not make the padded update")
+    if diff > 1e-2 * scale or abs(packed_loss - padded_loss) > 1e-3 * max(abs(padded_loss), 1):
+        raise SystemExit(f"parity: packed {attention} does not make the padded update")
 
 
 def shape_config(sets):
@@ -359,8 +365,9 @@ def shape_main(args):
     arms = [("padded", "sdpa", 0), ("packed", "sdpa", base.train.max_tokens_per_micro_batch)]
     if device.type == "cuda":
         arms.append(("packed", "flex_attention", base.train.max_tokens_per_micro_batch))
-        parity(device)
+        parity(device, "flex_attention")
     else:
+        parity(device, "sdpa")
         print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
     estimates = {}
     for name, attention, budget in arms:

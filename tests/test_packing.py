@@ -226,10 +226,12 @@ def test_train_step_bench_times_both_mixes_and_reports_its_figures(background_ru
     ],
 )
 def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs):
-    """bench/train_step.py --shape, the command a GPU user runs, at the tiny shape on CPU: padded
-    and packed sdpa train the same tokens, FlexAttention is named as not run (no backward on CPU),
-    and the last line is the issue's, with a peak and an estimate in GiB."""
+    """bench/train_step.py --shape, the command a GPU user runs, at the tiny shape on CPU: its
+    parity check passes (packed sdpa here, FlexAttention on a GPU), padded and packed sdpa train
+    the same tokens, FlexAttention is named as not run (no backward on CPU), and the last line is
+    the issue's, with a peak and an estimate in GiB."""
     lines = background_runs.lines("train_step_shape_bench")
+    assert lines[0].startswith("parity: packed sdpa vs padded sdpa, one fp32 update"), lines[0]
     assert "packed flex_attention: not run (FlexAttention has no backward on CPU)" in lines
     paths = [line for line in lines if " path=" in line]
     assert [re.search(r"path=(\S+)", line)[1] for line in paths] == ["padded-sdpa", "packed-sdpa"]
