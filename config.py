@@ -75,6 +75,11 @@ class RolloutConfig:
     max_response_tokens: int = 0
     # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
     merge_turns: bool = True
+    # SGLang's deterministic inference (GPU only: it needs the fa3, flashinfer or triton attention
+    # backend; sglang/srt/arg_groups/overrides.py rejects the CPU's torch_native). Only then does
+    # the engine use each request's sampling_seed (rollout.request_seed), which the trainer always
+    # sends (sglang/srt/sampling/sampling_batch_info.py)
+    deterministic: bool = False
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     engine_threads: int = 1
     mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
@@ -178,6 +183,19 @@ class RunConfig:
     nproc: int = 0
     # greedy validation trajectories written to TensorBoard as text (val/samples)
     log_samples: int = 4
+    # sampled responses per validation prompt: > 1 adds val/pass@k (eval.py's estimator)
+    val_samples: int = 1
+    # Health checks (health.py), each ending the run with exit 2 and a named error. After a weight
+    # push, the engine's tensors are hashed and compared with the trainer's: every push of the
+    # first check_weights_first steps, then every check_weights_every steps (0: not again).
+    check_weights_first: int = 3
+    check_weights_every: int = 10
+    # the engine-vs-trainer log-prob gap (train/logprob_gap) above this for max_logprob_gap_steps
+    # steps in a row (0: off); the first step's gap has its own, tighter bound per dtype
+    max_logprob_gap: float = 0.05
+    max_logprob_gap_steps: int = 3
+    # write each step's trained sequences under run.out/rollouts/step_N (train.py --replay reads)
+    dump_rollouts: bool = False
 
 
 @dataclasses.dataclass
@@ -323,6 +341,11 @@ class Config:
             ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
             ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9),
             ("train.max_bad_updates", t.max_bad_updates, 1),
+            ("run.val_samples", self.run.val_samples, 1),
+            ("run.check_weights_first", self.run.check_weights_first, 0),
+            ("run.check_weights_every", self.run.check_weights_every, 0),
+            ("run.max_logprob_gap", self.run.max_logprob_gap, 0),
+            ("run.max_logprob_gap_steps", self.run.max_logprob_gap_steps, 0),
             ("model.hidden_size", m.hidden_size, 1),
             ("model.intermediate_size", m.intermediate_size, 1),
             ("model.num_layers", m.num_layers, 1),

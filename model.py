@@ -35,14 +35,12 @@ def build_policy(cfg, init_dir):
     `model.engine_dtype`). The dtype is explicit: transformers 5 would load "auto" (bfloat16 for
     Qwen). `model.path: tiny` builds the demo model from the config (random init, seeded);
     anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path = init_dir or cfg.model.path
     try:
+        tokenizer = load_tokenizer(cfg, path)
         if cfg.model.path == "tiny":
-            # Rebuilt, not reloaded: for a folder with a Qwen2 config.json, AutoTokenizer returns
-            # Qwen2Tokenizer, whose byte-level pre-tokenizer and normalisation change the ids
-            tokenizer = tasks.build_char_tokenizer()
             if init_dir:
                 model = AutoModelForCausalLM.from_pretrained(
                     init_dir, dtype=torch.float32, trust_remote_code=False
@@ -71,7 +69,6 @@ def build_policy(cfg, init_dir):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, trust_remote_code=trust
             )
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
     except OSError as e:
         raise ModelError(
             f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
@@ -81,6 +78,17 @@ def build_policy(cfg, init_dir):
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
+
+
+def load_tokenizer(cfg, path):
+    """The tokenizer of the model at `path` (a HF folder, or `tiny`'s, rebuilt: for a folder with a
+    Qwen2 config.json, AutoTokenizer returns Qwen2Tokenizer, whose byte-level pre-tokenizer and
+    normalisation change the ids)."""
+    if cfg.model.path == "tiny":
+        return tasks.build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def check_attention(cfg, device):

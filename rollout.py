@@ -11,6 +11,7 @@ becomes a reward (rewards.py), losses, or which samples are suspended (buffer.py
 import array
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -68,6 +69,16 @@ class Settings:
     # group ids are first_group_id, first_group_id + 1, ...
     more_prompts: object = None
     timeout_s: float = 0.0  # rollout.rollout_timeout_s: what is left then is aborted
+    seed: int | None = None  # this rollout's: each request's sampling_seed derives from it
+
+
+def request_seed(rollout_seed, index, turn):
+    """The sampling_seed of turn `turn` of request `index` (its launch order: the prompt's place in
+    this step's draw from the data stream, then the member) in the rollout seeded `rollout_seed`
+    (train.rollout_seed: the run's seed and the step). Distinct for every request and turn, so no
+    two members of a group sample alike; below 2**31 (SGLang stores it as int64)."""
+    digest = hashlib.blake2b(f"{rollout_seed}:{index}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 class RolloutEngine(Engine):
@@ -89,9 +100,11 @@ class RolloutEngine(Engine):
         reward=None,
         more_prompts=None,
         prior_rewards=None,
+        seed=None,
     ):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail as
-        cancel.decide says.
+        cancel.decide says. With `seed`, every request carries its own sampling_seed
+        (`request_seed`).
 
         prompts: list of token-id lists. A trajectory is one turn, or with a `tool` run on a turn
         ending in `tool.call_end_id`, up to `max_turns` turns within `max_response_tokens` generated
@@ -124,6 +137,7 @@ class RolloutEngine(Engine):
             plan=plan,
             more_prompts=more_prompts,
             timeout_s=self.cfg.rollout_timeout_s,
+            seed=seed,
         )
         requests = [Request(i, s.group_id, s.prompt_ids, resumed=s) for i, s in enumerate(resumes)]
         for group_id, ids in enumerate(prompts):
@@ -347,6 +361,9 @@ class Rollout:
     async def generate_one(self, request, prompt_ids, sampling, turn=0):
         """One request of `request`'s trajectory; an engine exception becomes a sample marked
         "error" (counted, logged, dropped)."""
+        if self.settings.seed is not None:
+            seed = request_seed(self.settings.seed, request.index, turn)
+            sampling = {**sampling, "sampling_seed": seed}
         # uuid: SGLang aborts by rid *prefix*
         rid = uuid.uuid4().hex
         self.current_rid[request.index] = rid

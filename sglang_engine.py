@@ -226,6 +226,20 @@ class Engine:
         self.weight_version = version
         return num_buckets
 
+    def weight_checksums(self):
+        """{tensor name: hash} of every weight the engine holds, by SGLang's weight checker
+        (sglang/srt/utils/weight_checker.py: `tensor_hash` of each tensor, in the engine's layout:
+        fused projections, padded vocabulary; rotary caches skipped). health.check_weights
+        compares them with the trainer's."""
+        from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+        ok, message, ranks, _ = self._run(
+            self.tokenizer_manager.check_weights(CheckWeightsReqInput(action="checksum"), None)
+        )
+        if not ok or not ranks:
+            raise RolloutError(f"the engine's weight checksums failed: {message}")
+        return ranks[0]["checksums"]  # one TP rank
+
     def flush_cache(self):
         """Drop the prefix cache (weight sync does this too: KV from old weights must not be
         reused)."""
@@ -370,6 +384,12 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
         os.environ["PYTHONPATH"] = os.pathsep.join(
             filter(None, [CPU_COMPAT_DIR, os.environ.get("PYTHONPATH")])
         )
+    if cfg.deterministic and not on_gpu:
+        raise RolloutError(
+            "rollout.deterministic needs a GPU: SGLang's deterministic inference runs only on the "
+            "fa3, flashinfer or triton attention backends, and the CPU engine's is torch_native "
+            "(sglang/srt/arg_groups/overrides.py, _deterministic_attention_backend)"
+        )
     prepare_engine_environment(on_gpu)
     import sglang
 
@@ -409,6 +429,9 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
             sleep_on_idle=True,
             nccl_port=free_port(local_rank),
             trust_remote_code=trust_remote_code,
+            # each request then samples with its own seed (a request without one would get 42:
+            # every member of a group the same tokens; the trainer sends one per request)
+            enable_deterministic_inference=cfg.deterministic,
             **device_args,
         )
     finally:

@@ -9,6 +9,7 @@ Importing this file never trains (SGLang's and the launcher's processes re-impor
 
 import argparse
 import glob
+import hashlib
 import logging
 import math
 import signal
@@ -20,9 +21,12 @@ import tqdm
 
 import batching
 import checkpoint
+import eval as evaluation  # eval.py; the builtin eval is never used here
 import grpo
+import health
 import merge
 import parallel
+import replay
 import rewards
 from cancel import filter_groups, plan_launch
 from config import ConfigError, load_config
@@ -64,7 +68,7 @@ def train_step(run, step, plan, phases):
     # 1. rollout and 2. reward: group_size trajectories per prompt, each scored by rewards.score
     #    as it finishes (so the cancel decision can read rewards); the tail cancelled as
     #    cancel.decide says (partial rollout: suspended, resumed next step)
-    groups, rollout_stats = rollout(run, plan)
+    groups, rollout_stats = rollout(run, plan, seed=rollout_seed(cfg.train.seed, step))
     scalars |= rollout_metrics(flatten(groups), rollout_stats)
     # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
     groups, filter_counts = filter_groups(groups, drop=cfg.rollout.filter_groups)
@@ -86,10 +90,19 @@ def train_step(run, step, plan, phases):
     phases.to_train()
     scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
     run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
+    if cfg.run.dump_rollouts:  # what `train.py --replay` re-runs
+        replay.dump(cfg.run.out, step, sequences, sequence_advantages, scalars)
 
     # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
     sync_start = time.perf_counter()
     phases.sync(version=step + 1)
+    # ... and holds what was sent, bit for bit (health.py)
+    check_start = time.perf_counter()
+    if health.should_check_weights(step, cfg.run):
+        health.check_weights(
+            run.engine, run.policy.named_parameters(), cfg.run.out, gather=parallel.full_tensor
+        )
+        scalars["timing/check_weights_s"] = slowest(time.perf_counter() - check_start)
     now = time.perf_counter()
 
     if run.buffer is not None:
@@ -106,7 +119,7 @@ def train_step(run, step, plan, phases):
     scalars |= {
         "train/degenerate_groups": summed(num_degenerate),
         "timing/train_s": slowest(sync_start - train_start),
-        "timing/weight_sync_s": slowest(now - sync_start),
+        "timing/weight_sync_s": slowest(check_start - sync_start),
         "timing/step_s": slowest(now - step_start),
         "perf/train_tokens_per_s": summed(scalars["train/tokens"] / (sync_start - train_start)),
     }
@@ -118,7 +131,16 @@ def flatten(groups):
     return [turns for group in groups for turns in group]
 
 
-def rollout(run, plan):
+def rollout_seed(run_seed, step, purpose="train"):
+    """The seed of one rollout, from which each request's sampling_seed derives
+    (rollout.request_seed): the same run seed samples the same tokens wherever the engine's
+    arithmetic allows (rollout.deterministic)."""
+    return int.from_bytes(
+        hashlib.blake2b(f"{run_seed}:{step}:{purpose}".encode(), digest_size=4).digest(), "big"
+    )
+
+
+def rollout(run, plan, seed=None):
     """The step's training rollout: (groups, RolloutStats), each group a list of trajectories
     (lists of turns), new prompts from this rank's stream. Partial rollout: earlier steps'
     unfinished samples go first, and only complete groups come back (buffer.py). Dynamic
@@ -157,13 +179,14 @@ def rollout(run, plan):
         reward=scorer(run, prompts_by_group),
         more_prompts=more_prompts,
         prior_rewards=prior_rewards,
+        seed=seed,
     )
     if buffer is None:
         return groups_of(trajectories_of(samples)), stats
     return buffer.collect(samples, prompts_by_group), stats
 
 
-def generate(run, prompts, group_size, temperature):
+def generate(run, prompts, group_size, temperature, seed=None):
     """Validation's rollout (and the tests'): `group_size` trajectories per prompt, every
     request waited for, each trajectory scored. Returns (samples, RolloutStats)."""
     r = run.cfg.rollout
@@ -176,6 +199,7 @@ def generate(run, prompts, group_size, temperature):
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
         reward=scorer(run, prompts),
+        seed=seed,
     )
 
 
@@ -324,8 +348,13 @@ def validate(run):
     out = {}
     texts = {}
     prompts = parallel.rank_share(run.val_prompts)
-    for suffix, temperature in (("", 0.0), ("_sampled", run.cfg.rollout.temperature)):
-        samples = generate(run, prompts, 1, temperature)[0] if prompts else []
+    n = run.cfg.run.val_samples
+    for suffix, temperature, group_size in (
+        ("", 0.0, 1),
+        ("_sampled", run.cfg.rollout.temperature, n),
+    ):
+        seed = rollout_seed(run.cfg.train.seed, run.updates_done, f"val{suffix}")
+        samples = generate(run, prompts, group_size, temperature, seed)[0] if prompts else []
         trajectories = trajectories_of(samples)  # scored as they finished
         if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
             texts["val/samples"] = trajectory_texts(
@@ -339,9 +368,24 @@ def validate(run):
         )
         out[f"val/reward_mean{suffix}"] = total / count
         out[f"val/accuracy{suffix}"] = correct / count
+        if group_size > 1:
+            out |= pass_at_ks(trajectories, group_size)
         if run.tool is not None:
             out[f"val/tool_call_ratio{suffix}"] = calls / count
     return out, texts
+
+
+def pass_at_ks(trajectories, n):
+    """val/pass@k for k = 1, 2, 4, ... up to n (eval.py's estimator), from n scored trajectories
+    per prompt (group ids: the prompts), exact over ranks."""
+    correct = {}
+    for turns in trajectories:
+        group = turns[-1].group_id
+        correct[group] = correct.get(group, 0) + (turns[-1].reward >= 1.0)
+    ks = [2**i for i in range(n.bit_length()) if 2**i < n] + [n]
+    sums = [sum(evaluation.pass_at_k(n, c, k) for c in correct.values()) for k in ks]
+    *sums, count = parallel.all_reduce(sums + [len(correct)])
+    return {f"val/pass@{k}": total / count for k, total in zip(ks, sums)}
 
 
 # ---------------------------------------------------------------- the step loop
@@ -361,6 +405,7 @@ def train(run, stop=None):
     if own_stop:
         stop = StopSignal(run.engine)
     bad_steps = 0  # non-finite updates in a row
+    gap_watch = health.GapWatch(cfg, first_step=run.start_step)
     steps = tqdm.trange(
         run.start_step,
         cfg.train.steps,
@@ -373,6 +418,7 @@ def train(run, stop=None):
             scalars, texts = train_step(run, step, plan, phases)
             if logger:
                 logger.log(step, scalars, echo=tqdm.tqdm.write, texts=texts)
+            gap_watch.observe(step, scalars["train/logprob_gap"])  # every rank reads the same
             bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
             if bad_steps >= cfg.train.max_bad_updates:
                 raise NonFiniteError(
@@ -441,6 +487,11 @@ def parse_args(argv=None):
         action="store_true",
         help="continue from the latest checkpoint in the run directory",
     )
+    parser.add_argument(
+        "--replay",
+        metavar="RUN/rollouts/step_N",
+        help="re-run that dumped step's update without the engine (run.dump_rollouts; replay.py)",
+    )
     return parser.parse_args(argv)
 
 
@@ -476,7 +527,16 @@ def main(argv=None):
     """`run.nproc > 1` outside torchrun: start the ranks here (each runs `run_rank` on the same
     arguments). Returns the name of the signal that stopped training early, or None."""
     argv = sys.argv[1:] if argv is None else argv
-    cfg = config_of(parse_args(argv))
+    args = parse_args(argv)
+    if args.replay:
+        loss, grad_norm, logged_loss, logged_grad_norm = replay.replay(args.replay)
+        exact = loss == logged_loss and grad_norm == logged_grad_norm
+        print(
+            f"replay: loss={loss!r} (logged {logged_loss!r}) grad_norm={grad_norm!r} "
+            f"(logged {logged_grad_norm!r}) exact={exact}"
+        )
+        return None
+    cfg = config_of(args)
     nproc = cfg.run.nproc or parallel.default_nproc()
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(
@@ -494,6 +554,7 @@ if __name__ == "__main__":
         DataError,
         ModelError,
         NonFiniteError,
+        health.HealthError,
         rewards.RewardError,
         RolloutError,
         parallel.RankError,

@@ -1,0 +1,233 @@
+"""Evaluate a checkpoint (or any HF model folder) on the task's validation prompts: pass@k, maj@k,
+greedy accuracy and mean reward, each with a 95% bootstrap interval over prompts.
+
+    python eval.py --run runs/tiny                      # its latest checkpoint
+    python eval.py --run runs/tiny --step 100 --samples 16 --k 1,4,16
+    python eval.py --model PATH --config configs/gsm8k.yaml
+
+Owns the evaluation metrics and the command. Only the engine runs (no trainer, no optimizer): it
+samples `--samples` responses per prompt at the training temperature, plus one greedy, and each is
+scored by the task's own reward (rewards.score, as in training). A sample is correct when its
+reward is >= 1. Every sample and its reward go to eval.jsonl beside the checkpoint. Training's
+validation uses the same metrics (`pass_at_k`), logging val/pass@k when `run.val_samples` > 1.
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+
+import tqdm
+
+import checkpoint
+import rewards
+from config import ConfigError, load_config
+from model import ModelError, load_tokenizer
+from sample import trajectories_of
+from setup_run import Run, start_engine
+from tasks import DataError, build_task
+
+
+# ---------------------------------------------------------------- the metrics
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct
+    one, computed as a product (the binomials overflow floats at large n)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def majority_correct(answers, correct):
+    """maj@k of one prompt: is the most frequent answer among `answers` (the first k samples'
+    extracted answers; None: no answer, never a winner) a correct one? Ties go to the answer seen
+    first."""
+    counts = {}
+    for answer, ok in zip(answers, correct):
+        if answer is not None:
+            counts.setdefault(answer, [0, ok])[0] += 1
+    if not counts:
+        return 0.0
+    return float(max(counts.values(), key=lambda count_ok: count_ok[0])[1])
+
+
+def answer_of(task, text):
+    """What maj@k votes on: GSM8K's extracted number, the tiny tasks' whole final text; None for
+    tasks with no extractor (chat: maj@k is not reported)."""
+    if task == "gsm8k":
+        return rewards.extract_answer(text)
+    if task in ("tiny", "tiny_tool"):
+        return text
+    return None
+
+
+def bootstrap_interval(values, resamples=1000, seed=0):
+    """95% interval of the mean of per-prompt `values`, resampling prompts with replacement."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def summarise(per_prompt, ks, with_majority):
+    """{metric: (mean over prompts, (low, high))} from each prompt's records: its sampled ones
+    (reward, answer) and its greedy one."""
+    columns = {}
+    for records in per_prompt:
+        sampled = [r for r in records if r["sample"] != "greedy"]
+        correct = [r["reward"] >= 1.0 for r in sampled]
+        for k in ks:
+            columns.setdefault(f"pass@{k}", []).append(pass_at_k(len(sampled), sum(correct), k))
+        if with_majority:
+            for k in ks:
+                answers = [r["answer_extracted"] for r in sampled[:k]]
+                columns.setdefault(f"maj@{k}", []).append(majority_correct(answers, correct[:k]))
+        greedy = [r["reward"] >= 1.0 for r in records if r["sample"] == "greedy"]
+        columns.setdefault("greedy", []).extend(map(float, greedy))
+        columns.setdefault("mean_reward", []).append(
+            sum(r["reward"] for r in sampled) / len(sampled)
+        )
+    return {
+        name: (sum(values) / len(values), bootstrap_interval(values))
+        for name, values in columns.items()
+    }
+
+
+# ---------------------------------------------------------------- sampling
+def sample_prompts(run, prompts, num_samples, temperature):
+    """Each prompt's records: `num_samples` responses at `temperature` and one greedy, scored by
+    the task's reward as they finish (a progress bar counts them)."""
+    per_prompt = [[] for _ in prompts]
+    total = len(prompts) * (num_samples + 1)
+    with tqdm.tqdm(total=total, desc="eval samples", file=sys.stderr) as bar:
+        for label, count, temp in (("sampled", num_samples, temperature), ("greedy", 1, 0.0)):
+
+            def counted(turns):  # the reward step, as training's (train.scorer)
+                bar.update(1)
+                answer = prompts[turns[-1].group_id].answer
+                return rewards.score(turns, answer, run.tokenizer, run.reward_fn)
+
+            r = run.cfg.rollout
+            samples, _ = run.engine.generate(
+                [p.prompt_ids for p in prompts],
+                count,
+                temp,
+                r.max_new_tokens,
+                tool=run.tool,
+                max_turns=r.max_turns,
+                max_response_tokens=r.max_response_tokens,
+                reward=counted,
+            )
+            for turns in trajectories_of(samples):
+                last = turns[-1]
+                text = run.tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
+                per_prompt[last.group_id].append(
+                    {
+                        "prompt_index": last.group_id,
+                        "sample": "greedy" if label == "greedy" else len(per_prompt[last.group_id]),
+                        "response": text,
+                        "finish_reason": last.finish_reason,
+                        "reward": last.reward,
+                        "answer": prompts[last.group_id].answer,
+                        "answer_extracted": answer_of(run.cfg.data.task, text),
+                    }
+                )
+    return per_prompt
+
+
+def evaluate(run, num_samples, ks, temperature):
+    """(every record, the summary) over the run's validation prompts."""
+    per_prompt = sample_prompts(run, run.val_prompts, num_samples, temperature)
+    with_majority = answer_of(run.cfg.data.task, "0") is not None
+    return per_prompt, summarise(per_prompt, ks, with_majority)
+
+
+def eval_line(summary, num_prompts):
+    """The last line: eval: n=<prompts> pass@k=<f> [lo,hi] ... mean_reward=<f>."""
+    parts = [f"n={num_prompts}"]
+    for name, (mean, (low, high)) in summary.items():
+        if name != "mean_reward":
+            parts.append(f"{name}={mean:.3f} [{low:.3f},{high:.3f}]")
+    return f"eval: {' '.join(parts)} mean_reward={summary['mean_reward'][0]:.3f}"
+
+
+# ---------------------------------------------------------------- command line
+def model_folder(args):
+    """(config, the folder the engine loads, its step or 0)."""
+    if args.model:
+        return load_config(args.config, args.set), args.model, 0
+    cfg = load_config(os.path.join(args.run, "config.yaml"), args.set)
+    if args.step is None:
+        folder = checkpoint.latest(args.run)
+        if folder is None:
+            raise ConfigError(f"--run {args.run}: no checkpoint under {args.run}/checkpoints")
+    else:
+        folder = os.path.join(args.run, "checkpoints", f"step_{args.step:06d}")
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--step {args.step}: no checkpoint {folder}")
+    return cfg, folder, checkpoint.read_trainer_state(folder)["step"]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a run directory: evaluate its latest checkpoint")
+    source.add_argument("--model", help="any HF model folder (with --config)")
+    parser.add_argument("--step", type=int, help="--run: this checkpoint's step instead")
+    parser.add_argument("--config", default="configs/tiny.yaml", help="--model: the task's config")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--samples", type=int, default=8, help="sampled responses per prompt")
+    parser.add_argument("--k", default="1", help="comma-separated k for pass@k and maj@k")
+    parser.add_argument("--temperature", type=float, help="default: rollout.temperature")
+    parser.add_argument("--out", help="default: eval.jsonl beside the checkpoint")
+    args = parser.parse_args(argv)
+    ks = sorted({int(k) for k in args.k.split(",")})
+    if max(ks) > args.samples:
+        raise ConfigError(f"--k {max(ks)} needs --samples >= {max(ks)}")
+    cfg, folder, step = model_folder(args)
+    tokenizer = load_tokenizer(cfg, folder)
+    task = build_task(cfg, tokenizer)
+    engine = start_engine(cfg, folder, step)
+    try:
+        # an evaluation Run: the engine and the task, no trainer
+        run = Run(
+            cfg=cfg,
+            policy=None,
+            reference=None,
+            tokenizer=tokenizer,
+            stream=None,
+            val_prompts=task.val_prompts,
+            reward_fn=task.reward_fn,
+            tool=task.tool,
+            engine=engine,
+            optimizer=None,
+            scheduler=None,
+            device=None,
+            autocast_dtype=None,
+            buffer=None,
+        )
+        temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
+        per_prompt, summary = evaluate(run, args.samples, ks, temperature)
+    finally:
+        engine.shutdown()
+    out = args.out or os.path.join(folder, "eval.jsonl")
+    with open(out, "w") as f:
+        for records in per_prompt:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    print(
+        f"{folder}: {len(per_prompt)} prompts x {args.samples} samples at T={temperature}, "
+        f"+1 greedy; every sample in {out}"
+    )
+    print(eval_line(summary, len(per_prompt)))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, DataError, ModelError, rewards.RewardError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)

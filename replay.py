@@ -1,0 +1,74 @@
+"""Study one step on its own: dump what a step trained on, and replay its update without the engine.
+
+With `run.dump_rollouts: true` every step writes its trained sequences (token ids, loss masks,
+engine log-probs, weight versions, rewards) and their advantages, with the loss and gradient norm
+the update logged, to RUN/rollouts/step_N/rank_0.pt. `python train.py --replay RUN/rollouts/step_N`
+then loads the policy as it was before that step (the checkpoint of step N, or the seeded initial
+policy for step 0), runs the same update in the trainer alone and prints both figures against the
+logged ones: on CPU they are equal, bit for bit. Owns the dump format and the replay; the update
+itself is train.train_on_rollout.
+"""
+
+import os
+
+import torch
+
+import checkpoint
+import parallel
+from config import ConfigError, load_config
+from model import build_policy
+from sample import Sample
+from setup_run import trainer_only
+
+
+def dump(out_dir, step, sequences, advantages, stats):
+    """Write this rank's step `step`: plain lists and tensors (read back with weights_only)."""
+    folder = os.path.join(out_dir, "rollouts", f"step_{step:06d}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
+    torch.save(
+        {
+            "step": step,
+            "sequences": [s.to_state() for s in sequences],
+            "advantages": advantages,
+            "loss": stats["train/loss"],
+            "grad_norm": stats["train/grad_norm"],
+        },
+        path + ".tmp",
+    )
+    os.replace(path + ".tmp", path)  # whole or absent
+
+
+def replay(folder):
+    """Re-run the update dumped in `folder` (RUN/rollouts/step_N) on one rank; returns
+    (loss, grad norm, the logged loss, the logged grad norm)."""
+    ranks = sorted(f for f in os.listdir(folder) if f.startswith("rank_"))
+    if ranks != ["rank_0.pt"]:
+        raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
+    dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
+    cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
+    step = dumped["step"]
+    # the policy before step N: after N updates (step 0: the seeded initial one)
+    before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
+    if step > 0 and not os.path.isdir(before):
+        raise ConfigError(
+            f"--replay {folder}: no checkpoint {before} to start from; dump with "
+            "run.checkpoint_every=1 to replay any step"
+        )
+    policy, _ = build_policy(cfg, before if step > 0 else None)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    compute = getattr(torch, cfg.model.compute_dtype)
+    run = trainer_only(
+        cfg, policy.to(device), device, compute if compute != torch.float32 else None
+    )
+    if cfg.train.kl_coef > 0:  # the frozen reference: the initial policy
+        run.reference = build_policy(cfg, None)[0].requires_grad_(False).eval().to(device)
+    if step > 0:  # AdamW's moments and the schedule, as they were
+        state = checkpoint.read_trainer_state(before)
+        checkpoint.restore(before, state, policy, run.optimizer, run.scheduler)
+    from train import train_on_rollout  # train.py imports this module
+
+    sequences = [Sample(**s) for s in dumped["sequences"]]
+    stats = train_on_rollout(run, sequences, dumped["advantages"], version=step)
+    return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -1,0 +1,118 @@
+"""Run health (health.py) on the real CPU engine: a weight push that silently drops or corrupts a
+tensor is caught at the next check, an engine computing another model (here: another rope) is
+caught at step 0 by the log-prob gap, and a gap that stays high stops the run."""
+
+import pytest
+
+import health
+import rollout
+import train
+from config import load_config
+from conftest import tiny_config
+from sglang_engine import RolloutError
+
+DROPPED = "model.layers.1.mlp.down_proj.weight"
+
+
+def test_weight_check_passes_a_true_push_and_names_a_corrupted_tensor(engine, policy, tmp_path):
+    """Every engine tensor is checked (the fused qkv and gate_up projections, the padded
+    vocabulary included), and one changed element of one tensor is found, by name."""
+    assert health.check_weights(engine, policy.named_parameters(), str(tmp_path)) == len(
+        engine.weight_checksums()
+    )
+    corrupted = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    corrupted["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-3
+    engine.update_weights(corrupted.items(), version=0)
+    with pytest.raises(health.WeightMismatchError, match=r"1 of \d+ .*qkv_proj.weight"):
+        health.check_weights(engine, policy.named_parameters(), str(tmp_path))
+    engine.update_weights(policy.named_parameters(), version=0)  # as the fixture left it
+
+
+def test_a_push_that_drops_a_tensor_stops_the_run_at_the_next_check(engine, tmp_path, monkeypatch):
+    """A push that leaves one tensor out (the engine keeps the old one, and reports success) ends
+    training after the first update with WeightMismatchError naming the tensor and the last
+    checkpoint."""
+    run = train.setup(tiny_config(tmp_path, "train.steps=2", "run.val_every=100"), engine=engine)
+    push = engine.update_weights
+
+    def dropping_push(named_params, *args, **kwargs):
+        kept = [(name, p) for name, p in named_params if name != DROPPED]
+        return push(kept, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "update_weights", dropping_push)
+    with pytest.raises(health.WeightMismatchError, match=f"{DROPPED}.*Last checkpoint: none yet"):
+        train.train(run)
+    monkeypatch.undo()
+    engine.update_weights(run.policy.named_parameters(), version=0)
+
+
+def test_an_engine_computing_another_model_is_caught_at_step_0(engine, tmp_path):
+    """The trainer's rotary frequencies halved (as a rope_theta the engine did not load): equal
+    weights, so the weight check passes, but the first step's log-prob gap is far above fp32's
+    bound and the run stops there."""
+    run = train.setup(tiny_config(tmp_path, "train.steps=2", "run.val_every=100"), engine=engine)
+    rotary = run.policy.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq / 2
+    with pytest.raises(health.LogprobGapError, match=r"step 0: .*by 0.000[1-9].*float32.*rope"):
+        train.train(run)
+
+
+def test_a_gap_above_the_bound_for_k_steps_in_a_row_stops_the_run(tmp_path):
+    """GapWatch: the first step against the dtype's bound, then `run.max_logprob_gap` for
+    `run.max_logprob_gap_steps` steps in a row (a step below resets the count; 0 turns it off)."""
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [f"run.out={tmp_path}", "run.max_logprob_gap=0.05", "run.max_logprob_gap_steps=3"],
+    )
+    watch = health.GapWatch(cfg, first_step=5)
+    for step, gap in enumerate([1e-7, 0.1, 0.1, 0.01, 0.1, 0.1], start=5):
+        watch.observe(step, gap)
+    with pytest.raises(health.LogprobGapError, match="above run.max_logprob_gap=0.05 for 3 steps"):
+        watch.observe(11, 0.2)
+    with pytest.raises(health.LogprobGapError, match="step 5"):
+        health.GapWatch(cfg, first_step=5).observe(5, 1e-3)  # fp32 allows 1e-4
+    cfg.model.engine_dtype = "bfloat16"
+    health.GapWatch(cfg, first_step=5).observe(5, 1e-3)  # bf16 allows more
+    cfg.run.max_logprob_gap_steps = 0
+    off = health.GapWatch(cfg, first_step=0)
+    for step in range(1, 10):
+        off.observe(step, 1.0)
+
+
+def test_weights_are_checked_every_push_at_first_then_every_n_steps(tmp_path):
+    cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
+    cfg.run.check_weights_first, cfg.run.check_weights_every = 3, 10
+    checked = [step for step in range(40) if health.should_check_weights(step, cfg.run)]
+    assert checked == [0, 1, 2, 9, 19, 29, 39]
+    cfg.run.check_weights_every = 0
+    assert [s for s in range(40) if health.should_check_weights(s, cfg.run)] == [0, 1, 2]
+
+
+def test_every_request_carries_its_own_sampling_seed(engine, policy, monkeypatch):
+    """Reproducible rollouts: with a rollout seed, each request the engine receives carries a
+    sampling_seed, distinct for every member of every group (a shared seed would make a group
+    sample alike and train nothing), and the same seed gives the same seeds again."""
+    sent = []
+    request = engine.request
+
+    async def recording(rid, input_ids, sampling):
+        sent.append(sampling.get("sampling_seed"))
+        return await request(rid, input_ids, sampling)
+
+    monkeypatch.setattr(engine, "request", recording)
+    prompts = [[1, 5, 6, 2], [1, 7, 2]]
+    for _ in range(2):
+        engine.generate(prompts, 4, 1.0, 4, seed=train.rollout_seed(0, step=3))
+    first, again = sent[:8], sent[8:]
+    assert None not in first and len(set(first)) == 8 and sorted(first) == sorted(again)
+    assert train.rollout_seed(0, 3) != train.rollout_seed(0, 4) != train.rollout_seed(1, 4)
+    seeds = {rollout.request_seed(7, index, turn) for index in range(512) for turn in range(4)}
+    assert len(seeds) == 512 * 4 and max(seeds) < 2**31
+
+
+def test_deterministic_inference_is_refused_on_cpu_with_the_reason(tmp_path):
+    """rollout.deterministic: SGLang's deterministic mode has no CPU attention backend; the
+    engine is refused before it starts, naming the SGLang file that says so."""
+    cfg = tiny_config(tmp_path, "rollout.deterministic=true")
+    with pytest.raises(RolloutError, match="overrides.py"):
+        rollout.RolloutEngine(str(tmp_path), cfg.rollout)
