@@ -171,7 +171,39 @@ def model_folder(args):
     return cfg, folder, checkpoint.read_trainer_state(folder)["step"]
 
 
-def main(argv=None):
+def run_eval(cfg, engine, tokenizer, num_samples, ks, temperature):
+    """(every record, the summary) of `engine`'s weights on the task of `cfg`."""
+    task = build_task(cfg, tokenizer)
+    # an evaluation Run: the engine and the task, no trainer
+    run = Run(
+        cfg=cfg,
+        policy=None,
+        reference=None,
+        tokenizer=tokenizer,
+        stream=None,
+        val_prompts=task.val_prompts,
+        reward_fn=task.reward_fn,
+        tool=task.tool,
+        engine=engine,
+        optimizer=None,
+        scheduler=None,
+        device=None,
+        autocast_dtype=None,
+        buffer=None,
+    )
+    return evaluate(run, num_samples, ks, temperature)
+
+
+def write_records(path, per_prompt):
+    """eval.jsonl: one line per sample, written whole (renamed into place)."""
+    with open(path + ".tmp", "w") as f:
+        for records in per_prompt:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="a run directory: evaluate its latest checkpoint")
@@ -184,40 +216,24 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, help="default: rollout.temperature")
     parser.add_argument("--out", help="default: eval.jsonl beside the checkpoint")
     args = parser.parse_args(argv)
-    ks = sorted({int(k) for k in args.k.split(",")})
-    if max(ks) > args.samples:
-        raise ConfigError(f"--k {max(ks)} needs --samples >= {max(ks)}")
+    args.k = sorted({int(k) for k in args.k.split(",")})
+    if max(args.k) > args.samples:
+        raise ConfigError(f"--k {max(args.k)} needs --samples >= {max(args.k)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     cfg, folder, step = model_folder(args)
     tokenizer = load_tokenizer(cfg, folder)
-    task = build_task(cfg, tokenizer)
+    temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
     engine = start_engine(cfg, folder, step)
     try:
-        # an evaluation Run: the engine and the task, no trainer
-        run = Run(
-            cfg=cfg,
-            policy=None,
-            reference=None,
-            tokenizer=tokenizer,
-            stream=None,
-            val_prompts=task.val_prompts,
-            reward_fn=task.reward_fn,
-            tool=task.tool,
-            engine=engine,
-            optimizer=None,
-            scheduler=None,
-            device=None,
-            autocast_dtype=None,
-            buffer=None,
-        )
-        temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
-        per_prompt, summary = evaluate(run, args.samples, ks, temperature)
+        per_prompt, summary = run_eval(cfg, engine, tokenizer, args.samples, args.k, temperature)
     finally:
         engine.shutdown()
     out = args.out or os.path.join(folder, "eval.jsonl")
-    with open(out, "w") as f:
-        for records in per_prompt:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
+    write_records(out, per_prompt)
     print(
         f"{folder}: {len(per_prompt)} prompts x {args.samples} samples at T={temperature}, "
         f"+1 greedy; every sample in {out}"

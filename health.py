@@ -107,7 +107,10 @@ class GapWatch:
             else "float32"
         )
         self.step0_max = STEP0_MAX_GAP[coarser]
-        self.dtypes = f"model.compute_dtype={cfg.model.compute_dtype}, model.engine_dtype={cfg.model.engine_dtype}"
+        self.dtypes = (
+            f"model.compute_dtype={cfg.model.compute_dtype}, "
+            f"model.engine_dtype={cfg.model.engine_dtype}"
+        )
         self.first_step = first_step
         self.max_gap = cfg.run.max_logprob_gap
         self.patience = cfg.run.max_logprob_gap_steps

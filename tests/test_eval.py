@@ -1,28 +1,19 @@
-"""Judging and replaying a run: eval.py's metrics against hand-computed examples, and, on one short
-demo run of its own (in the background: its own engine, then eval.py's, then a replay with none),
-the eval line, training's val/pass@k, and a dumped step's update replayed exactly."""
+"""Judging and replaying a run: eval.py's metrics against hand-computed examples, and on a short
+demo run with the shared engine: training's val/pass@k, the eval line, and a dumped step's update
+replayed exactly with no engine."""
 
 import json
-import os
 import re
-import sys
-import tempfile
 
 import pytest
 
 import eval as evaluation
+import model
+import replay
+import train
+from config import ConfigError
+from conftest import tiny_config
 from test_train import scalars
-
-EVAL_RUN = os.path.join(tempfile.mkdtemp(prefix="eval-run-"), "run")
-EVAL_COMMAND = " && ".join(
-    [
-        f"{sys.executable} train.py --out {EVAL_RUN} --set train.steps=3 --set run.val_every=2 "
-        "--set run.val_samples=4 --set run.dump_rollouts=true --set run.checkpoint_every=1 "
-        "--set rollout.prompts_per_step=8 --set data.num_val_prompts=8 >/dev/null 2>&1",
-        f"{sys.executable} eval.py --run {EVAL_RUN} --samples 4 --k 1,2,4 2>/dev/null",
-        f"{sys.executable} train.py --replay {EVAL_RUN}/rollouts/step_000002 2>/dev/null",
-    ]
-)
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
@@ -50,17 +41,45 @@ def test_majority_vote_and_bootstrap_interval():
     assert many[1] - many[0] < few[1] - few[0]
 
 
-@pytest.mark.background("eval_run", ["bash", "-c", EVAL_COMMAND])
-def test_eval_command_training_pass_at_k_and_an_exact_replay(background_runs):
-    """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k);
-    `eval.py --run` on its last checkpoint prints the eval line (pass@k non-decreasing, each
-    inside its interval) and writes every sample with its reward; `train.py --replay` of the
-    dumped step 2 reproduces its logged loss and gradient norm exactly, with no engine."""
-    lines = background_runs.lines("eval_run")
-    logged = scalars(EVAL_RUN)
+def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_path):
+    """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k); its
+    last checkpoint, loaded into the engine as `eval.py --run` loads it, evaluates to the eval
+    line (pass@k non-decreasing, pass@1 inside its interval) with every sample recorded; and the
+    update of dumped step 2, replayed with no engine, reproduces its logged loss and gradient norm
+    exactly."""
+    cfg = tiny_config(
+        tmp_path,
+        "train.steps=3",
+        "run.val_every=2",
+        "run.val_samples=4",
+        "run.dump_rollouts=true",
+        "run.checkpoint_every=1",
+        "data.num_val_prompts=8",
+    )
+    train.train(train.setup(cfg, engine=engine))
+    logged = scalars(tmp_path)
     passes = [logged[f"val/pass@{k}"][-1] for k in (1, 2, 4)]
     assert passes == sorted(passes) and len(logged["val/pass@1"]) == 3  # steps 0, 2, final
-    line = next(line for line in lines if line.startswith("eval: "))
+
+    loss, grad_norm, logged_loss, logged_grad_norm = replay.replay(
+        str(tmp_path / "rollouts" / "step_000002")
+    )
+    assert (
+        (loss, grad_norm)
+        == (logged_loss, logged_grad_norm)
+        == (
+            logged["train/loss"][2],
+            logged["train/grad_norm"][2],
+        )
+    )
+
+    args = evaluation.parse_args(["--run", str(tmp_path), "--samples", "4", "--k", "1,2,4"])
+    eval_cfg, folder, step = evaluation.model_folder(args)
+    assert folder.endswith("step_000003") and step == 3
+    policy, tokenizer = model.build_policy(eval_cfg, folder)
+    engine.update_weights(policy.named_parameters(), version=step)  # what start_engine loads
+    per_prompt, summary = evaluation.run_eval(eval_cfg, engine, tokenizer, 4, args.k, 1.0)
+    line = evaluation.eval_line(summary, len(per_prompt))
     match = re.fullmatch(
         r"eval: n=8 pass@1=([\d.]+) \[([\d.]+),([\d.]+)\] pass@2=([\d.]+) \[[\d.,]+\] "
         r"pass@4=([\d.]+) \[[\d.,]+\] maj@1=[\d.]+ \[[\d.,]+\] maj@2=[\d.]+ \[[\d.,]+\] "
@@ -70,8 +89,9 @@ def test_eval_command_training_pass_at_k_and_an_exact_replay(background_runs):
     assert match, line
     p1, low, high, p2, p4 = map(float, match.groups())
     assert low <= p1 <= high and p1 <= p2 <= p4
-    with open(os.path.join(EVAL_RUN, "checkpoints", "step_000003", "eval.jsonl")) as f:
+    evaluation.write_records(str(tmp_path / "eval.jsonl"), per_prompt)
+    with open(tmp_path / "eval.jsonl") as f:
         records = [json.loads(row) for row in f]
     assert len(records) == 8 * 5 and {"response", "reward", "answer"} <= set(records[0])
-    replayed = next(line for line in lines if line.startswith("replay: "))
-    assert replayed.endswith("exact=True"), replayed
+    with pytest.raises(ConfigError, match="--k 8 needs --samples >= 8"):
+        evaluation.parse_args(["--run", str(tmp_path), "--samples", "4", "--k", "8"])

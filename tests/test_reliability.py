@@ -318,6 +318,9 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
         return torch.full((len(train.flatten(groups)),), math.nan), 0
 
     monkeypatch.setattr(train, "trajectory_advantages", poisoned)
+    # the direct update above changed the policy, not the engine: sync it, or the first step's
+    # log-prob gap check (health.py) rightly stops the run first
+    engine.update_weights(run.policy.named_parameters(), version=0)
     with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
         train.train(run)
     assert all(torch.isfinite(p).all() for p in run.policy.parameters())

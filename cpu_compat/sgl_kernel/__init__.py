@@ -6,6 +6,8 @@ machines. Only `assign_req_to_token_pool_cpu` is called on a CPU without AMX; ev
 resolves to a placeholder that raises with the op's name, so a new call path fails loudly.
 """
 
+import functools
+
 import torch
 
 
@@ -43,8 +45,14 @@ def __getattr__(name):
 # SGLang's release/resume_memory_occupation call torch.get_device_module().synchronize(); with the
 # CUDA build of torch and no GPU that resolves to torch.cuda and raises "Found no NVIDIA driver".
 # Without a GPU the device the engine runs on is the CPU, so answer with torch.cpu.
+# functools.wraps keeps `__wrapped__`, which torch._dynamo reads off torch.get_device_module when it
+# traces (torch/_dynamo/variables/torch.py): without it FlexAttention's mask could not be compiled
+# in a process that runs the engine.
 if not torch.cuda.is_available():
     _get_device_module = torch.get_device_module
-    torch.get_device_module = lambda device=None: (
-        torch.cpu if device is None else _get_device_module(device)
-    )
+
+    @functools.wraps(_get_device_module)
+    def _cpu_device_module(device=None):
+        return torch.cpu if device is None else _get_device_module(device)
+
+    torch.get_device_module = _cpu_device_module
