@@ -98,14 +98,15 @@ def collate(samples, pad_id, rows=None):
     return batch
 
 
-def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
+def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_grad=False):
     """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
 
     For this call the model's output head returns log-probs (grpo.head_logprobs, chunked over
     positions) instead of [B, T, V] logits: it still runs inside the model's forward, where FSDP2
     has gathered the head's weight as for the usual logits, but the full logits never exist. With
     one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
-    mixed precision policy does that, and autocast stays off).
+    mixed precision policy does that, and autocast stays off). The entropies carry their graph
+    only with `entropy_grad` (an entropy bonus in the loss).
     """
     head = model.get_output_embeddings()
     packed = "packed_ids" in batch
@@ -123,6 +124,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
             targets,
             temperature,
             index=index,
+            entropy_grad=entropy_grad,
         )
         # [B, T-1, 2] (packed: [N, 2]), where the logits would be
         return torch.stack([logprobs, entropy], -1)
@@ -147,7 +149,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None):
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
         out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
-    return out[..., 0], out[..., 1].detach()
+    return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
 
 
 def micro_batches(samples, advantages, size, pad_id, max_tokens=0):

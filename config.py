@@ -12,7 +12,7 @@ import yaml
 
 # Each mode list lives beside the code that reads it; here they are only checked.
 from cancel import CANCEL_POLICIES
-from grpo import LOSS_AGG_MODES, RATIO_LEVELS, SEQUENCE_RATIO_AGG
+from grpo import CISPO_AGG, KL_ESTIMATORS, LOSS_AGG_MODES, RATIO_LEVELS, SEQUENCE_RATIO_AGG
 from memory import MEMORY_MODES
 from model import ATTENTION, DTYPES, LR_SCHEDULES
 from tasks import TASKS
@@ -80,6 +80,12 @@ class RolloutConfig:
     # the engine use each request's sampling_seed (rollout.request_seed), which the trainer always
     # sends (sglang/srt/sampling/sampling_batch_info.py)
     deterministic: bool = False
+    # threads running plain reward functions off the rollout's event loop (rewards.py); an async
+    # def reward is awaited on the loop instead
+    reward_workers: int = 4
+    # a reward still running after this many seconds fails its trajectory (counted in
+    # rollout/reward_errors); 0 = no limit
+    reward_timeout_s: float = 0.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     engine_threads: int = 1
     mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
@@ -135,17 +141,33 @@ class TrainConfig:
     grad_clip: float = 1.0
     clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
     clip_eps_high: float = 0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
-    # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean)
+    # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean) | cispo
+    # (CISPO: a clipped, stop-gradient weight on every token's log-prob; needs token-mean)
     ratio_level: str = "token"
     # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
     sequence_clip_eps: float = 3.0e-4
     sequence_clip_eps_high: float = 4.0e-4
+    # CISPO's weight range [1 - low, 1 + high] with ratio_level=cispo. MiniMax-M1 bounds only the
+    # top and publishes no value: low 1.0 (no lower bound) and high 2.0 are a start, not tuned
+    cispo_eps_low: float = 1.0
+    cispo_eps_high: float = 2.0
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg: str = "token-mean"
     # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
     mask_truncated: bool = False
+    # DAPO's soft overlong punishment, added to the reward (rewards.overlong_penalty): from
+    # overlong_buffer tokens before the generation budget, down to -overlong_penalty at it (0 = off)
+    overlong_penalty: float = 0.0
+    overlong_buffer: int = 0
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
-    kl_coef: float = 0.0  # k3 KL to a frozen reference copy; 0 = no reference model kept
+    # pi_old, the sampling policy's log-probs in the ratio: trainer (recomputed by a forward of
+    # every trained token) | engine (the engine's own, as it sampled: that forward skipped; only
+    # with one minibatch, no partial rollout and TIS off, where the two are the same policy)
+    old_logprobs: str = "trainer"
+    kl_coef: float = 0.0  # KL to a frozen reference copy, in the loss; 0 = no reference model kept
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (grpo.kl_estimate)
+    # entropy bonus: entropy_coef x the token entropy is subtracted from the loss (0 = off)
+    entropy_coef: float = 0.0
     # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
     tis_cap: float = 0.0
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
@@ -168,9 +190,11 @@ class TrainConfig:
 
     def clip_range(self):
         """(low, high) clip epsilons of the ratio: [1 - low, 1 + high]; GSPO's own with
-        ratio_level=sequence."""
+        ratio_level=sequence, CISPO's with ratio_level=cispo."""
         if self.ratio_level == "sequence":
             return self.sequence_clip_eps, self.sequence_clip_eps_high
+        if self.ratio_level == "cispo":
+            return self.cispo_eps_low, self.cispo_eps_high
         return self.clip_eps, self.clip_eps_high or self.clip_eps
 
 
@@ -222,6 +246,8 @@ class Config:
             "rollout.cancel": (self.rollout.cancel, CANCEL_POLICIES),
             "train.loss_agg": (self.train.loss_agg, LOSS_AGG_MODES),
             "train.ratio_level": (self.train.ratio_level, RATIO_LEVELS),
+            "train.kl_estimator": (self.train.kl_estimator, KL_ESTIMATORS),
+            "train.old_logprobs": (self.train.old_logprobs, ("trainer", "engine")),
             "train.lr_schedule": (self.train.lr_schedule, LR_SCHEDULES),
             "model.compute_dtype": (self.model.compute_dtype, DTYPES),
             "model.engine_dtype": (self.model.engine_dtype, DTYPES),
@@ -255,6 +281,35 @@ class Config:
                 "sequences: "
                 f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}"
             )
+        r = self.rollout
+        budget = r.max_response_tokens or r.max_new_tokens * r.max_turns
+        if self.train.overlong_penalty and not 0 < self.train.overlong_buffer <= budget:
+            raise ConfigError(
+                f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the "
+                f"generation budget), got {self.train.overlong_buffer}"
+            )
+        if self.train.ratio_level == "cispo" and self.train.loss_agg != CISPO_AGG:
+            raise ConfigError(
+                "train.ratio_level=cispo normalises over every token (MiniMax-M1, eq. 4): it "
+                f"needs train.loss_agg={CISPO_AGG}, not {self.train.loss_agg!r}"
+            )
+        if self.train.old_logprobs == "engine":
+            t = self.train
+            conflicts = {
+                "train.num_minibatches > 1 (later minibatches need pi_old, not the weights now)": (
+                    t.num_minibatches > 1
+                ),
+                "rollout.partial (resumed tokens were sampled by older weights)": (
+                    self.rollout.partial
+                ),
+                "train.tis_cap (TIS weighs pi_old / pi_engine: 1 everywhere)": t.tis_cap > 0,
+            }
+            named = [name for name, on in conflicts.items() if on]
+            if named:
+                raise ConfigError(
+                    "train.old_logprobs=engine takes pi_old from the engine, valid only where it "
+                    f"is the policy being trained; turn off: {'; '.join(named)}"
+                )
         if self.train.tis_cap != 0 and self.train.tis_cap < 1:
             raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
         if self.rollout.partial and self.rollout.cancel == "none":
@@ -327,6 +382,8 @@ class Config:
             ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
             ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
             ("rollout.refill_prompts", r.refill_prompts, 0),
+            ("rollout.reward_workers", r.reward_workers, 1),
+            ("rollout.reward_timeout_s", r.reward_timeout_s, 0),
             ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
             ("train.steps", t.steps, 0),
             ("train.micro_batch_size", t.micro_batch_size, 1),
@@ -336,6 +393,11 @@ class Config:
             ("train.warmup_steps", t.warmup_steps, 0),
             ("train.min_lr_ratio", t.min_lr_ratio, 0),
             ("train.kl_coef", t.kl_coef, 0),
+            ("train.entropy_coef", t.entropy_coef, 0),
+            ("train.overlong_penalty", t.overlong_penalty, 0),
+            ("train.overlong_buffer", t.overlong_buffer, 0),
+            ("train.cispo_eps_low", t.cispo_eps_low, 0),
+            ("train.cispo_eps_high", t.cispo_eps_high, 0),
             ("train.weight_decay", t.weight_decay, 0),
             ("train.clip_eps_high", t.clip_eps_high, 0),
             ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),

@@ -105,10 +105,11 @@ def sample_prompts(run, prompts, num_samples, temperature):
     with tqdm.tqdm(total=total, desc="eval samples", file=sys.stderr) as bar:
         for label, count, temp in (("sampled", num_samples, temperature), ("greedy", 1, 0.0)):
 
-            def counted(turns):  # the reward step, as training's (train.scorer)
+            async def counted(turns):  # the reward step, as training's (train.scorer)
                 bar.update(1)
                 answer = prompts[turns[-1].group_id].answer
-                return rewards.score(turns, answer, run.tokenizer, run.reward_fn)
+                timeout_s = run.cfg.rollout.reward_timeout_s
+                return await rewards.score(turns, answer, run.tokenizer, run.reward_fn, timeout_s)
 
             r = run.cfg.rollout
             samples, _ = run.engine.generate(

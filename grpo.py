@@ -19,9 +19,13 @@ LOSS_AGG_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-RATIO_LEVELS = ("token", "sequence")
+# token: PPO's clipped token ratio; sequence: GSPO; cispo: CISPO's clipped, stop-gradient weight
+RATIO_LEVELS = ("token", "sequence", "cispo")
 # GSPO's objective averages over sequences; the only mode it defines
 SEQUENCE_RATIO_AGG = "seq-mean-token-mean"
+# CISPO's objective is normalised over every token of the batch (MiniMax-M1, eq. 4)
+CISPO_AGG = "token-mean"
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # train.kl_estimator: see kl_estimate
 
 
 def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
@@ -51,30 +55,66 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
     return advantages, num_degenerate
 
 
-def token_logprobs(logits, target_ids, temperature=1.0):
+def kl_estimate(logprobs, ref_logprobs, estimator="k3"):
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi (Schulman 2020,
+    "Approximating KL divergence"), with r = log pi_ref - log pi:
+    k1 = -r (unbiased, can be negative); k2 = r^2 / 2 (biased, low variance); k3 = exp(r) - r - 1
+    (unbiased, >= 0: GRPO's, Shao et al. 2024 eq. 4); low_var_kl: k3 with verl's clamps (r to
+    [-20, 20] before exp, the estimate to [-10, 10]; verl trainer/ppo/core_algos.py, kl_penalty).
+    Worked example, log pi = -1.0, log pi_ref = -1.2: k1 0.2, k2 0.02, k3 exp(-0.2) + 0.2 - 1 =
+    0.01873."""
+    r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -r
+    if estimator == "k2":
+        return 0.5 * r**2
+    if estimator == "k3":
+        return torch.exp(r) - r - 1
+    if estimator == "low_var_kl":
+        r = r.clamp(-20, 20)
+        return (torch.exp(r) - r - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False):
     """Log-prob of each target token and the entropy of each position's distribution.
 
     logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
     autograd). The engine samples from softmax(logits / temperature), so the trainer scores the same
     scaled distribution; otherwise ratio and engine/trainer gap would compare different policies.
-    The entropy is a statistic, never differentiated: computed without a graph, so it keeps nothing
-    alive.
+    The entropy is a statistic, computed without a graph so it keeps nothing alive, unless
+    `entropy_grad` (train.entropy_coef > 0 differentiates it).
     """
     scaled = logits.float() / temperature
     logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
-    with torch.no_grad():
+    # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         log_probs = scaled - scaled.logsumexp(-1, keepdim=True)
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logprobs, entropy
 
 
-def _linear_token_logprobs(hidden, weight, bias, target_ids, temperature, index=None):
+def _linear_token_logprobs(
+    hidden, weight, bias, target_ids, temperature, index=None, entropy_grad=False
+):
     return token_logprobs(
-        F.linear(hidden if index is None else hidden[index], weight, bias), target_ids, temperature
+        F.linear(hidden if index is None else hidden[index], weight, bias),
+        target_ids,
+        temperature,
+        entropy_grad,
     )
 
 
-def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_tokens=1024, index=None):
+def head_logprobs(
+    hidden,
+    weight,
+    bias,
+    target_ids,
+    temperature=1.0,
+    chunk_tokens=1024,
+    index=None,
+    entropy_grad=False,
+):
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V]
     logits.
 
@@ -112,10 +152,11 @@ def head_logprobs(hidden, weight, bias, target_ids, temperature=1.0, chunk_token
                 targets,
                 temperature,
                 i,
+                entropy_grad,
                 use_reentrant=False,
             )
         else:
-            lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature, i)
+            lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature, i, entropy_grad)
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs, dim), torch.cat(entropies, dim)
@@ -170,6 +211,9 @@ def policy_loss(
     tis_cap=0.0,
     clip_eps_high=None,
     ratio_level="token",
+    kl_estimator="k3",
+    entropy=None,
+    entropy_coef=0.0,
 ):
     """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and
     optional truncated importance sampling for tokens the engine sampled from a different
@@ -186,9 +230,18 @@ def policy_loss(
     different gradient. This is a choice: truncated importance sampling (Yao et al. 2025) corrects
     each token's sampling mismatch, and the token form keeps that correction per token.
 
-    logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs: [B, T]; advantages: [B];
-    loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and importance weights
-    over trained tokens.
+    ratio_level="cispo" is CISPO (MiniMax-M1, Chen et al. 2025, eq. 4-5): every token's term is
+    -sg(clip(ratio, 1 - clip_eps, 1 + clip_eps_high)) * A * log pi, so a token whose ratio is
+    clipped keeps its gradient (PPO's min zeroes it), only its weight is bounded; defined with
+    token-mean.
+
+    The KL to the reference uses `kl_estimator` (`kl_estimate`). With `entropy` (carrying its
+    graph), `entropy_coef` x entropy is subtracted from every token's term: an entropy bonus
+    (verl's entropy_coeff), aggregated like the rest.
+
+    logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs, entropy: [B, T];
+    advantages: [B]; loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and
+    importance weights over trained tokens.
     """
     log_ratio = logprobs - old_logprobs  # [B, T]
     if ratio_level == "sequence":
@@ -205,18 +258,23 @@ def policy_loss(
             -1, keepdim=True
         ).clamp(min=1)
         log_ratio = sequence_log_ratio.detach() + logprobs - logprobs.detach()
-    elif ratio_level != "token":
+    elif ratio_level == "cispo" and agg_mode != CISPO_AGG:
+        raise ValueError(f"ratio_level='cispo' is defined with {CISPO_AGG!r}, not {agg_mode!r}")
+    elif ratio_level not in RATIO_LEVELS:
         raise ValueError(f"unknown ratio level {ratio_level!r}; expected one of {RATIO_LEVELS}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(-1)  # [B, 1]: every token of a sample shares its outcome advantage
-    unclipped = ratio * adv
-    clipped = (
-        ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high)) * adv
-    )
-    per_token = -torch.minimum(unclipped, clipped)
-    stats = {
-        "clip_frac": aggregate((unclipped > clipped).float(), loss_mask, "token-mean").detach()
-    }
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if ratio_level == "cispo":
+        weight = ratio.detach().clamp(1 - clip_eps, 1 + high)
+        per_token = -weight * adv * logprobs
+        clipped_tokens = (weight != ratio.detach()).float()
+    else:
+        unclipped = ratio * adv
+        clipped = ratio.clamp(1 - clip_eps, 1 + high) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        clipped_tokens = (unclipped > clipped).float()
+    stats = {"clip_frac": aggregate(clipped_tokens, loss_mask, "token-mean").detach()}
     if engine_logprobs is not None:
         # The engine sampled from mu, not from pi_old (other kernels and precision; an older weight
         # version once generations resume across steps). Truncated importance sampling (Yao et al.
@@ -234,10 +292,9 @@ def policy_loss(
             (log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean"
         )
     if ref_logprobs is not None:
-        # k3 estimator (Schulman 2020): unbiased, always >= 0, used by GRPO (Shao et al. 2024, eq.
-        # 4)
-        log_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ratio) - log_ratio - 1
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
         per_token = per_token + kl_coef * kl
         stats["kl"] = aggregate(kl, loss_mask, "token-mean").detach()
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy
     return aggregate(per_token, loss_mask, agg_mode, norm_length), stats

@@ -21,14 +21,17 @@ from sample import Sample
 from setup_run import trainer_only
 
 
-def dump(out_dir, step, sequences, advantages, stats):
-    """Write this rank's step `step`: plain lists and tensors (read back with weights_only)."""
+def dump(out_dir, step, start_step, sequences, advantages, stats):
+    """Write this rank's step `step` (`start_step`: its process's first, where
+    train.old_logprobs=engine still ran the trainer's forward): plain lists and tensors (read back
+    with weights_only)."""
     folder = os.path.join(out_dir, "rollouts", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
     torch.save(
         {
             "step": step,
+            "start_step": start_step,  # the first step of the process that trained it
             "sequences": [s.to_state() for s in sequences],
             "advantages": advantages,
             "loss": stats["train/loss"],
@@ -70,5 +73,6 @@ def replay(folder):
     from train import train_on_rollout  # train.py imports this module
 
     sequences = [Sample(**s) for s in dumped["sequences"]]
-    stats = train_on_rollout(run, sequences, dumped["advantages"], version=step)
+    from_engine = cfg.train.old_logprobs == "engine" and step != dumped["start_step"]
+    stats = train_on_rollout(run, sequences, dumped["advantages"], step, from_engine)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

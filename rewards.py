@@ -2,10 +2,14 @@
 and `score`, the one place a trajectory's text becomes a reward.
 
 Owns what a reward function is called with and what it may return (a finite number; anything else
-is a RewardError, counted by the rollout). Does not own prompts or data (tasks.py), nor when a
-trajectory is scored (rollout.py scores each one as it finishes).
+is a RewardError, counted by the rollout), and that it runs off the rollout's event loop: an
+`async def` reward is awaited, a plain one runs in a worker thread (`rollout.reward_workers`), so a
+slow reward (a parser, a sandbox, a judge) never delays the other requests or the cancel decision.
+Does not own prompts or data (tasks.py), nor when a trajectory is scored (rollout.py scores each
+one as it finishes).
 """
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -19,12 +23,48 @@ class RewardError(ValueError):
     fails)."""
 
 
-def score(turns, answer, tokenizer, reward_fn):
+async def score(turns, answer, tokenizer, reward_fn, timeout_s=0.0):
     """The one place text becomes a reward: a finished trajectory's, from its last turn's response,
-    against the prompt's `answer`."""
+    against the prompt's `answer`, computed off the event loop (`call_reward_off_loop`)."""
     last = turns[-1]
     text = tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
-    return call_reward(reward_fn, text, answer, finished=last.finish_reason == "stop")
+    finished = last.finish_reason == "stop"
+    return await call_reward_off_loop(reward_fn, text, answer, finished, timeout_s)
+
+
+async def call_reward_off_loop(reward_fn, response_text, answer, finished, timeout_s=0.0):
+    """`call_reward` without blocking the event loop: an `async def` reward_fn is awaited, a plain
+    one runs in the loop's default executor (the rollout engine's thread pool of
+    `rollout.reward_workers`). With `timeout_s`, a reward still running then is a RewardError (a
+    thread cannot be stopped: it finishes in the background, its result dropped)."""
+    where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
+    if inspect.iscoroutinefunction(reward_fn):
+        pending = call_async_reward(reward_fn, response_text, answer, finished)
+    else:
+        pending = asyncio.to_thread(call_reward, reward_fn, response_text, answer, finished)
+    try:
+        return await asyncio.wait_for(pending, timeout_s or None)
+    except asyncio.TimeoutError:
+        raise RewardError(
+            f"the reward function took longer than rollout.reward_timeout_s={timeout_s} {where}"
+        ) from None
+
+
+async def call_async_reward(reward_fn, response_text, answer, finished):
+    """An `async def` reward_fn's value, checked as `call_reward` checks a plain one's."""
+    where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
+    try:
+        value = await reward_fn(response_text, answer, finished=finished)
+    except Exception as e:  # noqa: BLE001 - the user's function: counted, never a crash
+        raise RewardError(f"the reward function raised {e!r} {where}") from e
+    return checked(value, where)
+
+
+def checked(value, where):
+    """`value` as a float, or a RewardError: only a finite number is a reward (a bool neither)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
+    return float(value)
 
 
 def call_reward(reward_fn, response_text, answer, finished):
@@ -41,9 +81,7 @@ def call_reward(reward_fn, response_text, answer, finished):
         Exception
     ) as e:  # noqa: BLE001 - the user's function: any error is counted, never a crash mid-rollout
         raise RewardError(f"the reward function raised {e!r} {where}") from e
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
-    return float(value)
+    return checked(value, where)
 
 
 def load_reward(spec):
@@ -83,6 +121,15 @@ def load_reward(spec):
     except ValueError:  # a builtin without a signature: called as is
         pass
     return fn
+
+
+def overlong_penalty(length, max_length, buffer, factor):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_length - buffer
+    tokens, then falling linearly to -factor at max_length (the generation budget, which no
+    response exceeds). Added to the task's reward (train.overlong_penalty, train.overlong_buffer),
+    as verl's DAPO reward manager does: min(-(length - (max_length - buffer)) / buffer * factor,
+    0). Worked example, budget 1,024, buffer 256, factor 1: 700 tokens 0; 896 tokens -0.5."""
+    return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
 
 
 # ---------------------------------------------------------------- the built-in rewards

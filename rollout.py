@@ -12,9 +12,11 @@ import array
 import asyncio
 import dataclasses
 import hashlib
+import inspect
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import cancel
 from cancel import GroupFilter, Progress, keep_first_complete_groups
@@ -63,7 +65,8 @@ class Settings:
     budget: int  # generated + observation tokens per trajectory
     max_turns: int = 1
     tool: object = None  # (response ids, prompt ids) -> (observation ids, is_error); see tools.py
-    reward: object = None  # turns -> float, called as each trajectory finishes
+    # turns -> float (or an awaitable of one), called as each trajectory finishes
+    reward: object = None
     plan: cancel.LaunchPlan | None = None  # None: wait for every request (validation)
     # dynamic sampling: (count, first_group_id=) -> up to `count` more prompts' token ids, whose
     # group ids are first_group_id, first_group_id + 1, ...
@@ -83,6 +86,14 @@ def request_seed(rollout_seed, index, turn):
 
 class RolloutEngine(Engine):
     """The engine, generating the trainer's rollouts (one `Rollout` per call of `generate`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # plain reward functions run in these threads (rewards.call_reward_off_loop): the event
+        # loop that waits on the requests and decides the cancellation never waits on a reward
+        self.engine.loop.set_default_executor(
+            ThreadPoolExecutor(self.cfg.reward_workers, thread_name_prefix="reward")
+        )
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -163,6 +174,7 @@ class Rollout:
         self.stats = RolloutStats()
         self.start = time.perf_counter()
         self.tasks = {}  # asyncio task -> its request's index
+        self.generated = {}  # request index -> Event: its turns are back (its reward may still run)
         self.current_rid = {}  # request index -> rid of its request in the engine now
         self.cancelled = set()  # request indices cancelled: no new turn starts
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
@@ -189,13 +201,17 @@ class Rollout:
         except BaseException:
             # a reward function or a refill raised: nothing may keep running in the engine
             await self.abort([t for t in self.tasks if not t.done()], raise_if_stuck=False)
+            await asyncio.gather(*self.tasks, return_exceptions=True)  # rewards still running
             raise
         stats.decision_s = time.perf_counter() - self.start
         stats.kept_groups = self.group_filter.kept if self.group_filter is not None else 0
         if pending:
             await self.cancel_the_rest(pending)
-        # every task is done here; re-raises nothing (errors became samples)
+        # every task is done here (the rewards of the last trajectories too); re-raises nothing
+        # (errors became samples)
         await asyncio.gather(*self.tasks)
+        # a request can finish on its own between the decision and the abort: it is kept
+        stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
         stats.rollout_s = time.perf_counter() - self.start
         samples = [turn for t in self.tasks for turn in t.result()]
         # a resumed sample's earlier tokens were generated in an earlier step, not now
@@ -218,7 +234,10 @@ class Rollout:
                 work = self.resume(request)
             else:
                 work = self.trajectory(request)
-            task = asyncio.create_task(scored(work, self.settings.reward, self.stats))
+            self.generated[request.index] = asyncio.Event()  # set before its reward is computed
+            task = asyncio.create_task(
+                scored(work, self.settings.reward, self.stats, self.generated[request.index])
+            )
             self.tasks[task] = request.index
             new.add(task)
             if self.group_filter is not None:
@@ -263,15 +282,19 @@ class Rollout:
             )
         await self.abort(pending)
         stats.cancel_latency_s = time.perf_counter() - self.start - stats.decision_s
-        # a request can finish on its own between the decision and the abort: it is kept
-        stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
 
     async def abort(self, pending, raise_if_stuck=True):
         """Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
         request decoding in the scheduler, burning the compute we wanted back. Returns once every
-        task is done."""
+        task's generation has returned (a trajectory whose reward is still being computed has
+        nothing left to abort: its task ends with its reward)."""
         # and no cancelled trajectory starts a turn
         self.cancelled.update(self.tasks[t] for t in pending)
+
+        def generating(task):
+            return not self.generated[self.tasks[task]].is_set()
+
+        pending = [t for t in pending if generating(t)]
         # SGLang drops an abort for a rid it does not track yet (managers/tokenizer_manager.py,
         # abort_request): a request sent just before the decision (a refill, a multi-turn
         # trajectory's next turn) must reach the engine first, or it would run to its end unaborted
@@ -280,17 +303,21 @@ class Rollout:
         tracked = self.engine.tokenizer_manager.rid_to_state
 
         def unsent(task):
-            return not task.done() and self.current_rid.get(self.tasks[task]) not in tracked
+            return generating(task) and self.current_rid.get(self.tasks[task]) not in tracked
 
         while time.perf_counter() < deadline and any(unsent(t) for t in pending):
             await asyncio.sleep(0.002)
-        rids = [self.current_rid[self.tasks[t]] for t in pending if not t.done()]
+        rids = [self.current_rid[self.tasks[t]] for t in pending if generating(t)]
         self.cancelling.update(rids)
         self.engine.abort(rids)
-        _, stuck = await asyncio.wait(pending, timeout=timeout_s)
+        returned = {asyncio.ensure_future(self.generated[self.tasks[t]].wait()): t for t in pending}
+        _, late = await asyncio.wait(returned, timeout=timeout_s) if returned else (set(), set())
+        stuck = [returned[waiting] for waiting in late]
+        for waiting in late:
+            waiting.cancel()
         for task in stuck:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)  # no task outlives the rollout
+        await asyncio.gather(*stuck, return_exceptions=True)  # no stuck task outlives the rollout
         if stuck and raise_if_stuck:
             raise RolloutError(
                 f"{len(stuck)} aborted requests did not return within {timeout_s}s "
@@ -457,14 +484,20 @@ async def wait_for_enough(
     return pending
 
 
-async def scored(work, reward, stats):
+async def scored(work, reward, stats, generated=None):
     """A trajectory's turns, each given the trajectory's reward once it finished (aborted,
-    failed: none). A reward function that fails on it fails the trajectory: logged, counted, kept
-    out like an abort."""
-    turns = await work
+    failed: none); `generated` is set when the turns are back, before the reward. A reward function
+    that fails on it fails the trajectory: logged, counted, kept out like an abort."""
+    try:
+        turns = await work
+    finally:
+        if generated is not None:
+            generated.set()
     if reward is not None and not turns[-1].is_aborted:
         try:
             value = reward(turns)
+            if inspect.isawaitable(value):  # train.scorer's: computed off the loop (rewards.py)
+                value = await value
         except RewardError as e:
             log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
             stats.num_reward_errors += 1

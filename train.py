@@ -88,10 +88,13 @@ def train_step(run, step, plan, phases):
     )
     train_start = time.perf_counter()
     phases.to_train()
-    scalars |= train_on_rollout(run, sequences, sequence_advantages, version=step)
+    # train.old_logprobs=engine skips the trainer's forward, except at the first step: the health
+    # check reads the engine-vs-trainer gap there
+    from_engine = cfg.train.old_logprobs == "engine" and step != run.start_step
+    scalars |= train_on_rollout(run, sequences, sequence_advantages, step, from_engine)
     run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
     if cfg.run.dump_rollouts:  # what `train.py --replay` re-runs
-        replay.dump(cfg.run.out, step, sequences, sequence_advantages, scalars)
+        replay.dump(cfg.run.out, step, run.start_step, sequences, sequence_advantages, scalars)
 
     # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
     sync_start = time.perf_counter()
@@ -205,11 +208,24 @@ def generate(run, prompts, group_size, temperature, seed=None):
 
 def scorer(run, prompts_by_group):
     """The reward step, as the rollout calls it on each finished trajectory (its turns): its
-    score against the answer of its prompt, `prompts_by_group[group id]`."""
+    score against the answer of its prompt, `prompts_by_group[group id]`, plus DAPO's overlong
+    penalty when on."""
 
-    def reward(turns):
+    r = run.cfg.rollout
+    t = run.cfg.train
+
+    async def reward(turns):  # off the rollout's event loop (rewards.py)
         prompt = prompts_by_group[turns[-1].group_id]
-        return rewards.score(turns, prompt.answer, run.tokenizer, run.reward_fn)
+        value = await rewards.score(
+            turns, prompt.answer, run.tokenizer, run.reward_fn, r.reward_timeout_s
+        )
+        if t.overlong_penalty:  # DAPO: long responses earn less, before the budget cuts them
+            generated = sum(len(turn.response_ids) for turn in turns)
+            budget = r.max_response_tokens or r.max_new_tokens * r.max_turns
+            value += rewards.overlong_penalty(
+                generated, budget, t.overlong_buffer, t.overlong_penalty
+            )
+        return value
 
     return reward
 
@@ -228,10 +244,10 @@ def trajectory_advantages(groups, scale_by_std):
     )
 
 
-def train_on_rollout(run, samples, advantages, version=0):
-    """Old log-probs from the trainer, then `num_minibatches` clipped-ratio optimizer steps.
-    `version` is the weight version being trained: tokens an older one sampled (partial rollout)
-    are stale.
+def train_on_rollout(run, samples, advantages, version=0, from_engine=False):
+    """Old log-probs from the trainer (`from_engine`: the engine's), then `num_minibatches`
+    clipped-ratio optimizer steps. `version` is the weight version being trained: tokens an older
+    one sampled (partial rollout) are stale.
 
     With several ranks each holds its own samples (whole GRPO groups, so advantages were computed
     locally). Each rank's loss is divided by the *global* count of trained tokens (or sequences)
@@ -243,7 +259,7 @@ def train_on_rollout(run, samples, advantages, version=0):
     minibatches, over_budget = batching.minibatches(samples, advantages, t, pad_id, run.device)
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = batching.mask_stale_tokens(every_mb, version, t.max_token_staleness)
-    stats |= old_logprobs(run, every_mb)
+    stats |= old_logprobs(run, every_mb, from_engine)
     stats |= batching.layout_stats(every_mb)
     stats |= batching.offpolicy_stats(every_mb, t.tis_cap)
     stats["train/over_budget_sequences"] = summed(over_budget)
@@ -264,19 +280,26 @@ def train_on_rollout(run, samples, advantages, version=0):
     return stats
 
 
-def old_logprobs(run, micro_batches):
+def old_logprobs(run, micro_batches, from_engine=False):
     """The sampling policy's log-probs, recomputed by the trainer on every micro-batch (and the
-    frozen reference's, for the KL term); the engine's own copy is only compared (the gap)."""
+    frozen reference's, for the KL term); the engine's own copy is only compared (the gap).
+    `from_engine` (train.old_logprobs=engine): the engine's are pi_old, the forward is skipped, and
+    there is no gap to report."""
     r = run.cfg.rollout
     with torch.no_grad():
         for mb in micro_batches:
-            mb["old_logprobs"] = batching.sequence_logprobs(
-                run.policy, mb, r.temperature, run.autocast_dtype
-            )[0]
+            if from_engine:
+                mb["old_logprobs"] = mb["engine_logprobs"]
+            else:
+                mb["old_logprobs"] = batching.sequence_logprobs(
+                    run.policy, mb, r.temperature, run.autocast_dtype
+                )[0]
             if run.reference is not None:
                 mb["ref_logprobs"] = batching.sequence_logprobs(
                     run.reference, mb, r.temperature, run.autocast_dtype
                 )[0]
+    if from_engine:
+        return {}
     # engine vs trainer on the tokens the current weights sampled (older tokens differ by design)
     gap = 0.0
     num_tokens = 0
@@ -301,7 +324,7 @@ def update(run, minibatch, token_stats):
     minibatch_loss = 0.0
     for mb, count in zip(minibatch, counts):
         logprobs, entropy = batching.sequence_logprobs(
-            run.policy, mb, r.temperature, run.autocast_dtype
+            run.policy, mb, r.temperature, run.autocast_dtype, entropy_grad=t.entropy_coef > 0
         )
         loss, loss_stats = grpo.policy_loss(
             logprobs,
@@ -317,13 +340,18 @@ def update(run, minibatch, token_stats):
             tis_cap=t.tis_cap,
             clip_eps_high=clip_high,
             ratio_level=t.ratio_level,
+            kl_estimator=t.kl_estimator,
+            entropy=entropy,
+            entropy_coef=t.entropy_coef,
         )
         # weight each micro-batch by its share of the denominator: accumulation == one big batch
         weighted = loss * count / total
         weighted.backward()
         minibatch_loss += weighted.item()
         num_tokens = mb["loss_mask"].sum().item()
-        token_stats.add("train/entropy", masked_mean(entropy, mb["loss_mask"]).item(), num_tokens)
+        token_stats.add(
+            "train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]).item(), num_tokens
+        )
         for name, value in loss_stats.items():
             token_stats.add(f"train/{name}", value.item(), num_tokens)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), t.grad_clip)
@@ -418,7 +446,8 @@ def train(run, stop=None):
             scalars, texts = train_step(run, step, plan, phases)
             if logger:
                 logger.log(step, scalars, echo=tqdm.tqdm.write, texts=texts)
-            gap_watch.observe(step, scalars["train/logprob_gap"])  # every rank reads the same
+            if "train/logprob_gap" in scalars:  # not measured with train.old_logprobs=engine
+                gap_watch.observe(step, scalars["train/logprob_gap"])
             bad_steps = bad_steps + 1 if scalars["train/skipped_updates"] else 0
             if bad_steps >= cfg.train.max_bad_updates:
                 raise NonFiniteError(

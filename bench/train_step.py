@@ -291,23 +291,26 @@ def state_bytes(run):
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def timed_update(run, samples, advantages, device, profile=False):
-    """One train_on_rollout; returns (seconds, its stats, the peak bytes held). On a GPU the peak
-    is the allocator's. On CPU, with `profile`, it is the state held before plus the profiler's
-    peak above it; else 0 (profiling slows a CPU update: the timed ones are not profiled)."""
+def timed_update(run, samples, advantages, device, profile=False, from_engine=False):
+    """One train_on_rollout (`from_engine`: pi_old from the engine's log-probs); returns
+    (seconds, its stats, the peak bytes held). On a GPU the peak is the allocator's. On CPU, with
+    `profile`, it is the state held before plus the profiler's peak above it; else 0 (profiling
+    slows a CPU update: the timed ones are not profiled)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        stats = train.train_on_rollout(run, samples, advantages)
+        stats = train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
         torch.cuda.synchronize()
         return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
     held = state_bytes(run)
     start = time.perf_counter()
     if not profile:
-        stats = train.train_on_rollout(run, samples, advantages)
+        stats = train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
         return time.perf_counter() - start, stats, 0
-    stats, above = profiled(lambda: train.train_on_rollout(run, samples, advantages))
+    stats, above = profiled(
+        lambda: train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
+    )
     return time.perf_counter() - start, stats, held + above
 
 
@@ -362,19 +365,22 @@ def shape_main(args):
     dtype = getattr(torch, base.model.compute_dtype)
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     contexts = 2 * estimate_memory.CONTEXT_GIB * 2**30  # trainer + engine: not the allocator's
-    arms = [("padded", "sdpa", 0), ("packed", "sdpa", base.train.max_tokens_per_micro_batch)]
+    budget = base.train.max_tokens_per_micro_batch
+    arms = [("padded", "sdpa", 0), ("packed", "sdpa", budget)]
     if device.type == "cuda":
-        arms.append(("packed", "flex_attention", base.train.max_tokens_per_micro_batch))
+        arms.append(("packed", "flex_attention", budget))
         parity(device, "flex_attention")
     else:
         parity(device, "sdpa")
         print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
     estimates = {}
+    if args.old_logprobs == "engine":  # the shipped packed path, pi_old from the engine
+        arms.append(("engine_old", base.model.attn_implementation, budget))
     for name, attention, budget in arms:
         cfg = shape_config([f"train.max_tokens_per_micro_batch={budget}"])
         cfg.model.compute_dtype = base.model.compute_dtype
         _, phases = estimate_memory.estimate(cfg, 1, card or 80 * 2**30, shape)
-        estimates[name, attention] = phases["train"] - contexts
+        estimates[name, attention] = phases["train"] - contexts  # the skipped forward: no less
     if card and min(estimates.values()) > card:
         raise SystemExit(
             f"shape={args.shape}: the estimate ({min(estimates.values()) / 2**30:.1f} GiB for one "
@@ -394,13 +400,16 @@ def shape_main(args):
     tokens, peaks = {}, {}
     for repeat in range(args.repeats + 1):  # the first round warms up (compiles, autotunes)
         for arm in arms if repeat % 2 == 0 else arms[::-1]:
-            _, attention, budget = arm
+            name, attention, budget = arm
             run.cfg.train.max_tokens_per_micro_batch = budget
             policy.set_attn_implementation(attention)
             gc.collect()
             # CPU: the warm-up round measures memory, the others time
             profile = repeat == 0
-            elapsed, stats, peak = timed_update(run, samples, advantages, device, profile)
+            from_engine = name == "engine_old"
+            elapsed, stats, peak = timed_update(
+                run, samples, advantages, device, profile, from_engine
+            )
             peaks[arm] = max(peaks.get(arm, 0), peak)
             if repeat:
                 seconds[arm].append(elapsed)
@@ -418,6 +427,13 @@ def shape_main(args):
             f"estimate_gib={figures[arm][3]:.3f} update_s={median:.3f} tokens={tokens[arm]}"
         )
     print(f"mfu peak: {peak_source}")
+    if args.old_logprobs == "engine":
+        trainer_s = statistics.median(seconds["packed", base.model.attn_implementation, budget])
+        engine_s = statistics.median(seconds["engine_old", base.model.attn_implementation, budget])
+        print(
+            f"old_logprobs: engine/trainer update time ratio={engine_s / trainer_s:.3f} "
+            f"(trainer {trainer_s:.3f} s, engine {engine_s:.3f} s: the skipped forward)"
+        )
     shipped = base.model.attn_implementation
     packed = next(arm for arm in arms if arm[0] == "packed" and arm[1] == shipped)
     tok_s, mfu, peak_gib, estimate_gib = figures[packed]
@@ -447,6 +463,12 @@ def main():
     )
     parser.add_argument(
         "--peak-tflops", type=float, default=0, help="--shape: the device's bf16 peak for MFU"
+    )
+    parser.add_argument(
+        "--old-logprobs",
+        choices=("trainer", "engine"),
+        default="trainer",
+        help="--shape: engine also times the shipped packed path with pi_old from the engine",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -169,7 +169,7 @@ def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
     mask = torch.zeros(4, 3)
     mask[torch.arange(4), torch.tensor([0, 2, 1, 2])] = 1
     results = []
-    for level in grpo.RATIO_LEVELS:
+    for level in ("token", "sequence"):
         leaf = logits.clone().requires_grad_(True)
         logprobs, _ = grpo.token_logprobs(leaf, torch.zeros(4, 3, dtype=torch.long))
         loss, _ = grpo.policy_loss(
@@ -345,3 +345,83 @@ def test_micro_batch_weighting_equals_one_batch(mode):
         )
         (loss * grpo.aggregation_count(mask[rows], mode) / total).backward()
     assert torch.allclose(leaf.grad, full_grad, atol=1e-7)
+
+
+def test_kl_estimators_hand_computed():
+    """Schulman's estimators at log pi = -1.0, log pi_ref = -1.2 (r = -0.2): k1 0.2, k2 0.02,
+    k3 = exp(-0.2) + 0.2 - 1; low_var_kl is k3 until verl's clamps bite (r clamped to 20 before
+    exp, the estimate to 10). Their gradients in log pi: k1 1, k2 -r = 0.2, k3 1 - exp(r)."""
+    logprobs = torch.tensor([[-1.0, -31.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0]], dtype=torch.float64)  # the second: r = 30
+    k3 = math.exp(-0.2) + 0.2 - 1
+    expected = {"k1": 0.2, "k2": 0.02, "k3": k3, "low_var_kl": k3}
+    grads = {"k1": 1.0, "k2": 0.2, "k3": 1 - math.exp(-0.2), "low_var_kl": 1 - math.exp(-0.2)}
+    for name in grpo.KL_ESTIMATORS:
+        kl = grpo.kl_estimate(logprobs, ref, name)
+        assert kl[0, 0].item() == pytest.approx(expected[name], abs=1e-12), name
+        (grad,) = torch.autograd.grad(kl[0, 0], logprobs)
+        assert grad[0, 0].item() == pytest.approx(grads[name], abs=1e-12), name
+    assert grpo.kl_estimate(logprobs, ref, "k3")[0, 1].item() == pytest.approx(math.exp(30) - 31)
+    assert grpo.kl_estimate(logprobs, ref, "low_var_kl")[0, 1].item() == 10.0
+    with pytest.raises(ValueError, match="k4"):
+        grpo.kl_estimate(logprobs, ref, "k4")
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token():
+    """CISPO at ratio e^1.5 = 4.48 with A = 1 and the weight range [0, 3]: the term is
+    -sg(3) * A * log pi, so its gradient in log pi is -3 (PPO's clip gives 0 there), its value
+    -3 * log pi; a ratio inside the range weighs by the ratio itself; clipped tokens are counted."""
+    old = torch.tensor([[0.0, 0.0]])
+    logprobs = torch.tensor([[1.5, math.log(2.0)]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss, stats = grpo.policy_loss(
+        logprobs,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        clip_eps=1.0,
+        clip_eps_high=2.0,
+        ratio_level="cispo",
+    )
+    # token-mean of -3 * 1.5 and -2 * log 2
+    assert loss.item() == pytest.approx((-3 * 1.5 - 2 * math.log(2)) / 2)
+    loss.backward()
+    assert logprobs.grad.tolist()[0] == pytest.approx([-3 / 2, -2 / 2])
+    assert stats["clip_frac"].item() == 0.5
+    with pytest.raises(ValueError, match="token-mean"):
+        grpo.policy_loss(
+            logprobs,
+            old,
+            torch.tensor([1.0]),
+            mask,
+            agg_mode="seq-mean-token-mean",
+            ratio_level="cispo",
+        )
+
+
+def test_entropy_bonus_subtracts_coef_times_entropy_with_its_gradient():
+    """entropy_coef c: the loss drops by c x the aggregated entropy (token-mean: its mean over
+    trained tokens), and each trained token's entropy gets gradient -c / N (masked ones 0)."""
+    logprobs = torch.zeros(1, 3, requires_grad=True)
+    entropy = torch.tensor([[0.5, 1.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    base, _ = grpo.policy_loss(logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask)
+    loss, _ = grpo.policy_loss(
+        logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask, entropy=entropy, entropy_coef=0.1
+    )
+    assert loss.item() == pytest.approx(base.item() - 0.1 * 0.75)
+    loss.backward()
+    assert entropy.grad.tolist()[0] == pytest.approx([-0.05, -0.05, 0.0])
+
+
+def test_token_entropy_has_a_graph_only_when_asked():
+    """The entropy bonus needs d entropy / d logits: token_logprobs keeps the graph with
+    entropy_grad, and its gradient is the analytic one, -p * (log p + H) per logit."""
+    logits = torch.tensor([[[1.0, 2.0, 0.5]]], dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([[1]])
+    assert not grpo.token_logprobs(logits, targets)[1].requires_grad
+    _, entropy = grpo.token_logprobs(logits, targets, entropy_grad=True)
+    entropy.sum().backward()
+    p = torch.softmax(logits.detach(), -1)
+    h = -(p * p.log()).sum()
+    torch.testing.assert_close(logits.grad, -p * (p.log() + h))

@@ -1,17 +1,25 @@
 """The real SGLang engine on CPU: generation from token ids, log-prob parity with the HF model,
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
 
+import asyncio
 import dataclasses
 import logging
+import math
+import time
+import types
 
 import pytest
 import torch
 
 import batching
+import rewards
+import tasks
 import train
 from conftest import tiny_config
 from cancel import count_complete_groups, plan_launch
+from config import ConfigError
 from rollout import RolloutError
+from sample import Sample
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
 
@@ -203,3 +211,88 @@ def test_plan_launch_arithmetic():
     over = plan_launch(dataclasses.replace(cfg, cancel="group", over_sample_rate=0.25), 32)
     # keeps the batch size
     assert (over.num_prompts, over.target_samples, over.target_groups) == (40, 256, 32)
+
+
+def _timed_rollout(engine, reward):
+    """4 prompts x 4 samples of up to 200 tokens, the last quarter cancelled."""
+    rollout_cfg = dataclasses.replace(
+        tiny_config("/tmp").rollout, cancel="count", group_size=4, drop_rate=0.25
+    )
+    return engine.generate(PROMPTS, 4, 1.0, 200, plan_launch(rollout_cfg, 4), reward=reward)
+
+
+def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
+    """A reward that takes 200 ms (a parser, a sandbox, a judge), run in the reward threads as
+    train.scorer runs it: the cancellation lands about as fast as with an instant reward (within
+    20%, or 50 ms on this noisy machine), and every finished trajectory gets its value; an
+    `async def` reward is awaited as well. The same slow reward run on the event loop itself (as
+    before rewards went off it) delays the cancellation by whole rewards: the check has teeth."""
+
+    def slow(text, answer, finished):
+        time.sleep(0.2)
+        return 0.5
+
+    async def slow_async(text, answer, finished):
+        await asyncio.sleep(0.2)
+        return 0.25
+
+    def off_loop(fn):
+        async def reward(turns):
+            return await rewards.call_reward_off_loop(fn, "text", "answer", True)
+
+        return reward
+
+    _, instant = _timed_rollout(engine, off_loop(lambda text, answer, finished: 1.0))
+    samples, offloaded = _timed_rollout(engine, off_loop(slow))
+    finished = [s for s in samples if not s.is_aborted]
+    assert finished and all(s.reward == 0.5 for s in finished)
+    margin = max(0.2 * instant.cancel_latency_s, 0.05)
+    assert offloaded.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, offloaded)
+    samples, awaited = _timed_rollout(engine, off_loop(slow_async))
+    assert all(s.reward == 0.25 for s in samples if not s.is_aborted)
+    assert awaited.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, awaited)
+    _, blocking = _timed_rollout(engine, lambda turns: slow("text", "answer", True))
+    assert blocking.cancel_latency_s > instant.cancel_latency_s + 0.2, (instant, blocking)
+
+
+def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
+    """Off the loop as on it: a reward over rollout.reward_timeout_s, one that raises, one that
+    returns NaN or a bool, each becomes a RewardError naming it (the rollout counts them)."""
+
+    def sleepy(text, answer, finished):
+        time.sleep(0.5)
+        return 1.0
+
+    async def broken(text, answer, finished):
+        raise KeyError("judge down")
+
+    cases = [
+        (sleepy, 0.1, "longer than rollout.reward_timeout_s=0.1"),
+        (broken, 0, "raised KeyError"),
+        (lambda text, answer, finished: math.nan, 0, "not a finite number"),
+        (lambda text, answer, finished: True, 0, "not a finite number"),
+    ]
+    for fn, timeout_s, message in cases:
+        with pytest.raises(rewards.RewardError, match=message):
+            asyncio.run(rewards.call_reward_off_loop(fn, "text", "answer", True, timeout_s))
+
+
+def test_overlong_penalty_hand_computed_and_added_by_the_scorer(tmp_path):
+    """DAPO's soft overlong punishment: 0 up to budget - buffer, then linear to -factor at the
+    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); train.scorer adds it
+    to the task's reward (the demo's 48-token budget, buffer 16: 40 tokens -> 1 - 0.5); a buffer
+    larger than the budget is a ConfigError."""
+    assert rewards.overlong_penalty(700, 1024, 256, 1.0) == 0.0
+    assert rewards.overlong_penalty(896, 1024, 256, 1.0) == -0.5
+    assert rewards.overlong_penalty(1024, 1024, 256, 0.5) == -0.5
+    cfg = tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=16")
+    run = types.SimpleNamespace(
+        cfg=cfg,
+        tokenizer=tasks.build_char_tokenizer(),
+        reward_fn=lambda text, answer, finished: 1.0,
+    )
+    turns = [Sample([1, 5], [4] * 40, [0.0] * 40, [1] * 40, group_id=0)]
+    prompts = [tasks.Prompt(prompt_ids=[1, 5], answer="3")]
+    assert asyncio.run(train.scorer(run, prompts)(turns)) == 0.5
+    with pytest.raises(ConfigError, match="overlong_buffer <= 48"):
+        tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=64")

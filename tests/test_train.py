@@ -1,6 +1,7 @@
 """End to end on the shared engine: a short run writes its metrics, checkpoint + resume is exact,
 and a fixed-seed golden check of the first steps guards the reward -> advantage -> update path."""
 
+import asyncio
 import math
 import os
 
@@ -232,7 +233,7 @@ def test_golden_first_steps(engine, tmp_path):
                 )
         trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
-            turns[-1].reward = train.scorer(run, prompts)(turns)
+            turns[-1].reward = asyncio.run(train.scorer(run, prompts)(turns))
         groups = sample.groups_of(trajectories)  # samples were made group by group: same order
         advantages, _ = train.trajectory_advantages(groups, scale_by_std=True)
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
