@@ -376,8 +376,8 @@ def shape_main(args):
     estimates = {}
     if args.old_logprobs == "engine":  # the shipped packed path, pi_old from the engine
         arms.append(("engine_old", base.model.attn_implementation, budget))
-    for name, attention, budget in arms:
-        cfg = shape_config([f"train.max_tokens_per_micro_batch={budget}"])
+    for name, attention, arm_budget in arms:
+        cfg = shape_config([f"train.max_tokens_per_micro_batch={arm_budget}"])
         cfg.model.compute_dtype = base.model.compute_dtype
         _, phases = estimate_memory.estimate(cfg, 1, card or 80 * 2**30, shape)
         estimates[name, attention] = phases["train"] - contexts  # the skipped forward: no less
@@ -400,8 +400,8 @@ def shape_main(args):
     tokens, peaks = {}, {}
     for repeat in range(args.repeats + 1):  # the first round warms up (compiles, autotunes)
         for arm in arms if repeat % 2 == 0 else arms[::-1]:
-            name, attention, budget = arm
-            run.cfg.train.max_tokens_per_micro_batch = budget
+            name, attention, arm_budget = arm
+            run.cfg.train.max_tokens_per_micro_batch = arm_budget
             policy.set_attn_implementation(attention)
             gc.collect()
             # CPU: the warm-up round measures memory, the others time
