@@ -113,9 +113,18 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
         ),
         (
             ["train.ratio_level=seq"],
-            "train.ratio_level='seq': expected one of ('token', 'sequence')",
+            "train.ratio_level='seq': expected one of ('token', 'sequence', 'cispo')",
         ),
         (["train.clip_eps_high=-0.1"], "train.clip_eps_high=-0.1: expected >= 0"),
+        (
+            ["train.ratio_level=cispo", "train.loss_agg=seq-mean-token-sum"],
+            "train.ratio_level=cispo normalises over every token",
+        ),
+        (
+            ["train.old_logprobs=engine", "train.num_minibatches=2", "train.tis_cap=2"],
+            "turn off: train.num_minibatches > 1 (later minibatches need pi_old, not the weights "
+            "now); train.tis_cap",
+        ),
     ],
 )
 def test_impossible_configs_name_the_problem(sets, message):
