@@ -84,7 +84,8 @@ class RolloutConfig:
     # def reward is awaited on the loop instead
     reward_workers: int = 4
     # a reward still running after this many seconds fails its trajectory (counted in
-    # rollout/reward_errors); 0 = no limit
+    # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
+    # returns also keeps the process from exiting, so give a judge or sandbox its own timeout
     reward_timeout_s: float = 0.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     engine_threads: int = 1
@@ -162,7 +163,9 @@ class TrainConfig:
     scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
     # pi_old, the sampling policy's log-probs in the ratio: trainer (recomputed by a forward of
     # every trained token) | engine (the engine's own, as it sampled: that forward skipped; only
-    # with one minibatch, no partial rollout and TIS off, where the two are the same policy)
+    # with one minibatch, no partial rollout and TIS off, where the two are the same policy).
+    # engine measures the log-prob gap at a process's first step only: after it, the weight
+    # checksums alone watch the engine (run.max_logprob_gap has nothing to read)
     old_logprobs: str = "trainer"
     kl_coef: float = 0.0  # KL to a frozen reference copy, in the loss; 0 = no reference model kept
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (grpo.kl_estimate)
@@ -282,7 +285,12 @@ class Config:
                 f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}"
             )
         r = self.rollout
-        budget = r.max_response_tokens or r.max_new_tokens * r.max_turns
+        budget = min(r.max_new_tokens, r.max_response_tokens or r.max_new_tokens)
+        if self.train.overlong_penalty and r.max_turns > 1:
+            raise ConfigError(
+                "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool "
+                "observations share the token budget with what the model wrote"
+            )
         if self.train.overlong_penalty and not 0 < self.train.overlong_buffer <= budget:
             raise ConfigError(
                 f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the "

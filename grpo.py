@@ -215,7 +215,7 @@ def policy_loss(
     entropy=None,
     entropy_coef=0.0,
 ):
-    """Clipped surrogate objective of PPO/GRPO with an optional k3 KL penalty to a reference, and
+    """Clipped surrogate objective of PPO/GRPO with an optional KL penalty to a reference, and
     optional truncated importance sampling for tokens the engine sampled from a different
     distribution.
 

@@ -136,8 +136,10 @@ class MemoryPhases:
         self.resident.add("trainer_grads")
         self._note()
 
-    def sync(self, version):
-        """train -> rollout, pushing the new weights to the engine in between."""
+    def sync(self, version, after_push=None):
+        """train -> rollout, pushing the new weights to the engine in between; `after_push()`
+        runs right after the push, while the trainer's weights are still on its device (the
+        weight check hashes them there, as the engine hashes its own)."""
         self._expect("train", "sync")
         # the train phase's peak, noted after the update (activations included, on GPU)
         self._note()
@@ -152,6 +154,8 @@ class MemoryPhases:
         num_buckets = self.engine.update_weights(
             self.policy.named_parameters(), version, self.bucket_bytes, gather=parallel.full_tensor
         )
+        if after_push is not None:
+            after_push()
         self._move_trainer(onload=False, params=True, optimizer=False)
         if self.mode == "staged":
             # KV cache (+ CUDA graphs)

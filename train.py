@@ -98,15 +98,21 @@ def train_step(run, step, plan, phases):
 
     # 5. weight sync (staged wake-up): the engine samples the next step from the updated policy
     sync_start = time.perf_counter()
-    phases.sync(version=step + 1)
-    # ... and holds what was sent, bit for bit (health.py)
-    check_start = time.perf_counter()
-    if health.should_check_weights(step, cfg.run):
+    check_s = []
+
+    def check_push():
+        """... and the engine holds what was sent, bit for bit (health.py)."""
+        check_start = time.perf_counter()
         health.check_weights(
             run.engine, run.policy.named_parameters(), cfg.run.out, gather=parallel.full_tensor
         )
-        scalars["timing/check_weights_s"] = slowest(time.perf_counter() - check_start)
+        check_s.append(time.perf_counter() - check_start)
+
+    checking = health.should_check_weights(step, cfg.run)
+    phases.sync(version=step + 1, after_push=check_push if checking else None)
     now = time.perf_counter()
+    if check_s:
+        scalars["timing/check_weights_s"] = slowest(check_s[0])
 
     if run.buffer is not None:
         scalars |= run.buffer.metrics()  # its rollout/* counts replace rollout_metrics'
@@ -122,7 +128,7 @@ def train_step(run, step, plan, phases):
     scalars |= {
         "train/degenerate_groups": summed(num_degenerate),
         "timing/train_s": slowest(sync_start - train_start),
-        "timing/weight_sync_s": slowest(check_start - sync_start),
+        "timing/weight_sync_s": slowest(now - sync_start - sum(check_s)),
         "timing/step_s": slowest(now - step_start),
         "perf/train_tokens_per_s": summed(scalars["train/tokens"] / (sync_start - train_start)),
     }
@@ -201,15 +207,15 @@ def generate(run, prompts, group_size, temperature, seed=None):
         tool=run.tool,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
-        reward=scorer(run, prompts),
+        reward=scorer(run, prompts, overlong=False),  # the task's reward alone, as eval.py's
         seed=seed,
     )
 
 
-def scorer(run, prompts_by_group):
+def scorer(run, prompts_by_group, overlong=True):
     """The reward step, as the rollout calls it on each finished trajectory (its turns): its
     score against the answer of its prompt, `prompts_by_group[group id]`, plus DAPO's overlong
-    penalty when on."""
+    penalty when on (training's rollouts only: `overlong` False for validation)."""
 
     r = run.cfg.rollout
     t = run.cfg.train
@@ -219,12 +225,10 @@ def scorer(run, prompts_by_group):
         value = await rewards.score(
             turns, prompt.answer, run.tokenizer, run.reward_fn, r.reward_timeout_s
         )
-        if t.overlong_penalty:  # DAPO: long responses earn less, before the budget cuts them
-            generated = sum(len(turn.response_ids) for turn in turns)
-            budget = r.max_response_tokens or r.max_new_tokens * r.max_turns
-            value += rewards.overlong_penalty(
-                generated, budget, t.overlong_buffer, t.overlong_penalty
-            )
+        if overlong and t.overlong_penalty:  # DAPO: long responses earn less, before the cut
+            length = len(turns[-1].response_ids)  # single-turn (config.py refuses more turns)
+            budget = min(r.max_new_tokens, r.max_response_tokens or r.max_new_tokens)
+            value += rewards.overlong_penalty(length, budget, t.overlong_buffer, t.overlong_penalty)
         return value
 
     return reward

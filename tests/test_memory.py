@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 import batching
+import health
 import train
 import model
 from conftest import tiny_config
@@ -206,3 +207,31 @@ def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     sglang_engine.prepare_engine_environment(on_gpu=False)  # anything else is left alone
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+
+
+def test_the_weight_check_runs_before_the_trainer_weights_leave_the_device(run, monkeypatch):
+    """sync(after_push=...) calls the check right after the push and before the trainer's
+    parameters are offloaded: on a GPU the engine hashes its weights there with SGLang's CUDA hash,
+    and the trainer's must be hashed on the same device (a CPU copy hashes differently)."""
+    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged")
+    events = []
+    move = phases._move_trainer
+
+    def recording_move(onload, params, optimizer):
+        events.append(("offload params" if params and not onload else "move"))
+        return move(onload=onload, params=params, optimizer=optimizer)
+
+    monkeypatch.setattr(phases, "_move_trainer", recording_move)
+    phases.to_train()
+    events.clear()
+    phases.sync(
+        version=1,
+        after_push=lambda: events.append(
+            ("check", health.check_weights(run.engine, run.policy.named_parameters(), "/tmp"))
+        ),
+    )
+    assert [e if isinstance(e, str) else e[0] for e in events] == [
+        "move",
+        "check",
+        "offload params",
+    ]
