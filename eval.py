@@ -26,7 +26,7 @@ import rewards
 from config import ConfigError, load_config
 from model import ModelError, load_tokenizer
 from sample import trajectories_of
-from setup_run import Run, start_engine
+from setup_run import engine_only, start_engine
 from tasks import DataError, build_task
 
 
@@ -174,24 +174,7 @@ def model_folder(args):
 
 def run_eval(cfg, engine, tokenizer, num_samples, ks, temperature):
     """(every record, the summary) of `engine`'s weights on the task of `cfg`."""
-    task = build_task(cfg, tokenizer)
-    # an evaluation Run: the engine and the task, no trainer
-    run = Run(
-        cfg=cfg,
-        policy=None,
-        reference=None,
-        tokenizer=tokenizer,
-        stream=None,
-        val_prompts=task.val_prompts,
-        reward_fn=task.reward_fn,
-        tool=task.tool,
-        engine=engine,
-        optimizer=None,
-        scheduler=None,
-        device=None,
-        autocast_dtype=None,
-        buffer=None,
-    )
+    run = engine_only(cfg, engine, tokenizer, build_task(cfg, tokenizer))
     return evaluate(run, num_samples, ks, temperature)
 
 

@@ -137,6 +137,27 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None):
     )
 
 
+def engine_only(cfg, engine, tokenizer, task):
+    """A Run holding only the engine and the task (no policy, no optimizer): what eval.py's
+    sampling and scoring read."""
+    return Run(
+        cfg=cfg,
+        policy=None,
+        reference=None,
+        tokenizer=tokenizer,
+        stream=None,
+        val_prompts=task.val_prompts,
+        reward_fn=task.reward_fn,
+        tool=task.tool,
+        engine=engine,
+        optimizer=None,
+        scheduler=None,
+        device=None,
+        autocast_dtype=None,
+        buffer=None,
+    )
+
+
 def place_models(cfg, policy, compute_dtype, device):
     """(policy, KL reference or None) on `device`, each an FSDP2 shard with several ranks. The
     reference is the *initial* policy, also after a resume: built again, not copied."""
