@@ -6,6 +6,9 @@ An unknown key or a value of the wrong type is a ConfigError that names it.
 
 import dataclasses
 import difflib
+import importlib
+import importlib.util
+import os
 import typing
 
 import yaml
@@ -70,7 +73,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 48  # per turn
-    max_turns: int = 1  # > 1: multi-turn with the calculator tool (tiny_tool, gsm8k)
+    max_turns: int = 1  # > 1: multi-turn, the model calling tools between turns
+    # gsm8k, chat with max_turns > 1: the tools the model may call, each "path/to/file.py:function"
+    # or "module:function", a plain (or async) Python function with type hints and a docstring
+    # (tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its own
+    # "?" calculator only)
+    tools: list[str] = dataclasses.field(default_factory=list)
+    # a tool still running after this many seconds answers with an error observation (0 = no limit)
+    tool_timeout_s: float = 10.0
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: int = 0
     # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
@@ -80,8 +90,8 @@ class RolloutConfig:
     # the engine use each request's sampling_seed (rollout.request_seed), which the trainer always
     # sends (sglang/srt/sampling/sampling_batch_info.py)
     deterministic: bool = False
-    # threads running plain reward functions off the rollout's event loop (rewards.py); an async
-    # def reward is awaited on the loop instead
+    # threads running plain reward functions and tools off the rollout's event loop (rewards.py,
+    # tools.py); an async def one is awaited on the loop instead
     reward_workers: int = 4
     # a reward still running after this many seconds fails its trajectory (counted in
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
@@ -286,6 +296,15 @@ class Config:
             )
         r = self.rollout
         budget = min(r.max_new_tokens, r.max_response_tokens or r.max_new_tokens)
+        if r.tools and r.max_turns == 1:
+            raise ConfigError(
+                f"rollout.tools={r.tools} needs rollout.max_turns > 1 (one turn calls none)"
+            )
+        if r.tools and self.data.task == "tiny_tool":
+            raise ConfigError(
+                "rollout.tools: the tiny_tool task calls its own '?' calculator; tools are called "
+                "in Qwen's <tool_call> JSON (data.task gsm8k or chat)"
+            )
         if self.train.overlong_penalty and r.max_turns > 1:
             raise ConfigError(
                 "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool "
@@ -441,6 +460,11 @@ RENAMED = {
 
 def _coerce(key, value, kind):
     """Check `value` against the field type; ints are accepted where floats are expected."""
+    if typing.get_origin(kind) is list:  # list[str]: a YAML list of strings
+        (item,) = typing.get_args(kind)
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{key}={value!r}: expected a list of {item.__name__}")
+        return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
@@ -497,3 +521,31 @@ def load_config(path=None, sets=()):
         apply(config, nested)
     config.__post_init__()  # re-validate choices after overrides
     return config
+
+
+def load_function(spec, key):
+    """The function a config string names: "path/to/file.py:function" or "module:function"
+    (importable from the working directory). A missing file, module or function is a ConfigError
+    naming `key`, before the engine starts."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(
+            f"{key}={spec!r}: expected 'path/to/file.py:function' or 'module:function'"
+        )
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ConfigError(f"{key}={spec!r}: no file {where}")
+        module_spec = importlib.util.spec_from_file_location(
+            f"user_{os.path.basename(where)[:-3]}", where
+        )
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ConfigError(f"{key}={spec!r}: cannot import {where!r} ({e})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec!r}: {where} has no function {name!r}")
+    return fn

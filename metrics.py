@@ -128,6 +128,8 @@ def rollout_metrics(trajectories, stats):
         "rollout/cancel_latency_s": slowest(stats.cancel_latency_s),
         "rollout/tool_calls": summed(stats.num_tool_calls),
         "rollout/tool_errors": summed(stats.num_tool_errors),
+        **{f"tools/{name}/calls": summed(n) for name, n in stats.tool_calls.items()},
+        **{f"tools/{name}/errors": summed(n) for name, n in stats.tool_errors.items()},
         "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
         "rollout/timed_out": summed(stats.num_timed_out),
         "rollout/reward_errors": summed(stats.num_reward_errors),

@@ -10,11 +10,8 @@ one as it finishes).
 """
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
 
 
@@ -85,33 +82,13 @@ def call_reward(reward_fn, response_text, answer, finished):
 
 
 def load_reward(spec):
-    """The function `spec` names: "path/to/file.py:function" or "module:function" (importable
-    from the working directory). Called as fn(response_text, answer, finished) -> float. A
-    missing file, module or function, or one that cannot take those three arguments, is a
-    ConfigError here, before the engine starts."""
-    from config import ConfigError
+    """The function `spec` names (config.load_function), called as fn(response_text, answer,
+    finished) -> float. One that cannot take those three arguments is a ConfigError here, before
+    the engine starts."""
+    from config import ConfigError, load_function
 
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
-        raise ConfigError(
-            f"data.reward={spec!r}: expected 'path/to/file.py:function' or 'module:function'"
-        )
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ConfigError(f"data.reward={spec!r}: no file {where}")
-        module_spec = importlib.util.spec_from_file_location(
-            f"reward_{os.path.basename(where)[:-3]}", where
-        )
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"data.reward={spec!r}: cannot import {where!r} ({e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"data.reward={spec!r}: {where} has no function {name!r}")
+    fn = load_function(spec, "data.reward")
+    name = spec.rpartition(":")[2]
     try:
         inspect.signature(fn).bind("response", "answer", finished=True)
     except TypeError as e:

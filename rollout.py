@@ -37,6 +37,9 @@ class RolloutStats:
     num_failed: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
+    # per tool name (every name the tool answers to, 0 if not called: the same keys on every rank)
+    tool_calls: dict = dataclasses.field(default_factory=dict)
+    tool_errors: dict = dataclasses.field(default_factory=dict)
     num_timed_out: int = 0  # requests aborted by rollout.rollout_timeout_s
     prompts_launched: int = 0  # new prompts (resumed samples not counted), refills included
     generated_tokens: int = 0  # tokens the engine generated, cancelled ones included
@@ -64,7 +67,8 @@ class Settings:
     group_size: int
     budget: int  # generated + observation tokens per trajectory
     max_turns: int = 1
-    tool: object = None  # (response ids, prompt ids) -> (observation ids, is_error); see tools.py
+    # async (response ids, prompt ids) -> tools.Observation, or None for no call; see tools.py
+    tool: object = None
     # turns -> float (or an awaitable of one), called as each trajectory finishes
     reward: object = None
     plan: cancel.LaunchPlan | None = None  # None: wait for every request (validation)
@@ -172,6 +176,8 @@ class Rollout:
         self.settings = settings
         self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.stats = RolloutStats()
+        for name in settings.tool.names if settings.tool is not None else ():
+            self.stats.tool_calls[name] = self.stats.tool_errors[name] = 0
         self.start = time.perf_counter()
         self.tasks = {}  # asyncio task -> its request's index
         self.generated = {}  # request index -> Event: its turns are back (its reward may still run)
@@ -359,12 +365,15 @@ class Rollout:
                 # a call with no turn left to read the result: truncated, not an answer
                 sample.finish_reason = "length"
                 break
-            observation_ids, is_error = tool(sample.response_ids, prompt_ids)
+            # off the event loop (tools.py): the other requests and the cancel decision go on
+            observation = await tool(sample.response_ids, prompt_ids)
             self.stats.num_tool_calls += 1
-            self.stats.num_tool_errors += is_error
-            sample.tool_call = -1 if is_error else 1
+            self.stats.num_tool_errors += observation.is_error
+            self.stats.tool_calls[observation.tool] += 1
+            self.stats.tool_errors[observation.tool] += observation.is_error
+            sample.tool_call = -1 if observation.is_error else 1
             # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
-            context = context + sample.response_ids + array.array("i", observation_ids)
+            context = context + sample.response_ids + array.array("i", observation.ids)
         if any(t.is_aborted or t.finish_reason == "abort" for t in turns):
             for t in turns:  # a trajectory is trained whole or not at all
                 t.is_aborted = True

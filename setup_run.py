@@ -35,7 +35,7 @@ class Run:
     stream: PromptStream  # this rank's training prompts; its position is checkpointed
     val_prompts: list
     reward_fn: object  # (response_text, answer, finished) -> float; see rewards.py
-    tool: object  # tools.CalculatorTool for multi-turn tasks, else None
+    tool: object  # tools.QwenTools or tools.QuestionCalculator for multi-turn tasks, else None
     engine: RolloutEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler

@@ -234,7 +234,8 @@ class Task:
     train_prompts: list[Prompt]
     val_prompts: list[Prompt]
     reward_fn: object  # (response_text, answer, finished) -> float; see rewards.call_reward
-    tool: object  # a tools.CalculatorTool for multi-turn tasks (rollout.max_turns > 1), else None
+    # multi-turn tasks (rollout.max_turns > 1): tools.QwenTools or tools.QuestionCalculator
+    tool: object
 
 
 def build_task(cfg, tokenizer):
@@ -256,7 +257,13 @@ def build_task(cfg, tokenizer):
     # the rows' fields and the reward the config names (loaded first: a wrong one is named before
     # any data is read)
     reward_fn = rewards.load_reward(d.reward) if d.reward else rewards.gsm8k_reward
-    schemas = [tools.CALCULATOR_SCHEMA] if use_tool else None  # rendered by the chat template
+    r = cfg.rollout
+    tool = (
+        tools.QwenTools(tokenizer, tools.load_tools(r.tools), r.tool_timeout_s)
+        if use_tool
+        else None
+    )
+    schemas = tool.schemas if use_tool else None  # rendered by the chat template
     prompts = {}
     for split, path in (("train", d.train_path), ("test", d.val_path or d.train_path)):
         if d.task == "gsm8k":
@@ -279,7 +286,6 @@ def build_task(cfg, tokenizer):
                 tools=schemas,
                 subset=d.hub_subset,
             )
-    tool = tools.qwen_calculator(tokenizer) if use_tool else None
     return Task(prompts["train"], prompts["test"][: d.num_val_prompts], reward_fn, tool)
 
 

@@ -1,16 +1,26 @@
-"""Tools: the calculator a trajectory may call between turns, and its adapters to the two call
-formats (the tiny tool demo's "?" and Qwen's JSON `<tool_call>`).
+"""Tools a trajectory may call between turns: plain Python functions, and the two call formats
+that reach them (Qwen's JSON `<tool_call>`, and the tiny tool demo's "?").
 
-Owns evaluating model-written (untrusted) arithmetic (Python's `ast`, never eval; bounded in size,
-depth and magnitude; bad input is an "error: ..." observation, never an exception), finding the
-call in a response, and formatting the observation. Does not decide when the tool runs (rollout.py
-calls it on a turn that ends in a call).
+Owns turning a response that ends in a call into the observation of the next turn: finding the
+call, parsing it (model-written, untrusted: `json.loads`, never `eval`), checking its arguments
+against the function's JSON schema (built from its type hints and docstring by transformers'
+`get_json_schema`, the schema the chat template shows the model), running it off the event loop
+within `rollout.tool_timeout_s`, and formatting its result or the error. Also the built-in tool,
+the calculator (Python's `ast`, bounded in size, depth and magnitude). Does not decide when a tool
+runs (rollout.py calls one on a turn that ends in a call).
 """
 
 import ast
+import asyncio
+import functools
+import inspect
 import json
 import math
 import operator
+import typing
+
+import jsonschema
+from transformers.utils import get_json_schema
 
 MAX_CHARS = 200  # longer input is rejected before parsing; this also bounds the AST depth
 # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
@@ -93,9 +103,14 @@ def _format(value: int | float) -> str:
     return str(value) if isinstance(value, int) else format(value, ".12g")
 
 
-def calculate(expression: str) -> str:
-    """Evaluate `expression` (numbers, unary +/-, + - * / **, parentheses); never raises, never
-    hangs."""
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / ** and parentheses.
+
+    Args:
+        expression: The expression, for example "12*3+4".
+    """
+    # The docstring above is what the model reads (the tool's schema). For us: never raises (a
+    # refusal is an "error: ..." result), never hangs.
     if not isinstance(expression, str):
         return "error: expression must be a string"
     text = expression.strip()
@@ -123,93 +138,166 @@ def calculate(expression: str) -> str:
         return f"error: {e}"
 
 
-# ---------------------------------------------------------------- adapters to the call formats
-class CalculatorTool:
-    """Turns a response that ends in a tool call into observation tokens for the next turn.
+# ---------------------------------------------------------------- your own tools
+MAX_OBSERVATION_CHARS = 2000  # a longer result is cut: it would crowd the trajectory's budget
+UNPARSED = "unparsed"  # the per-tool count of calls with no well-formed JSON or an unknown name
 
-    Called by rollout.py with the response ids and the trajectory's prompt ids; returns (observation
-    ids, is_error), or None when the response makes no tool call (it is the answer). The call is
-    untrusted model text: it only ever reaches calculator.calculate, which parses it and answers
-    errors as text, never by raising.
+
+class Observation(typing.NamedTuple):
+    """What a tool call gave the next turn."""
+
+    ids: list  # the observation's token ids
+    tool: str  # the tool called (UNPARSED: none could be read)
+    is_error: bool
+
+
+def function_schema(fn):
+    """The JSON schema the chat template lists for `fn`, from its type hints and its Google-style
+    docstring (transformers.utils.get_json_schema, as TRL builds its tools' schemas). A function
+    it cannot describe is a ConfigError naming what is missing."""
+    from config import ConfigError
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # noqa: BLE001 - TypeHintParsingException, DocstringParsingException
+        raise ConfigError(
+            f"rollout.tools: cannot build a schema for {getattr(fn, '__name__', fn)!r}: {e} "
+            "(a tool needs a type hint on each argument and a docstring with an Args: section)"
+        ) from None
+
+
+def arguments_schema(schema):
+    """The schema a call's arguments must meet: the function's parameters, no other key allowed,
+    and get_json_schema's `nullable` (OpenAPI's word) as JSON Schema's "null" type."""
+    properties = {}
+    for name, spec in schema["function"]["parameters"]["properties"].items():
+        spec = dict(spec)
+        if spec.pop("nullable", False):
+            types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
+            spec["type"] = [*types, "null"]
+        properties[name] = spec
+    parameters = schema["function"]["parameters"]
+    return {**parameters, "properties": properties, "additionalProperties": False}
+
+
+def result_text(result):
+    """A tool's return value as the observation's text: a string as is, else JSON."""
+    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    if len(text) > MAX_OBSERVATION_CHARS:
+        text = text[:MAX_OBSERVATION_CHARS] + " ... (cut)"
+    return text
+
+
+def load_tools(specs):
+    """The functions `rollout.tools` names (config.load_function), each with a schema; none
+    named: the calculator. Two of one name is a ConfigError (the model calls a tool by name)."""
+    from config import ConfigError, load_function
+
+    functions = [load_function(spec, "rollout.tools") for spec in specs] or [calculator]
+    names = [fn.__name__ for fn in functions]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(f"rollout.tools={specs}: two tools named {twice[0]!r}")
+    for fn in functions:
+        function_schema(fn)  # a function the schema cannot describe fails here, named
+    return functions
+
+
+class QwenTools:
+    """Tool calls in the Qwen2.5/Qwen3 chat template's format: the model writes
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and the observation is a
+    <tool_response> in a user turn, exactly as the template renders a tool message.
+
+    A call is answered with an error observation, counted as an error of its tool, when its JSON
+    does not parse, it names no tool given, the schema refuses its arguments (missing, extra or of
+    a wrong type), the tool raises, returns text that starts with "error" (the calculator's
+    refusals), or runs past `timeout_s`. A plain function runs in the event loop's thread pool,
+    so the rollout's cancel decisions go on meanwhile (a thread cannot be stopped: one past its
+    time limit finishes in the background, its result dropped); an `async def` one is awaited.
     """
 
-    def __init__(self, tokenizer, call_start, call_end, parse_call, format_observation):
-        self.tokenizer = tokenizer
-        self.call_start = call_start
-        self.call_end = call_end
-        self.call_end_id = tokenizer.convert_tokens_to_ids(call_end)  # generation stops on it
-        self.parse_call = parse_call
-        self.format_observation = format_observation
+    call_start = "<tool_call>"
+    call_end = "</tool_call>"
 
-    def __call__(self, response_ids, prompt_ids=()):
+    def __init__(self, tokenizer, functions, timeout_s=10.0):
+        self.tokenizer = tokenizer
+        self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)  # generation stops here
+        if self.call_end_id in (None, tokenizer.unk_token_id):
+            from config import ConfigError
+
+            raise ConfigError(
+                f"tools: the tokenizer has no {self.call_end} token; tool calls need a Qwen2.5 or "
+                "Qwen3-style chat template"
+            )
+        self.functions = {fn.__name__: fn for fn in functions}
+        self.schemas = [function_schema(fn) for fn in functions]  # for the chat template
+        self.validators = {
+            s["function"]["name"]: jsonschema.Draft202012Validator(arguments_schema(s))
+            for s in self.schemas
+        }
+        self.timeout_s = timeout_s
+        self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
+
+    async def __call__(self, response_ids, prompt_ids=()):
+        """The Observation of a response that ends in a call, or None when it makes none (it is
+        the answer)."""
         if not response_ids or response_ids[-1] != self.call_end_id:
             return None
-        expression = self.expression(response_ids, prompt_ids)
-        result = calculate(expression) if expression is not None else "error: malformed tool call"
-        observation = self.format_observation(result)
-        return self.tokenizer(observation, add_special_tokens=False).input_ids, result.startswith(
-            "error"
-        )
-
-    def expression(self, response_ids, prompt_ids):
-        """The expression the call asks for: the text between the last call_start and call_end,
-        parsed."""
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
         start = text.rfind(self.call_start)
-        return (
-            self.parse_call(text[start + len(self.call_start) : -len(self.call_end)])
-            if start >= 0
-            else None
+        call = text[start + len(self.call_start) : -len(self.call_end)] if start >= 0 else ""
+        name, result = await self.run(call)
+        observation = (
+            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n"
         )
+        ids = self.tokenizer(observation, add_special_tokens=False).input_ids
+        return Observation(ids, name, result.startswith("error"))
+
+    async def run(self, call):
+        """(the tool's name, or UNPARSED; its result, or "error: ...") for one call's text."""
+        try:
+            parsed = json.loads(call)  # json.loads never executes anything
+        except ValueError:
+            return UNPARSED, "error: the tool call is not valid JSON"
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+            return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}}'
+        name, arguments = parsed["name"], parsed.get("arguments", {})
+        if name not in self.functions:
+            return UNPARSED, f"error: no tool {name!r} (tools: {', '.join(self.functions)})"
+        problems = sorted(e.message for e in self.validators[name].iter_errors(arguments))
+        if problems:
+            return name, f"error: {name}: {'; '.join(problems)}"
+        fn = self.functions[name]
+        if inspect.iscoroutinefunction(fn):
+            pending = fn(**arguments)
+        else:
+            pending = asyncio.to_thread(functools.partial(fn, **arguments))
+        try:
+            return name, result_text(await asyncio.wait_for(pending, self.timeout_s or None))
+        except asyncio.TimeoutError:
+            return name, f"error: {name} did not return within {self.timeout_s} s"
+        except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash
+            return name, f"error: {name} raised {type(e).__name__}: {e}"
 
 
-class QuestionCalculator(CalculatorTool):
+class QuestionCalculator:
     """The tiny tool demo's calculator: a turn that ends in "?" asks for the value of the
     question (the prompt's expression; the turn's other text is ignored); the observation is
-    "=4"."""
+    "=4", or "=?" when the calculator refuses."""
+
+    call_end = "?"
+    names = ["calculator"]
 
     def __init__(self, tokenizer):
-        super().__init__(
-            tokenizer,
-            "",
-            "?",
-            parse_call=None,
-            format_observation=lambda result: "=?" if result.startswith("error") else f"={result}",
-        )
+        self.tokenizer = tokenizer
+        self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)
 
-    def expression(self, response_ids, prompt_ids):
-        return self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True).removesuffix("=")
-
-
-CALCULATOR_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-def qwen_calculator(tokenizer):
-    """Qwen2.5/Qwen3 chat-template tool calls: <tool_call>{"name": ..., "arguments":
-    {...}}</tool_call>, answered as a <tool_response> in a user turn, exactly as the chat
-    template renders tool messages."""
-
-    def parse_call(call):
-        try:
-            return json.loads(call)["arguments"]["expression"]  # json.loads never executes anything
-        except (ValueError, KeyError, TypeError):
+    async def __call__(self, response_ids, prompt_ids=()):
+        if not response_ids or response_ids[-1] != self.call_end_id:
             return None
-
-    def format_observation(result):
-        return (
-            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
-
-    return CalculatorTool(tokenizer, "<tool_call>", "</tool_call>", parse_call, format_observation)
+        question = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+        result = calculator(question.removesuffix("="))
+        is_error = result.startswith("error")
+        ids = self.tokenizer("=?" if is_error else f"={result}", add_special_tokens=False).input_ids
+        return Observation(ids, "calculator", is_error)

@@ -5,11 +5,13 @@ with `tokenizers` on the shipped GSM8K rows, with Qwen's pre-tokenizer and speci
 chat template of our own that renders tools and tool responses in Qwen2.5's format; a
 generation_config.json with both end-of-sequence ids. A random model never stops or calls a tool, so
 a few seconds of supervised steps teach it the formats: answers end with `<|im_end|>`, and with the
-tool schema in the prompt it first writes a `<tool_call>` (well-formed JSON, or, in a share of the
-examples, malformed) and answers after the `<tool_response>`. Owns nothing the trainer uses: it only
-makes a folder that `model.path` can name.
+tool schemas in the prompt it first writes a `<tool_call>` (to the calculator, or in a share of the
+examples to examples/math_tools.py's percent_of; well-formed JSON, or in a share malformed) and
+answers after the `<tool_response>`. Owns nothing the trainer uses: it only makes a folder that
+`model.path` can name.
 """
 
+import asyncio
 import json
 import os
 import shutil
@@ -76,6 +78,13 @@ CHAT_TEMPLATE = (
 )
 
 
+# The tools its tool examples list, as the suite's rehearsal of configs/gsm8k_tool.yaml gives
+# them (`rollout.tools`): the built-in calculator and the README's example of your own tool, called
+# in this share of the examples.
+TOOLS = [tools.calculator, tools.load_tools(["examples/math_tools.py:percent_of"])[0]]
+PERCENT_SHARE = 0.3
+
+
 def rows(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -123,13 +132,13 @@ def sft_examples(tokenizer, data, rng, malformed_share=0.3):
     """(input ids, label mask) pairs, built the way the rollout builds contexts: a chat-template
     prompt, then each turn's tokens and each observation's tokens appended as ids (never
     re-tokenized together)."""
-    tool = tools.qwen_calculator(tokenizer)
+    tool = tools.QwenTools(tokenizer, TOOLS)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     examples = []
     for row in data:
         final = row["answer"].rsplit("####", 1)[-1].strip()
         answer_ids = encode(f"#### {final}<|im_end|>")
-        for schemas in (None, [tools.CALCULATOR_SCHEMA]):
+        for schemas in (None, tool.schemas):
             messages = [
                 {"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}
             ]
@@ -141,14 +150,21 @@ def sft_examples(tokenizer, data, rng, malformed_share=0.3):
             if schemas is None:
                 examples.append((prompt + answer_ids, [0] * len(prompt) + [1] * len(answer_ids)))
                 continue
-            expression = last_calculation(row["answer"])
-            # unquoted: bad JSON
-            value = json.dumps(expression) if rng.random() > malformed_share else expression
-            call = encode(
-                '<tool_call>\n{"name": "calculator", '
-                f'"arguments": {{"expression": {value}}}}}\n</tool_call>'
-            )
-            observation, _ = tool(call)
+            if rng.random() < PERCENT_SHARE:  # the example's second tool, on the question's numbers
+                numbers = re.findall(r"\d+", row["question"])[:2] + ["10", "50"]
+                arguments = f'{{"percent": {numbers[0]}, "value": {numbers[1]}}}'
+                call = encode(
+                    f'<tool_call>\n{{"name": "percent_of", "arguments": {arguments}}}\n</tool_call>'
+                )
+            else:
+                expression = last_calculation(row["answer"])
+                # unquoted: bad JSON
+                value = json.dumps(expression) if rng.random() > malformed_share else expression
+                call = encode(
+                    '<tool_call>\n{"name": "calculator", '
+                    f'"arguments": {{"expression": {value}}}}}\n</tool_call>'
+                )
+            observation = asyncio.run(tool(call)).ids
             ids = prompt + call + observation + answer_ids
             mask = (
                 [0] * len(prompt) + [1] * len(call) + [0] * len(observation) + [1] * len(answer_ids)
@@ -188,7 +204,7 @@ def build(folder, data_path, steps=250, seed=0):
     data = rows(data_path)
     rng = random.Random(seed)
     corpus = [f"{r['question']}\n{tasks.GSM8K_INSTRUCTION}\n{r['answer']}" for r in data]
-    corpus += [CHAT_TEMPLATE, json.dumps(tools.CALCULATOR_SCHEMA)] * 20
+    corpus += [CHAT_TEMPLATE, *map(json.dumps, map(tools.function_schema, TOOLS))] * 20
     tokenizer = build_tokenizer(corpus)
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     torch.manual_seed(seed)

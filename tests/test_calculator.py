@@ -1,7 +1,7 @@
 """Tests for tools.py's calculator: correct arithmetic, error observations, and bounded time on
 hostile input.
 
-Covers calculate() only; tool-call parsing and the multi-turn loop are tested elsewhere.
+Covers calculator() only; tool-call parsing and the multi-turn loop are tested elsewhere.
 """
 
 import ast
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tools import CalcError, _eval, calculate
+from tools import CalcError, _eval, calculator
 
 
 @pytest.mark.parametrize(
@@ -35,7 +35,7 @@ from tools import CalcError, _eval, calculate
 def test_correct_results(expression, expected):
     """Arithmetic comes back as exact text: an integral float prints as an int, binary noise is
     rounded away, small values are kept."""
-    assert calculate(expression) == expected
+    assert calculator(expression) == expected
 
 
 @pytest.mark.parametrize(
@@ -70,13 +70,13 @@ def test_correct_results(expression, expected):
 def test_errors_are_observations(expression, reason):
     """Bad input (empty, division by zero, huge exponents or results, deep nesting, names, calls,
     attributes, other syntax) returns an "error: ..." text naming the reason; it never raises."""
-    result = calculate(expression)
+    result = calculator(expression)
     assert result.startswith("error: ") and reason in result, result
 
 
 def test_non_string_input():
     """A non-string expression (None) is an error observation, not an exception."""
-    assert calculate(None).startswith("error: ")
+    assert calculator(None).startswith("error: ")
 
 
 @pytest.mark.parametrize("source", ["True", "1j", "'a'", "x", "f(1)", "[1]", "1 if 1 else 2"])
@@ -89,7 +89,7 @@ def test_ast_layer_rejects_non_arithmetic(source):
 
 def _timed(expression) -> tuple[str, float]:
     start = time.perf_counter()
-    result = calculate(expression)
+    result = calculator(expression)
     return result, time.perf_counter() - start
 
 

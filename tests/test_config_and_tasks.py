@@ -1,5 +1,6 @@
 """Config errors, data loading with bad rows, and reward parsing on real GSM8K rows."""
 
+import asyncio
 import json
 import os
 import runpy
@@ -197,9 +198,10 @@ def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
             int(a) * int(b) - int(c) == int(p.answer) and 10 <= int(a) <= 99 and 10 <= int(b) <= 99
         )
         for call in ("?", "31?"):  # text before the "?" is ignored
-            observation, is_error = tool(ids(call), p.prompt_ids)
-            assert not is_error and tokenizer.decode(observation) == "=" + p.answer
-        assert tool(ids("3"), p.prompt_ids) is None  # no call: the turn is the answer
+            observation = asyncio.run(tool(ids(call), p.prompt_ids))
+            assert not observation.is_error and tokenizer.decode(observation.ids) == "=" + p.answer
+        # no call: the turn is the answer
+        assert asyncio.run(tool(ids("3"), p.prompt_ids)) is None
     answers = [p.answer for p in prompts]
     assert set(answers) == set("23456789") and max(map(answers.count, set(answers))) < 0.15 * len(
         answers
@@ -216,16 +218,16 @@ def test_qwen_tool_call_format_round_trip():
     """The chat-template tool format (Qwen2.5/Qwen3): a JSON call is parsed and answered in a tool
     turn, a malformed one is answered with an error, and a response without a call gets None."""
     tokenizer = qwen_tool_tokenizer()
-    tool = tools.qwen_calculator(tokenizer)
+    tool = tools.QwenTools(tokenizer, [tools.calculator])
 
     def call(text):
-        return tool(tokenizer(text, add_special_tokens=False).input_ids)
+        return asyncio.run(tool(tokenizer(text, add_special_tokens=False).input_ids))
 
-    observation, is_error = call(
+    observation, name, is_error = call(
         'I add. <tool_call>\n{"name": "calculator", '
         '"arguments": {"expression": "48 + 24"}}\n</tool_call>'
     )
-    assert not is_error
+    assert not is_error and name == "calculator"
     assert tokenizer.decode(observation) == (
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n72\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n"
@@ -237,7 +239,7 @@ def test_qwen_tool_call_format_round_trip():
         "</tool_call>",
         '<tool_call>{"arguments": {"expression": "__import__(\'os\')"}}</tool_call>',
     ]:
-        observation, is_error = call(bad)
+        observation, _, is_error = call(bad)
         assert is_error and "error" in tokenizer.decode(observation)
     assert call("The answer is 72.") is None  # no tool call: the response is the answer
 

@@ -5,6 +5,7 @@ configs rehearsed end to end through train.py with a small Qwen2.5-shaped model
 job's engines); what only a GPU shows is listed in README "GPU smoke test"."""
 
 import importlib.util
+import asyncio
 import json
 import os
 import socket
@@ -214,12 +215,13 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
 # template
 def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
     """A tool conversation rendered by the model's chat template is, token for token, the context
-    the rollout builds: the prompt, the generated call, tools.qwen_calculator's observation, the
+    the rollout builds: the prompt, the generated call, tools.QwenTools's observation, the
     answer."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     question = [{"role": "user", "content": "What is 12*3+4?"}]
-    schemas = [tools.CALCULATOR_SCHEMA]
+    tool = tools.QwenTools(tokenizer, [tools.calculator])
+    schemas = tool.schemas
     prompt = encode(
         tokenizer.apply_chat_template(
             question, tools=schemas, tokenize=False, add_generation_prompt=True
@@ -228,7 +230,7 @@ def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
     call = encode(
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n</tool_call>'
     )
-    observation, is_error = tools.qwen_calculator(tokenizer)(call)
+    observation, _, is_error = asyncio.run(tool(call))
     answer = encode("#### 40<|im_end|>")
     conversation = question + [
         {
@@ -312,9 +314,11 @@ def gsm8k_two_ranks(qwen_tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k_tool.yaml under torchrun on 2 ranks, 2 steps: Qwen JSON tool calls executed,
-    errors answered, turns merged. torchrun is the other launch path: train.py joins its process
-    group."""
+    """configs/gsm8k_tool.yaml under torchrun, 2 steps, with README's two tools (the calculator
+    and examples/math_tools.py's percent_of): Qwen JSON tool calls executed, errors answered, turns
+    merged. torchrun is the other launch path: train.py joins its process group.
+    One rank: two ranks' data parallelism is rehearsed above, on configs/gsm8k.yaml, and a second
+    rank here cost the suite ~60 s."""
     out = tmp_path_factory.mktemp("gsm8k_tool")
     return out, *rehearse(
         "configs/gsm8k_tool.yaml",
@@ -322,7 +326,8 @@ def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
         qwen_tiny_dir,
         "rollout.max_new_tokens=48",
         "rollout.max_response_tokens=160",
-        torchrun=2,
+        "rollout.tools=[tools:calculator,examples/math_tools.py:percent_of]",
+        torchrun=1,
     )
 
 
@@ -415,22 +420,29 @@ def test_gsm8k_config_stops_at_im_end(gsm8k_two_ranks):
     assert texts and any("finish stop" in t and "<|im_end|>'" in t for t in texts), texts
 
 
+TOOL_NAMES = ["calculator", "percent_of", tools.UNPARSED]
+
+
 def test_gsm8k_tool_config_executes_calls_answers_errors_and_merges_turns(gsm8k_tool):
     """configs/gsm8k_tool.yaml rehearsed under torchrun: tool calls executed, malformed ones
-    answered as errors, turns merged, finite losses, every trajectory of both ranks launched, and
-    responses that stop at <|im_end|> after a tool response."""
+    answered as errors, turns merged, finite losses, every trajectory launched, and responses that
+    stop at <|im_end|> after a tool response."""
     out, logged, texts, resolved = gsm8k_tool
     assert resolved["rollout"]["max_turns"] == 5 and resolved["rollout"]["merge_turns"] is True
     calls, errors = sum(logged["rollout/tool_calls"]), sum(logged["rollout/tool_errors"])
     # well-formed calls answered, malformed ones answered as errors
     assert calls > 0 and 0 < errors < calls
+    # counted per tool, both tools' counts logged (whether or not the model called the second)
+    per_tool = {name: sum(logged[f"tools/{name}/calls"]) for name in TOOL_NAMES}
+    assert per_tool["calculator"] > 0 and sum(per_tool.values()) == calls
+    assert sum(sum(logged[f"tools/{name}/errors"]) for name in TOOL_NAMES) == errors
     assert max(logged["merge/ratio"]) > 1 and max(logged["rollout/turns_per_trajectory"]) > 1
     assert len(logged["train/loss"]) == 2 and all(
         torch.isfinite(torch.tensor(logged["train/loss"]))
     )
-    # no cancellation: every trajectory of both ranks
+    # no cancellation: every trajectory
     assert logged["rollout/launched"] == [4 * 8, 4 * 8]
-    assert checkpoint.read_trainer_state(checkpoint.latest(str(out)))["world_size"] == 2
+    assert checkpoint.read_trainer_state(checkpoint.latest(str(out)))["world_size"] == 1
     assert any(
         "<tool_response>" in t and "finish stop" in t and "<|im_end|>'" in t for t in texts
     ), texts

@@ -138,6 +138,8 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
     logged = scalars(tmp_path)
     # one-token turns: "?" ~1 in 25
     assert max(logged["rollout/tool_calls"]) > 0 and max(logged["merge/ratio"]) > 1
+    # counted per tool too: the demo has one
+    assert logged["tools/calculator/calls"] == logged["rollout/tool_calls"]
     assert (
         all(0 <= v <= 1 for v in logged["val/tool_call_ratio"])
         and len(logged["val/tool_call_ratio"]) == 3

@@ -29,6 +29,7 @@ import tasks
 import tools
 import train
 from config import Config, ConfigError, load_config
+from sglang_engine import StopSignal
 from conftest import tiny_config
 from test_config_and_tasks import _wide_char_tokenizer, qwen_tool_tokenizer
 
@@ -180,33 +181,30 @@ def test_tool_call_fuzzing_through_the_qwen_json_adapter():
     """Random and adversarial model-written calls: each gives an observation (an answer or an error
     text) or None (no call); the calculator never raises and never evaluates code."""
     tokenizer = qwen_tool_tokenizer()
-    tool = tools.qwen_calculator(tokenizer)
-    adversarial = [
-        '{"arguments": {"expression": "9**9**9**9"}}',
-        '{"arguments": {"expression": "(" * 5000}}',
-        '{"arguments": {"expression": "__import__(\'os\').system(\'echo pwned\')"}}',
-        '{"arguments": {"expression": "1/0"}}',
-        '{"arguments": {"expression": "' + "1+" * 20000 + '1"}}',
-        '{"arguments": {"expression": [1, 2]}}',
-        '{"arguments": null}',
-        "[]",
-        '"str"',
-        "{" * 3000,
-        '{"arguments": {"expression": "0x1p1023 * 2"}}',
-        '{"arguments": {"expression": "1e308*10"}}',
+    tool = tools.QwenTools(tokenizer, [tools.calculator])
+    arguments = [
+        '{"expression": "9**9**9**9"}',
+        '{"expression": "(" * 5000}',
+        '{"expression": "__import__(\'os\').system(\'echo pwned\')"}',
+        '{"expression": "1/0"}',
+        '{"expression": "' + "1+" * 20000 + '1"}',
+        '{"expression": [1, 2]}',
+        "null",
+        '{"expression": "0x1p1023 * 2"}',
+        '{"expression": "1e308*10"}',
     ]
+    adversarial = ['{"name": "calculator", "arguments": %s}' % a for a in arguments]
+    adversarial += ["[]", '"str"', "{" * 3000]
     rng = random.Random(0)
     alphabet = '0123456789+-*/(). e"{}[]:,abcxyz_\\'
     fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
     outcomes = {"answer": 0, "error": 0}
     for body in adversarial + fuzz:
-        result = tool(
-            tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
-        )
-        observation, is_error = result
-        text = tokenizer.decode(observation)
+        ids = tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
+        observation = asyncio.run(tool(ids))
+        text = tokenizer.decode(observation.ids)
         assert "<tool_response>" in text and "pwned" not in text
-        outcomes["error" if is_error else "answer"] += 1
+        outcomes["error" if observation.is_error else "answer"] += 1
     # each adversarial call was refused with an error text
     assert outcomes["error"] >= len(adversarial)
 
@@ -409,7 +407,7 @@ def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
 
 # ---------------------------------------------------------------- the process: engine death,
 # signals
-def start_training(out_dir, *sets, new_session=False, resume=False):
+def start_training(out_dir, new_session=False):
     """`python train.py` on the CPU demo as a user starts it; stdout is read line by line."""
     command = [
         sys.executable,
@@ -418,7 +416,6 @@ def start_training(out_dir, *sets, new_session=False, resume=False):
         "configs/tiny.yaml",
         "--out",
         str(out_dir),
-        *["--resume"] * resume,
         "--set",
         "run.val_every=1000",
         "--set",
@@ -428,8 +425,6 @@ def start_training(out_dir, *sets, new_session=False, resume=False):
         "--set",
         "train.steps=400",
     ]
-    for item in sets:
-        command += ["--set", item]
     stderr = open(out_dir / "stderr.txt", "w+")
     process = subprocess.Popen(
         command,
@@ -520,10 +515,11 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
     shutil.rmtree(DEAD_ENGINE_OUT)
 
 
-def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_once(tmp_path):
+def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path):
     """Ctrl-C (SIGINT to the process group) finishes the step, saves, shuts the engine down and
-    exits 128 + SIGINT, no traceback; --resume continues from that step, and a second SIGTERM
-    during a step exits at once (130), the checkpoint unchanged."""
+    exits 128 + SIGINT, no traceback. (Resuming from such a checkpoint is test_train's
+    test_resume_gives_the_same_next_step; the second signal is the test below: each `train.py`
+    start costs the suite ~60 s.)"""
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
     children = engine_processes(process)
@@ -538,27 +534,28 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_and_a_second_signal_exits_at_o
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    # --resume continues from that step; SIGTERM twice exits at once, leaving the checkpoint as it
-    # was
-    process, stderr = start_training(tmp_path, resume=True)
-    wait_for_step(process, saved)
-    process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    # one signal, seen
-    while "SIGTERM: finishing this step" not in open(tmp_path / "stderr.txt").read():
-        assert time.monotonic() < deadline and process.poll() is None, (
-            process.poll(),
-            open(tmp_path / "stderr.txt").read()[-2000:],
-        )
-        time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    rc, err, seconds = finish(process, stderr, timeout=30)
-    assert (
-        rc == 130
-        and "interrupted (second signal (SIGTERM)): exited at once" in err
-        and seconds < 30
-    ), (rc, seconds, err[-2000:])
-    assert checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"] == saved
+
+
+def test_a_second_signal_exits_at_once_with_130(engine):
+    """The first SIGTERM is only noted (the step goes on); the second kills the engine's processes
+    and exits 130 at once. Run in a forked copy of this process: `StopSignal.kill` ends the
+    children of the process it runs in, and the fork has none (the shared engine's processes are
+    the parent's)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr), two signals
+        sys.stderr = os.fdopen(write, "w")
+        stop = StopSignal(engine)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(f"first: {stop.received}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler exits the process
+        os._exit(3)  # not reached
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        err = f.read()
+    assert os.waitstatus_to_exitcode(status) == 130, err
+    assert "first: SIGTERM" in err and "interrupted (second signal (SIGTERM))" in err, err
 
 
 KEEP_SAVING = """

@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from tools import calculate
+from tools import calculator
 
 # no '**', no decimals, no exponents: the game's four operations
 ALLOWED = frozenset("0123456789+-*/() ")
@@ -37,7 +37,7 @@ def countdown_reward(response_text, answer, finished):
         return 0.0
     if sorted(int(n) for n in re.findall(r"\d+", equation)) != sorted(row["numbers"]):
         return FORMAT_CREDIT  # a number missing, reused, or not given
-    result = calculate(equation)
+    result = calculator(equation)
     if result.startswith("error"):
         return FORMAT_CREDIT
     return 1.0 if math.isclose(float(result), row["target"], abs_tol=1e-6) else FORMAT_CREDIT

@@ -1,0 +1,221 @@
+"""Your own tools (tools.py): a plain Python function's schema from its type hints and docstring,
+calls in Qwen's <tool_call> JSON dispatched by name and checked against the schema, errors
+answered and counted per tool, a time limit, and the loop left free while a tool runs. End to end
+on the small Qwen model: tests/test_gpu_readiness.py rehearses configs/gsm8k_tool.yaml with the
+README's two tools."""
+
+import asyncio
+import time
+
+import pytest
+
+import tools
+from config import ConfigError, load_config
+from test_config_and_tasks import qwen_tool_tokenizer
+
+
+def percent_of(percent: float, value: float) -> float:
+    """Compute a percentage of a value.
+
+    Args:
+        percent: The percentage.
+        value: The value.
+    """
+    return percent * value / 100
+
+
+def repeat(word: str, times: int = 2, sep: str | None = None) -> list:
+    """Repeat a word.
+
+    Args:
+        word: The word.
+        times: How many times.
+        sep: Unused; may be null.
+    """
+    if times < 0:
+        raise ValueError("times must be >= 0")
+    return [word] * times
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+async def later(text: str) -> str:
+    """Answer after a short await.
+
+    Args:
+        text: What to answer.
+    """
+    await asyncio.sleep(0.01)
+    return text.upper()
+
+
+def no_docstring(x: int) -> int:
+    return x
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return qwen_tool_tokenizer()
+
+
+def ask(tool, tokenizer, body):
+    """The Observation of a response that ends in `<tool_call>body</tool_call>`, and its text."""
+    ids = tokenizer(f"Let me call. <tool_call>{body}</tool_call>", add_special_tokens=False)
+    observation = asyncio.run(tool(ids.input_ids))
+    text = tokenizer.decode(observation.ids)
+    return observation, text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+
+
+def test_the_schema_comes_from_the_signature_and_the_docstring():
+    """get_json_schema's schema: each argument's JSON type and description, the required ones
+    (no default); the calculator's is the one the chat template lists."""
+    schema = tools.function_schema(repeat)["function"]
+    assert schema["name"] == "repeat" and schema["description"] == "Repeat a word."
+    params = schema["parameters"]
+    assert params["properties"]["word"] == {"type": "string", "description": "The word."}
+    assert params["properties"]["times"]["type"] == "integer"
+    assert params["required"] == ["word"]
+    calculator = tools.function_schema(tools.calculator)["function"]
+    assert calculator["parameters"]["required"] == ["expression"]
+    assert calculator["description"].startswith("Evaluate an arithmetic expression")
+
+
+def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
+    """No docstring Args, a missing file or function, two tools of one name, tools on one turn or
+    on the tiny tool demo: each a ConfigError that names the problem."""
+    with pytest.raises(ConfigError, match="cannot build a schema for 'no_docstring'"):
+        tools.function_schema(no_docstring)
+    with pytest.raises(ConfigError, match="no file missing.py"):
+        tools.load_tools(["missing.py:f"])
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        tools.load_tools(["examples/math_tools.py:nope"])
+    with pytest.raises(ConfigError, match="two tools named 'calculator'"):
+        tools.load_tools(["tools:calculator", "tools:calculator"])
+    loaded = tools.load_tools(["tools:calculator", "examples/math_tools.py:percent_of"])
+    assert [fn.__name__ for fn in loaded] == ["calculator", "percent_of"]
+    assert tools.load_tools([]) == [tools.calculator]  # none named: the calculator
+    with pytest.raises(ConfigError, match="needs rollout.max_turns > 1"):
+        load_config("configs/tiny.yaml", ["rollout.tools=[tools:calculator]"])
+    with pytest.raises(ConfigError, match="tiny_tool task calls its own"):
+        load_config("configs/tiny_tool.yaml", ["rollout.tools=[tools:calculator]"])
+    with pytest.raises(ConfigError, match="expected a list of str"):
+        load_config("configs/tiny.yaml", ["rollout.tools=tools:calculator"])
+
+
+def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
+    """Each tool answers its own calls; wrong names, bad JSON, missing, extra and mistyped
+    arguments, a raise and the calculator's refusal are error observations counted under the
+    tool called (or `unparsed`); the arguments never reach eval."""
+    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later])
+    assert tool.names == ["calculator", "percent_of", "repeat", "later", tools.UNPARSED]
+    answers = [
+        ('{"name": "calculator", "arguments": {"expression": "12*3+4"}}', "calculator", "40"),
+        ('{"name": "percent_of", "arguments": {"percent": 15, "value": 80}}', "percent_of", "12.0"),
+        (
+            '{"name": "repeat", "arguments": {"word": "ab", "times": 3}}',
+            "repeat",
+            '["ab", "ab", "ab"]',
+        ),
+        ('{"name": "repeat", "arguments": {"word": "ab", "sep": null}}', "repeat", '["ab", "ab"]'),
+        ('{"name": "later", "arguments": {"text": "async"}}', "later", "ASYNC"),
+    ]
+    for body, name, result in answers:
+        observation, text = ask(tool, tokenizer, body)
+        assert (observation.tool, observation.is_error, text) == (name, False, result), body
+    refusals = [
+        (
+            '{"name": "calculator", "arguments": {"expression": "1/0"}}',
+            "calculator",
+            "division by zero",
+        ),
+        (
+            '{"name": "percent_of", "arguments": {"percent": 15}}',
+            "percent_of",
+            "'value' is a required property",
+        ),
+        (
+            '{"name": "percent_of", "arguments": {"percent": 1, "value": 2, "x": 3}}',
+            "percent_of",
+            "('x' was unexpected)",
+        ),
+        (
+            '{"name": "percent_of", "arguments": {"percent": "ten", "value": 2}}',
+            "percent_of",
+            "'ten' is not of type 'number'",
+        ),
+        (
+            '{"name": "repeat", "arguments": {"word": "a", "times": 2.5}}',
+            "repeat",
+            "2.5 is not of type 'integer'",
+        ),
+        (
+            '{"name": "repeat", "arguments": {"word": "a", "times": -1}}',
+            "repeat",
+            "raised ValueError: times must be >= 0",
+        ),
+        ('{"name": "repeat", "arguments": ["a"]}', "repeat", "is not of type 'object'"),
+        ('{"name": "shell", "arguments": {"cmd": "ls"}}', tools.UNPARSED, "no tool 'shell'"),
+        (
+            '{"name": "calculator", "arguments": {"expression": "__import__(\'os\')"}}',
+            "calculator",
+            "unsupported character",
+        ),
+        ("not json", tools.UNPARSED, "not valid JSON"),
+        ('["calculator"]', tools.UNPARSED, '{"name": ..., "arguments": {...}}'),
+    ]
+    for body, name, message in refusals:
+        observation, text = ask(tool, tokenizer, body)
+        assert observation.tool == name and observation.is_error, (body, observation)
+        assert text.startswith("error") and message in text, (body, text)
+    # a response that does not end in a call is the answer
+    plain = tokenizer("The answer is 40.", add_special_tokens=False).input_ids
+    assert asyncio.run(tool(plain)) is None
+
+
+def test_a_slow_tool_is_cut_at_its_time_limit_and_the_loop_runs_meanwhile(tokenizer):
+    """A plain tool runs in a worker thread: while it sleeps the event loop keeps ticking, and
+    past `timeout_s` the call is answered with an error at once (the thread finishes unseen)."""
+    tool = tools.QwenTools(tokenizer, [slow], timeout_s=0.3)
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(time.perf_counter())
+            await asyncio.sleep(0.01)
+
+    async def both(body):
+        """The observation and the seconds until it came (asyncio.run itself then waits for the
+        thread; the rollout's loop does not)."""
+        ticking = asyncio.ensure_future(ticker())
+        start = time.perf_counter()
+        try:
+            observation = await tool(tokenizer(body, add_special_tokens=False).input_ids)
+            return observation, time.perf_counter() - start
+        finally:
+            ticking.cancel()
+
+    call = '<tool_call>{"name": "slow", "arguments": {"seconds": %s}}</tool_call>'
+    observation, took = asyncio.run(both(call % 2))
+    text = tokenizer.decode(observation.ids)
+    assert observation.is_error and "slow did not return within 0.3 s" in text
+    assert took < 1.5, took  # not the tool's 2 s
+    assert len(ticks) > 10  # the loop ran while the tool slept
+    observation, _ = asyncio.run(both(call % 0.05))
+    assert not observation.is_error and "done" in tokenizer.decode(observation.ids)
+
+
+def test_a_long_result_is_cut(tokenizer):
+    """A result longer than MAX_OBSERVATION_CHARS is cut and says so, instead of filling the
+    trajectory's token budget."""
+    tool = tools.QwenTools(tokenizer, [repeat])
+    body = '{"name": "repeat", "arguments": {"word": "%s", "times": 2}}' % ("x" * 3000)
+    _, text = ask(tool, tokenizer, body)
+    assert len(text) == tools.MAX_OBSERVATION_CHARS + len(" ... (cut)") and text.endswith("(cut)")
