@@ -15,7 +15,14 @@ import yaml
 
 # Each mode list lives beside the code that reads it; here they are only checked.
 from cancel import CANCEL_POLICIES
-from grpo import CISPO_AGG, KL_ESTIMATORS, LOSS_AGG_MODES, RATIO_LEVELS, SEQUENCE_RATIO_AGG
+from grpo import (
+    CISPO_AGG,
+    KL_ESTIMATORS,
+    KL_PLACEMENTS,
+    LOSS_AGG_MODES,
+    RATIO_LEVELS,
+    SEQUENCE_RATIO_AGG,
+)
 from memory import MEMORY_MODES
 from model import ATTENTION, DTYPES, LR_SCHEDULES
 from tasks import TASKS
@@ -177,8 +184,11 @@ class TrainConfig:
     # engine measures the log-prob gap at a process's first step only: after it, the weight
     # checksums alone watch the engine (run.max_logprob_gap has nothing to read)
     old_logprobs: str = "trainer"
-    kl_coef: float = 0.0  # KL to a frozen reference copy, in the loss; 0 = no reference model kept
+    kl_coef: float = 0.0  # KL to a frozen reference copy; 0 = no reference model kept
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (grpo.kl_estimate)
+    # loss: kl_coef x the per-token KL in the loss | reward: kl_coef x each trajectory's summed KL
+    # (from the engine's sampling log-probs) subtracted from its reward before the advantages
+    kl_in: str = "loss"
     # entropy bonus: entropy_coef x the token entropy is subtracted from the loss (0 = off)
     entropy_coef: float = 0.0
     # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
@@ -260,6 +270,7 @@ class Config:
             "train.loss_agg": (self.train.loss_agg, LOSS_AGG_MODES),
             "train.ratio_level": (self.train.ratio_level, RATIO_LEVELS),
             "train.kl_estimator": (self.train.kl_estimator, KL_ESTIMATORS),
+            "train.kl_in": (self.train.kl_in, KL_PLACEMENTS),
             "train.old_logprobs": (self.train.old_logprobs, ("trainer", "engine")),
             "train.lr_schedule": (self.train.lr_schedule, LR_SCHEDULES),
             "model.compute_dtype": (self.model.compute_dtype, DTYPES),
@@ -296,6 +307,8 @@ class Config:
             )
         r = self.rollout
         budget = min(r.max_new_tokens, r.max_response_tokens or r.max_new_tokens)
+        if self.train.kl_in == "reward" and not self.train.kl_coef:
+            raise ConfigError("train.kl_in=reward needs train.kl_coef > 0 (0 keeps no reference)")
         if r.tools and r.max_turns == 1:
             raise ConfigError(
                 f"rollout.tools={r.tools} needs rollout.max_turns > 1 (one turn calls none)"

@@ -26,6 +26,10 @@ SEQUENCE_RATIO_AGG = "seq-mean-token-mean"
 # CISPO's objective is normalised over every token of the batch (MiniMax-M1, eq. 4)
 CISPO_AGG = "token-mean"
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # train.kl_estimator: see kl_estimate
+# train.kl_in: the KL to the reference as a loss term (GRPO's, Shao et al. 2024 eq. 3), or as a
+# cost subtracted from each trajectory's reward before the group statistics (verl's
+# use_kl_in_reward; train.reference_kl)
+KL_PLACEMENTS = ("loss", "reward")
 
 
 def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):

@@ -20,7 +20,11 @@ import operator
 import typing
 
 import jsonschema
-from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import (
+    DocstringParsingException,
+    TypeHintParsingException,
+    get_json_schema,
+)
 
 MAX_CHARS = 200  # longer input is rejected before parsing; this also bounds the AST depth
 # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
@@ -159,7 +163,7 @@ def function_schema(fn):
 
     try:
         return get_json_schema(fn)
-    except Exception as e:  # noqa: BLE001 - TypeHintParsingException, DocstringParsingException
+    except (DocstringParsingException, TypeHintParsingException) as e:
         raise ConfigError(
             f"rollout.tools: cannot build a schema for {getattr(fn, '__name__', fn)!r}: {e} "
             "(a tool needs a type hint on each argument and a docstring with an Args: section)"

@@ -74,10 +74,17 @@ def train_step(run, step, plan, phases):
     groups, filter_counts = filter_groups(groups, drop=cfg.rollout.filter_groups)
     trajectories = flatten(groups)
 
-    # 3. group-relative advantage over each group's surviving trajectories
-    advantages, num_degenerate = trajectory_advantages(groups, cfg.train.scale_by_std)
+    # 3. group-relative advantage over each group's surviving trajectories (train.kl_in=reward:
+    #    of their rewards less the KL to the reference, which needs the trainer's memory back)
+    train_start = time.perf_counter()
+    phases.to_train()
+    kl_cost = None
+    if cfg.train.kl_in == "reward":
+        kl_cost = cfg.train.kl_coef * reference_kl(run, trajectories)
+        scalars["train/reward_kl_cost"] = kl_cost.mean().item() if len(kl_cost) else 0.0
+    advantages, num_degenerate = trajectory_advantages(groups, cfg.train.scale_by_std, kl_cost)
 
-    # 4. policy update on (merged) sequences, with the engine's memory released
+    # 4. policy update on (merged) sequences
     max_seq_len = run.policy.config.max_position_embeddings
     sequences, sequence_advantages, merge_metrics = merge.training_sequences(
         trajectories,
@@ -86,8 +93,6 @@ def train_step(run, step, plan, phases):
         merge_turns=cfg.rollout.merge_turns,
         mask_truncated=cfg.train.mask_truncated,
     )
-    train_start = time.perf_counter()
-    phases.to_train()
     # train.old_logprobs=engine skips the trainer's forward, except at the first step: the health
     # check reads the engine-vs-trainer gap there
     from_engine = cfg.train.old_logprobs == "engine" and step != run.start_step
@@ -234,18 +239,49 @@ def scorer(run, prompts_by_group, overlong=True):
     return reward
 
 
-def trajectory_advantages(groups, scale_by_std):
+def trajectory_advantages(groups, scale_by_std, cost=None):
     """GRPO advantage per trajectory, from its group's surviving trajectories. `groups`: lists
-    of trajectories. Returns ([N] aligned with flatten(groups), #degenerate groups)."""
+    of trajectories; `cost`: [N] subtracted from their rewards first (the KL in the reward).
+    Returns ([N] aligned with flatten(groups), #degenerate groups)."""
     last_turns = [turns[-1] for turns in flatten(groups)]
     group_index = [g for g, group in enumerate(groups) for _ in group]
     # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
+    rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)
     return grpo.group_advantages(
-        torch.tensor([s.reward for s in last_turns], dtype=torch.float),
+        rewards if cost is None else rewards - cost,
         torch.tensor(group_index, dtype=torch.long),
         torch.tensor([not s.is_aborted for s in last_turns], dtype=torch.bool),
         scale_by_std,
     )
+
+
+def reference_kl(run, trajectories):
+    """Each trajectory's KL to the frozen reference, summed over the tokens the model wrote (every
+    turn's): train.kl_estimator of the log-probs that sampled them (the engine's) against the
+    reference's, one forward pass without grad. Unfinished trajectories get 0 (no advantage
+    anyway). For the KL as a cost in the reward, as verl's use_kl_in_reward does (ray_trainer.py
+    apply_kl_penalty; its GRPO advantage sums the token rewards)."""
+    t = run.cfg.train
+    samples = [turn for turns in trajectories for turn in turns]
+    owner = torch.tensor(
+        [i for i, turns in enumerate(trajectories) for _ in turns], dtype=torch.long
+    )
+    pad_id = run.policy.config.pad_token_id or 0
+    # padded micro-batches keep the samples' order (packing would not); padding ones come last
+    batches, _ = batching.micro_batches(
+        samples, torch.zeros(len(samples)), t.micro_batch_size, pad_id
+    )
+    per_sample = []
+    with torch.no_grad():
+        for mb in batches:
+            mb = {key: value.to(run.device) for key, value in mb.items()}
+            reference, _ = batching.sequence_logprobs(
+                run.reference, mb, run.cfg.rollout.temperature, run.autocast_dtype
+            )
+            kl = grpo.kl_estimate(mb["engine_logprobs"], reference, t.kl_estimator)
+            per_sample += (kl * mb["loss_mask"]).sum(-1).tolist()
+    total = torch.zeros(len(trajectories))
+    return total.index_add_(0, owner, torch.tensor(per_sample[: len(samples)], dtype=torch.float))
 
 
 def train_on_rollout(run, samples, advantages, version=0, from_engine=False):
@@ -286,7 +322,7 @@ def train_on_rollout(run, samples, advantages, version=0, from_engine=False):
 
 def old_logprobs(run, micro_batches, from_engine=False):
     """The sampling policy's log-probs, recomputed by the trainer on every micro-batch (and the
-    frozen reference's, for the KL term); the engine's own copy is only compared (the gap).
+    frozen reference's, for the KL term in the loss); the engine's own copy is only compared (the gap).
     `from_engine` (train.old_logprobs=engine): the engine's are pi_old, the forward is skipped, and
     there is no gap to report."""
     r = run.cfg.rollout
@@ -298,7 +334,7 @@ def old_logprobs(run, micro_batches, from_engine=False):
                 mb["old_logprobs"] = batching.sequence_logprobs(
                     run.policy, mb, r.temperature, run.autocast_dtype
                 )[0]
-            if run.reference is not None:
+            if run.reference is not None and run.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = batching.sequence_logprobs(
                     run.reference, mb, r.temperature, run.autocast_dtype
                 )[0]

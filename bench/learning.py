@@ -1,14 +1,18 @@
 """Learning benchmark: the CPU demo trained with no cancellation (baseline), the tail dropped
-(drop), the tail suspended and continued next step (partial), and DAPO (dapo), for the given seeds;
-one table of validation reward at the same step and at equal wall-clock time, median step / rollout
-time, and the share of zero-variance groups over training.
+(drop), the tail suspended and continued next step (partial), DAPO (dapo), and pi_old taken from
+the engine (engine_logprobs), for the given seeds; one table of validation reward at the same step
+and at equal wall-clock time, median step / rollout time, and the share of zero-variance groups
+over training.
 
 Each run is `python train.py --config configs/tiny.yaml` in a subprocess (its own engine, exactly
 what a user runs), the arms of a seed back to back so machine drift hits them alike. A script, not a
-test: 200 steps take ~7-8 minutes a run on 2 CPU cores. Run from the repo root: python
-bench/learning.py --seeds 0,1,2 --arms baseline,partial,drop python bench/learning.py --seeds 0,1,2
---arms baseline,dapo [--config configs/tiny_tool.yaml] The last line is the machine-readable summary
-(means over the seeds).
+test: 200 steps take ~7-8 minutes a run on 2 CPU cores. Run from the repo root:
+
+    python bench/learning.py --seeds 0,1,2 --arms baseline,partial,drop
+    python bench/learning.py --seeds 0,1,2 --arms baseline,dapo [--config configs/tiny_tool.yaml]
+    python bench/learning.py --seeds 0,1,2 --arms baseline,engine_logprobs
+
+The last line is the machine-readable summary (means over the seeds).
 """
 
 import argparse
@@ -48,6 +52,9 @@ ARMS = {
         "rollout.filter_groups=true",
         "train.clip_eps_high=0.28",
     ],
+    # pi_old from the engine's log-probs: the trainer's extra forward skipped (same updates up to
+    # the engine/trainer log-prob gap, faster steps)
+    "engine_logprobs": ["train.old_logprobs=engine"],
 }
 
 
@@ -189,6 +196,7 @@ def main():
     for arm, key, when in (
         ("partial", "val_sampled", "at the same step"),
         ("dapo", "val_sampled_equal_time", "at equal wall time"),
+        ("engine_logprobs", "val_sampled_equal_time", "at equal wall time"),
     ):
         if "baseline" in arms and arm in arms:
             base = [r[key] for r in rows["baseline"]]

@@ -105,6 +105,7 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
             "not both",
         ),
         (["rollout.group_size=1"], "group_size must be >= 2"),
+        (["train.kl_in=reward"], "train.kl_in=reward needs train.kl_coef > 0"),
         (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
         (["data.task=gsm8k"], "needs data.train_path"),
         (["model.dtype=bfloat16"], "was replaced by"),

@@ -334,3 +334,43 @@ def test_step_statistics_are_token_weighted_over_every_micro_batch(tmp_path):
     _, _, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
     assert stats["train/entropy"] == pytest.approx(expected_entropy, rel=1e-5)
     assert stats["train/tis_weight"] == pytest.approx(expected_tis, rel=1e-5)
+
+
+def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_path):
+    """train.kl_in=reward (verl's use_kl_in_reward): a trajectory's cost is kl_coef x its summed
+    per-token KL, here k1 = log pi_engine - log pi_ref, checked against a plain forward of the
+    reference; the advantages are GRPO's of the rewards less that cost, by hand for one group; a
+    step trains with it, logs the mean cost and has no KL term in the loss."""
+    cfg = tiny_config(
+        tmp_path,
+        "train.kl_coef=0.5",
+        "train.kl_in=reward",
+        "train.kl_estimator=k1",
+        "train.steps=1",
+        "run.val_every=1000",
+    )
+    run = train.setup(cfg, engine=engine)
+    with torch.no_grad():  # a reference unlike the policy, so the KL is far from 0
+        for p in run.reference.parameters():
+            p.mul_(0.8)
+    samples, _ = train.generate(run, run.stream.take(4), 4, 1.0)
+    groups = sample.groups_of(sample.trajectories_of(samples))
+    trajectories = train.flatten(groups)
+    kl = train.reference_kl(run, trajectories)
+    for i, (turn,) in enumerate(trajectories):  # single-turn: one turn each
+        ids = torch.tensor([list(turn.prompt_ids) + list(turn.response_ids)])
+        with torch.no_grad():
+            logits = run.reference(ids).logits[0, len(turn.prompt_ids) - 1 : -1]
+        reference = logits.log_softmax(-1).gather(-1, ids[0, len(turn.prompt_ids) :, None])[:, 0]
+        expected = (torch.tensor(turn.logprobs) - reference).sum()
+        assert kl[i] == pytest.approx(expected.item(), rel=1e-4, abs=1e-4)
+    assert kl.abs().max() > 0.1
+    advantages, _ = train.trajectory_advantages(groups, True, 0.5 * kl)
+    first = [i for i, (turn,) in enumerate(trajectories) if turn.group_id == 0]
+    x = torch.tensor([trajectories[i][0].reward for i in first]) - 0.5 * kl[first]
+    by_hand = (x - x.mean()) / (x.std() + 1e-6)
+    torch.testing.assert_close(advantages[first], by_hand, atol=1e-5, rtol=1e-4)
+    train.train(run)
+    logged = scalars(tmp_path)
+    assert logged["train/reward_kl_cost"][0] != 0 and "train/kl" not in logged
+    assert math.isfinite(logged["train/loss"][0])
