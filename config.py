@@ -86,8 +86,12 @@ class RolloutConfig:
     # (tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its own
     # "?" calculator only)
     tools: list[str] = dataclasses.field(default_factory=list)
-    # a tool still running after this many seconds answers with an error observation (0 = no limit)
+    # a tool still running after this many seconds answers with an error observation (> 0: the
+    # rollout waits for a running tool before it ends)
     tool_timeout_s: float = 10.0
+    # threads running plain tool functions, apart from the rewards' (a tool that never returns
+    # holds one for good: once all are held, every call times out, counted per tool)
+    tool_workers: int = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: int = 0
     # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
@@ -97,8 +101,8 @@ class RolloutConfig:
     # the engine use each request's sampling_seed (rollout.request_seed), which the trainer always
     # sends (sglang/srt/sampling/sampling_batch_info.py)
     deterministic: bool = False
-    # threads running plain reward functions and tools off the rollout's event loop (rewards.py,
-    # tools.py); an async def one is awaited on the loop instead
+    # threads running plain reward functions off the rollout's event loop (rewards.py); an async
+    # def reward is awaited on the loop instead
     reward_workers: int = 4
     # a reward still running after this many seconds fails its trajectory (counted in
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
@@ -313,10 +317,11 @@ class Config:
             raise ConfigError(
                 f"rollout.tools={r.tools} needs rollout.max_turns > 1 (one turn calls none)"
             )
-        if r.tools and self.data.task == "tiny_tool":
+        if r.tools and self.data.task in ("tiny", "tiny_tool"):
             raise ConfigError(
-                "rollout.tools: the tiny_tool task calls its own '?' calculator; tools are called "
-                "in Qwen's <tool_call> JSON (data.task gsm8k or chat)"
+                f"rollout.tools: the {self.data.task} task calls no tools of yours (tiny_tool: its "
+                "own '?' calculator); tools are called in Qwen's <tool_call> JSON (data.task gsm8k "
+                "or chat)"
             )
         if self.train.overlong_penalty and r.max_turns > 1:
             raise ConfigError(
@@ -424,6 +429,8 @@ class Config:
             ("rollout.refill_prompts", r.refill_prompts, 0),
             ("rollout.reward_workers", r.reward_workers, 1),
             ("rollout.reward_timeout_s", r.reward_timeout_s, 0),
+            ("rollout.tool_timeout_s", r.tool_timeout_s, 1e-3),
+            ("rollout.tool_workers", r.tool_workers, 1),
             ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
             ("train.steps", t.steps, 0),
             ("train.micro_batch_size", t.micro_batch_size, 1),

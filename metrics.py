@@ -105,8 +105,9 @@ def rollout_metrics(trajectories, stats):
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
     finished = [s for s in launched if not s.is_aborted]
     # turns cut by cancellation
-    aborted = [s for s in samples if s.is_aborted and s.finish_reason != "error"]
-    num_aborted = sum(s.is_aborted and s.finish_reason != "error" for s in launched)
+    failed = ("error", "reward_error")  # kept out like an abort, but counted on their own
+    aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
+    num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
     num_tokens = sum(len(s.response_ids) for s in samples)
     out = {

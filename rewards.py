@@ -74,9 +74,8 @@ def call_reward(reward_fn, response_text, answer, finished):
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     try:
         value = reward_fn(response_text, answer, finished=finished)
-    except (
-        Exception
-    ) as e:  # noqa: BLE001 - the user's function: any error is counted, never a crash mid-rollout
+    # the user's function: any error is counted, never a crash mid-rollout
+    except Exception as e:  # noqa: BLE001
         raise RewardError(f"the reward function raised {e!r} {where}") from e
     return checked(value, where)
 

@@ -183,6 +183,8 @@ class Rollout:
         self.generated = {}  # request index -> Event: its turns are back (its reward may still run)
         self.current_rid = {}  # request index -> rid of its request in the engine now
         self.cancelled = set()  # request indices cancelled: no new turn starts
+        # request indices running a tool: nothing of theirs in the engine to abort or wait for
+        self.in_tool = set()
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
         self.next_group = 0  # the group id a refill gets next
 
@@ -292,13 +294,14 @@ class Rollout:
     async def abort(self, pending, raise_if_stuck=True):
         """Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the
         request decoding in the scheduler, burning the compute we wanted back. Returns once every
-        task's generation has returned (a trajectory whose reward is still being computed has
-        nothing left to abort: its task ends with its reward)."""
+        task's generation has returned (a trajectory whose reward is still being computed, or
+        whose tool is running, has nothing left to abort: its task ends after them)."""
         # and no cancelled trajectory starts a turn
         self.cancelled.update(self.tasks[t] for t in pending)
 
         def generating(task):
-            return not self.generated[self.tasks[task]].is_set()
+            index = self.tasks[task]
+            return not self.generated[index].is_set() and index not in self.in_tool
 
         pending = [t for t in pending if generating(t)]
         # SGLang drops an abort for a rid it does not track yet (managers/tokenizer_manager.py,
@@ -316,7 +319,11 @@ class Rollout:
         rids = [self.current_rid[self.tasks[t]] for t in pending if generating(t)]
         self.cancelling.update(rids)
         self.engine.abort(rids)
-        returned = {asyncio.ensure_future(self.generated[self.tasks[t]].wait()): t for t in pending}
+        returned = {
+            asyncio.ensure_future(self.generated[self.tasks[t]].wait()): t
+            for t in pending
+            if generating(t)  # (one may have reached its tool meanwhile)
+        }
         _, late = await asyncio.wait(returned, timeout=timeout_s) if returned else (set(), set())
         stuck = [returned[waiting] for waiting in late]
         for waiting in late:
@@ -348,7 +355,8 @@ class Rollout:
                 break
             remaining = settings.budget - (len(context) - len(prompt_ids))
             if remaining <= 0:  # token budget spent on earlier turns and observations
-                turns[-1].finish_reason = "length"  # its last call is never answered: truncated
+                # the tool ran, but no budget is left for a turn that reads it: truncated
+                turns[-1].finish_reason = "length"
                 break
             max_new_tokens = min(settings.sampling["max_new_tokens"], remaining)
             sampling = {**settings.sampling, "max_new_tokens": max_new_tokens}
@@ -365,8 +373,13 @@ class Rollout:
                 # a call with no turn left to read the result: truncated, not an answer
                 sample.finish_reason = "length"
                 break
-            # off the event loop (tools.py): the other requests and the cancel decision go on
-            observation = await tool(sample.response_ids, prompt_ids)
+            # awaited: the loop serves the other requests and the cancel decision meanwhile (a
+            # plain tool runs in a thread, tools.py); a cancellation does not wait for it
+            self.in_tool.add(request.index)
+            try:
+                observation = await tool(sample.response_ids, prompt_ids)
+            finally:
+                self.in_tool.discard(request.index)
             self.stats.num_tool_calls += 1
             self.stats.num_tool_errors += observation.is_error
             self.stats.tool_calls[observation.tool] += 1
@@ -512,7 +525,8 @@ async def scored(work, reward, stats, generated=None):
             stats.num_reward_errors += 1
             for turn in turns:
                 turn.is_aborted = True
-                turn.finish_reason = "error"
+                # not "error": that counts a request the engine failed (check_failures)
+                turn.finish_reason = "reward_error"
             return turns
         for turn in turns:
             turn.reward = value

@@ -38,7 +38,8 @@ class Sample:
     group_id: int  # index of the prompt this sample answers (GRPO group)
     trajectory_id: int = 0  # multi-turn: turns of one trajectory share this id
     turn: int = 0  # multi-turn: index of the turn inside its trajectory
-    finish_reason: str = "stop"  # "stop" | "length" | "abort" | "error"
+    # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed)
+    finish_reason: str = "stop"
     is_aborted: bool = False  # cancelled before finishing: masked out of loss and reward means
     weight_version: int = 0  # policy version that generated the tokens
     reward: float = 0.0

@@ -12,6 +12,7 @@ runs (rollout.py calls one on a turn that ends in a call).
 
 import ast
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import json
@@ -170,6 +171,15 @@ def function_schema(fn):
         ) from None
 
 
+# JSON Schema counts 3.0 as an integer; a Python `int` parameter must not get a float
+STRICT_INTEGERS = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, value: isinstance(value, int) and not isinstance(value, bool)
+    ),
+)
+
+
 def arguments_schema(schema):
     """The schema a call's arguments must meet: the function's parameters, no other key allowed,
     and get_json_schema's `nullable` (OpenAPI's word) as JSON Schema's "null" type."""
@@ -198,10 +208,15 @@ def load_tools(specs):
     from config import ConfigError, load_function
 
     functions = [load_function(spec, "rollout.tools") for spec in specs] or [calculator]
+    for spec, fn in zip(specs, functions):
+        if not inspect.isfunction(fn):  # a partial or a callable object has no name, no schema
+            raise ConfigError(f"rollout.tools: {spec!r} is not a plain or async def function")
     names = [fn.__name__ for fn in functions]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ConfigError(f"rollout.tools={specs}: two tools named {twice[0]!r}")
+    if UNPARSED in names:
+        raise ConfigError(f"rollout.tools: {UNPARSED!r} names the count of unreadable calls")
     for fn in functions:
         function_schema(fn)  # a function the schema cannot describe fails here, named
     return functions
@@ -215,15 +230,16 @@ class QwenTools:
     A call is answered with an error observation, counted as an error of its tool, when its JSON
     does not parse, it names no tool given, the schema refuses its arguments (missing, extra or of
     a wrong type), the tool raises, returns text that starts with "error" (the calculator's
-    refusals), or runs past `timeout_s`. A plain function runs in the event loop's thread pool,
-    so the rollout's cancel decisions go on meanwhile (a thread cannot be stopped: one past its
-    time limit finishes in the background, its result dropped); an `async def` one is awaited.
+    refusals), or runs past `timeout_s`. A plain function runs in a thread pool of its own
+    (`workers` threads), so the rollout's event loop and cancel decisions go on meanwhile (a
+    thread cannot be stopped: one past its time limit finishes in the background, its result
+    dropped); an `async def` one is awaited on the loop, so it must await, never block.
     """
 
     call_start = "<tool_call>"
     call_end = "</tool_call>"
 
-    def __init__(self, tokenizer, functions, timeout_s=10.0):
+    def __init__(self, tokenizer, functions, timeout_s=10.0, workers=4):
         self.tokenizer = tokenizer
         self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)  # generation stops here
         if self.call_end_id in (None, tokenizer.unk_token_id):
@@ -236,10 +252,11 @@ class QwenTools:
         self.functions = {fn.__name__: fn for fn in functions}
         self.schemas = [function_schema(fn) for fn in functions]  # for the chat template
         self.validators = {
-            s["function"]["name"]: jsonschema.Draft202012Validator(arguments_schema(s))
-            for s in self.schemas
+            s["function"]["name"]: STRICT_INTEGERS(arguments_schema(s)) for s in self.schemas
         }
         self.timeout_s = timeout_s
+        # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
 
     async def __call__(self, response_ids, prompt_ids=()):
@@ -273,12 +290,13 @@ class QwenTools:
         if problems:
             return name, f"error: {name}: {'; '.join(problems)}"
         fn = self.functions[name]
-        if inspect.iscoroutinefunction(fn):
+        if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
             pending = fn(**arguments)
         else:
-            pending = asyncio.to_thread(functools.partial(fn, **arguments))
+            loop = asyncio.get_running_loop()
+            pending = loop.run_in_executor(self.pool, functools.partial(fn, **arguments))
         try:
-            return name, result_text(await asyncio.wait_for(pending, self.timeout_s or None))
+            return name, result_text(await asyncio.wait_for(pending, self.timeout_s))
         except asyncio.TimeoutError:
             return name, f"error: {name} did not return within {self.timeout_s} s"
         except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash

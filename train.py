@@ -81,7 +81,8 @@ def train_step(run, step, plan, phases):
     kl_cost = None
     if cfg.train.kl_in == "reward":
         kl_cost = cfg.train.kl_coef * reference_kl(run, trajectories)
-        scalars["train/reward_kl_cost"] = kl_cost.mean().item() if len(kl_cost) else 0.0
+        finished = torch.tensor([not turns[-1].is_aborted for turns in trajectories])
+        scalars["train/reward_kl_cost"] = masked_mean(kl_cost, finished).item()
     advantages, num_degenerate = trajectory_advantages(groups, cfg.train.scale_by_std, kl_cost)
 
     # 4. policy update on (merged) sequences
@@ -258,9 +259,11 @@ def trajectory_advantages(groups, scale_by_std, cost=None):
 def reference_kl(run, trajectories):
     """Each trajectory's KL to the frozen reference, summed over the tokens the model wrote (every
     turn's): train.kl_estimator of the log-probs that sampled them (the engine's) against the
-    reference's, one forward pass without grad. Unfinished trajectories get 0 (no advantage
-    anyway). For the KL as a cost in the reward, as verl's use_kl_in_reward does (ray_trainer.py
-    apply_kl_penalty; its GRPO advantage sums the token rewards)."""
+    reference's, one forward pass without grad, in padded micro-batches of train.micro_batch_size
+    (packing would reorder the samples). Unfinished trajectories get 0 (batching.collate gives an
+    aborted sample no trained token; no advantage anyway). For the KL as a cost in the reward, as
+    verl's use_kl_in_reward does (ray_trainer.py apply_kl_penalty; its GRPO advantage sums the
+    token rewards)."""
     t = run.cfg.train
     samples = [turn for turns in trajectories for turn in turns]
     owner = torch.tensor(
@@ -322,9 +325,9 @@ def train_on_rollout(run, samples, advantages, version=0, from_engine=False):
 
 def old_logprobs(run, micro_batches, from_engine=False):
     """The sampling policy's log-probs, recomputed by the trainer on every micro-batch (and the
-    frozen reference's, for the KL term in the loss); the engine's own copy is only compared (the gap).
-    `from_engine` (train.old_logprobs=engine): the engine's are pi_old, the forward is skipped, and
-    there is no gap to report."""
+    frozen reference's, for the KL term in the loss); the engine's own copy is only compared (the
+    gap). `from_engine` (train.old_logprobs=engine): the engine's are pi_old, the forward is
+    skipped, and there is no gap to report."""
     r = run.cfg.rollout
     with torch.no_grad():
         for mb in micro_batches:

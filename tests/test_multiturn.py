@@ -1,5 +1,6 @@
 """Multi-turn tool rollouts on the real engine, and merged vs step-wise training sequences."""
 
+import asyncio
 import math
 
 import torch
@@ -155,3 +156,42 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
     no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
     # the switch the README gives turns the tool off
     assert tasks.build_task(no_tool, run.tokenizer).tool is None
+
+
+class SlowCalculator(tools.QuestionCalculator):
+    """The tool demo's calculator, answering after `seconds` (a slow tool: a sandbox, a search)."""
+
+    def __init__(self, tokenizer, seconds):
+        super().__init__(tokenizer)
+        self.seconds = seconds
+
+    async def __call__(self, response_ids, prompt_ids=()):
+        await asyncio.sleep(self.seconds)
+        return await super().__call__(response_ids, prompt_ids)
+
+
+def test_a_cancellation_does_not_wait_for_a_running_tool(engine, tmp_path):
+    """A trajectory whose tool is still running has nothing in the engine to abort: the cancel
+    decision's aborts return without waiting for the 3 s tool, and the cancelled trajectory
+    starts no turn after it."""
+    from cancel import plan_launch
+
+    run = tool_run(engine, tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5")
+    slow = SlowCalculator(run.tokenizer, seconds=3.0)
+    plan = plan_launch(run.cfg.rollout, 16)
+    samples, stats = engine.generate(
+        [p.prompt_ids for p in run.stream.prompts[:16]],
+        8,
+        1.0,
+        24,
+        plan,
+        tool=slow,
+        max_turns=4,
+    )
+    trajectories = sample.trajectories_of(samples)
+    assert stats.num_tool_calls > 0 and stats.num_cancelled > 0
+    # random init ends a turn with "?" by chance: the calls land in the cancelled tail
+    called = [t for t in trajectories if any(turn.tool_call for turn in t)]
+    assert any(t[-1].is_aborted for t in called)
+    assert stats.cancel_latency_s < 1.0, stats  # not the tool's 3 s
+    assert engine.num_in_flight() == 0

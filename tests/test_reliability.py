@@ -321,7 +321,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
 
     # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself
     # stays finite: a skipped update never reaches the engine)
-    def poisoned(groups, scale_by_std):
+    def poisoned(groups, scale_by_std, cost=None):
         """NaN advantages, one per trajectory."""
         return torch.full((len(train.flatten(groups)),), math.nan), 0
 

@@ -61,6 +61,24 @@ def no_docstring(x: int) -> int:
     return x
 
 
+def refuses(text: str) -> str:
+    """Refuse, the calculator's way: a result that starts with "error".
+
+    Args:
+        text: Anything.
+    """
+    return f"error: cannot {text}"
+
+
+async def hangs(text: str) -> str:
+    """Await forever.
+
+    Args:
+        text: Anything.
+    """
+    await asyncio.sleep(3600)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return qwen_tool_tokenizer()
@@ -97,6 +115,8 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
         tools.load_tools(["missing.py:f"])
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         tools.load_tools(["examples/math_tools.py:nope"])
+    with pytest.raises(ConfigError, match="is not a plain or async def function"):
+        tools.load_tools(["tools:QwenTools"])  # a class: no schema, no name to call
     with pytest.raises(ConfigError, match="two tools named 'calculator'"):
         tools.load_tools(["tools:calculator", "tools:calculator"])
     loaded = tools.load_tools(["tools:calculator", "examples/math_tools.py:percent_of"])
@@ -104,8 +124,11 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
     assert tools.load_tools([]) == [tools.calculator]  # none named: the calculator
     with pytest.raises(ConfigError, match="needs rollout.max_turns > 1"):
         load_config("configs/tiny.yaml", ["rollout.tools=[tools:calculator]"])
-    with pytest.raises(ConfigError, match="tiny_tool task calls its own"):
-        load_config("configs/tiny_tool.yaml", ["rollout.tools=[tools:calculator]"])
+    for config in ("configs/tiny_tool.yaml", "configs/tiny.yaml"):
+        with pytest.raises(ConfigError, match="task calls no tools of yours"):
+            load_config(config, ["rollout.max_turns=2", "rollout.tools=[tools:calculator]"])
+    with pytest.raises(ConfigError, match="rollout.tool_timeout_s=0"):
+        load_config("configs/tiny_tool.yaml", ["rollout.tool_timeout_s=0"])
     with pytest.raises(ConfigError, match="expected a list of str"):
         load_config("configs/tiny.yaml", ["rollout.tools=tools:calculator"])
 
@@ -114,8 +137,8 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
     """Each tool answers its own calls; wrong names, bad JSON, missing, extra and mistyped
     arguments, a raise and the calculator's refusal are error observations counted under the
     tool called (or `unparsed`); the arguments never reach eval."""
-    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later])
-    assert tool.names == ["calculator", "percent_of", "repeat", "later", tools.UNPARSED]
+    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later, refuses])
+    assert tool.names == ["calculator", "percent_of", "repeat", "later", "refuses", tools.UNPARSED]
     answers = [
         ('{"name": "calculator", "arguments": {"expression": "12*3+4"}}', "calculator", "40"),
         ('{"name": "percent_of", "arguments": {"percent": 15, "value": 80}}', "percent_of", "12.0"),
@@ -156,6 +179,12 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
             "repeat",
             "2.5 is not of type 'integer'",
         ),
+        (
+            '{"name": "repeat", "arguments": {"word": "a", "times": 3.0}}',
+            "repeat",
+            "3.0 is not of type 'integer'",  # JSON Schema alone would take it
+        ),
+        ('{"name": "refuses", "arguments": {"text": "x"}}', "refuses", "error: cannot x"),
         (
             '{"name": "repeat", "arguments": {"word": "a", "times": -1}}',
             "repeat",
@@ -210,6 +239,10 @@ def test_a_slow_tool_is_cut_at_its_time_limit_and_the_loop_runs_meanwhile(tokeni
     assert len(ticks) > 10  # the loop ran while the tool slept
     observation, _ = asyncio.run(both(call % 0.05))
     assert not observation.is_error and "done" in tokenizer.decode(observation.ids)
+    # an async tool past its limit is cancelled (it awaits), answered the same way
+    hanging = tools.QwenTools(tokenizer, [hangs], timeout_s=0.2)
+    observation, _ = ask(hanging, tokenizer, '{"name": "hangs", "arguments": {"text": "x"}}')
+    assert observation.is_error and observation.tool == "hangs"
 
 
 def test_a_long_result_is_cut(tokenizer):
