@@ -160,15 +160,16 @@ def flaky_reward(fails):
 
 def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engine):
     """A reward that raises, returns NaN or returns a string fails its trajectory: counted,
-    aborted as an error and scored 0; failures on more than rollout.max_failed_ratio of the
+    aborted as a reward error (not an engine failure) and scored 0; failures on more than rollout.max_failed_ratio of the
     trajectories raise a RewardError."""
     prompts = [[1, 5, 12], [1, 6, 4, 12]] * 4  # 64 trajectories: 3 failures are under 10%
     samples, stats = engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i < 3))
     trajectories = sample.trajectories_of(samples)
     assert stats.num_reward_errors == 3 and engine.num_in_flight() == 0
+    assert stats.num_failed == 0  # the engine failed nothing
     for turns in trajectories:
         failed = turns[-1].trajectory_id < 3
-        assert (turns[-1].is_aborted, turns[-1].finish_reason == "error") == (failed, failed)
+        assert (turns[-1].is_aborted, turns[-1].finish_reason == "reward_error") == (failed, failed)
         assert turns[-1].reward == (0.0 if failed else 1.0)
     with pytest.raises(rewards.RewardError, match="failed on 32/64 trajectories"):
         engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i % 2 == 0))
