@@ -19,6 +19,7 @@ TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
 sys.path.insert(0, REPO)
 
 import batching  # noqa: E402
+import checkpoint  # noqa: E402
 import grpo  # noqa: E402
 import parallel  # noqa: E402
 import sglang_engine  # noqa: E402
@@ -161,8 +162,8 @@ def check_ranks(out_dir):
         }
     )
 
-    # a real step through the loop: rollout on each rank's engine, update, weight sync, log,
-    # checkpoint
+    # a real step through the loop: rollout on each rank's engine (the cancelled tail suspended:
+    # partial rollout), update, weight sync, log, checkpoint
     run_dir = os.path.join(out_dir, "run")
     cfg = load_config(
         TINY_CONFIG,
@@ -174,10 +175,15 @@ def check_ranks(out_dir):
             "run.val_every=100",
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
+            "rollout.partial=true",
         ],
     )
     run = train.setup(cfg)
     train.train(run)
+    # the checkpoint holds both ranks' suspended samples
+    results["buffer_samples"] = len(run.buffer.waiting)
+    state = checkpoint.read_trainer_state(checkpoint.latest(run_dir))
+    results["saved_buffer_samples"] = len(state["buffer"]["waiting"])
     # the engine now holds the updated weights: it must score its own samples like the trainer does
     prompts = parallel.rank_share(run.val_prompts)
     fresh, _ = train.generate(run, prompts, 2, 1.0)

@@ -99,10 +99,12 @@ def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
 
 
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
-    """A 2-rank checkpoint resumes on 2 ranks with equal parameters and optimizer state, resumes
-    resharded on one rank with the trained parameters and AdamW moments, and its HF export scores
-    like the resumed trainer."""
+    """A 2-rank checkpoint holds both ranks' suspended samples (partial rollout), resumes on 2
+    ranks with equal parameters and optimizer state, resumes resharded on one rank with the
+    trained parameters and AdamW moments, and its HF export scores like the resumed trainer."""
     out, results, _ = two_ranks
+    suspended = [r["buffer_samples"] for r in results]
+    assert sum(suspended) > 0 and all(r["saved_buffer_samples"] == sum(suspended) for r in results)
     assert all(
         r["resumed_step"] == 1 and r["resumed_params_equal"] and r["resumed_optimizer_equal"]
         for r in results

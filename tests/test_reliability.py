@@ -186,7 +186,7 @@ def test_tool_call_fuzzing_through_the_qwen_json_adapter():
     arguments = [
         '{"expression": "9**9**9**9"}',
         '{"expression": "(" * 5000}',
-        '{"expression": "__import__(\'os\').system(\'echo pwned\')"}',
+        "{\"expression\": \"__import__('os').system('echo pwned')\"}",
         '{"expression": "1/0"}',
         '{"expression": "' + "1+" * 20000 + '1"}',
         '{"expression": [1, 2]}',
