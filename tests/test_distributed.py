@@ -128,6 +128,18 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def test_rank_0_logs_the_step_once_with_counts_summed_over_the_ranks(two_ranks):
+    """The 2-rank step's TensorBoard events: rank 0 alone writes them (one value per step), the
+    launch count is both ranks' (4 prompts x 8), and the fastest rank's rollout time is beside the
+    slowest's."""
+    from test_train import scalars
+
+    out, _, _ = two_ranks
+    logged = scalars(out / "run")
+    assert len(logged["train/loss"]) == 1 and logged["rollout/launched"] == [4 * 8]
+    assert logged["timing/rollout_s_min"][0] <= logged["timing/rollout_s"][0]
+
+
 def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(two_ranks):
     """Rank 0 froze its scheduler, started flush_cache (SGLang's own call would wait on a reply
     forever, managers/communicator.py), and SIGKILLed the scheduler a second later: the call

@@ -349,9 +349,6 @@ def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
     )
     # 4 prompts x 1.25 over-sampling -> 5, x 8
     assert logged["rollout/launched"][0] == 5 * 8
-    assert all(
-        lo <= hi for lo, hi in zip(logged["timing/rollout_s_min"], logged["timing/rollout_s"])
-    )
     # bf16 engine vs the trainer: close, not equal
     assert 0 < max(logged["train/logprob_gap"]) < 0.1
     # the tail was suspended, and the checkpoint holds the suspended samples

@@ -160,8 +160,8 @@ def flaky_reward(fails):
 
 def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engine):
     """A reward that raises, returns NaN or returns a string fails its trajectory: counted,
-    aborted as a reward error (not an engine failure) and scored 0; failures on more than rollout.max_failed_ratio of the
-    trajectories raise a RewardError."""
+    aborted as a reward error (not an engine failure) and scored 0; failures on more than
+    rollout.max_failed_ratio of the trajectories raise a RewardError."""
     prompts = [[1, 5, 12], [1, 6, 4, 12]] * 4  # 64 trajectories: 3 failures are under 10%
     samples, stats = engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i < 3))
     trajectories = sample.trajectories_of(samples)
