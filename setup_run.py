@@ -25,24 +25,26 @@ log = logging.getLogger("setup")
 
 @dataclasses.dataclass
 class Run:
-    """Everything the loop needs, built once by `setup`."""
+    """Everything the loop needs, built once by `setup` (`trainer_only` and `engine_only` fill
+    half of it; the rest stays None)."""
 
     cfg: Config
-    policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard of them with several ranks
+    policy: torch.nn.Module | None = None  # fp32 master weights; an FSDP2 shard with several ranks
     # frozen initial policy for the KL term (only when kl_coef > 0)
-    reference: torch.nn.Module | None
-    tokenizer: object
-    stream: PromptStream  # this rank's training prompts; its position is checkpointed
-    val_prompts: list
-    reward_fn: object  # (response_text, answer, finished) -> float; see rewards.py
-    tool: object  # tools.QwenTools or tools.QuestionCalculator for multi-turn tasks, else None
-    engine: RolloutEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    device: torch.device
-    autocast_dtype: torch.dtype | None  # one rank computing in bf16; None for fp32 or under FSDP2
+    reference: torch.nn.Module | None = None
+    tokenizer: object = None
+    stream: PromptStream | None = None  # this rank's training prompts; its position is checkpointed
+    val_prompts: list = dataclasses.field(default_factory=list)
+    reward_fn: object = None  # (response_text, answer, finished) -> float; see rewards.py
+    tool: object = None  # tools.QwenTools or tools.QuestionCalculator for multi-turn tasks
+    engine: RolloutEngine | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    device: torch.device | None = None
+    # one rank computing in bf16; None for fp32 or under FSDP2
+    autocast_dtype: torch.dtype | None = None
     # partial rollout's unfinished samples and held groups; None when off
-    buffer: PartialBuffer | None
+    buffer: PartialBuffer | None = None
     start_step: int = 0
     # optimizer steps the policy holds (the step a checkpoint after a fault records)
     updates_done: int = 0
@@ -122,18 +124,10 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None):
     return Run(
         cfg=cfg,
         policy=policy,
-        reference=None,
-        tokenizer=None,
-        stream=None,
-        val_prompts=[],
-        reward_fn=None,
-        tool=None,
-        engine=None,
         optimizer=optimizer,
         scheduler=scheduler,
         device=device,
         autocast_dtype=autocast_dtype,
-        buffer=None,
     )
 
 
@@ -142,19 +136,11 @@ def engine_only(cfg, engine, tokenizer, task):
     sampling and scoring read."""
     return Run(
         cfg=cfg,
-        policy=None,
-        reference=None,
         tokenizer=tokenizer,
-        stream=None,
         val_prompts=task.val_prompts,
         reward_fn=task.reward_fn,
         tool=task.tool,
         engine=engine,
-        optimizer=None,
-        scheduler=None,
-        device=None,
-        autocast_dtype=None,
-        buffer=None,
     )
 
 
