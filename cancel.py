@@ -1,42 +1,44 @@
 """Tail cancellation: how many prompts a training rollout launches, when it stops waiting, and
-which groups survive the group policy or dynamic sampling's filter.
+which groups it keeps (the group policy; dynamic sampling's filter).
 
-Owns the decision: `decide(plan, progress)` is a pure function of what the rollout has seen
-(finished trajectories and when, complete groups, kept groups, time since launch) that says whether
-to stop, for every policy. Also the over-sampling and refill arithmetic (`plan_launch`,
-`GroupFilter.wanted`) and the group bookkeeping. Does not wait, launch or abort (rollout.py does,
-inside the engine's event loop), nor score (rewards.py).
+Owns the decision: each policy in `POLICIES` (`rollout.cancel`) is a pure function of what the
+rollout has seen so far (`Progress`: finished trajectories and when, their tokens, complete groups,
+kept groups, time since launch) returning a `Decision`: stop the whole rollout, cancel some groups'
+running members while the rest go on, keep only some groups. `decide` adds what every policy
+shares (the rollout timeout, dynamic sampling's stop). Also the over-sampling and refill
+arithmetic (`plan_launch`, `GroupFilter.wanted`) and the group bookkeeping. Does not wait, launch
+or abort (rollout.py applies each Decision inside the engine's event loop), nor score (rewards.py).
 
-To add a policy: name it in CANCEL_POLICIES, give it a rule in `decide` (and, if it over-samples,
-its launch arithmetic in `plan_launch`); tests/test_cancel.py shows how to test it without an
-engine.
+To add a policy: a function `(plan, progress) -> Decision` below and its entry in POLICIES
+(README "Fork it"; tests/test_forks.py follows that recipe, with no engine).
 """
 
 import dataclasses
 import math
 import statistics
 
-CANCEL_POLICIES = ("none", "count", "time", "group")  # rollout.cancel
+from config import ConfigError
 
 
 @dataclasses.dataclass
 class LaunchPlan:
     """What to launch for one training rollout and when to stop waiting (validation uses none)."""
 
-    cancel: str  # one of CANCEL_POLICIES
+    cancel: str  # a name in POLICIES
     num_prompts: int  # prompts to launch (more than the batch when over-sampling)
     group_size: int
     target_samples: int  # count/time: finished samples that end the rollout
     target_groups: int  # group, dynamic sampling: finished (kept) groups that end the rollout
     time_quantile: float = 0.8
     time_factor: float = 1.5
-    # cancelled samples are suspended and resumed later (buffer.py), not dropped
+    # cancelled samples are suspended and resumed later (partial.py), not dropped
     partial: bool = False
     # dynamic sampling: the rollout ends at `target_groups` informative groups
     filter_groups: bool = False
     # filter: prompts launched at a time while kept + possible groups fall short
     refill_prompts: int = 0
     max_prompts: int = 0  # filter: new prompts a step may launch in all
+    token_budget: int = 0  # tokens one trajectory may hold (RolloutConfig.token_budget)
 
 
 def plan_launch(cfg, num_prompts):
@@ -53,6 +55,7 @@ def plan_launch(cfg, num_prompts):
         time_quantile=cfg.time_quantile,
         time_factor=cfg.time_factor,
         partial=cfg.partial and cfg.max_staleness > 0,
+        token_budget=cfg.token_budget(),
     )
     if cfg.filter_groups:
         # the config's counts are for all ranks: this rank launches its share of them
@@ -80,58 +83,125 @@ class Progress:
     elapsed_s: float = 0.0  # since launch
     # seconds after launch at which each finished trajectory returned (failed, cancelled: not)
     finish_times_s: list = dataclasses.field(default_factory=list)
-    complete_groups: int = 0  # groups all of whose group_size members finished
+    # groups all of whose group_size members finished, in the order they completed
+    complete_groups: list = dataclasses.field(default_factory=list)
     kept_groups: int = 0  # dynamic sampling: groups judged informative (GroupFilter.kept)
     finished_per_group: dict = dataclasses.field(default_factory=dict)
+    generated_tokens: int = 0  # response tokens of the returned trajectories (every turn)
 
-    def returned(self, last_turn, elapsed_s):
-        """A trajectory returned (its last turn), `elapsed_s` after launch."""
+    def returned(self, turns, elapsed_s):
+        """A trajectory returned (its turns), `elapsed_s` after launch."""
+        self.generated_tokens += sum(len(turn.response_ids) for turn in turns)
+        last_turn = turns[-1]
         if last_turn.is_aborted:
             return
         self.finish_times_s.append(elapsed_s)
         group_id = last_turn.group_id
         count = self.finished_per_group.get(group_id, 0) + 1
         self.finished_per_group[group_id] = count
-        self.complete_groups += count == self.group_size
+        if count == self.group_size:
+            self.complete_groups.append(group_id)
 
 
 @dataclasses.dataclass
 class Decision:
-    stop: bool
+    stop: bool = False  # abort everything still running; the rollout ends
     wake_at_s: float | None = None  # decide again then (seconds after launch), whatever returns
+    # abort these groups' running members now; the rollout goes on (partial rollout resumes them)
+    cancel_groups: frozenset = frozenset()
+    # at the end, only these groups' finished members are kept (the others are dropped, masked like
+    # an abort); None keeps every finished trajectory
+    keep_groups: frozenset | None = None
 
 
-def decide(plan, progress, timeout_s=0.0):
-    """Whether the rollout stops now (aborting what is still running), and when to look again.
+# ---------------------------------------------------------------- the policies
+def wait_for_all(plan, progress):
+    """none: wait for every request."""
+    return Decision()
 
-    - no plan (validation) or `none`: wait for every request;
-    - dynamic sampling (any policy but none): stop at `target_groups` kept groups;
-    - `group`: stop at `target_groups` complete groups;
-    - `count`: stop at `target_samples` finished trajectories;
-    - `time`: as count, or once `time_quantile` of that target finished at t, at t + factor * t;
-    - any: stop at `timeout_s` after launch (rollout.rollout_timeout_s; 0 = never).
-    """
-    if timeout_s and progress.elapsed_s >= timeout_s:
-        return Decision(stop=True)
-    wake = timeout_s or None
-    if plan is None or plan.cancel == "none":
-        return Decision(stop=False, wake_at_s=wake)
-    if plan.filter_groups:
-        return Decision(stop=progress.kept_groups >= plan.target_groups, wake_at_s=wake)
-    if plan.cancel == "group":
-        return Decision(stop=progress.complete_groups >= plan.target_groups, wake_at_s=wake)
+
+def count(plan, progress):
+    """count: stop at `target_samples` finished trajectories."""
+    return Decision(stop=len(progress.finish_times_s) >= plan.target_samples)
+
+
+def time_limit(plan, progress):
+    """time: as count, or once `time_quantile` of that target finished at t, at t + factor * t:
+    the quantile came back at t, so the rest get at most factor * t more."""
     num_finished = len(progress.finish_times_s)
     if num_finished >= plan.target_samples:
         return Decision(stop=True)
     quantile_count = max(math.ceil(plan.time_quantile * plan.target_samples), 1)
-    if plan.cancel == "count" or num_finished < quantile_count:
-        return Decision(stop=False, wake_at_s=wake)
-    # time: the quantile came back at t, so the rest get at most factor * t more
+    if num_finished < quantile_count:
+        return Decision()
     t = progress.finish_times_s[quantile_count - 1]
     deadline = t + plan.time_factor * t
-    if wake is not None:
-        deadline = min(deadline, wake)
     return Decision(stop=progress.elapsed_s >= deadline, wake_at_s=deadline)
+
+
+def group(plan, progress):
+    """group: stop at `target_groups` complete groups, and train the first `target_groups` to
+    complete only: every other sample is dropped, so group sizes never shrink (the alternative
+    to per-sample dropping)."""
+    complete = progress.complete_groups
+    return Decision(
+        stop=len(complete) >= plan.target_groups,
+        keep_groups=frozenset(complete[: plan.target_groups]),
+    )
+
+
+# rollout.cancel -> (LaunchPlan, Progress) -> Decision
+POLICIES = {"none": wait_for_all, "count": count, "time": time_limit, "group": group}
+
+
+def check(cfg):
+    """rollout.cancel's choice and the rollout's combinations (runtime.run.load_config calls
+    this at load)."""
+    r = cfg.rollout
+    if r.cancel not in POLICIES:
+        raise ConfigError(f"rollout.cancel={r.cancel!r}: expected one of {tuple(POLICIES)}")
+    if r.drop_rate > 0 and r.over_sample_rate > 0:
+        raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
+    if r.partial and r.cancel == "none":
+        raise ConfigError(
+            "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
+            "nothing: choose a cancel policy (count, time or group)"
+        )
+    if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
+        raise ConfigError(
+            f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "
+            f"rollout.prompts_per_step={r.prompts_per_step}: no step could fill its batch"
+        )
+
+
+def decide(plan, progress, timeout_s=0.0):
+    """Whether the rollout stops now (aborting what is still running), and when to look again:
+    the policy's Decision, with what every policy shares.
+
+    - no plan (validation): wait for every request;
+    - dynamic sampling (any policy but none): stop at `target_groups` kept groups (the group
+      policy then keeps every complete group: the filter judges each);
+    - partial rollout: nothing is dropped (the finished members of an incomplete group wait);
+    - any: stop at `timeout_s` after launch (rollout.rollout_timeout_s; 0 = never).
+    """
+    if timeout_s and progress.elapsed_s >= timeout_s:
+        return Decision(stop=True)
+    if plan is None:
+        return Decision(wake_at_s=timeout_s or None)
+    decision = POLICIES[plan.cancel](plan, progress)
+    if plan.filter_groups and plan.cancel != "none":
+        keep = decision.keep_groups
+        decision = dataclasses.replace(
+            decision,
+            stop=progress.kept_groups >= plan.target_groups,
+            wake_at_s=None,
+            keep_groups=None if keep is None else frozenset(progress.complete_groups),
+        )
+    if plan.partial:
+        decision.keep_groups = None
+    if timeout_s:
+        decision.wake_at_s = min(decision.wake_at_s or timeout_s, timeout_s)
+    return decision
 
 
 def count_complete_groups(samples, group_size):
@@ -143,18 +213,11 @@ def count_complete_groups(samples, group_size):
     return sum(n == group_size for n in counts.values())
 
 
-def keep_first_complete_groups(samples, finished, group_size, num_groups):
-    """Group policy: keep the first `num_groups` groups to complete; mark every other sample
-    dropped, so group sizes never shrink (the alternative to per-sample dropping)."""
-    done_count = {}
-    kept = []
-    for s in finished:  # completion order
-        if not s.is_aborted:
-            done_count[s.group_id] = done_count.get(s.group_id, 0) + 1
-            if done_count[s.group_id] == group_size and len(kept) < num_groups:
-                kept.append(s.group_id)
+def drop_other_groups(samples, keep_groups):
+    """A Decision's `keep_groups` applied at the end of a rollout: every finished sample of any
+    other group is marked dropped (masked out like an abort)."""
     for s in samples:
-        if s.group_id not in kept and not s.is_aborted:
+        if s.group_id not in keep_groups and not s.is_aborted:
             s.is_aborted = True
             s.finish_reason = "abort"
 

@@ -1,7 +1,10 @@
 """The one Config dataclass tree, and loading it from YAML plus `--set section.key=value` overrides.
 
-Owns every setting's name, type, default and one-line meaning; YAML files in configs/ only override.
-An unknown key or a value of the wrong type is a ConfigError that names it.
+Owns every setting's name, type, default, one-line meaning and numeric bounds; YAML files in
+configs/ only override. An unknown key, a value of the wrong type or out of bounds is a ConfigError
+that names it. Does not own the choices a field picks from (a cancel policy, an advantage
+estimator, a loss mode): each is a dict or tuple in the module that reads it, checked there by its
+`check(cfg)` at load (runtime/run.py's load_config calls them all). Imports nothing of the project.
 """
 
 import dataclasses
@@ -12,20 +15,6 @@ import os
 import typing
 
 import yaml
-
-# Each mode list lives beside the code that reads it; here they are only checked.
-from cancel import CANCEL_POLICIES
-from grpo import (
-    CISPO_AGG,
-    KL_ESTIMATORS,
-    KL_PLACEMENTS,
-    LOSS_AGG_MODES,
-    RATIO_LEVELS,
-    SEQUENCE_RATIO_AGG,
-)
-from memory import MEMORY_MODES
-from model import ATTENTION, DTYPES, LR_SCHEDULES
-from tasks import TASKS
 
 
 class ConfigError(ValueError):
@@ -83,8 +72,8 @@ class RolloutConfig:
     max_turns: int = 1  # > 1: multi-turn, the model calling tools between turns
     # gsm8k, chat with max_turns > 1: the tools the model may call, each "path/to/file.py:function"
     # or "module:function", a plain (or async) Python function with type hints and a docstring
-    # (tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its own
-    # "?" calculator only)
+    # (task/tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its
+    # own "?" calculator only)
     tools: list[str] = dataclasses.field(default_factory=list)
     # a tool still running after this many seconds answers with an error observation (> 0: the
     # rollout waits for a running tool before it ends)
@@ -119,7 +108,7 @@ class RolloutConfig:
     over_sample_rate: float = 0.0
     time_quantile: float = 0.8  # time: once this fraction of the target finished at t ...
     time_factor: float = 1.5  # ... wait at most factor * t more, then cancel the rest
-    # partial rollout (buffer.py): a cancelled sample is suspended, not dropped, and continued in
+    # partial rollout (partial.py): a cancelled sample is suspended, not dropped, and continued in
     # the next step under the new weights; its group is trained once every member finished
     partial: bool = False
     # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
@@ -140,6 +129,13 @@ class RolloutConfig:
     request_timeout_s: float = 0.0
     # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
     rollout_timeout_s: float = 0.0
+
+    def token_budget(self):
+        """Tokens one trajectory may hold after its prompt (generated + tool observations): the
+        one formula every reader of the budget uses (the rollout, DAPO's overlong penalty, Dr.
+        GRPO's constant). max_response_tokens caps it; one turn never exceeds max_new_tokens."""
+        turns = self.max_new_tokens * self.max_turns
+        return min(self.max_response_tokens, turns) if self.max_response_tokens else turns
 
 
 @dataclasses.dataclass
@@ -181,7 +177,9 @@ class TrainConfig:
     # overlong_buffer tokens before the generation budget, down to -overlong_penalty at it (0 = off)
     overlong_penalty: float = 0.0
     overlong_buffer: int = 0
-    scale_by_std: bool = True  # False = Dr. GRPO advantages (no std division)
+    # the advantage estimator: grpo (advantages.ESTIMATORS; a fork adds its own there)
+    advantage: str = "grpo"
+    scale_by_std: bool = True  # grpo: False = Dr. GRPO advantages (no std division)
     # pi_old, the sampling policy's log-probs in the ratio: trainer (recomputed by a forward of
     # every trained token) | engine (the engine's own, as it sampled: that forward skipped; only
     # with one minibatch, no partial rollout and TIS off, where the two are the same policy).
@@ -189,12 +187,14 @@ class TrainConfig:
     # checksums alone watch the engine (run.max_logprob_gap has nothing to read)
     old_logprobs: str = "trainer"
     kl_coef: float = 0.0  # KL to a frozen reference copy; 0 = no reference model kept
-    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (grpo.kl_estimate)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (loss.kl_estimate)
     # loss: kl_coef x the per-token KL in the loss | reward: kl_coef x each trajectory's summed KL
     # (from the engine's sampling log-probs) subtracted from its reward before the advantages
     kl_in: str = "loss"
     # entropy bonus: entropy_coef x the token entropy is subtracted from the loss (0 = off)
     entropy_coef: float = 0.0
+    # more per-token loss terms, {name: coefficient}: loss.TERMS names them (a fork adds its own)
+    loss_terms: dict[str, float] = dataclasses.field(default_factory=dict)
     # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
     tis_cap: float = 0.0
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
@@ -203,7 +203,7 @@ class TrainConfig:
     micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
     # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
     # width; a longer sequence gets one of its own), rows no wider than the longest sequence
-    # (batching.py); micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size
+    # (update.py); micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size
     # rows
     max_tokens_per_micro_batch: int = 0
     # recompute decoder activations in backward: less memory, ~1/3 more compute
@@ -234,9 +234,9 @@ class RunConfig:
     nproc: int = 0
     # greedy validation trajectories written to TensorBoard as text (val/samples)
     log_samples: int = 4
-    # sampled responses per validation prompt: > 1 adds val/pass@k (eval.py's estimator)
+    # sampled responses per validation prompt: > 1 adds val/pass@k (metrics.pass_at_k, as eval)
     val_samples: int = 1
-    # Health checks (health.py), each ending the run with exit 2 and a named error. After a weight
+    # Health checks (memory.py), each ending the run with exit 2 and a named error. After a weight
     # push, the engine's tensors are hashed and compared with the trainer's: every push of the
     # first check_weights_first steps, then every check_weights_every steps (0: not again).
     check_weights_first: int = 3
@@ -259,151 +259,39 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        """Every value checked: one of its mode list, within its bounds, and no conflicting
-        combination. A ConfigError names the key."""
-        self._check_choices()
+        """Every value of the right kind and within its bounds; the choices and the combinations
+        are their owners' (`check` in cancel.py, advantages.py, loss.py, update.py, rewards.py,
+        memory.py, runtime/model.py, task/data.py). A ConfigError names the key."""
         for key, value, low in self._bounds():
             if not value >= low:  # also rejects NaN
                 raise ConfigError(f"{key}={value!r}: expected >= {low}")
-        self._check_combinations()
-
-    def _check_choices(self):
-        choices = {
-            "data.task": (self.data.task, TASKS),
-            "rollout.cancel": (self.rollout.cancel, CANCEL_POLICIES),
-            "train.loss_agg": (self.train.loss_agg, LOSS_AGG_MODES),
-            "train.ratio_level": (self.train.ratio_level, RATIO_LEVELS),
-            "train.kl_estimator": (self.train.kl_estimator, KL_ESTIMATORS),
-            "train.kl_in": (self.train.kl_in, KL_PLACEMENTS),
-            "train.old_logprobs": (self.train.old_logprobs, ("trainer", "engine")),
-            "train.lr_schedule": (self.train.lr_schedule, LR_SCHEDULES),
-            "model.compute_dtype": (self.model.compute_dtype, DTYPES),
-            "model.engine_dtype": (self.model.engine_dtype, DTYPES),
-            "model.attn_implementation": (self.model.attn_implementation, ATTENTION),
-            "memory.mode": (self.memory.mode, MEMORY_MODES),
+        highest = {  # (key, value, largest allowed)
+            "rollout.time_quantile": (self.rollout.time_quantile, 1),
+            "train.min_lr_ratio": (self.train.min_lr_ratio, 1),
+            "data.tiny_operand_digits": (self.data.tiny_operand_digits, 7),  # calculator: < 1e15
         }
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
-
-    def _check_combinations(self):
-        """Values each fine alone, wrong together (or beyond an upper bound)."""
-        if not 0 <= self.rollout.drop_rate < 1:
-            raise ConfigError(
-                f"rollout.drop_rate={self.rollout.drop_rate}: expected 0 <= drop_rate < 1"
-            )
-        if self.rollout.drop_rate > 0 and self.rollout.over_sample_rate > 0:
-            raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
-        if self.data.task in ("gsm8k", "chat") and not self.data.train_path:
-            raise ConfigError(
-                f"data.task={self.data.task} needs data.train_path (a .jsonl/.parquet file or a "
-                "hub name)"
-            )
-        if self.data.task == "chat" and not self.data.reward:
-            raise ConfigError(
-                "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
-            )
-        if self.train.ratio_level == "sequence" and self.train.loss_agg != SEQUENCE_RATIO_AGG:
-            raise ConfigError(
-                "train.ratio_level=sequence (GSPO) averages each sequence's objective over "
-                "sequences: "
-                f"it needs train.loss_agg=seq-mean-token-mean, not {self.train.loss_agg!r}"
-            )
-        r = self.rollout
-        budget = min(r.max_new_tokens, r.max_response_tokens or r.max_new_tokens)
-        if self.train.kl_in == "reward" and not self.train.kl_coef:
-            raise ConfigError("train.kl_in=reward needs train.kl_coef > 0 (0 keeps no reference)")
-        if r.tools and r.max_turns == 1:
-            raise ConfigError(
-                f"rollout.tools={r.tools} needs rollout.max_turns > 1 (one turn calls none)"
-            )
-        if r.tools and self.data.task in ("tiny", "tiny_tool"):
-            raise ConfigError(
-                f"rollout.tools: the {self.data.task} task calls no tools of yours (tiny_tool: its "
-                "own '?' calculator); tools are called in Qwen's <tool_call> JSON (data.task gsm8k "
-                "or chat)"
-            )
-        if self.train.overlong_penalty and r.max_turns > 1:
-            raise ConfigError(
-                "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool "
-                "observations share the token budget with what the model wrote"
-            )
-        if self.train.overlong_penalty and not 0 < self.train.overlong_buffer <= budget:
-            raise ConfigError(
-                f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the "
-                f"generation budget), got {self.train.overlong_buffer}"
-            )
-        if self.train.ratio_level == "cispo" and self.train.loss_agg != CISPO_AGG:
-            raise ConfigError(
-                "train.ratio_level=cispo normalises over every token (MiniMax-M1, eq. 4): it "
-                f"needs train.loss_agg={CISPO_AGG}, not {self.train.loss_agg!r}"
-            )
-        if self.train.old_logprobs == "engine":
-            t = self.train
-            conflicts = {
-                "train.num_minibatches > 1 (later minibatches need pi_old, not the weights now)": (
-                    t.num_minibatches > 1
-                ),
-                "rollout.partial (resumed tokens were sampled by older weights)": (
-                    self.rollout.partial
-                ),
-                "train.tis_cap (TIS weighs pi_old / pi_engine: 1 everywhere)": t.tis_cap > 0,
-            }
-            named = [name for name, on in conflicts.items() if on]
-            if named:
-                raise ConfigError(
-                    "train.old_logprobs=engine takes pi_old from the engine, valid only where it "
-                    f"is the policy being trained; turn off: {'; '.join(named)}"
-                )
-        if self.train.tis_cap != 0 and self.train.tis_cap < 1:
-            raise ConfigError(f"train.tis_cap={self.train.tis_cap}: expected 0 (off) or a cap >= 1")
-        if self.rollout.partial and self.rollout.cancel == "none":
-            raise ConfigError(
-                "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
-                "nothing: choose a cancel policy (count, time or group)"
-            )
-        if self.rollout.max_staleness < 0 or self.train.max_token_staleness < -1:
-            raise ConfigError(
-                f"rollout.max_staleness={self.rollout.max_staleness} must be >= 0 and "
-                f"train.max_token_staleness={self.train.max_token_staleness} >= -1 (-1 = off)"
-            )
-        if (
-            self.rollout.filter_groups
-            and 0 < self.rollout.max_prompts_per_step < self.rollout.prompts_per_step
-        ):
-            raise ConfigError(
-                f"rollout.max_prompts_per_step={self.rollout.max_prompts_per_step} is below "
-                f"rollout.prompts_per_step={self.rollout.prompts_per_step}: no step could fill "
-                "its batch"
-            )
-        if self.run.nproc < 0:
-            raise ConfigError(
-                f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1"
-            )
+        for key, (value, high) in highest.items():
+            if not value <= high:
+                raise ConfigError(f"{key}={value!r}: expected <= {high}")
+        if not self.rollout.drop_rate < 1:
+            raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate!r}: expected < 1")
+        positive = {
+            "train.lr": self.train.lr,
+            "train.clip_eps": self.train.clip_eps,
+            "train.grad_clip": self.train.grad_clip,
+            "rollout.time_factor": self.rollout.time_factor,
+            "rollout.time_quantile": self.rollout.time_quantile,
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"{key}={value!r}: expected > 0")
         if self.rollout.group_size < 2:
             raise ConfigError(
                 "rollout.group_size must be >= 2: GRPO compares samples within a group"
             )
-        if (
-            self.rollout.over_sample_rate < 0
-            or self.rollout.time_factor <= 0
-            or not 0 < self.rollout.time_quantile <= 1
-        ):
+        if self.run.nproc < 0:
             raise ConfigError(
-                "rollout.over_sample_rate must be >= 0, time_factor > 0 and 0 < time_quantile <= 1"
-            )
-        if self.train.min_lr_ratio > 1:
-            raise ConfigError(
-                f"train.min_lr_ratio={self.train.min_lr_ratio}: expected 0 <= ratio <= 1"
-            )
-        if self.data.tiny_operand_digits > 7:  # the calculator takes operands < 1e15
-            raise ConfigError(
-                f"data.tiny_operand_digits={self.data.tiny_operand_digits}: expected <= 7"
-            )
-        if self.train.lr <= 0 or self.train.clip_eps <= 0 or self.train.grad_clip <= 0:
-            raise ConfigError(
-                f"train.lr={self.train.lr}, clip_eps={self.train.clip_eps} and "
-                f"grad_clip={self.train.grad_clip} must all be > 0"
+                f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1"
             )
 
     def _bounds(self):
@@ -432,6 +320,9 @@ class Config:
             ("rollout.tool_timeout_s", r.tool_timeout_s, 1e-3),
             ("rollout.tool_workers", r.tool_workers, 1),
             ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
+            ("rollout.drop_rate", r.drop_rate, 0),
+            ("rollout.over_sample_rate", r.over_sample_rate, 0),
+            ("rollout.max_staleness", r.max_staleness, 0),
             ("train.steps", t.steps, 0),
             ("train.micro_batch_size", t.micro_batch_size, 1),
             ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
@@ -450,6 +341,7 @@ class Config:
             ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
             ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9),
             ("train.max_bad_updates", t.max_bad_updates, 1),
+            ("train.max_token_staleness", t.max_token_staleness, -1),
             ("run.val_samples", self.run.val_samples, 1),
             ("run.check_weights_first", self.run.check_weights_first, 0),
             ("run.check_weights_every", self.run.check_weights_every, 0),
@@ -480,6 +372,14 @@ RENAMED = {
 
 def _coerce(key, value, kind):
     """Check `value` against the field type; ints are accepted where floats are expected."""
+    if typing.get_origin(kind) is dict:  # dict[str, float]: a YAML mapping of names to numbers
+        numbers = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in value.items()
+        )
+        if not numbers:
+            raise ConfigError(f"{key}={value!r}: expected a mapping of names to numbers")
+        return {k: float(v) for k, v in value.items()}
     if typing.get_origin(kind) is list:  # list[str]: a YAML list of strings
         (item,) = typing.get_args(kind)
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
@@ -539,7 +439,7 @@ def load_config(path=None, sets=()):
         for section in reversed(sections):
             nested = {section: nested}
         apply(config, nested)
-    config.__post_init__()  # re-validate choices after overrides
+    config.__post_init__()  # re-validate the bounds after overrides
     return config
 
 

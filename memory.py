@@ -1,24 +1,43 @@
-"""Memory phases of a colocated step: which of engine weights, KV cache, trainer parameters,
-gradients and optimizer state are resident on the accelerator, when, and the peak of each phase.
+"""Memory phases of a colocated step, and stage 5 of the step, the weight sync between them.
 
-rollout (engine weights + KV cache; trainer offloaded) -> train (engine released; trainer onloaded)
--> sync, staged as in SGLang RFC 7009: offload the optimizer (its blocks go back to the device at
-once), resume engine weights, push weights in buckets, offload trainer parameters (blocks returned
-again), and only then resume the KV cache. `all_at_once` resumes weights and KV cache together, for
-comparison. The engine calls themselves live in sglang_engine.py; this file decides their order
-and refuses illegal transitions.
+Which of engine weights, KV cache, trainer parameters, gradients and optimizer state are resident
+on the accelerator, when, and the peak of each phase: rollout (engine weights + KV cache; trainer
+offloaded) -> train (engine released; trainer onloaded) -> weight sync, staged as in SGLang RFC
+7009: offload the optimizer (its blocks go back to the device at once), resume engine weights,
+push weights in buckets, offload trainer parameters (blocks returned again), and only then resume
+the KV cache. `all_at_once` resumes weights and KV cache together, for comparison.
+
+The weight sync also owns the run's health checks (the other trainers' most reported silent
+failure is an engine that samples from other weights or computes another model than the
+trainer's; neither raises):
+- after a push, every tensor the engine holds is hashed inside the engine (SGLang's weight
+  checker) and compared with the same hash of what the trainer sent, bit for bit
+  (`check_weights`, on `run.check_weights_first` / `run.check_weights_every` steps);
+- `GapWatch`: at the first step, when both hold the same weights, the engine-vs-trainer log-prob
+  gap the update measured must be below what the dtypes explain (`STEP0_MAX_GAP`); later, a gap
+  above `run.max_logprob_gap` for `run.max_logprob_gap_steps` steps in a row stops the run.
+Each failure is a HealthError (train.py ends the run with exit 2). The engine calls themselves live
+in runtime/engine.py; this file decides their order and refuses illegal transitions.
 """
 
 import dataclasses
+import time
 
 import torch
 
-import parallel
+from config import ConfigError
 from metrics import slowest
+import runtime.parallel as parallel
 
 MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
 # the ledger's name of each engine memory tag (CUDA graph pools are not modelled)
 LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}
+
+
+def check(cfg):
+    """memory.mode's choice (runtime.run.load_config calls this at load)."""
+    if cfg.memory.mode not in MEMORY_MODES:
+        raise ConfigError(f"memory.mode={cfg.memory.mode!r}: expected one of {MEMORY_MODES}")
 
 
 class PhaseError(RuntimeError):
@@ -69,8 +88,8 @@ class Ledger:
 
 
 class MemoryPhases:
-    """The per-step phase machine: `to_train()` after a rollout, `sync(version)` after the
-    update."""
+    """The per-step phase machine: `start()` once before the first rollout, then each step
+    `to_train()` after the rollout and `to_rollout(push)` after the update (the weight sync)."""
 
     def __init__(
         self,
@@ -93,7 +112,7 @@ class MemoryPhases:
         self.ledger = Ledger.measure(
             policy, optimizer, engine.kv_cache_tokens(), engine_dtype, reference
         )
-        self.phase = "rollout"
+        self.phase = "setup"
         # what is resident now; trainer_grads only exist between backward and zero_grad
         self.resident = {"engine_weights", "kv_cache", "trainer_params", "optimizer_state"}
         if reference is not None:
@@ -104,20 +123,13 @@ class MemoryPhases:
         # phase -> {"modelled": ledger bytes, "measured": device-wide bytes in use, "trainer": this
         # process's allocator peak}; the last two on GPU only. Reset each step.
         self.peaks = {}
-        self._move_trainer(onload=False, params=True, optimizer=True)  # rollout comes first
 
-    @classmethod
-    def of(cls, run, cfg):
-        """The phases of a train.py run (`cfg`: MemoryConfig)."""
-        return cls(
-            run.engine,
-            run.policy,
-            run.optimizer,
-            mode=cfg.mode,
-            bucket_bytes=cfg.bucket_mb << 20,
-            engine_dtype=run.engine.dtype,
-            reference=run.reference,
-        )
+    def start(self):
+        """setup -> rollout, once: the trainer's memory goes to the CPU, since the first step's
+        rollout comes first."""
+        self._expect("setup", "start")
+        self._enter("rollout")
+        self._move_trainer(onload=False, params=True, optimizer=True)
 
     # ------------------------------------------------------------------ transitions
     def to_train(self):
@@ -136,11 +148,12 @@ class MemoryPhases:
         self.resident.add("trainer_grads")
         self._note()
 
-    def sync(self, version, after_push=None):
-        """train -> rollout, pushing the new weights to the engine in between; `after_push()`
-        runs right after the push, while the trainer's weights are still on its device (the
-        weight check hashes them there, as the engine hashes its own)."""
-        self._expect("train", "sync")
+    def to_rollout(self, push):
+        """train -> rollout, the new weights pushed to the engine in between: `push()` runs once
+        the engine's weights are resumed and while the trainer's weights are still on its device
+        (the weight check hashes them there, as the engine hashes its own). Returns what `push`
+        returns."""
+        self._expect("train", "to_rollout")
         # the train phase's peak, noted after the update (activations included, on GPU)
         self._note()
         self._enter("sync")
@@ -151,18 +164,14 @@ class MemoryPhases:
         if self.mode != "off":
             self._resume(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
-        num_buckets = self.engine.update_weights(
-            self.policy.named_parameters(), version, self.bucket_bytes, gather=parallel.full_tensor
-        )
-        if after_push is not None:
-            after_push()
+        pushed = push()
         self._move_trainer(onload=False, params=True, optimizer=False)
         if self.mode == "staged":
             # KV cache (+ CUDA graphs)
             self._resume([tag for tag in self.engine.memory_tags if tag != "weights"])
         self._enter("rollout")
         self._note()
-        return num_buckets
+        return pushed
 
     # ------------------------------------------------------------------ bookkeeping
     def _expect(self, phase, action):
@@ -266,3 +275,143 @@ class MemoryPhases:
         for name in ("engine_weights", "kv_cache", "trainer_params", "optimizer_state"):
             out[f"memory/resident_{name}"] = slowest(name in self.resident)
         return out
+
+
+# ---------------------------------------------------------------- stage 5: the weight sync
+def sync_weights(run, version, logprob_gap=None):
+    """The engine samples the next step from the updated policy: the trainer's weights pushed
+    in buckets as weight `version` between the train and rollout phases, checked bit for bit on
+    the steps `should_check_weights` picks, and the update's `logprob_gap` (None when it
+    measured none) read by the run's GapWatch. Returns the stage's metrics."""
+    start = time.perf_counter()
+    check_s = 0.0
+
+    def push():
+        nonlocal check_s
+        run.engine.update_weights(
+            run.trainer.policy.named_parameters(),
+            version,
+            run.phases.bucket_bytes,
+            gather=parallel.full_tensor,
+        )
+        if should_check_weights(version - 1, run.cfg.run):
+            check_start = time.perf_counter()
+            check_weights(run.engine, run.trainer.policy.named_parameters(), parallel.full_tensor)
+            check_s = time.perf_counter() - check_start
+
+    run.phases.to_rollout(push)
+    if logprob_gap is not None:
+        run.gap_watch.observe(version - 1, logprob_gap)
+    metrics = run.phases.metrics()
+    metrics["timing/weight_sync_s"] = slowest(time.perf_counter() - start - check_s)
+    if check_s:
+        metrics["timing/check_weights_s"] = slowest(check_s)
+    return metrics
+
+
+class HealthError(RuntimeError):
+    """The engine and the trainer disagree: training on would learn from the wrong samples."""
+
+
+class WeightMismatchError(HealthError):
+    """After a weight push, the engine holds tensors other than the ones the trainer sent."""
+
+
+class LogprobGapError(HealthError):
+    """The engine's log-probs of its own samples are not the trainer's."""
+
+
+# SGLang fuses these projections into one tensor (tp=1: the parts concatenated along dim 0, in
+# this order; sglang/srt/models/qwen2.py, stacked_params_mapping)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the vocabulary tensors, whose rows SGLang pads with zeros to a multiple of 64
+# (sglang/srt/layers/vocab_parallel_embedding.py, weight_loader)
+VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+# The step-0 gap allowed, by the coarser of model.compute_dtype and model.engine_dtype: well above
+# what those dtypes give (measured on the CPU demo, docs/RESULTS.md) and well below what a
+# mismatch gives (a rope base off by 2x: 0.1 and more).
+STEP0_MAX_GAP = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def should_check_weights(step, run_cfg):
+    """Every push of the first `run.check_weights_first` steps, then every
+    `run.check_weights_every` steps (0: never again)."""
+    every = run_cfg.check_weights_every
+    return step < run_cfg.check_weights_first or (every > 0 and (step + 1) % every == 0)
+
+
+def check_weights(engine, named_params, gather=lambda tensor: tensor):
+    """Raise WeightMismatchError unless every tensor the engine holds hashes as the trainer's
+    `named_params` do once cast to the engine's dtype (and fused and padded as SGLang lays them
+    out). The hash is SGLang's own (`tensor_hash`: sha256 on CPU, a Triton kernel on a GPU), run on
+    the trainer's tensors where they live. Returns the number of tensors checked."""
+    from runtime.engine import pad_vocab_size, tensor_hash
+
+    params = dict(named_params)
+    engine_sums = engine.weight_checksums()
+    wrong = []
+    for name, engine_sum in engine_sums.items():
+        tensor = trainer_tensor(name, params, engine.dtype, gather)
+        if name.endswith(VOCAB_TENSORS):
+            padding = pad_vocab_size(tensor.shape[0]) - tensor.shape[0]
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, padding))
+        if f"{tensor_hash(tensor.contiguous()):016x}" != engine_sum:
+            wrong.append(name)
+    if wrong:
+        raise WeightMismatchError(
+            f"after the weight push, {len(wrong)} of {len(engine_sums)} engine tensors differ from "
+            f"what the trainer sent: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. "
+            "The engine would sample from other weights than the ones trained."
+        )
+    return len(engine_sums)
+
+
+def trainer_tensor(engine_name, params, dtype, gather):
+    """The trainer's tensor for one of the engine's, whole and cast to the engine's dtype."""
+    for fused, parts in FUSED.items():
+        if f".{fused}." in engine_name:
+            names = [engine_name.replace(fused, part) for part in parts]
+            return torch.cat([trainer_tensor(name, params, dtype, gather) for name in names])
+    if engine_name not in params:
+        raise WeightMismatchError(
+            f"the engine holds {engine_name}, which no trainer tensor makes: the engine's model "
+            "is not the trainer's"
+        )
+    return gather(params[engine_name].detach().to(dtype))
+
+
+class GapWatch:
+    """Reads each step's `train/logprob_gap` (engine vs trainer, on the tokens the current weights
+    sampled) and raises LogprobGapError when it says they disagree."""
+
+    def __init__(self, cfg, first_step):
+        coarser = (
+            "bfloat16"
+            if "bfloat16" in (cfg.model.compute_dtype, cfg.model.engine_dtype)
+            else "float32"
+        )
+        self.step0_max = STEP0_MAX_GAP[coarser]
+        self.dtypes = (
+            f"model.compute_dtype={cfg.model.compute_dtype}, "
+            f"model.engine_dtype={cfg.model.engine_dtype}"
+        )
+        self.first_step = first_step
+        self.max_gap = cfg.run.max_logprob_gap
+        self.patience = cfg.run.max_logprob_gap_steps
+        self.over = 0  # steps in a row above max_gap
+
+    def observe(self, step, gap):
+        if step == self.first_step and gap > self.step0_max:
+            raise LogprobGapError(
+                f"step {step}: the engine's log-probs of its own samples differ from the trainer's "
+                f"by {gap:.3g} per token while both hold the same weights ({self.dtypes} allow "
+                f"{self.step0_max:g}). The engine computes another model: check the dtypes, the "
+                "model's config (rope, vocabulary) and the tokenizer the engine loaded."
+            )
+        self.over = self.over + 1 if self.max_gap and gap > self.max_gap else 0
+        if self.patience and self.over >= self.patience:
+            raise LogprobGapError(
+                f"step {step}: the engine-vs-trainer log-prob gap was above "
+                f"run.max_logprob_gap={self.max_gap} for {self.over} steps in a row (now "
+                f"{gap:.3g}): the engine samples from weights or code other than the trainer's."
+            )

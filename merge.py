@@ -1,5 +1,6 @@
-"""Training sequences: folds the step-wise turns of a tool-using trajectory into as few sequences as
-possible (multi-turn merging), and chooses what the trainer trains on (`training_sequences`).
+"""Stage 3 of the step, training sequences: folds the step-wise turns of a tool-using trajectory
+into as few sequences as possible (multi-turn merging), and chooses what the trainer trains on
+(`training_sequences`).
 
 Owns the prefix check, the per-token bookkeeping (tool observations get loss_mask 0, logprob 0.0),
 the merge statistics, and which sequences train: finished ones within the model's length, each with
@@ -12,8 +13,6 @@ every copy and prefix compare below is a memcpy/memcmp.
 import array
 import dataclasses
 import warnings
-
-import torch
 
 from metrics import summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
@@ -206,14 +205,14 @@ def unmerged(trajectories: list[list[Sample]]) -> list[Sample]:
 
 
 # ---------------------------------------------------------------- what the trainer trains on
-def training_sequences(
-    trajectories, advantages, max_seq_len, merge_turns=True, mask_truncated=False
-):
-    """Sequences to train on and their advantages: merged turns (or one per turn) of finished
-    trajectories, each with its *trajectory's* advantage (`advantages` is aligned with
-    `trajectories`). Over-long ones are dropped and counted, and with `mask_truncated` (DAPO's
-    overlong filtering, `train.mask_truncated`) the ones cut at the budget. Without `merge_turns`
-    (`rollout.merge_turns`) every turn is its own sequence. Returns (sequences, [S], metrics)."""
+def training_sequences(trajectories, cfg, max_seq_len):
+    """Stage 3 of the step: the sequences to train on, merged turns (or one per turn) of finished
+    trajectories, each carrying its *trajectory's* advantage (set on every turn by
+    advantages.compute). Over-long ones are dropped and counted, and with
+    `train.mask_truncated` (DAPO's overlong filtering) the ones cut at the budget. Without
+    `rollout.merge_turns` every turn is its own sequence. Returns (sequences, metrics)."""
+    merge_turns = cfg.rollout.merge_turns
+    mask_truncated = cfg.train.mask_truncated
     if merge_turns:
         per_trajectory, stats = merge_each(trajectories, max_seq_len)
     else:
@@ -221,10 +220,9 @@ def training_sequences(
         num_turns = sum(len(turns) for turns in trajectories)
         stats = MergeStats(turns=num_turns, sequences_before=num_turns, sequences_after=num_turns)
     sequences = []
-    sequence_advantages = []
     num_finished = 0
     num_fitting = 0
-    for candidates, advantage in zip(per_trajectory, advantages.tolist()):
+    for candidates in per_trajectory:
         for s in candidates:
             # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
             # would still cost the old-log-prob pass, the forward and the backward, and they are
@@ -238,7 +236,6 @@ def training_sequences(
             if mask_truncated and s.finish_reason == "length":
                 continue
             sequences.append(s)
-            sequence_advantages.append(advantage)
     metrics = {
         "merge/sequences_before": summed(stats.sequences_before),
         "merge/sequences_after": summed(stats.sequences_after),
@@ -248,4 +245,4 @@ def training_sequences(
         "merge/over_length_dropped": summed(num_finished - num_fitting),
         "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1),
     }
-    return sequences, torch.tensor(sequence_advantages, dtype=torch.float), metrics
+    return sequences, metrics

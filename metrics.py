@@ -1,7 +1,9 @@
-"""Metrics: masked reductions, per-rollout statistics, and the TensorBoard + console logger.
+"""Stage 6 of the step: metrics reduced over ranks, and where they go (TensorBoard events, one
+console line per step, config.yaml in the run directory).
 
-Owns what is computed for logging and where it goes (TensorBoard events, one console line per step,
-config.yaml in the run directory). Does not own any training math (grpo.py) or timing decisions.
+Owns how a metric is reduced over ranks (`summed`, `slowest`, else averaged: declared where the
+metric is made), masked means, pass@k, and the logger. Each stage computes its own metrics (the
+rollout's in rollout.py, the update's in update.py, ...); none of the training math is here.
 """
 
 import dataclasses
@@ -12,67 +14,62 @@ import torch
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-import parallel
+import runtime.parallel as parallel
 
 
+@dataclasses.dataclass(frozen=True)
 class Summed:
-    """Marks a metric summed over ranks (a count, or a throughput): made by `summed(value)` where
-    the metric is produced. A plain number is averaged over the ranks that logged it (rates,
-    losses, means)."""
+    """A metric summed over ranks (a count, or a throughput), made by `summed(value)` where the
+    metric is produced. Deliberately not a number: `summed(3) + summed(4)` raises, so arithmetic
+    can never drop the rule; `reduce_metrics` turns it into a plain number. A plain number is
+    averaged over the ranks that logged it (rates, losses, means)."""
+
+    value: float
 
 
+@dataclasses.dataclass(frozen=True)
 class Slowest:
-    """Marks a metric that is the slowest rank's (the max over ranks): a time or a memory peak,
-    since the step waits for the slowest rank. Made by `slowest(value)`."""
+    """A metric that is the slowest rank's (the max over ranks): a time or a memory peak, since
+    the step waits for the slowest rank. Made by `slowest(value)`; not a number, as Summed."""
 
-
-class _SummedInt(Summed, int):
-    pass
-
-
-class _SummedFloat(Summed, float):
-    pass
-
-
-class _SlowestInt(Slowest, int):
-    pass
-
-
-class _SlowestFloat(Slowest, float):
-    pass
+    value: float
 
 
 def summed(value):
-    """`value` (a number, or a one-element tensor), marked to be summed over ranks; an int stays
-    an int (it prints as a count)."""
-    value = value.item() if torch.is_tensor(value) else value
-    return _SummedInt(value) if isinstance(value, int) else _SummedFloat(value)
+    """`value` (a number, or a one-element tensor), marked to be summed over ranks."""
+    return Summed(value.item() if torch.is_tensor(value) else value)
 
 
 def slowest(value):
     """`value`, marked to be reduced as the slowest rank's (the max)."""
-    value = value.item() if torch.is_tensor(value) else value
-    return _SlowestInt(value) if isinstance(value, int) else _SlowestFloat(value)
+    return Slowest(value.item() if torch.is_tensor(value) else value)
 
 
 def reduce_metrics(scalars):
-    """One dict of step metrics from every rank's, each reduced as its producer declared it:
-    Summed, Slowest, else averaged. A collective: every rank calls it. `timing/rollout_s_min`
-    beside the max shows how unevenly the ranks' rollouts ended."""
+    """One dict of plain numbers from every rank's step metrics, each reduced as its producer
+    declared it: Summed, Slowest, else averaged. A collective: every rank calls it. With several
+    ranks, `timing/rollout_s_min` beside the max shows how unevenly their rollouts ended."""
     per_rank = parallel.gather_objects(scalars)
-    if len(per_rank) == 1:
-        return scalars
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
         if isinstance(values[0], Summed):
-            out[key] = summed(sum(values))
+            out[key] = sum(v.value for v in values)
         elif isinstance(values[0], Slowest):
-            out[key] = slowest(max(values))
+            out[key] = max(v.value for v in values)
         else:
             out[key] = sum(values) / len(values)
-    out["timing/rollout_s_min"] = min(d.get("timing/rollout_s", math.inf) for d in per_rank)
+    if len(per_rank) > 1:
+        out["timing/rollout_s_min"] = min(
+            d["timing/rollout_s"].value if "timing/rollout_s" in d else math.inf for d in per_rank
+        )
     return out
+
+
+def local_values(scalars):
+    """This rank's metrics as plain numbers, not reduced over ranks: for a benchmark or a test
+    that reads one rank's figures (the step reduces with `reduce_metrics`)."""
+    return {key: getattr(value, "value", value) for key, value in scalars.items()}
 
 
 def masked_mean(values, mask):
@@ -92,73 +89,15 @@ def length_stats(lengths, prefix):
     }
 
 
-def rollout_metrics(trajectories, stats):
-    """Reward, length, cancellation and tool statistics of one training rollout (`stats`:
-    RolloutStats).
-
-    Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
-    failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
-    `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
-    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
-    """
-    samples = [turn for turns in trajectories for turn in turns]
-    launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
-    finished = [s for s in launched if not s.is_aborted]
-    # turns cut by cancellation
-    failed = ("error", "reward_error")  # kept out like an abort, but counted on their own
-    aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
-    num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
-    rewards = torch.tensor([s.reward for s in finished] or [0.0])
-    num_tokens = sum(len(s.response_ids) for s in samples)
-    out = {
-        "train/reward_mean_completed": rewards.mean().item(),
-        "train/reward_mean_launched": rewards.sum().item() / max(len(launched), 1),
-        "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
-        "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
-        "rollout/launched": summed(len(launched)),
-        "rollout/aborted": summed(num_aborted),
-        "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
-        "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
-        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
-        / max(len(finished), 1),
-        "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
-        "perf/rollout_tokens_per_s": summed(num_tokens / max(stats.rollout_s, 1e-9)),
-        "timing/rollout_s": slowest(stats.rollout_s),
-        "rollout/cancel_decision_s": slowest(stats.decision_s),  # launch -> enough finished
-        # decision -> every aborted request returned
-        "rollout/cancel_latency_s": slowest(stats.cancel_latency_s),
-        "rollout/tool_calls": summed(stats.num_tool_calls),
-        "rollout/tool_errors": summed(stats.num_tool_errors),
-        **{f"tools/{name}/calls": summed(n) for name, n in stats.tool_calls.items()},
-        **{f"tools/{name}/errors": summed(n) for name, n in stats.tool_errors.items()},
-        "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
-        "rollout/timed_out": summed(stats.num_timed_out),
-        "rollout/reward_errors": summed(stats.num_reward_errors),
-    }
-    out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
-    out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
-    if aborted:
-        out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
-    return out
-
-
-def filter_metrics(trajectories, counts, stats, target_groups, filtering):
-    """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
-    would save). `trajectories`: the trained ones; `counts`: cancel.filter_groups'.
-    `train/reward_mean` is what was trained on and `train/reward_mean_unfiltered` every finished
-    trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
-    one)."""
-    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
-    return {
-        **{f"filter/{name}": summed(value) for name, value in counts.items()},
-        "filter/prompts_launched": summed(stats.prompts_launched),
-        # 1 when filtering kept fewer groups than the target (the prompt bound ended the step),
-        # on any rank
-        "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
-        "train/reward_mean": sum(rewards) / max(len(rewards), 1),
-        "perf/generated_tokens_per_kept_group": stats.generated_tokens
-        / max(counts["kept_groups"], 1),
-    }
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct
+    one, computed as a product (the binomials overflow floats at large n)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def trajectory_texts(trajectories, tokenizer, count):

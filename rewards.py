@@ -1,18 +1,22 @@
 """Rewards: the built-in reward functions, loading your own (`data.reward`), calling one safely,
-and `score`, the one place a trajectory's text becomes a reward.
+DAPO's overlong penalty, and `Rewards.scorer`, the one place a trajectory's text becomes a reward.
 
 Owns what a reward function is called with and what it may return (a finite number; anything else
 is a RewardError, counted by the rollout), and that it runs off the rollout's event loop: an
-`async def` reward is awaited, a plain one runs in a worker thread (`rollout.reward_workers`), so a
-slow reward (a parser, a sandbox, a judge) never delays the other requests or the cancel decision.
-Does not own prompts or data (tasks.py), nor when a trajectory is scored (rollout.py scores each
-one as it finishes).
+`async def` reward is awaited, a plain one runs in a thread pool of its own
+(`rollout.reward_workers`), so a slow reward (a parser, a sandbox, a judge) never delays the other
+requests or the cancel decision. Does not own prompts or data (task/data.py), nor when a
+trajectory is scored (rollout.py scores each one as it finishes).
 """
 
 import asyncio
+import concurrent.futures
+import functools
 import inspect
 import math
 import re
+
+from config import ConfigError, load_function
 
 
 class RewardError(ValueError):
@@ -20,25 +24,74 @@ class RewardError(ValueError):
     fails)."""
 
 
-async def score(turns, answer, tokenizer, reward_fn, timeout_s=0.0):
-    """The one place text becomes a reward: a finished trajectory's, from its last turn's response,
-    against the prompt's `answer`, computed off the event loop (`call_reward_off_loop`)."""
-    last = turns[-1]
-    text = tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
-    finished = last.finish_reason == "stop"
-    return await call_reward_off_loop(reward_fn, text, answer, finished, timeout_s)
+def check(cfg):
+    """DAPO's overlong penalty's limits (runtime.run.load_config calls this at load)."""
+    t = cfg.train
+    budget = cfg.rollout.token_budget()
+    if t.overlong_penalty and cfg.rollout.max_turns > 1:
+        raise ConfigError(
+            "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool observations "
+            "share the token budget with what the model wrote"
+        )
+    if t.overlong_penalty and not 0 < t.overlong_buffer <= budget:
+        raise ConfigError(
+            f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the generation "
+            f"budget), got {t.overlong_buffer}"
+        )
 
 
-async def call_reward_off_loop(reward_fn, response_text, answer, finished, timeout_s=0.0):
+class Rewards:
+    """A run's reward step: the task's `reward_fn` (response_text, answer, finished) -> float, run
+    in a thread pool of its own, and DAPO's overlong penalty when on (`train.overlong_penalty`)."""
+
+    def __init__(self, reward_fn, tokenizer, cfg):
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.cfg = cfg  # the run's Config
+        # plain reward functions run here, so the event loop that waits on the requests and
+        # decides the cancellation never waits on one
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            cfg.rollout.reward_workers, thread_name_prefix="reward"
+        )
+
+    def scorer(self, prompts_by_group, overlong=True):
+        """The reward step, as the rollout calls it on each finished trajectory (its turns): its
+        score against the answer of its prompt, `prompts_by_group[group id]`, plus DAPO's
+        overlong penalty when on and `overlong` (training's rollouts: validation and eval.py
+        score the task's reward alone)."""
+        t = self.cfg.train
+        budget = self.cfg.rollout.token_budget()
+
+        async def reward(turns):
+            value = await self.score(turns, prompts_by_group[turns[-1].group_id].answer)
+            if overlong and t.overlong_penalty:  # DAPO: long responses earn less, before the cut
+                length = len(turns[-1].response_ids)  # single-turn (`check` refuses more turns)
+                value += overlong_penalty(length, budget, t.overlong_buffer, t.overlong_penalty)
+            return value
+
+        return reward
+
+    async def score(self, turns, answer):
+        """A finished trajectory's reward, from its last turn's response against the prompt's
+        `answer`, computed off the event loop (`call_reward_off_loop`)."""
+        last = turns[-1]
+        text = self.tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
+        finished = last.finish_reason == "stop"
+        return await call_reward_off_loop(
+            self.reward_fn, text, answer, finished, self.pool, self.cfg.rollout.reward_timeout_s
+        )
+
+
+async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool, timeout_s=0.0):
     """`call_reward` without blocking the event loop: an `async def` reward_fn is awaited, a plain
-    one runs in the loop's default executor (the rollout engine's thread pool of
-    `rollout.reward_workers`). With `timeout_s`, a reward still running then is a RewardError (a
-    thread cannot be stopped: it finishes in the background, its result dropped)."""
+    one runs in `pool`. With `timeout_s`, a reward still running then is a RewardError (a thread
+    cannot be stopped: it finishes in the background, its result dropped)."""
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     if inspect.iscoroutinefunction(reward_fn):
         pending = call_async_reward(reward_fn, response_text, answer, finished)
     else:
-        pending = asyncio.to_thread(call_reward, reward_fn, response_text, answer, finished)
+        call = functools.partial(call_reward, reward_fn, response_text, answer, finished)
+        pending = asyncio.get_running_loop().run_in_executor(pool, call)
     try:
         return await asyncio.wait_for(pending, timeout_s or None)
     except asyncio.TimeoutError:
@@ -84,8 +137,6 @@ def load_reward(spec):
     """The function `spec` names (config.load_function), called as fn(response_text, answer,
     finished) -> float. One that cannot take those three arguments is a ConfigError here, before
     the engine starts."""
-    from config import ConfigError, load_function
-
     fn = load_function(spec, "data.reward")
     name = spec.rpartition(":")[2]
     try:

@@ -1,11 +1,14 @@
-"""Rollout: generation and tail cancellation on the engine (sglang_engine.py owns the engine).
+"""Stage 1 of the step: the rollout, with rewards. Generation and tail cancellation on the engine
+(runtime/engine.py owns the engine's API).
 
-Samples group_size trajectories per prompt (single- or multi-turn with a tool, or continuing partial
-rollout's suspended samples), one asyncio task per trajectory, each scored by the caller's reward
-function as it finishes. After every completion it asks cancel.py's `decide` whether enough have
-finished, launches more prompts when dynamic sampling asks for them, and at the decision aborts the
-rest inside the engine, awaiting every task. Does not own the stop rules (cancel.py), how text
-becomes a reward (rewards.py), losses, or which samples are suspended (buffer.py).
+`collect` is the stage: it asks the data stream (and partial rollout's buffer) what to launch,
+samples group_size trajectories per prompt (single- or multi-turn with a tool, or continuing
+suspended samples), one asyncio task per trajectory, each scored by the reward step as it finishes.
+After every completion it asks cancel.py's `decide` whether enough have finished (or some groups
+should stop), launches more prompts when dynamic sampling asks for them, and at the decision aborts
+the rest inside the engine, awaiting every task; then dynamic sampling's filter, and the stage's
+metrics. `validate` is the loop's validation rollout. Does not own the stop rules (cancel.py), how
+text becomes a reward (rewards.py), which samples are suspended (partial.py), or the loss.
 """
 
 import array
@@ -16,13 +19,16 @@ import inspect
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 import cancel
-from cancel import GroupFilter, Progress, keep_first_complete_groups
-from sglang_engine import Engine, RolloutError
-from sample import Sample
+from cancel import GroupFilter, Progress, filter_groups, plan_launch
+from metrics import length_stats, pass_at_k, slowest, summed, trajectory_texts
 from rewards import RewardError
+import runtime.parallel as parallel
+from runtime.engine import Engine, RolloutError
+from sample import Sample, groups_of, trajectories_of
 
 log = logging.getLogger("rollout")
 
@@ -67,7 +73,7 @@ class Settings:
     group_size: int
     budget: int  # generated + observation tokens per trajectory
     max_turns: int = 1
-    # async (response ids, prompt ids) -> tools.Observation, or None for no call; see tools.py
+    # async (response ids, prompt ids) -> tools.Observation, or None for no call; see task/tools.py
     tool: object = None
     # turns -> float (or an awaitable of one), called as each trajectory finishes
     reward: object = None
@@ -82,7 +88,7 @@ class Settings:
 def request_seed(rollout_seed, index, turn):
     """The sampling_seed of turn `turn` of request `index` (its launch order: the prompt's place in
     this step's draw from the data stream, then the member) in the rollout seeded `rollout_seed`
-    (train.rollout_seed: the run's seed and the step). Distinct for every request and turn, so no
+    (`rollout_seed`: the run's seed and the step). Distinct for every request and turn, so no
     two members of a group sample alike; below 2**31 (SGLang stores it as int64)."""
     digest = hashlib.blake2b(f"{rollout_seed}:{index}:{turn}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") >> 1
@@ -90,14 +96,6 @@ def request_seed(rollout_seed, index, turn):
 
 class RolloutEngine(Engine):
     """The engine, generating the trainer's rollouts (one `Rollout` per call of `generate`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # plain reward functions run in these threads (rewards.call_reward_off_loop): the event
-        # loop that waits on the requests and decides the cancellation never waits on a reward
-        self.engine.loop.set_default_executor(
-            ThreadPoolExecutor(self.cfg.reward_workers, thread_name_prefix="reward")
-        )
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -187,6 +185,8 @@ class Rollout:
         self.in_tool = set()
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
         self.next_group = 0  # the group id a refill gets next
+        self.group_of = {}  # request index -> its group id
+        self.cancelled_groups = set()  # groups a Decision cancelled while the rollout went on
 
     async def run(self, requests):
         """Launch every request, wait until cancel.decide stops the rollout (or all returned),
@@ -195,16 +195,15 @@ class Rollout:
         stats.prompts_launched = len({r.group_id for r in requests if r.resumed is None})
         self.next_group = max((r.group_id for r in requests), default=-1) + 1
         pending = self.launch(requests)
-        finished = []  # the last turn of each returned trajectory, in completion order
         try:
-            pending = await wait_for_enough(
+            pending, decision = await wait_for_enough(
                 pending,
-                finished,
                 plan=self.settings.plan,
                 start=self.start,
                 timeout_s=self.settings.timeout_s,
                 group_filter=self.group_filter,
                 on_return=self.filter_and_refill if self.group_filter is not None else None,
+                cancel_groups=self.cancel_groups,
             )
         except BaseException:
             # a reward function or a refill raised: nothing may keep running in the engine
@@ -225,12 +224,8 @@ class Rollout:
         # a resumed sample's earlier tokens were generated in an earlier step, not now
         earlier = sum(len(r.resumed.response_ids) for r in requests if r.resumed is not None)
         stats.generated_tokens = sum(len(s.response_ids) for s in samples) - earlier
-        plan = self.settings.plan
-        if plan is not None and plan.cancel == "group" and not plan.partial:
-            # the group policy trains complete groups only (partial: the finished ones wait);
-            # dynamic sampling then judges every one of them
-            num_groups = len(finished) if self.group_filter is not None else plan.target_groups
-            keep_first_complete_groups(samples, finished, plan.group_size, num_groups)
+        if decision.keep_groups is not None:  # e.g. the group policy: complete groups only
+            cancel.drop_other_groups(samples, decision.keep_groups)
         check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
 
@@ -247,6 +242,7 @@ class Rollout:
                 scored(work, self.settings.reward, self.stats, self.generated[request.index])
             )
             self.tasks[task] = request.index
+            self.group_of[request.index] = request.group_id
             new.add(task)
             if self.group_filter is not None:
                 self.group_filter.launched(request.group_id)
@@ -275,6 +271,15 @@ class Rollout:
             self.next_group += len(prompts)
             self.stats.prompts_launched += len(prompts)
         return new
+
+    async def cancel_groups(self, group_ids, pending):
+        """A Decision's `cancel_groups`: abort those groups' running members inside the engine
+        while the rest of the rollout goes on (each returns, cut, as an aborted trajectory)."""
+        new = set(group_ids) - self.cancelled_groups
+        if not new:
+            return
+        self.cancelled_groups |= new
+        await self.abort([t for t in pending if self.group_of[self.tasks[t]] in new])
 
     async def cancel_the_rest(self, pending):
         """At the decision: abort what is still running (timed out, if the rollout timeout
@@ -374,7 +379,7 @@ class Rollout:
                 sample.finish_reason = "length"
                 break
             # awaited: the loop serves the other requests and the cancel decision meanwhile (a
-            # plain tool runs in a thread, tools.py); a cancellation does not wait for it
+            # plain tool runs in a thread, task/tools.py); a cancellation does not wait for it
             self.in_tool.add(request.index)
             try:
                 observation = await tool(sample.response_ids, prompt_ids)
@@ -477,18 +482,24 @@ class Rollout:
 
 
 async def wait_for_enough(
-    pending, finished, plan, start, timeout_s=0.0, group_filter=None, on_return=None
+    pending, plan, start, timeout_s=0.0, group_filter=None, on_return=None, cancel_groups=None
 ):
-    """Wake on each completion (or when cancel.decide asks to look again), until `decide` says
-    stop or nothing is pending; returns the tasks still pending. `finished` collects the last turn
-    of each returned trajectory, in completion order; `on_return(turns)` sees each one first and
-    hands back the tasks it launched; `group_filter` is dynamic sampling's tally (kept groups)."""
+    """Wake on each completion (or when cancel.decide asks to look again) and apply each Decision:
+    `cancel_groups(group ids, pending)` aborts some groups' running members, and the loop ends
+    when `decide` says stop or nothing is pending. `on_return(turns)` sees each returned
+    trajectory first and hands back the tasks it launched; `group_filter` is dynamic sampling's
+    tally (kept groups). Returns (the tasks still pending, the last Decision, taken on
+    everything that returned)."""
     progress = Progress(group_size=plan.group_size if plan is not None else 0)
-    while pending:
+    while True:
         progress.elapsed_s = time.perf_counter() - start
+        if group_filter is not None:
+            progress.kept_groups = group_filter.kept
         decision = cancel.decide(plan, progress, timeout_s)
-        if decision.stop:
-            break
+        if decision.stop or not pending:
+            return pending, decision
+        if decision.cancel_groups and cancel_groups is not None:
+            await cancel_groups(decision.cancel_groups, pending)
         wait_s = None
         if decision.wake_at_s is not None:
             wait_s = max(decision.wake_at_s - progress.elapsed_s, 0)
@@ -497,13 +508,9 @@ async def wait_for_enough(
         )
         for task in done:
             turns = task.result()
-            finished.append(turns[-1])
-            progress.returned(turns[-1], elapsed_s=time.perf_counter() - start)
+            progress.returned(turns, elapsed_s=time.perf_counter() - start)
             if on_return is not None:
                 pending |= on_return(turns)
-        if group_filter is not None:
-            progress.kept_groups = group_filter.kept
-    return pending
 
 
 async def scored(work, reward, stats, generated=None):
@@ -574,3 +581,208 @@ def check_failures(samples, stats, max_failed_ratio):
             f"{stats.num_failed}/{len(samples)} requests failed inside the engine "
             f"(rollout.max_failed_ratio={max_failed_ratio}); see the log for rids"
         )
+
+
+# ---------------------------------------------------------------- stage 1: the training rollout
+def collect(run, step):
+    """This rank's training rollout for `step`: (GRPO groups, each a list of trajectories, each a
+    list of scored turns; the stage's metrics). Over-sampling, the cancel policy, dynamic sampling
+    and partial rollout are `rollout.*` settings, switched inside (the step never sees a buffer or
+    a refill). Partial rollout: earlier steps' unfinished samples go first and only complete
+    groups come back (partial.py). Dynamic sampling: the engine asks for more prompts as it goes
+    (`more_prompts`), and only groups whose rewards differ come back (`cancel.filter_groups`)."""
+    r = run.cfg.rollout
+    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
+    buffer = run.buffer
+    resumes = []
+    held_prompts = []
+    prior_rewards = None
+    if buffer is None:
+        new_prompts = run.stream.take(plan.num_prompts)
+    else:
+        version = run.engine.weight_version
+        resumes, new_prompts, held_prompts = buffer.launch(run.stream, plan.num_prompts, version)
+        prior_rewards = buffer.prior_rewards()
+    # indexed by group id: the new prompts' (0..), the held groups', then refills' (partial.py)
+    prompts_by_group = new_prompts + held_prompts
+
+    def more_prompts(count, first_group_id):
+        """Dynamic sampling's refills from this rank's stream, numbered on after every group id
+        so far."""
+        assert first_group_id == len(prompts_by_group)
+        prompts_by_group.extend(run.stream.take(count))
+        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
+
+    samples, stats = run.engine.generate(
+        [p.prompt_ids for p in new_prompts],
+        r.group_size,
+        r.temperature,
+        r.max_new_tokens,
+        plan,
+        tool=run.tool,
+        max_turns=r.max_turns,
+        max_response_tokens=r.max_response_tokens,
+        resumes=resumes,
+        reward=run.rewards.scorer(prompts_by_group),
+        more_prompts=more_prompts,
+        prior_rewards=prior_rewards,
+        seed=rollout_seed(run.cfg.train.seed, step),
+    )
+    if buffer is None:
+        groups = groups_of(trajectories_of(samples))
+    else:
+        groups = buffer.collect(samples, prompts_by_group)
+    metrics = rollout_metrics([turns for group in groups for turns in group], stats)
+    if buffer is not None:
+        metrics |= buffer.metrics()  # its rollout/* counts replace rollout_metrics'
+    # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
+    groups, counts = filter_groups(groups, drop=r.filter_groups)
+    trained = [turns for group in groups for turns in group]
+    metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
+    return groups, metrics
+
+
+def rollout_seed(run_seed, step, purpose="train"):
+    """The seed of one rollout, from which each request's sampling_seed derives (`request_seed`):
+    the same run seed samples the same tokens wherever the engine's arithmetic allows
+    (rollout.deterministic)."""
+    return int.from_bytes(
+        hashlib.blake2b(f"{run_seed}:{step}:{purpose}".encode(), digest_size=4).digest(), "big"
+    )
+
+
+# ---------------------------------------------------------------- the loop's validation
+def generate(run, prompts, group_size, temperature, seed=None):
+    """Validation's (and eval.py's) rollout: `group_size` trajectories per prompt, every request
+    waited for, each scored by the task's reward alone (no overlong penalty). Returns (samples,
+    RolloutStats)."""
+    r = run.cfg.rollout
+    return run.engine.generate(
+        [p.prompt_ids for p in prompts],
+        group_size,
+        temperature,
+        r.max_new_tokens,
+        tool=run.tool,
+        max_turns=r.max_turns,
+        max_response_tokens=r.max_response_tokens,
+        reward=run.rewards.scorer(prompts, overlong=False),
+        seed=seed,
+    )
+
+
+def validate(run, version):
+    """Greedy and sampled (training temperature) reward of weight `version`: greedy decoding hides
+    policy changes that sampling shows, and sampling is what the next rollout sees. Never
+    cancelled. Each rank scores its share of the prompts; sums and counts are reduced, so the
+    means are exact. Returns (scalars, texts): rank 0's first greedy trajectories as text."""
+    out = {}
+    texts = {}
+    prompts = parallel.rank_share(run.val_prompts)
+    n = run.cfg.run.val_samples
+    for suffix, temperature, group_size in (
+        ("", 0.0, 1),
+        ("_sampled", run.cfg.rollout.temperature, n),
+    ):
+        seed = rollout_seed(run.cfg.train.seed, version, f"val{suffix}")
+        samples = generate(run, prompts, group_size, temperature, seed)[0] if prompts else []
+        trajectories = trajectories_of(samples)  # scored as they finished
+        if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
+            texts["val/samples"] = trajectory_texts(
+                trajectories, run.tokenizer, run.cfg.run.log_samples
+            )
+        scores = [turns[-1].reward for turns in trajectories]
+        # trajectories with at least one well-formed tool call
+        called = sum(any(t.tool_call == 1 for t in turns) for turns in trajectories)
+        total, correct, calls, count = parallel.all_reduce(
+            [sum(scores), sum(r >= 1.0 for r in scores), called, len(scores)]
+        )
+        out[f"val/reward_mean{suffix}"] = total / count
+        out[f"val/accuracy{suffix}"] = correct / count
+        if group_size > 1:
+            out |= pass_at_ks(trajectories, group_size)
+        if run.tool is not None:
+            out[f"val/tool_call_ratio{suffix}"] = calls / count
+    return out, texts
+
+
+def pass_at_ks(trajectories, n):
+    """val/pass@k for k = 1, 2, 4, ... up to n (eval.py's estimator), from n scored trajectories
+    per prompt (group ids: the prompts), exact over ranks."""
+    correct = {}
+    for turns in trajectories:
+        group = turns[-1].group_id
+        correct[group] = correct.get(group, 0) + (turns[-1].reward >= 1.0)
+    ks = [2**i for i in range(n.bit_length()) if 2**i < n] + [n]
+    sums = [sum(pass_at_k(n, c, k) for c in correct.values()) for k in ks]
+    *sums, count = parallel.all_reduce(sums + [len(correct)])
+    return {f"val/pass@{k}": total / count for k, total in zip(ks, sums)}
+
+
+# ---------------------------------------------------------------- the stage's metrics
+def rollout_metrics(trajectories, stats):
+    """Reward, length, cancellation and tool statistics of one training rollout (`stats`:
+    RolloutStats).
+
+    Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
+    failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
+    `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
+    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
+    """
+    samples = [turn for turns in trajectories for turn in turns]
+    launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
+    finished = [s for s in launched if not s.is_aborted]
+    # turns cut by cancellation
+    failed = ("error", "reward_error")  # kept out like an abort, but counted on their own
+    aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
+    num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
+    rewards = torch.tensor([s.reward for s in finished] or [0.0])
+    num_tokens = sum(len(s.response_ids) for s in samples)
+    out = {
+        "train/reward_mean_completed": rewards.mean().item(),
+        "train/reward_mean_launched": rewards.sum().item() / max(len(launched), 1),
+        "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
+        "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
+        "rollout/launched": summed(len(launched)),
+        "rollout/aborted": summed(num_aborted),
+        "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
+        "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
+        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
+        / max(len(finished), 1),
+        "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
+        "perf/rollout_tokens_per_s": summed(num_tokens / max(stats.rollout_s, 1e-9)),
+        "timing/rollout_s": slowest(stats.rollout_s),
+        "rollout/cancel_decision_s": slowest(stats.decision_s),  # launch -> enough finished
+        # decision -> every aborted request returned
+        "rollout/cancel_latency_s": slowest(stats.cancel_latency_s),
+        "rollout/tool_calls": summed(stats.num_tool_calls),
+        "rollout/tool_errors": summed(stats.num_tool_errors),
+        **{f"tools/{name}/calls": summed(n) for name, n in stats.tool_calls.items()},
+        **{f"tools/{name}/errors": summed(n) for name, n in stats.tool_errors.items()},
+        "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
+        "rollout/timed_out": summed(stats.num_timed_out),
+        "rollout/reward_errors": summed(stats.num_reward_errors),
+    }
+    out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
+    out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
+    if aborted:
+        out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
+    return out
+
+
+def filter_metrics(trajectories, counts, stats, target_groups, filtering):
+    """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
+    would save). `trajectories`: the trained ones; `counts`: cancel.filter_groups'.
+    `train/reward_mean` is what was trained on and `train/reward_mean_unfiltered` every finished
+    trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
+    one)."""
+    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
+    return {
+        **{f"filter/{name}": summed(value) for name, value in counts.items()},
+        "filter/prompts_launched": summed(stats.prompts_launched),
+        # 1 when filtering kept fewer groups than the target (the prompt bound ended the step),
+        # on any rank
+        "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
+        "train/reward_mean": sum(rewards) / max(len(rewards), 1),
+        "perf/generated_tokens_per_kept_group": stats.generated_tokens
+        / max(counts["kept_groups"], 1),
+    }

@@ -1,9 +1,9 @@
-"""The per-sample record every stage passes on: engine output (tokens, log-probs, versions, flags)
-for one sequence or one turn, as the trainer, the merger and the metrics read it.
+"""The records every stage passes on: a prompt, and a sample (engine output: tokens, log-probs,
+versions, flags; its reward and advantage) for one sequence or one turn, as the stages read it.
 
-Owns the record's fields and their storage (typed arrays per token), and grouping turns into
-trajectories. Does not own how samples are made (rollout.py), merged (merge.py) or trained on
-(train.py).
+Owns the records' fields and their storage (typed arrays per token), and grouping turns into
+trajectories and trajectories into groups. Does not own how samples are made (rollout.py), scored
+(rewards.py), merged (merge.py) or trained on (update.py).
 """
 
 import array
@@ -20,6 +20,14 @@ PER_TOKEN_TYPECODES = {
     "versions": "i",
 }
 NOT_GENERATED = -1  # the `versions` entry of a token no policy sampled (a tool observation)
+
+
+@dataclasses.dataclass
+class Prompt:
+    prompt_ids: list[int]
+    # what the reward compares against: tiny: the count N; gsm8k: the gold number; chat: the row's
+    # answer
+    answer: str
 
 
 @dataclasses.dataclass
@@ -40,12 +48,16 @@ class Sample:
     turn: int = 0  # multi-turn: index of the turn inside its trajectory
     # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed)
     finish_reason: str = "stop"
-    is_aborted: bool = False  # cancelled before finishing: masked out of loss and reward means
+    # masked out of the loss and of reward means: cancelled before finishing, failed in the engine
+    # ("error"), or its reward failed ("reward_error"); finish_reason says which
+    is_aborted: bool = False
     weight_version: int = 0  # policy version that generated the tokens
     reward: float = 0.0
+    # the trajectory's advantage (advantages.py), carried by every turn and merged sequence
+    advantage: float = 0.0
     latency_s: float = 0.0  # launch -> returned
     # int32 per response token: the weight version that sampled it. A sample resumed across steps
-    # (partial rollout, buffer.py) mixes versions; left empty, every token gets `weight_version`.
+    # (partial rollout, partial.py) mixes versions; left empty, every token gets `weight_version`.
     versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     # partial rollout: steps this sample was continued in after a cancellation
     times_resumed: int = 0
@@ -97,7 +109,7 @@ def trajectories_of(samples: list[Sample]) -> list[list[Sample]]:
 
 def groups_of(trajectories: list[list[Sample]]) -> list[list[list[Sample]]]:
     """Trajectories of one rollout as GRPO groups (lists of trajectories sharing a group_id), in
-    order of first appearance. Groups that span steps (partial rollout) come from buffer.py."""
+    order of first appearance. Groups that span steps (partial rollout) come from partial.py."""
     groups = {}
     for turns in trajectories:
         groups.setdefault(turns[-1].group_id, []).append(turns)

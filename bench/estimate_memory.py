@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from config import load_config  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 
 # Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab, tied
 # input and output embeddings), for offline use.
@@ -30,7 +30,7 @@ CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and aga
 CUDA_GRAPH_GIB = 2.0
 # SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
 # region)
-CHUNK_TOKENS = 1024  # grpo.head_logprobs' default
+CHUNK_TOKENS = 1024  # losses.head_logprobs' default
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 

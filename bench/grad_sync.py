@@ -25,12 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # train_step.py's mix (after the root: bench/merge.py)
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-import grpo  # noqa: E402
-import parallel  # noqa: E402
-import setup_run  # noqa: E402
+import loss as losses  # noqa: E402
+from advantages import group_advantages  # noqa: E402
+import runtime.parallel as parallel  # noqa: E402
+import runtime.run as setup_run  # noqa: E402
 import train  # noqa: E402
 import train_step  # noqa: E402
-from config import load_config  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 
 
 def update(samples, once_per_minibatch, micro_batches, max_tokens=0):
@@ -52,14 +53,14 @@ def update(samples, once_per_minibatch, micro_batches, max_tokens=0):
 
         policy.register_forward_pre_hook(sync_last_only, with_kwargs=True)
     run = setup_run.trainer_only(cfg, policy)
-    advantages, _ = grpo.group_advantages(
+    advantages, _ = group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(0)),
         torch.tensor([s.group_id for s in samples]),
         torch.ones(len(samples), dtype=torch.bool),
     )
     torch.distributed.barrier()
     start = time.perf_counter()
-    stats = train.train_on_rollout(run, samples, advantages)
+    stats = train_step.train_on(run, samples, advantages)
     torch.distributed.barrier()
     seconds = time.perf_counter() - start
     return (

@@ -12,27 +12,37 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from anywhere
 
-import torch  # noqa: E402
+import torch
 
-import grpo  # noqa: E402
+import loss as losses  # noqa: E402
+from advantages import group_advantages  # noqa: E402
 import train  # noqa: E402
-from config import load_config  # noqa: E402
+from train_step import train_on  # noqa: E402
+import rollout  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 from memory import MemoryPhases  # noqa: E402
 
 
 def one_step(run, phases, step):
-    """rollout -> train -> sync under `phases`; returns the peak over the step's phases."""
+    """rollout -> train -> weight sync under `phases`; returns the peak over the step's phases."""
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)
-    samples, _ = train.generate(run, prompts, r.group_size, r.temperature)  # scored as they finish
-    advantages, _ = grpo.group_advantages(
+    samples, _ = rollout.generate(
+        run, prompts, r.group_size, r.temperature
+    )  # scored as they finish
+    advantages, _ = group_advantages(
         torch.tensor([s.reward for s in samples]),
         torch.tensor([s.group_id for s in samples]),
         torch.ones(len(samples), dtype=torch.bool),
     )
     phases.to_train()
-    train.train_on_rollout(run, samples, advantages)
-    phases.sync(version=step + 1)
+    train_on(run, samples, advantages)
+    policy = run.trainer.policy
+    phases.to_rollout(
+        push=lambda: run.engine.update_weights(
+            policy.named_parameters(), step + 1, phases.bucket_bytes
+        )
+    )
     return {phase: peak[phases.source] for phase, peak in phases.peaks.items()}
 
 
@@ -50,10 +60,13 @@ def main():
     run = train.setup(cfg)
     dtype = getattr(torch, cfg.model.engine_dtype)
     bucket = cfg.memory.bucket_mb << 20
+    trainer = run.trainer
     phases = {
-        mode: MemoryPhases(run.engine, run.policy, run.optimizer, mode, bucket, dtype)
+        mode: MemoryPhases(run.engine, trainer.policy, trainer.optimizer, mode, bucket, dtype)
         for mode in ("staged", "all_at_once")
     }
+    for machine in phases.values():
+        machine.start()
     peaks = {mode: [] for mode in phases}
     try:
         for step in range(args.repeats):

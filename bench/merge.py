@@ -149,7 +149,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     try:
         for step in range(steps):
             prompts = run.stream.take(cfg.rollout.prompts_per_step)
-            samples, stats = train.generate(
+            samples, stats = rollout.generate(
                 run, prompts, cfg.rollout.group_size, cfg.rollout.temperature
             )
             counts = token_counts(trajectories_of(samples))

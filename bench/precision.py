@@ -21,11 +21,12 @@ sys.path.insert(
 )
 
 import dist_worker  # noqa: E402  (its fixed batch: uneven lengths, aborted rows)
-import parallel  # noqa: E402
-import setup_run  # noqa: E402
+import runtime.parallel as parallel  # noqa: E402
+import runtime.run as setup_run  # noqa: E402
 import train  # noqa: E402
-import model  # noqa: E402
-from config import load_config  # noqa: E402
+from train_step import train_on  # noqa: E402
+import runtime.model as model  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 
 
 def one_step(cfg, samples, advantages, device, params_dtype):
@@ -40,7 +41,7 @@ def one_step(cfg, samples, advantages, device, params_dtype):
     policy.to(device)
     autocast_dtype = None if sharded else torch.bfloat16
     run = setup_run.trainer_only(cfg, policy, device, autocast_dtype)
-    train.train_on_rollout(run, samples, advantages)
+    train_on(run, samples, advantages)
     after = {k: v.float().cpu() for k, v in parallel.full_state_dict(policy).items()}
     return before, after
 

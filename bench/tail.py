@@ -1,6 +1,6 @@
 """Benchmark for tail cancellation: rollout wall time with the long tail cancelled vs waited for,
 (`--partial`) useful tokens per second over a multi-step workload for no cancellation, dropping the
-tail, and partial rollout (the tail suspended and continued next step, buffer.py), and (`--filter`)
+tail, and partial rollout (the tail suspended and continued next step, partial.py), and (`--filter`)
 kept groups per rollout second for three ways to collect a batch of informative groups (dynamic
 sampling).
 
@@ -23,12 +23,12 @@ import torch
 # Run as a script from anywhere: make the repo root (this file's parent's parent) importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tasks  # noqa: E402  (needs the sys.path line above)
+import task.data as tasks  # noqa: E402  (needs the sys.path line above)
 import sample  # noqa: E402
-import checkpoint  # noqa: E402
-import model  # noqa: E402
-from config import load_config  # noqa: E402
-from buffer import PartialBuffer  # noqa: E402
+import runtime.checkpoint as checkpoint  # noqa: E402
+import runtime.model as model  # noqa: E402
+from runtime.run import load_config  # noqa: E402
+from partial import PartialBuffer  # noqa: E402
 from cancel import filter_groups, plan_launch  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 
@@ -261,19 +261,19 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
             # versions keep rising over the repeats, as in one long run
             version = repeat * (args.steps + 1) + step
             engine.update_weights(policy.named_parameters(), version=version)
-            prompts = [
-                p.prompt_ids
-                for p in tasks.tiny_prompts(
-                    tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed + 1000 * version
-                )
-            ]
+            step_prompts = tasks.tiny_prompts(
+                tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed + 1000 * version
+            )
+            prompts = [p.prompt_ids for p in step_prompts]
             order = list(arms)[step % 3 :] + list(arms)[: step % 3]
             line = []
             for arm in order:
                 arm_plan = arms[arm]
                 engine.flush_cache()
                 if arm == "partial":
-                    resumes, launch = buffer.launch(prompts, plan.num_prompts, version)
+                    stream = tasks.PromptStream(step_prompts, seed=0)  # what the buffer reads
+                    resumes, new, held = buffer.launch(stream, plan.num_prompts, version)
+                    launch = [p.prompt_ids for p in new]
                 # over-sampling launches more prompts than the batch; the baseline launches just the
                 # batch
                 else:
@@ -288,7 +288,7 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
                 )
                 assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
                 if arm == "partial":  # the buffer's counters are this step's (reset by `launch`)
-                    complete = buffer.collect(samples, launch)
+                    complete = buffer.collect(samples, new + held)
                     trained = [turn for group in complete for turns in group for turn in turns]
                     lost = buffer.counters["wasted_tokens"]
                 else:

@@ -1,6 +1,6 @@
 """Peak memory of one micro-batch forward + backward through the log-prob path: the old one (full
 [B, T, V] logits, then full-size fp32 copies and an entropy that keeps its graph) against the
-trainer's batching.sequence_logprobs (the output head computes log-probs chunk by chunk,
+trainer's update.sequence_logprobs (the output head computes log-probs chunk by chunk,
 checkpointed, entropy without a graph), on a Qwen2-shaped model with Qwen's vocabulary.
 
 Each arm runs in a fresh process; on CPU its peak is the process's peak resident set minus what it
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import batching  # noqa: E402
+import update  # noqa: E402
 
 
 def old_token_logprobs(logits, target_ids, temperature=1.0):
@@ -74,7 +74,7 @@ def run_arm(arm, vocab, seq_len, micro_batch, hidden, layers, device):
         logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
         logprobs, _entropy = old_token_logprobs(logits, batch["targets"])
     else:
-        logprobs, _entropy = batching.sequence_logprobs(model, batch, 1.0)
+        logprobs, _entropy = update.sequence_logprobs(model, batch, 1.0)
     # the entropy is only logged: no gradient through it
     loss = -(logprobs * mask).sum() / mask.sum()
     loss.backward()

@@ -63,15 +63,18 @@ from packaging.version import Version
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import checkpoint  # noqa: E402
+import runtime.checkpoint as checkpoint  # noqa: E402
 import estimate_memory  # noqa: E402  (bench/, beside this file)
-import grpo  # noqa: E402
-import setup_run  # noqa: E402
+import loss as losses  # noqa: E402
+from advantages import group_advantages  # noqa: E402
+from metrics import local_values  # noqa: E402
+from update import update_policy  # noqa: E402
+import runtime.run as setup_run  # noqa: E402
 import train  # noqa: E402
-import tasks  # noqa: E402
+import task.data as tasks  # noqa: E402
 import rollout  # noqa: E402
-import model  # noqa: E402
-from config import load_config  # noqa: E402
+import runtime.model as model  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
 VOCAB = 32_000  # the gsm8k mix's vocabulary
@@ -152,6 +155,17 @@ def policy_for(mix, cfg):
     ).float()
 
 
+def train_on(trainer, samples, advantages, from_engine=False):
+    """update.update_policy on `samples` given their advantages (the step writes them on the
+    samples); `from_engine`: pi_old from the engine's log-probs (train.old_logprobs=engine past
+    the process's first step)."""
+    for sample, advantage in zip(samples, advantages.tolist()):
+        sample.advantage = advantage
+    trainer.cfg.train.old_logprobs = "engine" if from_engine else "trainer"
+    trainer.first_step = -1 if from_engine else 0
+    return local_values(update_policy(trainer, samples, version=0))
+
+
 def largest_padded_micro_batch(samples, size):
     """Positions (rows x width) of the padded arm's largest micro-batch: the packed arm's budget."""
     chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
@@ -159,7 +173,7 @@ def largest_padded_micro_batch(samples, size):
 
 
 def update(mix, samples, packed, on_start=None):
-    """One train_on_rollout from the seeded initial weights; returns (seconds, its stats)."""
+    """One update_policy from the seeded initial weights; returns (seconds, its stats)."""
     config, sets = MIXES[mix]
     cfg = load_config(os.path.join(ROOT, config), sets)
     cfg.train.max_tokens_per_micro_batch = (
@@ -167,7 +181,7 @@ def update(mix, samples, packed, on_start=None):
     )
     policy = policy_for(mix, cfg)
     run = setup_run.trainer_only(cfg, policy)
-    advantages, _ = grpo.group_advantages(
+    advantages, _ = group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(0)),
         torch.tensor([s.group_id for s in samples]),
         torch.ones(len(samples), dtype=torch.bool),
@@ -175,7 +189,7 @@ def update(mix, samples, packed, on_start=None):
     if on_start:
         on_start()
     start = time.perf_counter()
-    stats = train.train_on_rollout(run, samples, advantages)
+    stats = train_on(run, samples, advantages)
     return time.perf_counter() - start, stats
 
 
@@ -292,7 +306,7 @@ def state_bytes(run):
 
 
 def timed_update(run, samples, advantages, device, profile=False, from_engine=False):
-    """One train_on_rollout (`from_engine`: pi_old from the engine's log-probs); returns
+    """One update_policy (`from_engine`: pi_old from the engine's log-probs); returns
     (seconds, its stats, the peak bytes held). On a GPU the peak is the allocator's. On CPU, with
     `profile`, it is the state held before plus the profiler's peak above it; else 0 (profiling
     slows a CPU update: the timed ones are not profiled)."""
@@ -300,17 +314,15 @@ def timed_update(run, samples, advantages, device, profile=False, from_engine=Fa
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        stats = train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
+        stats = train_on(run, samples, advantages, from_engine=from_engine)
         torch.cuda.synchronize()
         return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
     held = state_bytes(run)
     start = time.perf_counter()
     if not profile:
-        stats = train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
+        stats = train_on(run, samples, advantages, from_engine=from_engine)
         return time.perf_counter() - start, stats, 0
-    stats, above = profiled(
-        lambda: train.train_on_rollout(run, samples, advantages, from_engine=from_engine)
-    )
+    stats, above = profiled(lambda: train_on(run, samples, advantages, from_engine=from_engine))
     return time.perf_counter() - start, stats, held + above
 
 
@@ -333,7 +345,7 @@ def parity(device, attention):
         policy = shape_policy(SHAPES["tiny"], device)
         policy.set_attn_implementation(arm_attention)
         run = setup_run.trainer_only(cfg, policy, device)
-        stats = train.train_on_rollout(run, samples, advantages)
+        stats = train_on(run, samples, advantages)
         results.append((stats["train/loss"], [p.grad.clone() for p in policy.parameters()]))
     (padded_loss, padded), (packed_loss, packed) = results
     # relative to the largest gradient: a mask that leaks between sequences moves log-probs by

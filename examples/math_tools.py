@@ -10,7 +10,7 @@ untrusted text made into JSON values: never `eval` them, never pass them to a sh
 GSM8K with two tools, the built-in calculator and this one:
 
     python train.py --config configs/gsm8k_tool.yaml \\
-        --set "rollout.tools=[tools:calculator,examples/math_tools.py:percent_of]"
+        --set "rollout.tools=[task.tools:calculator,examples/math_tools.py:percent_of]"
 """
 
 

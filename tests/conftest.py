@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import checkpoint  # noqa: E402
+import runtime.checkpoint as checkpoint  # noqa: E402
 import rollout  # noqa: E402
-import model  # noqa: E402
-from config import load_config  # noqa: E402
+import runtime.model as model  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests
@@ -34,6 +34,19 @@ def tiny_config(out_dir, *sets):
         "configs/tiny.yaml",
         [f"run.out={out_dir}", "rollout.prompts_per_step=8", "data.num_val_prompts=16", *sets],
     )
+
+
+def train_on(run, samples, advantages, version=0):
+    """update.update_policy on `samples` given their advantages as a tensor (the step writes them
+    on the samples in advantages.compute), its metrics as this rank's plain numbers. `run`: a Run
+    or an update.Trainer."""
+    import update
+    from metrics import local_values
+
+    for sample, advantage in zip(samples, advantages.tolist()):
+        sample.advantage = advantage
+    trainer = getattr(run, "trainer", None) or run
+    return local_values(update.update_policy(trainer, samples, version))
 
 
 @pytest.fixture(scope="session")

@@ -18,18 +18,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
 sys.path.insert(0, REPO)
 
-import batching  # noqa: E402
-import checkpoint  # noqa: E402
-import grpo  # noqa: E402
-import parallel  # noqa: E402
-import sglang_engine  # noqa: E402
-import setup_run  # noqa: E402
+import update  # noqa: E402
+import runtime.checkpoint as checkpoint  # noqa: E402
+import loss as losses  # noqa: E402
+from advantages import group_advantages  # noqa: E402
+import runtime.parallel as parallel  # noqa: E402
+import runtime.engine as sglang_engine  # noqa: E402
+import runtime.run as setup_run  # noqa: E402
 import train  # noqa: E402
-import model  # noqa: E402
-from config import load_config  # noqa: E402
+from conftest import train_on  # noqa: E402
+import rollout  # noqa: E402
+import runtime.model as model  # noqa: E402
+from runtime.run import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
-MODES = grpo.LOSS_AGG_MODES
+MODES = losses.LOSS_AGG_MODES
 # (loss mode, packed): the parity runs, each loss mode padded, two of them packed under a 20-token
 # budget
 PARITY_RUNS = [(mode, False) for mode in MODES] + [
@@ -67,7 +70,7 @@ def fixed_batch(num_groups=4, group_size=4, seed=0):
                 )
             )
     rewards = torch.rand(len(samples), generator=g)
-    advantages, _ = grpo.group_advantages(
+    advantages, _ = group_advantages(
         rewards,
         torch.tensor([s.group_id for s in samples]),
         torch.tensor([not s.is_aborted for s in samples]),
@@ -76,7 +79,7 @@ def fixed_batch(num_groups=4, group_size=4, seed=0):
 
 
 def update_once(cfg, samples, advantages, shard):
-    """One train_on_rollout from the seeded initial policy; returns the policy (sharded if
+    """One update_policy from the seeded initial policy; returns the policy (sharded if
     `shard`)."""
     policy, _ = model.build_policy(cfg, None)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
@@ -84,7 +87,7 @@ def update_once(cfg, samples, advantages, shard):
         policy = parallel.shard(policy, compute_dtype)
     autocast_dtype = None if shard or compute_dtype == torch.float32 else compute_dtype
     run = setup_run.trainer_only(cfg, policy, autocast_dtype=autocast_dtype)
-    stats = train.train_on_rollout(run, samples, advantages)
+    stats = train_on(run, samples, advantages)
     return policy, run.optimizer, stats
 
 
@@ -186,15 +189,15 @@ def check_ranks(out_dir):
     results["saved_buffer_samples"] = len(state["buffer"]["waiting"])
     # the engine now holds the updated weights: it must score its own samples like the trainer does
     prompts = parallel.rank_share(run.val_prompts)
-    fresh, _ = train.generate(run, prompts, 2, 1.0)
-    batch = batching.collate(fresh, pad_id=0)
+    fresh, _ = rollout.generate(run, prompts, 2, 1.0)
+    batch = update.collate(fresh, pad_id=0)
     with torch.no_grad():
-        trainer_logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
+        trainer_logprobs, _ = update.sequence_logprobs(run.trainer.policy, batch, 1.0)
     gap = ((trainer_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max().item()
     results["engine_gap"] = gap
     results["engine_version"] = run.engine.weight_version
     results["num_in_flight"] = run.engine.num_in_flight()
-    trained = full_params(run.policy)
+    trained = full_params(run.trainer.policy)
     if rank == 0:
         torch.save(trained, os.path.join(out_dir, "params_trained.pt"))
 
@@ -207,19 +210,23 @@ def check_ranks(out_dir):
     results["resumed_step"] = resumed.start_step
     results["resumed_params_equal"] = all(
         torch.equal(a.to_local(), b.to_local())
-        for a, b in zip(run.policy.parameters(), resumed.policy.parameters())
+        for a, b in zip(run.trainer.policy.parameters(), resumed.trainer.policy.parameters())
     )
     results["resumed_optimizer_equal"] = all(
         torch.equal(
-            run.optimizer.state[a][k].to_local() if k != "step" else run.optimizer.state[a][k],
             (
-                resumed.optimizer.state[b][k].to_local()
+                run.trainer.optimizer.state[a][k].to_local()
                 if k != "step"
-                else resumed.optimizer.state[b][k]
+                else run.trainer.optimizer.state[a][k]
+            ),
+            (
+                resumed.trainer.optimizer.state[b][k].to_local()
+                if k != "step"
+                else resumed.trainer.optimizer.state[b][k]
             ),
         )
-        for a, b in zip(run.policy.parameters(), resumed.policy.parameters())
-        for k in run.optimizer.state[a]
+        for a, b in zip(run.trainer.policy.parameters(), resumed.trainer.policy.parameters())
+        for k in run.trainer.optimizer.state[a]
     )
     with open(os.path.join(out_dir, f"results_rank{rank}.json"), "w") as f:
         json.dump(results, f)

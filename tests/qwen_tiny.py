@@ -21,8 +21,8 @@ import re
 
 import torch
 
-import tasks
-import tools
+import task.data as tasks
+import task.tools as tools
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # added tokens in Qwen2.5, not special: they stay in decoded text

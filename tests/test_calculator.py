@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tools import CalcError, _eval, calculator
+from task.tools import CalcError, _eval, calculator
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ def finished(*groups_and_times, group_size=2):
     """Progress after trajectories of these group ids returned finished at these seconds."""
     progress = Progress(group_size=group_size)
     for group_id, seconds in groups_and_times:
-        progress.returned(Sample([1], [2], [0.0], [1], group_id=group_id), elapsed_s=seconds)
+        progress.returned([Sample([1], [2], [0.0], [1], group_id=group_id)], elapsed_s=seconds)
     return progress
 
 
@@ -34,9 +34,9 @@ def test_count_stops_at_the_target_of_finished_samples_and_ignores_failures():
     progress = finished((0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0), (2, 1.0))
     assert not decide(plan("count"), progress).stop
     failed = Sample([1], [], [], [], group_id=3, is_aborted=True, finish_reason="error")
-    progress.returned(failed, elapsed_s=2.0)
+    progress.returned([failed], elapsed_s=2.0)
     assert not decide(plan("count"), progress).stop
-    progress.returned(Sample([1], [2], [0.0], [1], group_id=3), elapsed_s=2.0)
+    progress.returned([Sample([1], [2], [0.0], [1], group_id=3)], elapsed_s=2.0)
     assert decide(plan("count"), progress).stop
 
 
@@ -47,7 +47,7 @@ def test_time_waits_factor_times_the_quantile_then_stops():
     progress.elapsed_s = 30.0
     assert not decide(policy, progress).stop  # 4 of 5: no deadline yet
     assert decide(policy, progress).wake_at_s is None
-    progress.returned(Sample([1], [2], [0.0], [1], group_id=2), elapsed_s=2.0)
+    progress.returned([Sample([1], [2], [0.0], [1], group_id=2)], elapsed_s=2.0)
     progress.elapsed_s = 4.9
     decision = decide(policy, progress)
     assert not decision.stop and decision.wake_at_s == 5.0
@@ -59,9 +59,10 @@ def test_time_waits_factor_times_the_quantile_then_stops():
 def test_group_stops_at_complete_groups_not_at_samples():
     """group: 3 complete groups end the wait; 6 samples spread over 4 groups do not."""
     spread = finished((0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0), (2, 1.0), (3, 1.0))
-    assert spread.complete_groups == 2 and not decide(plan("group"), spread).stop
-    spread.returned(Sample([1], [2], [0.0], [1], group_id=3), elapsed_s=2.0)
-    assert spread.complete_groups == 3 and decide(plan("group"), spread).stop
+    assert spread.complete_groups == [0, 1] and not decide(plan("group"), spread).stop
+    spread.returned([Sample([1], [2], [0.0], [1], group_id=3)], elapsed_s=2.0)
+    assert spread.complete_groups == [0, 1, 3] and decide(plan("group"), spread).stop
+    assert decide(plan("group"), spread).keep_groups == {0, 1, 3}
 
 
 def test_dynamic_sampling_stops_at_kept_groups_whatever_the_policy_but_none():

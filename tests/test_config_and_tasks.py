@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
-import tasks
-import tools
+import runtime.model as model
+import task.data as tasks
+import task.tools as tools
 import rewards
-from config import ConfigError, load_config
+from config import ConfigError
+from runtime.run import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests
@@ -127,7 +129,7 @@ def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
 
 def _wide_char_tokenizer():
     """A local tokenizer covering GSM8K text, with a plain chat template (no download)."""
-    tokenizer = tasks.build_char_tokenizer(chars="".join(chr(c) for c in range(32, 127)) + "\n")
+    tokenizer = model.build_char_tokenizer(chars="".join(chr(c) for c in range(32, 127)) + "\n")
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return tokenizer
 
@@ -172,7 +174,7 @@ def test_tiny_task_and_reward():
     """The tiny task's counts are drawn with weight 1/N (short targets dominate) behind "N:"
     prompts; its reward is 1 for N a's ending in <eos>, partial credit for a wrong count or other
     characters, 0 without <eos>."""
-    tokenizer = tasks.build_char_tokenizer()
+    tokenizer = model.build_char_tokenizer()
     prompts = tasks.tiny_prompts(tokenizer, 2000, 32, seed=0)
     counts = [int(p.answer) for p in prompts]
     assert counts.count(1) > 5 * counts.count(10) > 0  # weight 1/N: short targets dominate
@@ -186,7 +188,7 @@ def test_tiny_task_and_reward():
 def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
     """Prompts "a*b-c=" whose value is a digit 2..9, spread evenly; "?" ending a turn gets that
     value from the calculator, and the reward scores the answer, a call never answered as 0."""
-    tokenizer = tasks.build_char_tokenizer()
+    tokenizer = model.build_char_tokenizer()
     prompts = tasks.tiny_tool_prompts(tokenizer, 2000, 2, seed=0)
     tool = tools.QuestionCalculator(tokenizer)
     ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
@@ -267,7 +269,7 @@ def test_help_says_what_the_command_does_and_lists_the_configs(capsys):
 def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
     """lr_factor: the warmup ramps linearly, constant then stays at 1, cosine passes 1 - (1 -
     floor) / 2 halfway and ends exactly at min_lr_ratio on the last update."""
-    from model import lr_factor
+    from runtime.model import lr_factor
 
     cfg = load_config(None, ["train.warmup_steps=4", "train.min_lr_ratio=0.1"])
     t = cfg.train

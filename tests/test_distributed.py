@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import batching
-import checkpoint
+import update
+import runtime.checkpoint as checkpoint
 import dist_worker
-import parallel
+import runtime.parallel as parallel
 import train
-import model
+import runtime.model as model
 from conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,17 +114,17 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     cfg = tiny_config(run_dir, "rollout.prompts_per_step=4", "train.steps=2")
     one = train.setup(cfg, resume=True, engine=engine)  # resharded by torch.distributed.checkpoint
     assert one.start_step == 1
-    assert all(torch.equal(trained[name], p) for name, p in one.policy.state_dict().items())
-    assert one.optimizer.state  # AdamW moments came back too
+    assert all(torch.equal(trained[name], p) for name, p in one.trainer.policy.state_dict().items())
+    assert one.trainer.optimizer.state  # AdamW moments came back too
     # the HF export loads with from_pretrained and scores like the resumed trainer
     exported = AutoModelForCausalLM.from_pretrained(
         checkpoint.latest(str(run_dir)), dtype=torch.float32
     )
     samples, _ = dist_worker.fixed_batch()
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
-        expected, _ = batching.sequence_logprobs(one.policy, batch, 1.0)
-        got, _ = batching.sequence_logprobs(exported, batch, 1.0)
+        expected, _ = update.sequence_logprobs(one.trainer.policy, batch, 1.0)
+        got, _ = update.sequence_logprobs(exported, batch, 1.0)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 

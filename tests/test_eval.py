@@ -1,32 +1,33 @@
-"""Judging and replaying a run: eval.py's metrics against hand-computed examples, and on a short
-demo run with the shared engine: training's val/pass@k, the eval line, and a dumped step's update
-replayed exactly with no engine."""
+"""Judging and replaying a run: extras/eval.py's metrics against hand-computed examples, and on a
+short demo run with the shared engine: training's val/pass@k, the eval line, and a dumped step's
+update replayed exactly with no engine."""
 
 import json
 import re
 
 import pytest
 
-import eval as evaluation
-import model
-import replay
+import extras.eval as evaluation
+import extras.replay as replay
+import runtime.model as model
 import train
 from config import ConfigError
 from conftest import tiny_config
+from metrics import pass_at_k
 from test_train import scalars
 
 
 def test_pass_at_k_is_the_unbiased_estimator():
     """1 - C(n-c, k) / C(n, k), by hand: n=5, c=2: pass@1 = 2/5, pass@2 = 1 - 3/10; no correct
     sample gives 0, and k > n - c gives 1."""
-    assert evaluation.pass_at_k(5, 2, 1) == pytest.approx(0.4)
-    assert evaluation.pass_at_k(5, 2, 2) == pytest.approx(0.7)
-    assert evaluation.pass_at_k(5, 0, 3) == 0.0 and evaluation.pass_at_k(4, 2, 3) == 1.0
-    assert evaluation.pass_at_k(200, 10, 5) == pytest.approx(
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(4, 2, 3) == 1.0
+    assert pass_at_k(200, 10, 5) == pytest.approx(
         1 - (190 * 189 * 188 * 187 * 186) / (200 * 199 * 198 * 197 * 196)
     )
     with pytest.raises(ValueError):
-        evaluation.pass_at_k(2, 1, 4)
+        pass_at_k(2, 1, 4)
 
 
 def test_majority_vote_and_bootstrap_interval():

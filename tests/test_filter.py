@@ -10,10 +10,12 @@ import statistics
 import pytest
 
 import sample
+import rollout
 import train
+from metrics import reduce_metrics
 from cancel import GroupFilter, filter_groups, informative, plan_launch
 from conftest import tiny_config
-from metrics import filter_metrics
+from rollout import filter_metrics
 from test_partial import PROMPTS, TAIL_SMOKE, aborted_samples
 
 PROMPT = [1, 5, 12]  # "<bos>1:"
@@ -169,7 +171,7 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4
     kept, counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))
     assert kept == [] and counts["zero_variance_groups"] == 6
-    logged = filter_metrics(kept, counts, stats, plan.target_groups, filtering=True)
+    logged = reduce_metrics(filter_metrics(kept, counts, stats, plan.target_groups, filtering=True))
     assert logged["filter/truncated_steps"] == 1 and logged["filter/prompts_launched"] == 6
 
 
@@ -216,20 +218,19 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
     )
     run = train.setup(cfg, engine=engine)
     # most groups informative: the target is met
-    run.reward_fn = lambda text, answer, finished: float(len(text) % 2)
-    plan = plan_launch(cfg.rollout, 4)
+    run.rewards.reward_fn = lambda text, answer, finished: float(len(text) % 2)
     suspended = resumed = 0
     for step in range(6):
-        groups, stats = train.rollout(run, plan)
+        groups, metrics = rollout.collect(run, step)
         assert engine.num_in_flight() == 0
         suspended += run.buffer.counters["suspended"]
         resumed += run.buffer.counters["resumed"]
-        # whole groups only
+        # whole groups only, and the ones dynamic sampling kept have rewards that differ
         assert all(t[-1].finish_reason != "abort" for group in groups for t in group)
-        kept, counts = filter_groups(groups)
-        for group in kept:
+        for group in groups:
             assert informative([t[-1].reward for t in group if not t[-1].is_aborted])
-        assert counts["kept_groups"] + counts["zero_variance_groups"] == len(groups)
+        counts = reduce_metrics(metrics)
+        assert counts["filter/kept_groups"] == len(groups)
         if resumed:
             break
     assert suspended > 0 and resumed > 0

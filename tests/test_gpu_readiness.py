@@ -20,15 +20,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoTokenizer
 from torch.multiprocessing import reductions
 
-import batching
-import checkpoint
+import update
+import runtime.checkpoint as checkpoint
 import dist_worker
 import merge
-import parallel
-import sglang_engine
-import tools
+import runtime.parallel as parallel
+import runtime.engine as sglang_engine
+import task.tools as tools
 import train
-import model
+import rollout
+import runtime.model as model
+from runtime.run import load_config
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_train import scalars
 
@@ -160,7 +162,7 @@ def test_memory_estimate_terms_match_the_table():
     )
     estimate_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(estimate_memory)
-    cfg = train.load_config(
+    cfg = load_config(
         os.path.join(REPO, "configs", "gsm8k.yaml"), [f"data.train_path={GSM8K_TRAIN}"]
     )
     parts, phases = estimate_memory.estimate(cfg, 8, estimate_memory.H100_80GB_GIB * 2**30)
@@ -187,7 +189,7 @@ def test_the_trainer_forward_builds_no_kv_cache(tmp_path):
     hook = policy.register_forward_hook(
         lambda module, args, kwargs, out: seen.append((kwargs, out)), with_kwargs=True
     )
-    batching.sequence_logprobs(policy, batching.collate(samples, pad_id=0), 1.0)
+    update.sequence_logprobs(policy, update.collate(samples, pad_id=0), 1.0)
     hook.remove()
     kwargs, out = seen[0]
     assert kwargs["use_cache"] is False and out.past_key_values is None
@@ -198,8 +200,10 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
     gradients and parameters of the update with them masked."""
     cfg = dist_worker.parity_config(tmp_path, "seq-mean-token-mean")
     samples, advantages = dist_worker.fixed_batch()
-    trajectories = [[s] for s in samples]
-    kept, kept_advantages, _ = merge.training_sequences(trajectories, advantages, max_seq_len=256)
+    for s, advantage in zip(samples, advantages.tolist()):
+        s.advantage = advantage  # as advantages.compute writes it
+    kept, _ = merge.training_sequences([[s] for s in samples], cfg, max_seq_len=256)
+    kept_advantages = torch.tensor([s.advantage for s in kept])
     assert [s.trajectory_id for s in kept] == [s.trajectory_id for s in samples if not s.is_aborted]
     assert len(kept) < len(samples)
     with_all, _, stats_all = dist_worker.update_once(cfg, samples, advantages, shard=False)
@@ -328,7 +332,7 @@ def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
         qwen_tiny_dir,
         "rollout.max_new_tokens=48",
         "rollout.max_response_tokens=160",
-        "rollout.tools=[tools:calculator,examples/math_tools.py:percent_of]",
+        "rollout.tools=[task.tools:calculator,examples/math_tools.py:percent_of]",
         torchrun=1,
     )
 

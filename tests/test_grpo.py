@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-import grpo
+import loss as losses
+from advantages import group_advantages
 
-MODES = grpo.LOSS_AGG_MODES
+MODES = losses.LOSS_AGG_MODES
 
 
 def test_group_advantages_hand_computed():
@@ -16,12 +17,12 @@ def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.5])
     groups = torch.tensor([0, 0, 0, 0, 1, 1])
     valid = torch.ones(6, dtype=torch.bool)
-    adv, degenerate = grpo.group_advantages(rewards, groups, valid)
+    adv, degenerate = group_advantages(rewards, groups, valid)
     # group 0: mean 0.5, unbiased std sqrt(1/3); group 1: identical rewards -> 0
     expected = 0.5 / math.sqrt(1 / 3)
     assert adv.tolist() == pytest.approx([expected, -expected, expected, -expected, 0, 0], abs=1e-5)
     assert degenerate == 0
-    adv, _ = grpo.group_advantages(rewards, groups, valid, scale_by_std=False)  # Dr. GRPO
+    adv, _ = group_advantages(rewards, groups, valid, scale_by_std=False)  # Dr. GRPO
     assert adv.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0, 0])
 
 
@@ -30,13 +31,13 @@ def test_group_statistics_use_survivors_only():
     survivors get the advantages of the group without it."""
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
     valid = torch.tensor([True, True, True, False])
-    adv, _ = grpo.group_advantages(rewards, torch.zeros(4, dtype=torch.long), valid)
+    adv, _ = group_advantages(rewards, torch.zeros(4, dtype=torch.long), valid)
     # survivors [1, 0, 1]: mean 2/3, unbiased std sqrt(1/3); the aborted member gets 0
     std = math.sqrt(1 / 3)
     assert adv.tolist() == pytest.approx(
         [(1 / 3) / std, -(2 / 3) / std, (1 / 3) / std, 0.0], abs=1e-5
     )
-    same, _ = grpo.group_advantages(rewards[:3], torch.zeros(3, dtype=torch.long), valid[:3])
+    same, _ = group_advantages(rewards[:3], torch.zeros(3, dtype=torch.long), valid[:3])
     assert adv[:3].tolist() == pytest.approx(same.tolist())
 
 
@@ -47,13 +48,11 @@ def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
     # group 0: 1 survivor, group 1: none
     valid = torch.tensor([True, False, False, False, True, True])
-    adv, degenerate = grpo.group_advantages(rewards, groups, valid)
+    adv, degenerate = group_advantages(rewards, groups, valid)
     assert torch.isfinite(adv).all()
     assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert degenerate == 2
-    all_aborted, degenerate = grpo.group_advantages(
-        rewards, groups, torch.zeros(6, dtype=torch.bool)
-    )
+    all_aborted, degenerate = group_advantages(rewards, groups, torch.zeros(6, dtype=torch.bool))
     assert all_aborted.tolist() == [0.0] * 6 and degenerate == 3
 
 
@@ -61,18 +60,18 @@ def test_aggregate_modes_hand_computed():
     """Each loss aggregation mode against hand-computed values; an unknown mode raises."""
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    assert grpo.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
-    assert grpo.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(
+    assert losses.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
+    assert losses.aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx(
         (6 + 9) / 2
     )
-    assert grpo.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(
+    assert losses.aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx(
         (2 + 4.5) / 2
     )
-    assert grpo.aggregate(
+    assert losses.aggregate(
         per_token, mask, "seq-mean-token-sum-norm", norm_length=4
     ).item() == pytest.approx(15 / 8)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        grpo.aggregate(per_token, mask, "mean")
+        losses.aggregate(per_token, mask, "mean")
 
 
 def test_clipped_ratio_and_kl_hand_computed():
@@ -82,18 +81,18 @@ def test_clipped_ratio_and_kl_hand_computed():
     old = torch.zeros(1, 1)
     logprobs = torch.full((1, 1), math.log(1.5), requires_grad=True)  # ratio 1.5, beyond 1 + 0.2
     mask = torch.ones(1, 1)
-    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, stats = losses.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-1.2) and stats["clip_frac"].item() == 1.0
     loss.backward()
     assert logprobs.grad.item() == 0.0  # clipped: no push further in the same direction
     logprobs.grad = None
-    loss, _ = grpo.policy_loss(logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    loss, _ = losses.policy_loss(logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(1.5)  # min() keeps the pessimistic unclipped term
     loss.backward()
     assert logprobs.grad.item() == pytest.approx(1.5)
     ref = torch.full((1, 1), math.log(1.5) + math.log(2.0))  # ref - logp = log 2
-    _, stats = grpo.policy_loss(
-        logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, kl_coef=0.1
+    _, stats = losses.policy_loss(
+        logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, terms={"kl": 0.1}
     )
     assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
 
@@ -108,7 +107,7 @@ def test_clip_higher_hand_computed_and_symmetric_by_default():
         (0.2, -1.2, 0.0),
     ):
         logprobs = torch.full((1, 1), math.log(1.25), requires_grad=True)
-        loss, stats = grpo.policy_loss(
+        loss, stats = losses.policy_loss(
             logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2, clip_eps_high=high
         )
         loss.backward()
@@ -118,7 +117,7 @@ def test_clip_higher_hand_computed_and_symmetric_by_default():
         assert stats["clip_frac"].item() == (expected_grad == 0.0)
     # the low side keeps clip_eps: ratio 0.7 with A < 0 is clipped at 0.8 whatever clip_eps_high is
     logprobs = torch.full((1, 1), math.log(0.7), requires_grad=True)
-    loss, _ = grpo.policy_loss(
+    loss, _ = losses.policy_loss(
         logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2, clip_eps_high=0.28
     )
     loss.backward()
@@ -134,7 +133,7 @@ def test_sequence_ratio_hand_computed():
         [[math.log(1.1), math.log(0.9), 5.0], [math.log(1.01), 0.0, 0.0]], requires_grad=True
     )
     old, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    loss, stats = grpo.policy_loss(
+    loss, stats = losses.policy_loss(
         logprobs,
         old,
         torch.tensor([1.0, 1.0]),
@@ -152,7 +151,7 @@ def test_sequence_ratio_hand_computed():
     )
     assert stats["clip_frac"].item() == pytest.approx(1 / 3)  # sequence 1's one token
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        grpo.policy_loss(
+        losses.policy_loss(
             logprobs,
             old,
             torch.tensor([1.0, 1.0]),
@@ -171,8 +170,8 @@ def test_sequence_ratio_of_one_token_sequences_is_the_token_ratio():
     results = []
     for level in ("token", "sequence"):
         leaf = logits.clone().requires_grad_(True)
-        logprobs, _ = grpo.token_logprobs(leaf, torch.zeros(4, 3, dtype=torch.long))
-        loss, _ = grpo.policy_loss(
+        logprobs, _ = losses.token_logprobs(leaf, torch.zeros(4, 3, dtype=torch.long))
+        loss, _ = losses.policy_loss(
             logprobs,
             old,
             adv,
@@ -195,7 +194,7 @@ def test_truncated_importance_weights_hand_computed():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     # ratio pi / pi_old = 1: unclipped, surrogate = -A
     logprobs = torch.zeros(1, 4, requires_grad=True)
-    loss, stats = grpo.policy_loss(
+    loss, stats = losses.policy_loss(
         logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=2.0
     )
     assert loss.item() == pytest.approx(-(0.5 + 1.0 + 2.0) / 3)
@@ -205,13 +204,13 @@ def test_truncated_importance_weights_hand_computed():
     # weights scale gradients
     assert logprobs.grad[0].tolist() == pytest.approx([-0.5 / 3, -1 / 3, -2 / 3, 0.0])
     # mu == pi_old: every weight is 1, the loss is the plain one
-    plain, _ = grpo.policy_loss(logprobs, old, torch.tensor([1.0]), mask)
-    same, stats = grpo.policy_loss(
+    plain, _ = losses.policy_loss(logprobs, old, torch.tensor([1.0]), mask)
+    same, stats = losses.policy_loss(
         logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=old, tis_cap=2.0
     )
     assert same.item() == plain.item() and stats["tis_weight"].item() == 1.0
     with pytest.raises(ValueError, match="tis_cap"):
-        grpo.policy_loss(
+        losses.policy_loss(
             logprobs, old, torch.tensor([1.0]), mask, engine_logprobs=engine, tis_cap=0.5
         )
 
@@ -220,7 +219,7 @@ def test_token_logprobs_temperature():
     """Log-probs and entropies are those of log_softmax(logits / temperature)."""
     logits = torch.randn(2, 3, 5)
     targets = torch.randint(0, 5, (2, 3))
-    logprobs, entropy = grpo.token_logprobs(logits, targets, temperature=0.7)
+    logprobs, entropy = losses.token_logprobs(logits, targets, temperature=0.7)
     reference = torch.log_softmax(logits / 0.7, -1)
     assert torch.allclose(logprobs, reference.gather(-1, targets[..., None])[..., 0])
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(-1))
@@ -250,7 +249,7 @@ def test_chunked_head_logprobs_equal_the_full_size_path(seed):
     for chunked in (False, True):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if chunked:
-            logprobs, entropy = grpo.head_logprobs(
+            logprobs, entropy = losses.head_logprobs(
                 h, w, None, targets, 0.8, chunk_tokens=chunk_tokens
             )
         else:
@@ -264,11 +263,11 @@ def test_entropy_carries_no_autograd_graph():
     """Entropy comes back detached (a metric, never differentiated) while log-probs are fp32 and
     keep their graph, on the full and on the chunked path."""
     logits = torch.randn(2, 6, 11, requires_grad=True)
-    logprobs, entropy = grpo.token_logprobs(logits, torch.zeros(2, 6, dtype=torch.long))
+    logprobs, entropy = losses.token_logprobs(logits, torch.zeros(2, 6, dtype=torch.long))
     assert logprobs.requires_grad and logprobs.dtype == torch.float32
     assert not entropy.requires_grad and entropy.grad_fn is None
     weight = torch.randn(11, 3, requires_grad=True)
-    logprobs, entropy = grpo.head_logprobs(
+    logprobs, entropy = losses.head_logprobs(
         torch.randn(2, 6, 3), weight, None, torch.zeros(2, 6, dtype=torch.long), chunk_tokens=4
     )
     assert logprobs.requires_grad and not entropy.requires_grad
@@ -277,8 +276,8 @@ def test_entropy_carries_no_autograd_graph():
 def _loss_grad(logits, old, adv, mask, mode, ref=None):
     logits = logits.clone().requires_grad_(True)
     targets = torch.zeros(logits.shape[:2], dtype=torch.long)
-    logprobs, _ = grpo.token_logprobs(logits, targets)
-    loss, _ = grpo.policy_loss(
+    logprobs, _ = losses.token_logprobs(logits, targets)
+    loss, _ = losses.policy_loss(
         logprobs,
         old,
         adv,
@@ -286,7 +285,7 @@ def _loss_grad(logits, old, adv, mask, mode, ref=None):
         agg_mode=mode,
         norm_length=7,
         ref_logprobs=ref,
-        kl_coef=0.05 if ref is not None else 0.0,
+        terms={"kl": 0.05} if ref is not None else None,
     )
     loss.backward()
     return loss.detach(), logits.grad
@@ -336,14 +335,14 @@ def test_micro_batch_weighting_equals_one_batch(mode):
     mask = (torch.rand(6, 5) > 0.4).float()
     mask[2] = 0
     _, full_grad = _loss_grad(logits, old, adv, mask, mode)
-    total = grpo.aggregation_count(mask, mode)
+    total = losses.aggregation_count(mask, mode)
     leaf = logits.clone().requires_grad_(True)
     for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
-        logprobs, _ = grpo.token_logprobs(leaf[rows], torch.zeros(2, 5, dtype=torch.long))
-        loss, _ = grpo.policy_loss(
+        logprobs, _ = losses.token_logprobs(leaf[rows], torch.zeros(2, 5, dtype=torch.long))
+        loss, _ = losses.policy_loss(
             logprobs, old[rows], adv[rows], mask[rows], agg_mode=mode, norm_length=7
         )
-        (loss * grpo.aggregation_count(mask[rows], mode) / total).backward()
+        (loss * losses.aggregation_count(mask[rows], mode) / total).backward()
     assert torch.allclose(leaf.grad, full_grad, atol=1e-7)
 
 
@@ -356,15 +355,15 @@ def test_kl_estimators_hand_computed():
     k3 = math.exp(-0.2) + 0.2 - 1
     expected = {"k1": 0.2, "k2": 0.02, "k3": k3, "low_var_kl": k3}
     grads = {"k1": 1.0, "k2": 0.2, "k3": 1 - math.exp(-0.2), "low_var_kl": 1 - math.exp(-0.2)}
-    for name in grpo.KL_ESTIMATORS:
-        kl = grpo.kl_estimate(logprobs, ref, name)
+    for name in losses.KL_ESTIMATORS:
+        kl = losses.kl_estimate(logprobs, ref, name)
         assert kl[0, 0].item() == pytest.approx(expected[name], abs=1e-12), name
         (grad,) = torch.autograd.grad(kl[0, 0], logprobs)
         assert grad[0, 0].item() == pytest.approx(grads[name], abs=1e-12), name
-    assert grpo.kl_estimate(logprobs, ref, "k3")[0, 1].item() == pytest.approx(math.exp(30) - 31)
-    assert grpo.kl_estimate(logprobs, ref, "low_var_kl")[0, 1].item() == 10.0
+    assert losses.kl_estimate(logprobs, ref, "k3")[0, 1].item() == pytest.approx(math.exp(30) - 31)
+    assert losses.kl_estimate(logprobs, ref, "low_var_kl")[0, 1].item() == 10.0
     with pytest.raises(ValueError, match="k4"):
-        grpo.kl_estimate(logprobs, ref, "k4")
+        losses.kl_estimate(logprobs, ref, "k4")
 
 
 def test_cispo_keeps_the_gradient_of_a_clipped_token():
@@ -374,7 +373,7 @@ def test_cispo_keeps_the_gradient_of_a_clipped_token():
     old = torch.tensor([[0.0, 0.0]])
     logprobs = torch.tensor([[1.5, math.log(2.0)]], requires_grad=True)
     mask = torch.ones(1, 2)
-    loss, stats = grpo.policy_loss(
+    loss, stats = losses.policy_loss(
         logprobs,
         old,
         torch.tensor([1.0]),
@@ -389,7 +388,7 @@ def test_cispo_keeps_the_gradient_of_a_clipped_token():
     assert logprobs.grad.tolist()[0] == pytest.approx([-3 / 2, -2 / 2])
     assert stats["clip_frac"].item() == 0.5
     with pytest.raises(ValueError, match="token-mean"):
-        grpo.policy_loss(
+        losses.policy_loss(
             logprobs,
             old,
             torch.tensor([1.0]),
@@ -405,9 +404,14 @@ def test_entropy_bonus_subtracts_coef_times_entropy_with_its_gradient():
     logprobs = torch.zeros(1, 3, requires_grad=True)
     entropy = torch.tensor([[0.5, 1.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    base, _ = grpo.policy_loss(logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask)
-    loss, _ = grpo.policy_loss(
-        logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask, entropy=entropy, entropy_coef=0.1
+    base, _ = losses.policy_loss(logprobs, torch.zeros(1, 3), torch.tensor([1.0]), mask)
+    loss, _ = losses.policy_loss(
+        logprobs,
+        torch.zeros(1, 3),
+        torch.tensor([1.0]),
+        mask,
+        entropy=entropy,
+        terms={"entropy": 0.1},
     )
     assert loss.item() == pytest.approx(base.item() - 0.1 * 0.75)
     loss.backward()
@@ -419,8 +423,8 @@ def test_token_entropy_has_a_graph_only_when_asked():
     entropy_grad, and its gradient is the analytic one, -p * (log p + H) per logit."""
     logits = torch.tensor([[[1.0, 2.0, 0.5]]], dtype=torch.float64, requires_grad=True)
     targets = torch.tensor([[1]])
-    assert not grpo.token_logprobs(logits, targets)[1].requires_grad
-    _, entropy = grpo.token_logprobs(logits, targets, entropy_grad=True)
+    assert not losses.token_logprobs(logits, targets)[1].requires_grad
+    _, entropy = losses.token_logprobs(logits, targets, entropy_grad=True)
     entropy.sum().backward()
     p = torch.softmax(logits.detach(), -1)
     h = -(p * p.log()).sum()

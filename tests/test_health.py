@@ -1,15 +1,16 @@
-"""Run health (health.py) on the real CPU engine: a weight push that silently drops or corrupts a
-tensor is caught at the next check, an engine computing another model (here: another rope) is
-caught at step 0 by the log-prob gap, and a gap that stays high stops the run."""
+"""Run health (memory.py, the weight sync's checks) on the real CPU engine: a weight push that
+silently drops or corrupts a tensor is caught at the next check, an engine computing another model
+(here: another rope) is caught at step 0 by the log-prob gap, and a gap that stays high stops the
+run."""
 
 import pytest
 
-import health
+import memory as health
 import rollout
 import train
-from config import load_config
+from runtime.run import load_config
 from conftest import tiny_config
-from sglang_engine import RolloutError
+from runtime.engine import RolloutError
 
 DROPPED = "model.layers.1.mlp.down_proj.weight"
 
@@ -17,14 +18,12 @@ DROPPED = "model.layers.1.mlp.down_proj.weight"
 def test_weight_check_passes_a_true_push_and_names_a_corrupted_tensor(engine, policy, tmp_path):
     """Every engine tensor is checked (the fused qkv and gate_up projections, the padded
     vocabulary included), and one changed element of one tensor is found, by name."""
-    assert health.check_weights(engine, policy.named_parameters(), str(tmp_path)) == len(
-        engine.weight_checksums()
-    )
+    assert health.check_weights(engine, policy.named_parameters()) == len(engine.weight_checksums())
     corrupted = {name: p.detach().clone() for name, p in policy.named_parameters()}
     corrupted["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-3
     engine.update_weights(corrupted.items(), version=0)
     with pytest.raises(health.WeightMismatchError, match=r"1 of \d+ .*qkv_proj.weight"):
-        health.check_weights(engine, policy.named_parameters(), str(tmp_path))
+        health.check_weights(engine, policy.named_parameters())
     engine.update_weights(policy.named_parameters(), version=0)  # as the fixture left it
 
 
@@ -43,7 +42,7 @@ def test_a_push_that_drops_a_tensor_stops_the_run_at_the_next_check(engine, tmp_
     with pytest.raises(health.WeightMismatchError, match=f"{DROPPED}.*Last checkpoint: none yet"):
         train.train(run)
     monkeypatch.undo()
-    engine.update_weights(run.policy.named_parameters(), version=0)
+    engine.update_weights(run.trainer.policy.named_parameters(), version=0)
 
 
 def test_an_engine_computing_another_model_is_caught_at_step_0(engine, tmp_path):
@@ -51,7 +50,7 @@ def test_an_engine_computing_another_model_is_caught_at_step_0(engine, tmp_path)
     weights, so the weight check passes, but the first step's log-prob gap is far above fp32's
     bound and the run stops there."""
     run = train.setup(tiny_config(tmp_path, "train.steps=2", "run.val_every=100"), engine=engine)
-    rotary = run.policy.model.rotary_emb
+    rotary = run.trainer.policy.model.rotary_emb
     rotary.inv_freq = rotary.inv_freq / 2
     with pytest.raises(health.LogprobGapError, match=r"step 0: .*by 0.000[1-9].*float32.*rope"):
         train.train(run)
@@ -102,10 +101,10 @@ def test_every_request_carries_its_own_sampling_seed(engine, policy, monkeypatch
     monkeypatch.setattr(engine, "request", recording)
     prompts = [[1, 5, 6, 2], [1, 7, 2]]
     for _ in range(2):
-        engine.generate(prompts, 4, 1.0, 4, seed=train.rollout_seed(0, step=3))
+        engine.generate(prompts, 4, 1.0, 4, seed=rollout.rollout_seed(0, step=3))
     first, again = sent[:8], sent[8:]
     assert None not in first and len(set(first)) == 8 and sorted(first) == sorted(again)
-    assert train.rollout_seed(0, 3) != train.rollout_seed(0, 4) != train.rollout_seed(1, 4)
+    assert rollout.rollout_seed(0, 3) != rollout.rollout_seed(0, 4) != rollout.rollout_seed(1, 4)
     seeds = {rollout.request_seed(7, index, turn) for index in range(512) for turn in range(4)}
     assert len(seeds) == 512 * 4 and max(seeds) < 2**31
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import batching
-import health
+import update
+import memory as health
 import train
-import model
+from conftest import train_on
+import runtime.model as model
 from conftest import tiny_config
 from memory import Ledger, MemoryPhases, PhaseError
 
@@ -24,6 +25,21 @@ def run(engine, tmp_path):
     return train.setup(tiny_config(tmp_path), engine=engine)
 
 
+def started(*args, **kwargs):
+    """A MemoryPhases in its rollout phase (the trainer offloaded), as setup leaves one."""
+    phases = MemoryPhases(*args, **kwargs)
+    phases.start()
+    return phases
+
+
+def push(run, phases, version):
+    """The weight push a sync runs between the train and rollout phases."""
+    policy = run.trainer.policy
+    return lambda: run.engine.update_weights(
+        policy.named_parameters(), version, phases.bucket_bytes
+    )
+
+
 def greedy(engine):
     samples, _ = engine.generate(PROMPTS, 1, 0.0, 16)
     return [s.response_ids for s in samples], [s.logprobs for s in samples]
@@ -33,14 +49,14 @@ def test_phase_cycle_release_resume_and_parity(run):
     """Two steps of to_train/sync release and resume both engine memory tags and leave the engine
     generating the same greedy tokens and log-probs; after the policy changes, a staged push in
     several buckets gives the engine the trainer's log-probs."""
-    phases = MemoryPhases(
-        run.engine, run.policy, run.optimizer, mode="staged", bucket_bytes=64 << 10
+    phases = started(
+        run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged", bucket_bytes=64 << 10
     )
     ids_before, logprobs_before = greedy(run.engine)
     for step in range(2):  # the sequence runs every step
         phases.to_train()
         assert phases.phase == "train" and phases.engine_released == {"weights", "kv_cache"}
-        phases.sync(version=step + 1)
+        phases.to_rollout(push(run, phases, step + 1))
         assert phases.phase == "rollout" and phases.engine_released == set()
     ids_after, logprobs_after = greedy(run.engine)  # same weights pushed back: same generation
     assert ids_after == ids_before
@@ -49,14 +65,14 @@ def test_phase_cycle_release_resume_and_parity(run):
 
     phases.to_train()
     with torch.no_grad():
-        for p in run.policy.parameters():
+        for p in run.trainer.policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # stands in for an update
-    num_buckets = phases.sync(version=3)
+    num_buckets = phases.to_rollout(push(run, phases, 3))
     assert num_buckets > 1  # staged push, several buckets
     samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 16)
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
+        logprobs, _ = update.sequence_logprobs(run.trainer.policy, batch, 1.0)
     assert ((logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
 
 
@@ -64,9 +80,9 @@ def test_illegal_transitions_raise_named_errors(run):
     """Out-of-order transitions (sync before to_train, to_train twice, resuming what was not
     released, releasing twice, releasing while a request runs) raise a PhaseError naming the
     problem."""
-    phases = MemoryPhases(run.engine, run.policy, run.optimizer)
-    with pytest.raises(PhaseError, match="sync\\(\\) needs phase 'train'"):
-        phases.sync(version=1)
+    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
+    with pytest.raises(PhaseError, match="to_rollout\\(\\) needs phase 'train'"):
+        phases.to_rollout(push(run, phases, 1))
     with pytest.raises(PhaseError, match="not released"):
         phases._resume(["kv_cache"])  # SGLang itself would raise a bare KeyError here
     phases.to_train()
@@ -74,7 +90,7 @@ def test_illegal_transitions_raise_named_errors(run):
         phases.to_train()
     with pytest.raises(PhaseError, match="already released"):
         phases._release(["weights"])
-    phases.sync(version=1)
+    phases.to_rollout(push(run, phases, 1))
 
     async def release_while_generating():
         request = asyncio.ensure_future(
@@ -99,12 +115,14 @@ def test_ledger_equals_real_tensor_sizes(run):
     r = run.cfg
     samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 8)
     advantages = torch.randn(len(samples))
-    train.train_on_rollout(run, samples, advantages)  # creates the AdamW state
+    train_on(run, samples, advantages)  # creates the AdamW state
     tokens = run.engine.kv_cache_tokens()
-    ledger = Ledger.measure(run.policy, run.optimizer, tokens, torch.float32)
-    params = list(run.policy.parameters())
+    ledger = Ledger.measure(run.trainer.policy, run.trainer.optimizer, tokens, torch.float32)
+    params = list(run.trainer.policy.parameters())
     assert ledger.trainer_params == sum(p.numel() * 4 for p in params)
-    state = [v for s in run.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = [
+        v for s in run.trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    ]
     assert ledger.optimizer_state == sum(v.numel() * v.element_size() for v in state)
     assert ledger.optimizer_state >= 2 * ledger.trainer_params  # exp_avg + exp_avg_sq (+ step)
     # what the engine loaded
@@ -125,9 +143,9 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
     bucket, and staged's is lower by at least the engine's weights."""
     peaks = {}
     for mode in ("staged", "all_at_once"):
-        phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode=mode)
+        phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode=mode)
         phases.to_train()
-        phases.sync(version=1)
+        phases.to_rollout(push(run, phases, 1))
         peaks[mode] = phases.peaks["sync"]["modelled"]
     ledger = phases.ledger
     assert peaks[
@@ -145,7 +163,9 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     weights, then offloads the parameters and empties it again before resuming the KV cache; the
     train peak is noted before the sync; the KL reference is resident only while training."""
     reference = model.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
-    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged", reference=reference)
+    phases = started(
+        run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged", reference=reference
+    )
     assert phases.ledger.reference_params == sum(p.numel() * 4 for p in reference.parameters())
     assert "reference_params" not in phases.resident  # offloaded with the trainer for the rollout
     phases.to_train()
@@ -154,7 +174,7 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     note = phases._note
     phases._note = lambda extra=0: (noted_in.append(phases.phase), note(extra))
     start = len(phases.events)
-    phases.sync(version=1)
+    phases.to_rollout(push(run, phases, 1))
     # the train phase's peak is taken after the update, before sync begins
     assert noted_in[0] == "train"
     events = phases.events[start:]
@@ -173,7 +193,7 @@ def test_release_waits_for_an_idle_engine(run):
     """Right after a rollout, to_train's release first waits until the scheduler says it is idle
     (flush_cache, retried until it succeeds), then frees every engine memory tag; sync resumes
     them."""
-    phases = MemoryPhases(run.engine, run.policy, run.optimizer)
+    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
     run.engine.generate(PROMPTS, 1, 0.0, 8)
     flushes = []
     flush = run.engine.flush_cache
@@ -189,14 +209,14 @@ def test_release_waits_for_an_idle_engine(run):
         del run.engine.flush_cache
     assert flushes and flushes[-1].success  # the release waited for an idle engine
     assert phases.engine_released == set(run.engine.memory_tags)
-    phases.sync(version=1)
+    phases.to_rollout(push(run, phases, 1))
     assert phases.engine_released == set()
 
 
 def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
     """The engine's environment drops expandable_segments from PYTORCH_CUDA_ALLOC_CONF (with a
     warning) and TORCHELASTIC_USE_AGENT_STORE, and leaves other allocator settings alone."""
-    import sglang_engine
+    import runtime.engine as sglang_engine
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -210,10 +230,10 @@ def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
 
 
 def test_the_weight_check_runs_before_the_trainer_weights_leave_the_device(run, monkeypatch):
-    """sync(after_push=...) calls the check right after the push and before the trainer's
+    """to_rollout(push) runs the push and the check right after the push and before the trainer's
     parameters are offloaded: on a GPU the engine hashes its weights there with SGLang's CUDA hash,
     and the trainer's must be hashed on the same device (a CPU copy hashes differently)."""
-    phases = MemoryPhases(run.engine, run.policy, run.optimizer, mode="staged")
+    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged")
     events = []
     move = phases._move_trainer
 
@@ -224,12 +244,14 @@ def test_the_weight_check_runs_before_the_trainer_weights_leave_the_device(run, 
     monkeypatch.setattr(phases, "_move_trainer", recording_move)
     phases.to_train()
     events.clear()
-    phases.sync(
-        version=1,
-        after_push=lambda: events.append(
-            ("check", health.check_weights(run.engine, run.policy.named_parameters(), "/tmp"))
-        ),
-    )
+
+    def push_and_check():
+        push(run, phases, 1)()
+        events.append(
+            ("check", health.check_weights(run.engine, run.trainer.policy.named_parameters()))
+        )
+
+    phases.to_rollout(push_and_check)
     assert [e if isinstance(e, str) else e[0] for e in events] == [
         "move",
         "check",

@@ -2,9 +2,10 @@
 mean."""
 
 import pytest
+import torch
 
-from metrics import length_stats, masked_mean, rollout_metrics
-from rollout import RolloutStats
+from metrics import Summed, length_stats, masked_mean, reduce_metrics, summed
+from rollout import RolloutStats, rollout_metrics
 from sample import Sample, trajectories_of
 
 
@@ -33,7 +34,7 @@ def test_completed_vs_launched_reward_means():
         sample(2, 0.0, 30, is_aborted=True, finish_reason="abort"),
         sample(3, 0.0, 0, is_aborted=True, finish_reason="error"),
     ]
-    out = rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=2.0))
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=2.0)))
     assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
     assert out["train/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
     assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
@@ -46,7 +47,7 @@ def test_completed_vs_launched_reward_means():
 def test_multi_turn_trajectories_count_once():
     """A trajectory of several turns counts once in the launched count and in the reward mean."""
     samples = [sample(0, 1.0, 3, turn=0), sample(0, 1.0, 2, turn=1), sample(1, 0.0, 4)]
-    out = rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0))
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0)))
     assert out["rollout/launched"] == 2
     assert out["train/reward_mean_completed"] == pytest.approx(0.5)
 
@@ -56,4 +57,16 @@ def test_masked_mean_and_lengths_never_nan():
     import torch
 
     assert masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])).item() == 0.0
-    assert length_stats([], "x") == {"x_mean": 0.0, "x_p50": 0.0, "x_p90": 0.0, "x_max": 0.0}
+    zeros = {"x_mean": 0.0, "x_p50": 0.0, "x_p90": 0.0, "x_max": 0.0}
+    assert reduce_metrics(length_stats([], "x")) == zeros
+
+
+def test_a_metrics_reduction_rule_cannot_be_lost_by_arithmetic():
+    """summed(3) + summed(4) raises instead of becoming a plain 7 that would then be averaged over
+    ranks; reduce_metrics turns each marker into a plain number by its rule."""
+    with pytest.raises(TypeError):
+        summed(3) + summed(4)
+    with pytest.raises(TypeError):
+        summed(3) / 2
+    assert isinstance(summed(torch.tensor(2.0)), Summed)
+    assert reduce_metrics({"a": summed(3), "b": 0.5}) == {"a": 3, "b": 0.5}

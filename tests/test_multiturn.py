@@ -5,15 +5,16 @@ import math
 
 import torch
 
-import batching
-import grpo
+import update
+import loss as losses
 import merge
 import sample
-import plot
-import tools
+import extras.plot as plot
+import task.tools as tools
 import train
-import tasks
-from config import load_config
+import rollout
+import task.data as tasks
+from runtime.run import load_config
 from conftest import tiny_config
 
 
@@ -35,7 +36,7 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     prompt is the previous context plus it (so turns merge); every turn carries the trajectory's
     reward, and a trajectory stays within its token budget."""
     run = tool_run(engine, tmp_path)
-    samples, stats = train.generate(run, run.stream.prompts[:16], 8, 1.0)
+    samples, stats = rollout.generate(run, run.stream.prompts[:16], 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     multi = [t for t in trajectories if len(t) > 1]
     # random init ends a turn with "?" by chance
@@ -62,27 +63,29 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     tokens and the same token-mean loss as step-wise ones."""
     run = tool_run(engine, tmp_path)
     prompts = run.stream.prompts[:16]
-    samples, _ = train.generate(run, prompts, 8, 1.0)
+    samples, _ = rollout.generate(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
-    advantages = torch.randn(len(trajectories))
-    merged, merged_adv, metrics = merge.training_sequences(
-        trajectories, advantages, 256, merge_turns=run.cfg.rollout.merge_turns
-    )
+    for turns, advantage in zip(trajectories, torch.randn(len(trajectories)).tolist()):
+        for turn in turns:  # as advantages.compute writes it: every turn carries it
+            turn.advantage = advantage
+    merged, metrics = merge.training_sequences(trajectories, run.cfg, 256)
     run.cfg.rollout.merge_turns = False
-    stepwise, stepwise_adv, _ = merge.training_sequences(
-        trajectories, advantages, 256, merge_turns=run.cfg.rollout.merge_turns
-    )
+    stepwise, _ = merge.training_sequences(trajectories, run.cfg, 256)
+    merged_adv = torch.tensor([s.advantage for s in merged])
+    stepwise_adv = torch.tensor([s.advantage for s in stepwise])
     assert metrics["merge/ratio"] > 1 and len(merged) < len(stepwise)
     assert sum(len(s.prompt_ids) + len(s.response_ids) for s in merged) < sum(
         len(s.prompt_ids) + len(s.response_ids) for s in stepwise
     )
 
     def token_mean_loss(sequences, seq_advantages):
-        batch = batching.collate(sequences, pad_id=0)
+        batch = update.collate(sequences, pad_id=0)
         with torch.no_grad():
-            logprobs, _ = batching.sequence_logprobs(run.policy, batch, 1.0)
+            logprobs, _ = update.sequence_logprobs(run.trainer.policy, batch, 1.0)
         old = logprobs - 0.1  # any fixed old policy: ratio exp(0.1) on every trained token
-        loss, _ = grpo.policy_loss(logprobs, old, seq_advantages, batch["loss_mask"], clip_eps=0.2)
+        loss, _ = losses.policy_loss(
+            logprobs, old, seq_advantages, batch["loss_mask"], clip_eps=0.2
+        )
         return loss.item(), batch["loss_mask"].sum().item()
 
     merged_loss, merged_tokens = token_mean_loss(merged, merged_adv)
@@ -98,7 +101,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     with no further turn started."""
     run = tool_run(engine, tmp_path, "rollout.max_turns=2")
     prompts = run.stream.prompts[:16]
-    samples, stats = train.generate(run, prompts, 8, 1.0)
+    samples, stats = rollout.generate(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     unanswered = [
         t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]
@@ -112,7 +115,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never
     # answered
     run.cfg.rollout.max_new_tokens, run.cfg.rollout.max_response_tokens = 1, 3
-    samples, stats = train.generate(run, run.stream.prompts[:64], 8, 1.0)
+    samples, stats = rollout.generate(run, run.stream.prompts[:64], 8, 1.0)
     called = [s for s in samples if s.tool_call == 1]
     assert called and all(s.finish_reason == "length" and s.turn == 0 for s in called)
     assert len(samples) == 64 * 8  # no second turn was started

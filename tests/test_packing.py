@@ -1,4 +1,4 @@
-"""Padding-free training (batching.py): token-budget micro-batches of packed rows give the same
+"""Padding-free training (update.py): token-budget micro-batches of packed rows give the same
 log-probs, entropies and updates as the padded path, in every loss mode, and sequences packed
 together never see each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
 
@@ -9,12 +9,13 @@ import sys
 
 import pytest
 import torch
+from advantages import group_advantages
 
-import batching
+import update
 import dist_worker
-import grpo
-import model
-import setup_run
+import loss as losses
+import runtime.model as model
+import runtime.run as setup_run
 from sample import Sample
 
 
@@ -39,7 +40,7 @@ def random_samples(seed, lengths=None):
                 versions=[-rng.randint(0, 2) for _ in range(num_response)],
             )
         )
-    advantages, _ = grpo.group_advantages(
+    advantages, _ = group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
         torch.tensor([s.group_id for s in samples]),
         torch.tensor([not s.is_aborted for s in samples]),
@@ -52,7 +53,7 @@ def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():
     rest first-fit decreasing into rows as wide as the longest sequence under the budget, as many
     rows per micro-batch as the budget holds."""
     lengths = [50, 7, 30, 12, 64, 9, 3, 150, 21, 40]
-    layout = batching.pack_rows(lengths, max_tokens=128)
+    layout = update.pack_rows(lengths, max_tokens=128)
     assert sorted(i for mb in layout for row in mb for i in row) == list(range(len(lengths)))
     assert layout[0] == [[7]]  # 150 tokens, over the budget: a micro-batch of its own
     # rows 64 wide (the longest sequence under the budget), each sequence, longest first, into the
@@ -63,11 +64,11 @@ def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():
 def packed(samples, max_tokens=10_000):
     """One micro-batch of `samples` packed as `pack_rows` lays them out (the budget holds them
     all)."""
-    (layout,) = batching.pack_rows(
+    (layout,) = update.pack_rows(
         [len(s.prompt_ids) + len(s.response_ids) for s in samples], max_tokens
     )
     return (
-        batching.collate(
+        update.collate(
             [samples[i] for row in layout for i in row], 0, [len(row) for row in layout]
         ),
         layout,
@@ -88,7 +89,7 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     policy, _ = model.build_policy(cfg, None)
     samples, _ = random_samples(0)
     batch, layout = packed(samples)
-    padded = batching.collate([samples[i] for row in layout for i in row], pad_id=0)
+    padded = update.collate([samples[i] for row in layout for i in row], pad_id=0)
     # rows no wider than the longest
     assert batch["packed_ids"].shape[1] == padded["input_ids"].shape[1]
     # less padding (only at row ends)
@@ -96,10 +97,10 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     # the head: responses only
     assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)
     with torch.no_grad():
-        expected, expected_entropy = batching.sequence_logprobs(policy, padded, 1.0)
+        expected, expected_entropy = update.sequence_logprobs(policy, padded, 1.0)
         policy.set_attn_implementation(attention)
         assert policy.model.layers[0].self_attn.config._attn_implementation == attention
-        got, entropy = batching.sequence_logprobs(policy, batch, 1.0)
+        got, entropy = update.sequence_logprobs(policy, batch, 1.0)
     real = batch["gathered"]  # every position that predicts a response token
     assert real.sum() == len(batch["head_index"])
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
@@ -137,8 +138,8 @@ def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
     response = slice(len(second.prompt_ids) - 1, n - 1)
     with torch.no_grad():
         # sample 1 is third in the batch
-        got = batching.sequence_logprobs(policy, batch, 1.0)[0][2, response]
-        alone = batching.sequence_logprobs(policy, batching.collate([second], pad_id=0), 1.0)[0][
+        got = update.sequence_logprobs(policy, batch, 1.0)[0][2, response]
+        alone = update.sequence_logprobs(policy, update.collate([second], pad_id=0), 1.0)[0][
             0, response
         ]
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
@@ -151,11 +152,11 @@ def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
             dict(attention_mask=None, use_cache=True),
         ):
             logits = policy(input_ids=row, position_ids=positions, **careless).logits
-            leaked = grpo.token_logprobs(logits[:, first:-1], row[:, first + 1 :])[0][0][response]
+            leaked = losses.token_logprobs(logits[:, first:-1], row[:, first + 1 :])[0][0][response]
             assert (leaked - alone).abs().max() > 1e-3, careless  # the leak shows
 
 
-@pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
 def test_one_update_packed_equals_padded(tmp_path, mode):
     """All four loss modes, with aborted rows, truncated importance sampling on and stale tokens
     (a token budget that splits the batch unevenly, some sequences over it): the same parameters

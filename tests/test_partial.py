@@ -9,14 +9,16 @@ import re
 import sys
 
 import pytest
+
+import sample
 import torch
 
-import batching
-import grpo
+import update
+import loss as losses
 import merge
-import tasks
+import task.data as tasks
 import train
-from buffer import PartialBuffer
+from partial import PartialBuffer
 from conftest import tiny_config
 from cancel import plan_launch
 from sample import NOT_GENERATED, Sample
@@ -47,9 +49,9 @@ def perturb_and_sync(engine, policy, version):
 
 
 def trainer_logprobs(policy, samples):
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
+        logprobs, _ = update.sequence_logprobs(policy, batch, temperature=1.0)
     return logprobs, batch
 
 
@@ -109,22 +111,32 @@ def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
     assert ((new_logprobs - batch["engine_logprobs"]).abs() * stale).max() > 1e-3
 
 
+class Handout:
+    """Prompts handed out in order: what PartialBuffer.launch reads new prompts from (a rank's
+    PromptStream in training)."""
+
+    def __init__(self, prompts):
+        self.prompts = list(prompts)
+
+    def take(self, count):
+        taken, self.prompts = self.prompts[:count], self.prompts[count:]
+        return taken
+
+
 def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_path):
     """Six steps of launch -> generate (half cancelled) -> collect, a version bump between them:
     only unfinished samples and new prompts are launched, no sample exceeds the budget, a group is
     handed back only when complete, and every trained sample is the one that finished, once."""
     plan = cancelling_plan(tmp_path, num_prompts=2)
     buffer = PartialBuffer(group_size=8, max_staleness=10)
-    prompts = [tasks.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3)]
+    stream = Handout(sample.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3))
     finished_seen = {}
     trained = []
     resumed_any = 0
     for step in range(6):
         if step:
             perturb_and_sync(engine, policy, version=step)
-        resumes, new = buffer.launch(
-            prompts[2 * step : 2 * step + 2], plan.num_prompts, version=step
-        )
+        resumes, new, held = buffer.launch(stream, plan.num_prompts, version=step)
         resumed_any += sum(s.times_resumed > 0 for s in resumes)
         samples, _ = engine.generate(
             [p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes
@@ -138,7 +150,7 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
             assert s.finish_reason != "length" or len(s.response_ids) == BUDGET
             if s.finish_reason != "abort":
                 finished_seen[id(s)] = (s.response_ids.tolist(), s.versions.tolist())
-        complete = buffer.collect(samples, new)
+        complete = buffer.collect(samples, new + held)
         out = [turn for group in complete for turns in group for turn in turns]
         trained += out
         for group in buffer.groups:  # a held group has at least one member still waiting
@@ -159,14 +171,15 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
     max_staleness 0 turns the buffer off."""
     partial = aborted_samples(engine, tmp_path)
     buffer = PartialBuffer(group_size=8, max_staleness=2)
-    buffer.collect(partial, [tasks.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
+    buffer.collect(partial, [sample.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
     assert len(buffer.waiting) == len(partial)
     state = buffer.state_dict()
-    resumes, _ = buffer.launch([], 0, version=2)  # 2 versions old: within the bound, continued
+    # 2 versions old: within the bound, continued
+    resumes, _, _ = buffer.launch(Handout([]), 0, version=2)
     assert [len(s.response_ids) for s in resumes] == [len(s.response_ids) for s in partial]
     assert buffer.counters["restarts"] == 0
     buffer.load_state_dict(state)  # as if not launched then: 3 versions old now
-    resumes, _ = buffer.launch([], 0, version=3)
+    resumes, _, _ = buffer.launch(Handout([]), 0, version=3)
     assert [len(s.response_ids) for s in resumes] == [0] * len(partial)  # restarted from the prompt
     assert buffer.counters["restarts"] == len(partial)
     assert buffer.counters["wasted_tokens"] == sum(len(s.response_ids) for s in partial)
@@ -193,15 +206,15 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
     perturb_and_sync(engine, policy, version=1)
     resumes = [dataclasses.replace(s, group_id=i) for i, s in enumerate(partial)]
     resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
-    batch = batching.collate(resumed, pad_id=0)
+    batch = update.collate(resumed, pad_id=0)
     with torch.no_grad():
-        batch["old_logprobs"], _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
-    batching.mask_stale_tokens([batch], version=1, max_staleness=-1)
+        batch["old_logprobs"], _ = update.sequence_logprobs(policy, batch, temperature=1.0)
+    update.mask_stale_tokens([batch], version=1, max_staleness=-1)
     log_ratio = batch["old_logprobs"] - batch["engine_logprobs"]
     stale = (batch["staleness"] > 0) & (batch["loss_mask"] > 0)
     fresh = (batch["staleness"] == 0) & (batch["loss_mask"] > 0)
     for cap in (1.0, 2.0):
-        stats = batching.offpolicy_stats([batch], cap)
+        stats = update.offpolicy_stats([batch], cap)
         expected = log_ratio[stale].exp().clamp(max=cap)
         assert stats["train/stale_is_weight"] == pytest.approx(expected.mean().item(), rel=1e-5)
         assert stats["train/stale_is_capped_frac"] == pytest.approx(
@@ -209,7 +222,7 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
         )
         # the loss weights tokens the same way: 1 where engine and trainer agree, min(ratio, cap) on
         # old ones
-        _, loss_stats = grpo.policy_loss(
+        _, loss_stats = losses.policy_loss(
             batch["old_logprobs"],
             batch["old_logprobs"],
             torch.ones(len(resumed)),
@@ -218,7 +231,7 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
             tis_cap=cap,
         )
         assert loss_stats["tis_weight"].item() == pytest.approx(1.0, abs=1e-4)
-        _, loss_stats = grpo.policy_loss(
+        _, loss_stats = losses.policy_loss(
             batch["old_logprobs"],
             batch["old_logprobs"],
             torch.ones(len(resumed)),
@@ -227,14 +240,14 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
             tis_cap=cap,
         )
         assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
-    assert batching.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
+    assert update.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
     num_stale = int(stale.sum())
     assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(
         num_stale / int(batch["loss_mask"].sum())
     )
     # masking instead: tokens more than 0 versions old leave the loss
-    masked = batching.mask_stale_tokens([batch], version=1, max_staleness=0)
-    assert masked["staleness/masked_tokens"] == num_stale
+    masked = update.mask_stale_tokens([batch], version=1, max_staleness=0)
+    assert masked["staleness/masked_tokens"].value == num_stale
     assert batch["loss_mask"][stale].sum() == 0 and batch["loss_mask"][fresh].sum() == fresh.sum()
 
 
@@ -286,7 +299,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
         ),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
     ]
-    complete = buffer.collect(turns, [tasks.Prompt([1, 2], "1")])
+    complete = buffer.collect(turns, [sample.Prompt([1, 2], "1")])
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(complete) == 1  # the group trains on its finished member
     out = [turn for group in complete for turns in group for turn in turns]
@@ -298,7 +311,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
         Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", is_aborted=True),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
     ]
-    tool_buffer.collect(first_turn, [tasks.Prompt([1, 2], "1")])
+    tool_buffer.collect(first_turn, [sample.Prompt([1, 2], "1")])
     assert tool_buffer.counters["dropped_multi_turn"] == 1 and not tool_buffer.waiting
 
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import tokenize
+import types
 import typing
 
 import psutil
@@ -23,14 +24,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import checkpoint
-import grpo
-import tasks
-import tools
+import loss as losses
+import runtime.checkpoint as checkpoint
+import runtime.model as model
+import task.data as tasks
+import task.tools as tools
 import train
-from config import Config, ConfigError, load_config
-from sglang_engine import StopSignal
-from conftest import tiny_config
+import rollout
+import update
+from advantages import ESTIMATORS, group_advantages
+from advantages import compute as compute_advantages
+from config import Config, ConfigError
+from conftest import tiny_config, train_on
+from metrics import summed
+from runtime.engine import StopSignal
+from runtime.run import load_config
 from test_config_and_tasks import _wide_char_tokenizer, qwen_tool_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +183,7 @@ def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}))
     with pytest.raises(tasks.DataError, match="no chat template"):
-        tasks.gsm8k_prompts(tasks.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
+        tasks.gsm8k_prompts(model.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
 
 
 def test_tool_call_fuzzing_through_the_qwen_json_adapter():
@@ -256,7 +264,7 @@ def test_no_eval_exec_or_unsafe_loading_anywhere():
 
 
 # ---------------------------------------------------------------- numerics
-@pytest.mark.parametrize("mode", grpo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", losses.LOSS_AGG_MODES)
 def test_degenerate_batches_give_finite_zeros(mode):
     """In every loss mode: zero-variance, all-aborted and one-survivor groups get advantage 0,
     empty batches empty advantages, and a batch with nothing to train loss 0, zero statistics and
@@ -264,20 +272,20 @@ def test_degenerate_batches_give_finite_zeros(mode):
     rewards, groups = torch.tensor([1.0, 1.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
     # zero variance, all aborted, one left
     for alive in ([True] * 4, [False] * 4, [True, False, False, False]):
-        advantages, _ = grpo.group_advantages(
-            rewards, groups, torch.tensor(alive), scale_by_std=True
-        )
+        advantages, _ = group_advantages(rewards, groups, torch.tensor(alive), scale_by_std=True)
         assert advantages.tolist() == [0.0] * 4
-    empty, _ = grpo.group_advantages(
+    empty, _ = group_advantages(
         torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), True
     )
     assert empty.numel() == 0
     # a partial step with no group done
-    assert train.trajectory_advantages([], scale_by_std=True)[0].numel() == 0
+    cfg = load_config("configs/tiny.yaml", ["run.out=/tmp/unused"])
+    trainer = types.SimpleNamespace(cfg=cfg)  # what the stage reads without a KL reference
+    assert compute_advantages(trainer, []) == ([], {"train/degenerate_groups": summed(0)})
     logprobs = torch.zeros(2, 3, requires_grad=True)
     for mask in (torch.zeros(2, 3), torch.zeros(0, 3)):  # nothing trained; an empty batch
         lp = logprobs[: len(mask)]
-        loss, stats = grpo.policy_loss(
+        loss, stats = losses.policy_loss(
             lp,
             lp.detach(),
             torch.zeros(len(mask)),
@@ -287,7 +295,7 @@ def test_degenerate_batches_give_finite_zeros(mode):
             engine_logprobs=lp.detach(),
             tis_cap=2.0,
             ref_logprobs=lp.detach(),
-            kl_coef=0.1,
+            terms={"kl": 0.1},
         )
         loss.backward()
         assert loss.item() == 0.0 and all(v.item() == 0.0 for v in stats.values())
@@ -303,35 +311,35 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
     run = train.setup(cfg, engine=engine)
     samples, advantages = rollout_batch(run)
-    before = {name: p.detach().clone() for name, p in run.policy.named_parameters()}
+    before = {name: p.detach().clone() for name, p in run.trainer.policy.named_parameters()}
     advantages[0] = math.nan  # one poisoned advantage: the loss and every gradient become NaN
-    stats = train.train_on_rollout(run, samples, advantages)
+    stats = train_on(run, samples, advantages)
     assert stats["train/skipped_updates"] == 1 and "update skipped" in caplog.text
     # untouched
-    assert all(torch.equal(before[name], p) for name, p in run.policy.named_parameters())
+    assert all(torch.equal(before[name], p) for name, p in run.trainer.policy.named_parameters())
     assert not any(
         torch.isnan(s).any()
-        for group in run.optimizer.state.values()
+        for group in run.trainer.optimizer.state.values()
         for s in group.values()
         if torch.is_tensor(s)
     )  # AdamW's moments stay clean
     advantages[0] = 0.0
     # and it trains on
-    assert train.train_on_rollout(run, samples, advantages)["train/skipped_updates"] == 0
+    assert train_on(run, samples, advantages)["train/skipped_updates"] == 0
 
     # in the loop: max_bad_updates steps in a row stop the run with a named error (the policy itself
     # stays finite: a skipped update never reaches the engine)
-    def poisoned(groups, scale_by_std, cost=None):
+    def poisoned(rewards, group_ids, is_valid, cfg):
         """NaN advantages, one per trajectory."""
-        return torch.full((len(train.flatten(groups)),), math.nan), 0
+        return torch.full_like(rewards, math.nan)
 
-    monkeypatch.setattr(train, "trajectory_advantages", poisoned)
+    monkeypatch.setitem(ESTIMATORS, "grpo", poisoned)
     # the direct update above changed the policy, not the engine: sync it, or the first step's
-    # log-prob gap check (health.py) rightly stops the run first
-    engine.update_weights(run.policy.named_parameters(), version=0)
-    with pytest.raises(train.NonFiniteError, match="2 steps in a row"):
+    # log-prob gap check (memory.py) rightly stops the run first
+    engine.update_weights(run.trainer.policy.named_parameters(), version=0)
+    with pytest.raises(update.NonFiniteError, match="2 steps in a row"):
         train.train(run)
-    assert all(torch.isfinite(p).all() for p in run.policy.parameters())
+    assert all(torch.isfinite(p).all() for p in run.trainer.policy.parameters())
 
 
 # ---------------------------------------------------------------- engine faults and load
@@ -562,13 +570,15 @@ def test_a_second_signal_exits_at_once_with_130(engine):
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import checkpoint, model, setup_run, tasks
-from config import load_config
-cfg = load_config("configs/tiny.yaml", ["run.out={out}"])
+import runtime.checkpoint as checkpoint, runtime.model as model, runtime.run as setup_run
+import task.data as tasks
+cfg = setup_run.load_config("configs/tiny.yaml", ["run.out={out}"])
 policy, tokenizer = model.build_policy(cfg, None)
-run = setup_run.trainer_only(cfg, policy)
-run.tokenizer = tokenizer  # what a checkpoint's HF export and data position need
-run.stream = tasks.PromptStream([], 0)
+# the trainer half, and what a checkpoint's HF export and data position need
+run = setup_run.Run(
+    cfg, trainer=setup_run.trainer_only(cfg, policy), tokenizer=tokenizer,
+    stream=tasks.PromptStream([], 0),
+)
 for step in range(1, 10_000):
     with torch.no_grad():
         next(policy.parameters()).fill_(step)  # each checkpoint's weights say which step wrote them

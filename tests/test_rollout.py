@@ -2,19 +2,22 @@
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import math
 import time
-import types
 
 import pytest
+
+import sample
 import torch
 
-import batching
+import update
 import rewards
-import tasks
+import runtime.model as model
 import train
+import rollout
 from conftest import tiny_config
 from cancel import count_complete_groups, plan_launch
 from config import ConfigError
@@ -25,9 +28,9 @@ PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "
 
 
 def trainer_logprobs(policy, samples):
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, _ = batching.sequence_logprobs(policy, batch, temperature=1.0)
+        logprobs, _ = update.sequence_logprobs(policy, batch, temperature=1.0)
     return logprobs, batch
 
 
@@ -149,7 +152,7 @@ def test_validation_never_cancels(engine, policy, tmp_path):
 
     engine.generate = spy
     try:
-        train.validate(run)
+        rollout.validate(run, version=0)
     finally:
         del engine.generate
     assert len(samples_seen) == 2 * len(run.val_prompts) and not any(
@@ -223,7 +226,7 @@ def _timed_rollout(engine, reward):
 
 def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     """A reward that takes 200 ms (a parser, a sandbox, a judge), run in the reward threads as
-    train.scorer runs it: the cancellation lands about as fast as with an instant reward (within
+    Rewards.scorer runs it: the cancellation lands about as fast as with an instant reward (within
     20%, or 50 ms on this noisy machine), and every finished trajectory gets its value; an
     `async def` reward is awaited as well. The same slow reward run on the event loop itself (as
     before rewards went off it) delays the cancellation by whole rewards: the check has teeth."""
@@ -236,9 +239,11 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
         await asyncio.sleep(0.2)
         return 0.25
 
+    pool = concurrent.futures.ThreadPoolExecutor(4)  # as rewards.Rewards holds one
+
     def off_loop(fn):
         async def reward(turns):
-            return await rewards.call_reward_off_loop(fn, "text", "answer", True)
+            return await rewards.call_reward_off_loop(fn, "text", "answer", True, pool)
 
         return reward
 
@@ -258,6 +263,7 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
 def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
     """Off the loop as on it: a reward over rollout.reward_timeout_s, one that raises, one that
     returns NaN or a bool, each becomes a RewardError naming it (the rollout counts them)."""
+    pool = concurrent.futures.ThreadPoolExecutor(2)
 
     def sleepy(text, answer, finished):
         time.sleep(0.5)
@@ -274,25 +280,22 @@ def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
     ]
     for fn, timeout_s, message in cases:
         with pytest.raises(rewards.RewardError, match=message):
-            asyncio.run(rewards.call_reward_off_loop(fn, "text", "answer", True, timeout_s))
+            asyncio.run(rewards.call_reward_off_loop(fn, "text", "answer", True, pool, timeout_s))
 
 
 def test_overlong_penalty_hand_computed_and_added_by_the_scorer(tmp_path):
     """DAPO's soft overlong punishment: 0 up to budget - buffer, then linear to -factor at the
-    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); train.scorer adds it
+    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); Rewards.scorer adds it
     to the task's reward (the demo's 48-token budget, buffer 16: 40 tokens -> 1 - 0.5); a buffer
     larger than the budget is a ConfigError."""
     assert rewards.overlong_penalty(700, 1024, 256, 1.0) == 0.0
     assert rewards.overlong_penalty(896, 1024, 256, 1.0) == -0.5
     assert rewards.overlong_penalty(1024, 1024, 256, 0.5) == -0.5
     cfg = tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=16")
-    run = types.SimpleNamespace(
-        cfg=cfg,
-        tokenizer=tasks.build_char_tokenizer(),
-        reward_fn=lambda text, answer, finished: 1.0,
-    )
+    judge = rewards.Rewards(lambda text, answer, finished: 1.0, model.build_char_tokenizer(), cfg)
     turns = [Sample([1, 5], [4] * 40, [0.0] * 40, [1] * 40, group_id=0)]
-    prompts = [tasks.Prompt(prompt_ids=[1, 5], answer="3")]
-    assert asyncio.run(train.scorer(run, prompts)(turns)) == 0.5
+    prompts = [sample.Prompt(prompt_ids=[1, 5], answer="3")]
+    assert asyncio.run(judge.scorer(prompts)(turns)) == 0.5
+    assert asyncio.run(judge.scorer(prompts, overlong=False)(turns)) == 1.0
     with pytest.raises(ConfigError, match="overlong_buffer <= 48"):
         tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=64")

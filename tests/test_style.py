@@ -8,7 +8,16 @@ import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the trainer's modules, the benchmarks, the tests, the examples and the CPU stand-in for sgl_kernel
-PATTERNS = ["*.py", "bench/*.py", "tests/*.py", "examples/**/*.py", "cpu_compat/**/*.py"]
+PATTERNS = [
+    "*.py",
+    "runtime/*.py",
+    "task/*.py",
+    "extras/*.py",
+    "bench/*.py",
+    "tests/*.py",
+    "examples/**/*.py",
+    "cpu_compat/**/*.py",
+]
 
 
 def python_files():

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-import tools
-from config import ConfigError, load_config
+import task.tools as tools
+from config import ConfigError
+from runtime.run import load_config
 from test_config_and_tasks import qwen_tool_tokenizer
 
 
@@ -116,21 +117,21 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="has no function 'nope'"):
         tools.load_tools(["examples/math_tools.py:nope"])
     with pytest.raises(ConfigError, match="is not a plain or async def function"):
-        tools.load_tools(["tools:QwenTools"])  # a class: no schema, no name to call
+        tools.load_tools(["task.tools:QwenTools"])  # a class: no schema, no name to call
     with pytest.raises(ConfigError, match="two tools named 'calculator'"):
-        tools.load_tools(["tools:calculator", "tools:calculator"])
-    loaded = tools.load_tools(["tools:calculator", "examples/math_tools.py:percent_of"])
+        tools.load_tools(["task.tools:calculator", "task.tools:calculator"])
+    loaded = tools.load_tools(["task.tools:calculator", "examples/math_tools.py:percent_of"])
     assert [fn.__name__ for fn in loaded] == ["calculator", "percent_of"]
     assert tools.load_tools([]) == [tools.calculator]  # none named: the calculator
     with pytest.raises(ConfigError, match="needs rollout.max_turns > 1"):
-        load_config("configs/tiny.yaml", ["rollout.tools=[tools:calculator]"])
+        load_config("configs/tiny.yaml", ["rollout.tools=[task.tools:calculator]"])
     for config in ("configs/tiny_tool.yaml", "configs/tiny.yaml"):
         with pytest.raises(ConfigError, match="task calls no tools of yours"):
-            load_config(config, ["rollout.max_turns=2", "rollout.tools=[tools:calculator]"])
+            load_config(config, ["rollout.max_turns=2", "rollout.tools=[task.tools:calculator]"])
     with pytest.raises(ConfigError, match="rollout.tool_timeout_s=0"):
         load_config("configs/tiny_tool.yaml", ["rollout.tool_timeout_s=0"])
     with pytest.raises(ConfigError, match="expected a list of str"):
-        load_config("configs/tiny.yaml", ["rollout.tools=tools:calculator"])
+        load_config("configs/tiny.yaml", ["rollout.tools=task.tools:calculator"])
 
 
 def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):

@@ -9,13 +9,18 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import batching
-import checkpoint
+import update
+import runtime.checkpoint as checkpoint
 import sample
-import plot
+import extras.plot as plot
+import loss as losses
 import train
-import tasks
-import model
+from advantages import compute as compute_advantages, reference_kl
+from conftest import train_on
+import rollout
+import advantages
+import task.data as tasks
+import runtime.model as model
 from sample import Sample
 from conftest import tiny_config
 
@@ -34,7 +39,7 @@ def test_collate_places_per_token_arrays():
         Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
         Sample([1], [], [], [], group_id=0, is_aborted=True),
     ]
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     assert batch["input_ids"].dtype == torch.long
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
@@ -115,10 +120,10 @@ def rollout_batch(run):
     r = run.cfg.rollout
     # reads on from where the run's steps left the stream
     prompts = run.stream.take(r.prompts_per_step)
-    samples, _ = train.generate(run, prompts, r.group_size, r.temperature)
+    samples, _ = rollout.generate(run, prompts, r.group_size, r.temperature)
     groups = sample.groups_of(sample.trajectories_of(samples))  # scored as they finished
-    advantages, _ = train.trajectory_advantages(groups, scale_by_std=True)
-    return samples, advantages
+    compute_advantages(run.trainer, groups)  # written on each sample
+    return samples, torch.tensor([s.advantage for s in samples])
 
 
 def test_resume_gives_the_same_next_step(engine, tmp_path):
@@ -133,7 +138,7 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
         8
     )
     samples, advantages = rollout_batch(uninterrupted)  # the same samples go to both runs
-    train.train_on_rollout(uninterrupted, samples, advantages)
+    train_on(uninterrupted, samples, advantages)
 
     resumed_cfg = tiny_config(
         tmp_path, "train.steps=2", "run.val_every=100", "train.warmup_steps=3"
@@ -142,12 +147,12 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     assert resumed.start_step == 1
     # reads on from there
     assert resumed.stream.position == position and resumed.stream.take(8) == next_prompts
-    train.train_on_rollout(resumed, samples, advantages)
+    train_on(resumed, samples, advantages)
     for (name, a), (_, b) in zip(
-        uninterrupted.policy.named_parameters(), resumed.policy.named_parameters()
+        uninterrupted.trainer.policy.named_parameters(), resumed.trainer.policy.named_parameters()
     ):
         assert torch.equal(a, b), name
-    assert resumed.scheduler.get_last_lr() == uninterrupted.scheduler.get_last_lr()
+    assert resumed.trainer.scheduler.get_last_lr() == uninterrupted.trainer.scheduler.get_last_lr()
 
 
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
@@ -210,7 +215,7 @@ def test_golden_first_steps(engine, tmp_path):
         torch.manual_seed(step)
         samples = []
         for group_id, p in enumerate(prompts):
-            out = run.policy.generate(
+            out = run.trainer.policy.generate(
                 torch.tensor([p.prompt_ids]),
                 do_sample=True,
                 max_new_tokens=40,
@@ -233,11 +238,12 @@ def test_golden_first_steps(engine, tmp_path):
                 )
         trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
-            turns[-1].reward = asyncio.run(train.scorer(run, prompts)(turns))
+            turns[-1].reward = asyncio.run(run.rewards.scorer(prompts)(turns))
         groups = sample.groups_of(trajectories)  # samples were made group by group: same order
-        advantages, _ = train.trajectory_advantages(groups, scale_by_std=True)
+        compute_advantages(run.trainer, groups)  # the stage: written on each sample
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
-        losses.append(round(train.train_on_rollout(run, samples, advantages)["train/loss"], 4))
+        stats = update.update_policy(run.trainer, samples, version=0)
+        losses.append(round(stats["train/loss"], 4))
     assert rewards == GOLDEN_REWARDS
     assert losses == pytest.approx(GOLDEN_LOSSES, abs=2e-4)
 
@@ -255,17 +261,17 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
         Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
         Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
     ]
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     grads = []
     for swapped in (True, False):
         policy.zero_grad()
         if swapped:
-            logprobs, entropy = batching.sequence_logprobs(policy, batch, 0.7)
+            logprobs, entropy = update.sequence_logprobs(policy, batch, 0.7)
         else:
             logits = policy(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
             ).logits[:, :-1]
-            logprobs, entropy = train.grpo.token_logprobs(logits, batch["targets"], 0.7)
+            logprobs, entropy = losses.token_logprobs(logits, batch["targets"], 0.7)
         (logprobs * batch["loss_mask"]).sum().backward()
         grads.append(
             ({n: p.grad.clone() for n, p in policy.named_parameters()}, logprobs.detach(), entropy)
@@ -282,14 +288,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
         Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
         Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
     ]
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     grads = []
     for switch in ("false", "true"):
         policy, _ = model.build_policy(
             tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None
         )
         assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
-        logprobs, _ = batching.sequence_logprobs(policy, batch, 1.0)
+        logprobs, _ = update.sequence_logprobs(policy, batch, 1.0)
         (logprobs * batch["loss_mask"]).sum().backward()
         grads.append({n: p.grad for n, p in policy.named_parameters()})
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
@@ -302,7 +308,7 @@ def test_micro_batches_are_padded_to_their_own_longest_row():
     samples = [
         Sample([1, 5], list(range(4, 4 + n)), [0.0] * n, [1] * n, group_id=0) for n in lengths
     ]
-    mbs, over_budget = batching.micro_batches(samples, torch.zeros(len(samples)), size=2, pad_id=0)
+    mbs, over_budget = update.micro_batches(samples, size=2, pad_id=0)
     # one rank: no padding micro-batches (2 ranks: test_distributed)
     assert len(mbs) == 4 and over_budget == 0
     for i, mb in enumerate(mbs):
@@ -324,9 +330,9 @@ def test_step_statistics_are_token_weighted_over_every_micro_batch(tmp_path):
     advantages = advantages[finished]
     assert len(samples) % cfg.train.micro_batch_size != 0  # a short last micro-batch
     policy, _ = model.build_policy(cfg, None)
-    batch = batching.collate(samples, pad_id=0)
+    batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
-        logprobs, entropy = batching.sequence_logprobs(policy, batch, cfg.rollout.temperature)
+        logprobs, entropy = update.sequence_logprobs(policy, batch, cfg.rollout.temperature)
     mask = batch["loss_mask"]
     log_weight = (logprobs - batch["engine_logprobs"]).clamp(max=math.log(2.0))
     expected_entropy = ((entropy * mask).sum() / mask.sum()).item()
@@ -351,21 +357,22 @@ def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_
     )
     run = train.setup(cfg, engine=engine)
     with torch.no_grad():  # a reference unlike the policy, so the KL is far from 0
-        for p in run.reference.parameters():
+        for p in run.trainer.reference.parameters():
             p.mul_(0.8)
-    samples, _ = train.generate(run, run.stream.take(4), 4, 1.0)
+    samples, _ = rollout.generate(run, run.stream.take(4), 4, 1.0)
     groups = sample.groups_of(sample.trajectories_of(samples))
-    trajectories = train.flatten(groups)
-    kl = train.reference_kl(run, trajectories)
+    trajectories = [turns for group in groups for turns in group]
+    kl = reference_kl(run.trainer, trajectories)
     for i, (turn,) in enumerate(trajectories):  # single-turn: one turn each
         ids = torch.tensor([list(turn.prompt_ids) + list(turn.response_ids)])
         with torch.no_grad():
-            logits = run.reference(ids).logits[0, len(turn.prompt_ids) - 1 : -1]
+            logits = run.trainer.reference(ids).logits[0, len(turn.prompt_ids) - 1 : -1]
         reference = logits.log_softmax(-1).gather(-1, ids[0, len(turn.prompt_ids) :, None])[:, 0]
         expected = (torch.tensor(turn.logprobs) - reference).sum()
         assert kl[i] == pytest.approx(expected.item(), rel=1e-4, abs=1e-4)
     assert kl.abs().max() > 0.1
-    advantages, _ = train.trajectory_advantages(groups, True, 0.5 * kl)
+    compute_advantages(run.trainer, groups)  # kl_in=reward: the cost subtracted first
+    advantages = torch.tensor([turns[-1].advantage for turns in trajectories])
     first = [i for i, (turn,) in enumerate(trajectories) if turn.group_id == 0]
     x = torch.tensor([trajectories[i][0].reward for i in first]) - 0.5 * kl[first]
     by_hand = (x - x.mean()) / (x.std() + 1e-6)

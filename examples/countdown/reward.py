@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from tools import calculator
+from task.tools import calculator
 
 # no '**', no decimals, no exponents: the game's four operations
 ALLOWED = frozenset("0123456789+-*/() ")

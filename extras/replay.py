@@ -6,25 +6,25 @@ the update logged, to RUN/rollouts/step_N/rank_0.pt. `python train.py --replay R
 then loads the policy as it was before that step (the checkpoint of step N, or the seeded initial
 policy for step 0), runs the same update in the trainer alone and prints both figures against the
 logged ones: on CPU they are equal, bit for bit. Owns the dump format and the replay; the update
-itself is train.train_on_rollout.
+itself is update.update_policy.
 """
 
 import os
 
 import torch
 
-import checkpoint
-import parallel
+import update
 from config import ConfigError, load_config
-from model import build_policy
+import runtime.checkpoint as checkpoint
+import runtime.parallel as parallel
+from runtime.model import build_optimizer, build_policy
 from sample import Sample
-from setup_run import trainer_only
 
 
-def dump(out_dir, step, start_step, sequences, advantages, stats):
+def dump(out_dir, step, start_step, sequences, stats):
     """Write this rank's step `step` (`start_step`: its process's first, where
     train.old_logprobs=engine still ran the trainer's forward): plain lists and tensors (read back
-    with weights_only)."""
+    with weights_only). Each sequence carries its advantage."""
     folder = os.path.join(out_dir, "rollouts", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
@@ -33,7 +33,6 @@ def dump(out_dir, step, start_step, sequences, advantages, stats):
             "step": step,
             "start_step": start_step,  # the first step of the process that trained it
             "sequences": [s.to_state() for s in sequences],
-            "advantages": advantages,
             "loss": stats["train/loss"],
             "grad_norm": stats["train/grad_norm"],
         },
@@ -50,6 +49,7 @@ def replay(folder):
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
     dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
+    # the run's own config.yaml, whose choices were checked when it started
     cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
@@ -62,17 +62,23 @@ def replay(folder):
     policy, _ = build_policy(cfg, before if step > 0 else None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     compute = getattr(torch, cfg.model.compute_dtype)
-    run = trainer_only(
-        cfg, policy.to(device), device, compute if compute != torch.float32 else None
-    )
+    reference = None
     if cfg.train.kl_coef > 0:  # the frozen reference: the initial policy
-        run.reference = build_policy(cfg, None)[0].requires_grad_(False).eval().to(device)
+        reference = build_policy(cfg, None)[0].requires_grad_(False).eval().to(device)
+    optimizer, scheduler = build_optimizer(policy.to(device), cfg.train)
+    trainer = update.Trainer(
+        cfg=cfg,
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        reference=reference,
+        autocast_dtype=compute if compute != torch.float32 else None,
+        first_step=dumped["start_step"],
+    )
     if step > 0:  # AdamW's moments and the schedule, as they were
         state = checkpoint.read_trainer_state(before)
-        checkpoint.restore(before, state, policy, run.optimizer, run.scheduler)
-    from train import train_on_rollout  # train.py imports this module
-
+        checkpoint.restore(before, state, policy, optimizer, scheduler)
     sequences = [Sample(**s) for s in dumped["sequences"]]
-    from_engine = cfg.train.old_logprobs == "engine" and step != dumped["start_step"]
-    stats = train_on_rollout(run, sequences, dumped["advantages"], step, from_engine)
+    stats = update.update_policy(trainer, sequences, version=step)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -1,21 +1,220 @@
-"""Training batches: samples -> micro-batch tensors, and the trainer forward's per-token log-probs.
+"""Stage 4 of the step: the policy update. Sequences in, `train.num_minibatches` clipped-ratio
+optimizer steps out, with the stage's metrics.
 
-Owns the tensor layout the loss reads ([B, T-1]: targets, loss mask, engine log-probs, token
-versions), the packed layout the model computes on (rows of whole sequences, padding only at row
-ends), micro-batching (by rows, or by a token budget; every rank runs the same count), the staleness
-mask of partial rollout's older tokens and their off-policy statistics. Does not own the loss
-(grpo.py) or the optimizer step (train.py).
+Owns the trainer's half of a run (`Trainer`: policy, reference, optimizer, schedule), the tensor
+layout the loss reads ([B, T-1]: targets, loss mask, advantages, engine log-probs, token versions),
+the packed layout the model computes on (rows of whole sequences, padding only at row ends),
+micro-batching (by rows, or by a token budget; every rank runs the same count), pi_old (recomputed
+by the trainer, or the engine's with `train.old_logprobs: engine`), the staleness mask of partial
+rollout's older tokens and their off-policy statistics, gradient accumulation exact over
+micro-batches and ranks, and skipping non-finite updates. Does not own the loss math (loss.py),
+the advantages (advantages.py) or the weight push that follows (memory.py).
 """
 
+import dataclasses
 import itertools
+import logging
 import math
 
 import torch
 
-import grpo
-import parallel
-from metrics import summed
+import loss
+from config import ConfigError
+from metrics import TokenMeans, masked_mean, summed
+import runtime.parallel as parallel
 from sample import Sample
+
+log = logging.getLogger("update")
+
+
+class NonFiniteError(RuntimeError):
+    """`train.max_bad_updates` steps in a row had a non-finite loss or gradient: the policy is
+    broken."""
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The trainer's half of a run, which this stage updates (built by runtime/run.py)."""
+
+    cfg: object  # the run's Config
+    policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard with several ranks
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+    # the frozen initial policy, for the KL (kept only when train.kl_coef > 0)
+    reference: torch.nn.Module | None = None
+    autocast_dtype: torch.dtype | None = None  # one rank computing in bf16; None for fp32 or FSDP2
+    first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
+    bad_steps: int = 0  # steps in a row whose every update was skipped as non-finite
+
+    @property
+    def pad_id(self):
+        return self.policy.config.pad_token_id or 0
+
+
+def check(cfg):
+    """train.old_logprobs's choice and where it is valid (runtime.run.load_config calls this)."""
+    t = cfg.train
+    if t.old_logprobs not in ("trainer", "engine"):
+        raise ConfigError(f"train.old_logprobs={t.old_logprobs!r}: expected trainer or engine")
+    if t.old_logprobs == "engine":
+        conflicts = {
+            "train.num_minibatches > 1 (later minibatches need pi_old, not the weights now)": (
+                t.num_minibatches > 1
+            ),
+            "rollout.partial (resumed tokens were sampled by older weights)": cfg.rollout.partial,
+            "train.tis_cap (TIS weighs pi_old / pi_engine: 1 everywhere)": t.tis_cap > 0,
+        }
+        named = [name for name, on in conflicts.items() if on]
+        if named:
+            raise ConfigError(
+                "train.old_logprobs=engine takes pi_old from the engine, valid only where it is "
+                f"the policy being trained; turn off: {'; '.join(named)}"
+            )
+
+
+def engine_is_pi_old(trainer, version):
+    """Whether the engine's sampling log-probs serve as pi_old (the trainer's forward skipped):
+    with train.old_logprobs=engine, except at this process's first step, where the log-prob gap
+    check needs the trainer's own."""
+    return trainer.cfg.train.old_logprobs == "engine" and version != trainer.first_step
+
+
+# ---------------------------------------------------------------- the stage
+def update_policy(trainer, sequences, version):
+    """pi_old for every trained token, then `num_minibatches` clipped-ratio optimizer steps on
+    `sequences` (each carrying its trajectory's advantage). `version` is the weight version being
+    trained: tokens an older one sampled (partial rollout) are stale.
+
+    With several ranks each holds its own sequences (whole GRPO groups, so advantages were
+    computed locally). Each rank's loss is divided by the *global* count of trained tokens (or
+    sequences) and FSDP sums the gradients, so N ranks make the same update as one rank on the
+    combined batch, in every loss mode. Minibatch i is every rank's i-th slice of its own
+    sequences. Raises NonFiniteError after `train.max_bad_updates` skipped steps in a row."""
+    t = trainer.cfg.train
+    minibatches, over_budget = make_minibatches(sequences, t, trainer.pad_id, trainer.device)
+    every_mb = [mb for minibatch in minibatches for mb in minibatch]
+    stats = mask_stale_tokens(every_mb, version, t.max_token_staleness)
+    stats |= old_logprobs(trainer, every_mb, from_engine=engine_is_pi_old(trainer, version))
+    stats |= layout_stats(every_mb)
+    stats |= offpolicy_stats(every_mb, t.tis_cap)
+    stats["train/over_budget_sequences"] = summed(over_budget)
+    token_stats = TokenMeans()
+    losses = []
+    grad_norms = []
+    skipped = 0
+    for minibatch in minibatches:
+        minibatch_loss, grad_norm = optimizer_step(trainer, minibatch, token_stats)
+        losses.append(minibatch_loss)
+        grad_norms.append(grad_norm)
+        skipped += not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm))
+    stats["train/skipped_updates"] = skipped
+    stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
+    stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    stats |= token_stats.means()
+    stats["train/lr"] = trainer.scheduler.get_last_lr()[0]
+    trainer.bad_steps = trainer.bad_steps + 1 if skipped else 0
+    if trainer.bad_steps >= t.max_bad_updates:
+        raise NonFiniteError(
+            f"{trainer.bad_steps} steps in a row had a non-finite loss or gradient "
+            f"(step {version})"
+        )
+    return stats
+
+
+def old_logprobs(trainer, micro_batches, from_engine=False):
+    """The sampling policy's log-probs, recomputed by the trainer on every micro-batch (and the
+    frozen reference's, for the KL term in the loss); the engine's own copy is only compared (the
+    gap). `from_engine` (`engine_is_pi_old`): the engine's are pi_old, the forward is skipped, and
+    there is no gap to report."""
+    temperature = trainer.cfg.rollout.temperature
+    with torch.no_grad():
+        for mb in micro_batches:
+            if from_engine:
+                mb["old_logprobs"] = mb["engine_logprobs"]
+            else:
+                mb["old_logprobs"] = sequence_logprobs(
+                    trainer.policy, mb, temperature, trainer.autocast_dtype
+                )[0]
+            if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
+                mb["ref_logprobs"] = sequence_logprobs(
+                    trainer.reference, mb, temperature, trainer.autocast_dtype
+                )[0]
+    if from_engine:
+        return {}
+    # engine vs trainer on the tokens the current weights sampled (older tokens differ by design)
+    gap = 0.0
+    num_tokens = 0
+    for mb in micro_batches:
+        fresh = mb["loss_mask"] * (mb["staleness"] == 0)
+        gap += ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().item()
+        num_tokens += fresh.sum().item()
+    return {"train/logprob_gap": gap / max(num_tokens, 1)}
+
+
+def optimizer_step(trainer, minibatch, token_stats):
+    """One clipped-ratio optimizer step over a minibatch's micro-batches (gradient accumulation),
+    skipped when the loss or the gradient norm is not finite. Adds each micro-batch's statistics
+    to `token_stats`. Returns (the minibatch's loss, its gradient norm), both global over ranks."""
+    t = trainer.cfg.train
+    temperature = trainer.cfg.rollout.temperature
+    clip_low, clip_high = loss.clip_range(t)
+    terms = loss.term_coefficients(t)
+    norm_length = trainer.cfg.rollout.token_budget()  # Dr. GRPO's constant
+    trainer.optimizer.zero_grad(set_to_none=True)
+    counts = [loss.aggregation_count(mb["loss_mask"], t.loss_agg).item() for mb in minibatch]
+    total = max(parallel.all_reduce([sum(counts)])[0], 1)  # the loss denominator of all ranks
+    minibatch_loss = 0.0
+    for mb, count in zip(minibatch, counts):
+        logprobs, entropy = sequence_logprobs(
+            trainer.policy,
+            mb,
+            temperature,
+            trainer.autocast_dtype,
+            entropy_grad="entropy" in terms,
+        )
+        mb_loss, loss_stats = loss.policy_loss(
+            logprobs,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["loss_mask"],
+            clip_eps=clip_low,
+            agg_mode=t.loss_agg,
+            norm_length=norm_length,
+            engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None,
+            tis_cap=t.tis_cap,
+            clip_eps_high=clip_high,
+            ratio_level=t.ratio_level,
+            terms=terms,
+            ref_logprobs=mb.get("ref_logprobs"),
+            kl_estimator=t.kl_estimator,
+            entropy=entropy,
+        )
+        # weight each micro-batch by its share of the denominator: accumulation == one big batch
+        weighted = mb_loss * count / total
+        weighted.backward()
+        minibatch_loss += weighted.item()
+        num_tokens = mb["loss_mask"].sum().item()
+        token_stats.add(
+            "train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]).item(), num_tokens
+        )
+        for name, value in loss_stats.items():
+            token_stats.add(f"train/{name}", value.item(), num_tokens)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), t.grad_clip)
+    grad_norm = parallel.full_tensor(grad_norm).item()
+    minibatch_loss = parallel.all_reduce([minibatch_loss])[0]
+    if math.isfinite(minibatch_loss) and math.isfinite(grad_norm):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    else:
+        # the loss and norm are global, so every rank skips alike; NaN moments would poison
+        # AdamW for good
+        log.warning("non-finite loss %s or grad norm %s: update skipped", minibatch_loss, grad_norm)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return minibatch_loss, grad_norm
+
+
+# ---------------------------------------------------------------- the tensor layout
 
 # array typecode -> tensor dtype
 TORCH_DTYPES = {"i": torch.int32, "f": torch.float32, "B": torch.uint8}
@@ -101,7 +300,7 @@ def collate(samples, pad_id, rows=None):
 def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_grad=False):
     """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
 
-    For this call the model's output head returns log-probs (grpo.head_logprobs, chunked over
+    For this call the model's output head returns log-probs (loss.head_logprobs, chunked over
     positions) instead of [B, T, V] logits: it still runs inside the model's forward, where FSDP2
     has gathered the head's weight as for the usual logits, but the full logits never exist. With
     one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
@@ -117,7 +316,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_gr
     targets = input_ids.flatten()[index + 1] if packed else input_ids[:, 1:]
 
     def logprobs_head(hidden):  # hidden: [B, T, H]
-        logprobs, entropy = grpo.head_logprobs(
+        logprobs, entropy = loss.head_logprobs(
             hidden if packed else hidden[:, :-1],
             head.weight,
             head.bias,
@@ -152,7 +351,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_gr
     return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
 
 
-def micro_batches(samples, advantages, size, pad_id, max_tokens=0):
+def micro_batches(samples, size, pad_id, max_tokens=0):
     """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions
     (`pack_rows`), else padded ones of at most `size` samples, each padded only to its own
     longest row. Then padding micro-batches (one row, nothing trained) up to the count of the
@@ -173,7 +372,7 @@ def micro_batches(samples, advantages, size, pad_id, max_tokens=0):
     out = []
     for mb_indices, mb_row_sizes in zip(indices, row_sizes):
         mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes)
-        mb["advantages"] = advantages[mb_indices].float()
+        mb["advantages"] = torch.tensor([samples[i].advantage for i in mb_indices])
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
@@ -278,7 +477,7 @@ def offpolicy_stats(micro_batches, tis_cap):
     return stats
 
 
-def minibatches(samples, advantages, cfg, pad_id, device):
+def make_minibatches(samples, cfg, pad_id, device):
     """The step's `cfg.num_minibatches` minibatches (`cfg`: TrainConfig), each a list of collated
     micro-batches on `device`: minibatch i is the i-th slice of this rank's samples. Collated
     once, read by both passes (old log-probs, then the update). Every rank makes the same count
@@ -290,7 +489,6 @@ def minibatches(samples, advantages, cfg, pad_id, device):
         rows = slice(i * size, (i + 1) * size)
         batches, over = micro_batches(
             samples[rows],
-            advantages[rows],
             cfg.micro_batch_size,
             pad_id,
             max_tokens=cfg.max_tokens_per_micro_batch,

@@ -1,10 +1,14 @@
-"""GRPO math as small pure tensor functions: group advantages, per-token log-probs, the clipped loss
-(with clip-higher, GSPO's sequence-level ratio, and optional truncated importance sampling for
-engine-vs-trainer mismatch).
+"""The policy loss as small pure tensor functions: per-token log-probs, the clipped surrogate (with
+clip-higher, GSPO's sequence-level ratio, CISPO, and truncated importance sampling for
+engine-vs-trainer mismatch), the extra per-token terms (KL to a reference, entropy bonus; `TERMS`,
+a fork point), and the aggregation modes.
 
-Owns no state, no model and no engine; train.py and batching.py call these on [B, T] tensors
-(padded rows, or packed rows gathered back to that layout). Masked rows (aborted or padded samples)
-are exactly equivalent to removed rows under every function here.
+Owns no state, no model and no engine; update.py calls these on [B, T] tensors (padded rows, or
+packed rows gathered back to that layout). Masked rows (aborted or padded samples) are exactly
+equivalent to removed rows under every function here. Does not own advantages (advantages.py).
+
+To add a loss term: a function `(inputs) -> [B, T]` per-token values, its entry in TERMS, and
+`train.loss_terms: {name: coefficient}` turns it on (README "Fork it"; tests/test_forks.py).
 """
 
 import math
@@ -12,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from config import ConfigError
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -28,35 +34,75 @@ CISPO_AGG = "token-mean"
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # train.kl_estimator: see kl_estimate
 # train.kl_in: the KL to the reference as a loss term (GRPO's, Shao et al. 2024 eq. 3), or as a
 # cost subtracted from each trajectory's reward before the group statistics (verl's
-# use_kl_in_reward; train.reference_kl)
+# use_kl_in_reward; advantages.reference_kl)
 KL_PLACEMENTS = ("loss", "reward")
 
 
-def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
-    """GRPO outcome advantage (Shao et al. 2024, eq. 3): reward minus the mean of its group, / std.
+def check(cfg):
+    """The loss's choices and combinations (runtime.run.load_config calls this at load)."""
+    t = cfg.train
+    choices = {
+        "train.loss_agg": (t.loss_agg, LOSS_AGG_MODES),
+        "train.ratio_level": (t.ratio_level, RATIO_LEVELS),
+        "train.kl_estimator": (t.kl_estimator, KL_ESTIMATORS),
+        "train.kl_in": (t.kl_in, KL_PLACEMENTS),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
+    unknown = sorted(set(t.loss_terms) - set(TERMS))
+    if unknown:
+        raise ConfigError(f"train.loss_terms: no term {unknown[0]!r}; loss.TERMS has {list(TERMS)}")
+    if t.ratio_level == "sequence" and t.loss_agg != SEQUENCE_RATIO_AGG:
+        raise ConfigError(
+            "train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "
+            f"it needs train.loss_agg={SEQUENCE_RATIO_AGG}, not {t.loss_agg!r}"
+        )
+    if t.ratio_level == "cispo" and t.loss_agg != CISPO_AGG:
+        raise ConfigError(
+            "train.ratio_level=cispo normalises over every token (MiniMax-M1, eq. 4): it needs "
+            f"train.loss_agg={CISPO_AGG}, not {t.loss_agg!r}"
+        )
+    if t.tis_cap != 0 and not t.tis_cap >= 1:
+        raise ConfigError(f"train.tis_cap={t.tis_cap}: expected 0 (off) or a cap >= 1")
+    if t.kl_in == "reward" and not t.kl_coef:
+        raise ConfigError("train.kl_in=reward needs train.kl_coef > 0 (0 keeps no reference)")
 
-    rewards: [B] float, group_ids: [B] long in [0, G), is_valid: [B] bool (False = aborted/failed).
-    Statistics use only the valid members of each group; a group with fewer than 2 valid members
-    has no baseline to compare against, so its advantage is 0 (Dr. GRPO's `scale_by_std=False`
-    drops the std division, which it shows biases toward easy/hard questions).
-    Returns (advantages [B], number of groups with < 2 valid members).
-    """
-    num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
-    weight = is_valid.to(rewards.dtype)
-    count = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, weight)
-    total = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, rewards * weight)
-    mean = total / count.clamp(min=1)
-    deviation = (rewards - mean[group_ids]) * weight
-    # unbiased std over survivors, like torch.std; clamp keeps 1-member groups finite (they get 0
-    # below)
-    sum_sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, deviation**2)
-    std = (sum_sq / (count - 1).clamp(min=1)).sqrt()
-    advantages = deviation / (std[group_ids] + eps) if scale_by_std else deviation
-    has_baseline = count[group_ids] >= 2
-    advantages = torch.where(has_baseline & is_valid, advantages, torch.zeros_like(advantages))
-    launched = torch.zeros(num_groups).index_add_(0, group_ids, torch.ones(len(group_ids)))
-    num_degenerate = int(((launched > 0) & (count < 2)).sum())
-    return advantages, num_degenerate
+
+def clip_range(t):
+    """(low, high) clip epsilons of the ratio, [1 - low, 1 + high], from TrainConfig `t`: GSPO's
+    own with ratio_level=sequence, CISPO's with ratio_level=cispo."""
+    if t.ratio_level == "sequence":
+        return t.sequence_clip_eps, t.sequence_clip_eps_high
+    if t.ratio_level == "cispo":
+        return t.cispo_eps_low, t.cispo_eps_high
+    return t.clip_eps, t.clip_eps_high or t.clip_eps
+
+
+# ---------------------------------------------------------------- extra per-token terms
+# Each term: (inputs) -> [B, T] per-token values, added to the loss times its coefficient and
+# aggregated like the surrogate. `inputs` is a dict of [B, T] tensors: logprobs (with grad),
+# old_logprobs, engine_logprobs, loss_mask, entropy (with its graph only when a term needs it),
+# ref_logprobs (with a KL reference), advantages [B], and kl_estimator and norm_length.
+def kl_penalty(inputs):
+    """The KL to the frozen reference (GRPO's, Shao et al. 2024 eq. 3), per `kl_estimate`."""
+    return kl_estimate(inputs["logprobs"], inputs["ref_logprobs"], inputs["kl_estimator"])
+
+
+def entropy_bonus(inputs):
+    """An entropy bonus (verl's entropy_coeff): minus the token entropy, so the loss falls as it
+    rises."""
+    return -inputs["entropy"]
+
+
+TERMS = {"kl": kl_penalty, "entropy": entropy_bonus}
+
+
+def term_coefficients(t):
+    """{term name: coefficient} of every term TrainConfig `t` turns on: the KL with kl_in=loss
+    (kl_coef), the entropy bonus (entropy_coef), and train.loss_terms."""
+    terms = {"kl": t.kl_coef if t.kl_in == "loss" else 0.0, "entropy": t.entropy_coef}
+    return {name: coef for name, coef in (terms | t.loss_terms).items() if coef}
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator="k3"):
@@ -209,15 +255,14 @@ def policy_loss(
     clip_eps=0.2,
     agg_mode="token-mean",
     norm_length=1,
-    ref_logprobs=None,
-    kl_coef=0.0,
     engine_logprobs=None,
     tis_cap=0.0,
     clip_eps_high=None,
     ratio_level="token",
+    terms=None,
+    ref_logprobs=None,
     kl_estimator="k3",
     entropy=None,
-    entropy_coef=0.0,
 ):
     """Clipped surrogate objective of PPO/GRPO with an optional KL penalty to a reference, and
     optional truncated importance sampling for tokens the engine sampled from a different
@@ -239,13 +284,14 @@ def policy_loss(
     clipped keeps its gradient (PPO's min zeroes it), only its weight is bounded; defined with
     token-mean.
 
-    The KL to the reference uses `kl_estimator` (`kl_estimate`). With `entropy` (carrying its
-    graph), `entropy_coef` x entropy is subtracted from every token's term: an entropy bonus
-    (verl's entropy_coeff), aggregated like the rest.
+    `terms` ({name: coefficient}, names from TERMS) adds coefficient x each term's per-token
+    values to every token's objective, aggregated like the rest: the KL to the reference (`kl`,
+    on `ref_logprobs` with `kl_estimator`), the entropy bonus (`entropy`, on `entropy` carrying
+    its graph), and your own.
 
     logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs, entropy: [B, T];
-    advantages: [B]; loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL and
-    importance weights over trained tokens.
+    advantages: [B]; loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL,
+    importance weights and each extra term's mean over trained tokens.
     """
     log_ratio = logprobs - old_logprobs  # [B, T]
     if ratio_level == "sequence":
@@ -295,10 +341,24 @@ def policy_loss(
         stats["tis_capped_frac"] = aggregate(
             (log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean"
         )
-    if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
-        per_token = per_token + kl_coef * kl
-        stats["kl"] = aggregate(kl, loss_mask, "token-mean").detach()
-    if entropy is not None and entropy_coef:
-        per_token = per_token - entropy_coef * entropy
+    if ref_logprobs is not None:  # logged whenever a reference is kept
+        kl = kl_estimate(logprobs.detach(), ref_logprobs, kl_estimator)
+        stats["kl"] = aggregate(kl, loss_mask, "token-mean")
+    inputs = dict(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        engine_logprobs=engine_logprobs,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        kl_estimator=kl_estimator,
+        norm_length=norm_length,
+    )
+    for name, coef in (terms or {}).items():
+        values = TERMS[name](inputs)  # [B, T] (a term may return [B, 1]: broadcast)
+        per_token = per_token + coef * values
+        if name != "kl":
+            values = values.detach().expand_as(per_token)
+            stats[f"term_{name}"] = aggregate(values, loss_mask, "token-mean")
     return aggregate(per_token, loss_mask, agg_mode, norm_length), stats

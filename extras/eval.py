@@ -1,15 +1,16 @@
 """Evaluate a checkpoint (or any HF model folder) on the task's validation prompts: pass@k, maj@k,
 greedy accuracy and mean reward, each with a 95% bootstrap interval over prompts.
 
-    python eval.py --run runs/tiny                      # its latest checkpoint
-    python eval.py --run runs/tiny --step 100 --samples 16 --k 1,4,16
-    python eval.py --model PATH --config configs/gsm8k.yaml
+    python -m extras.eval --run runs/tiny                      # its latest checkpoint
+    python -m extras.eval --run runs/tiny --step 100 --samples 16 --k 1,4,16
+    python -m extras.eval --model PATH --config configs/gsm8k.yaml
 
 Owns the evaluation metrics and the command. Only the engine runs (no trainer, no optimizer): it
 samples `--samples` responses per prompt at the training temperature, plus one greedy, and each is
-scored by the task's own reward (rewards.score, as in training). A sample is correct when its
-reward is >= 1. Every sample and its reward go to eval.jsonl beside the checkpoint. Training's
-validation uses the same metrics (`pass_at_k`), logging val/pass@k when `run.val_samples` > 1.
+scored by the task's own reward (rewards.Rewards.score, as in training). A sample is correct when
+its reward is >= 1. Every sample and its reward go to eval.jsonl beside the checkpoint. Training's
+validation uses the same estimator (metrics.pass_at_k), logging val/pass@k when `run.val_samples` >
+1.
 """
 
 import argparse
@@ -21,27 +22,17 @@ import sys
 
 import tqdm
 
-import checkpoint
 import rewards
-from config import ConfigError, load_config
-from model import ModelError, load_tokenizer
+from config import ConfigError
+from metrics import pass_at_k
+import runtime.checkpoint as checkpoint
+from runtime.model import ModelError, load_tokenizer
+from runtime.run import engine_only, load_config, start_engine
 from sample import trajectories_of
-from setup_run import engine_only, start_engine
-from tasks import DataError, build_task
+from task.data import DataError, build_task
 
 
 # ---------------------------------------------------------------- the metrics
-def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al. 2021):
-    1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct
-    one, computed as a product (the binomials overflow floats at large n)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
 def majority_correct(answers, correct):
     """maj@k of one prompt: is the most frequent answer among `answers` (the first k samples'
     extracted answers; None: no answer, never a winner) a correct one? Ties go to the answer seen
@@ -105,11 +96,9 @@ def sample_prompts(run, prompts, num_samples, temperature):
     with tqdm.tqdm(total=total, desc="eval samples", file=sys.stderr) as bar:
         for label, count, temp in (("sampled", num_samples, temperature), ("greedy", 1, 0.0)):
 
-            async def counted(turns):  # the reward step, as training's (train.scorer)
+            async def counted(turns):  # the task's reward alone, as validation's
                 bar.update(1)
-                answer = prompts[turns[-1].group_id].answer
-                timeout_s = run.cfg.rollout.reward_timeout_s
-                return await rewards.score(turns, answer, run.tokenizer, run.reward_fn, timeout_s)
+                return await run.rewards.score(turns, prompts[turns[-1].group_id].answer)
 
             r = run.cfg.rollout
             samples, _ = run.engine.generate(

@@ -27,6 +27,8 @@ from transformers.utils.chat_template_utils import (
     get_json_schema,
 )
 
+from config import ConfigError, load_function
+
 MAX_CHARS = 200  # longer input is rejected before parsing; this also bounds the AST depth
 # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
 MAX_DEPTH = 20
@@ -160,8 +162,6 @@ def function_schema(fn):
     """The JSON schema the chat template lists for `fn`, from its type hints and its Google-style
     docstring (transformers.utils.get_json_schema, as TRL builds its tools' schemas). A function
     it cannot describe is a ConfigError naming what is missing."""
-    from config import ConfigError
-
     try:
         return get_json_schema(fn)
     except (DocstringParsingException, TypeHintParsingException) as e:
@@ -205,8 +205,6 @@ def result_text(result):
 def load_tools(specs):
     """The functions `rollout.tools` names (config.load_function), each with a schema; none
     named: the calculator. Two of one name is a ConfigError (the model calls a tool by name)."""
-    from config import ConfigError, load_function
-
     functions = [load_function(spec, "rollout.tools") for spec in specs] or [calculator]
     for spec, fn in zip(specs, functions):
         if not inspect.isfunction(fn):  # a partial or a callable object has no name, no schema
@@ -243,8 +241,6 @@ class QwenTools:
         self.tokenizer = tokenizer
         self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)  # generation stops here
         if self.call_end_id in (None, tokenizer.unk_token_id):
-            from config import ConfigError
-
             raise ConfigError(
                 f"tools: the tokenizer has no {self.call_end} token; tool calls need a Qwen2.5 or "
                 "Qwen3-style chat template"

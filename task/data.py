@@ -1,6 +1,6 @@
 """Tasks: the prompts a run trains and validates on. The tiny CPU demo tasks (count letters; a
-calculator question), chat datasets (GSM8K and your own rows of a prompt and an answer), the demos'
-char tokenizer, and the prompt stream each rank reads from.
+calculator question), chat datasets (GSM8K and your own rows of a prompt and an answer), and the
+prompt stream each rank reads from.
 
 Owns prompt construction and data loading (bad rows counted and skipped), and which reward and tool
 each task uses (`build_task`). Does not own the rewards (rewards.py), the tools (tools.py), the
@@ -15,49 +15,46 @@ import os
 import random
 
 import rewards
-import tools
+from config import ConfigError
+from sample import Prompt
+import task.tools as tools
 
 log = logging.getLogger("tasks")
 
 TASKS = ("tiny", "tiny_tool", "gsm8k", "chat")  # data.task: see build_task
 
 
+def check(cfg):
+    """data.task's choice and what it needs (runtime.run.load_config calls this at load)."""
+    d = cfg.data
+    if d.task not in TASKS:
+        raise ConfigError(f"data.task={d.task!r}: expected one of {TASKS}")
+    if d.task in ("gsm8k", "chat") and not d.train_path:
+        raise ConfigError(
+            f"data.task={d.task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
+        )
+    if d.task == "chat" and not d.reward:
+        raise ConfigError(
+            "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
+        )
+    if cfg.rollout.tools and cfg.rollout.max_turns == 1:
+        raise ConfigError(
+            f"rollout.tools={cfg.rollout.tools} needs rollout.max_turns > 1 (one turn calls none)"
+        )
+    if cfg.rollout.tools and d.task in ("tiny", "tiny_tool"):
+        raise ConfigError(
+            f"rollout.tools: the {d.task} task calls no tools of yours (tiny_tool: its own '?' "
+            "calculator); tools are called in Qwen's <tool_call> JSON (data.task gsm8k or chat)"
+        )
+
+
 class DataError(ValueError):
     """A data source that cannot be used at all (missing file, no usable rows)."""
-
-
-@dataclasses.dataclass
-class Prompt:
-    prompt_ids: list[int]
-    # what the reward compares against: tiny: the count N; gsm8k: the gold number; chat: the row's
-    # answer
-    answer: str
 
 
 # ---------------------------------------------------------------- tiny demo task
 # Prompt "<bos>17:", target "a" * 17 then <eos>. N ~ 1/N up to max_count, so most answers are short
 # and a few are long: the long-tailed length distribution RL rollouts have.
-TINY_CHARS = "0123456789:a+-.=*/()?"  # one vocab for both tiny tasks (tiny_tool uses "*-=?")
-
-
-def build_char_tokenizer(chars=TINY_CHARS):
-    """A character-level tokenizer built locally with `tokenizers` (no download), HF-wrapped."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *chars])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
-    core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-
-
 def tiny_prompts(tokenizer, num_prompts, max_count, seed):
     """`num_prompts` prompts with N drawn with weight 1/N from 1..max_count (fixed by `seed`)."""
     rng = random.Random(seed)

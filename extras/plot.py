@@ -1,8 +1,8 @@
 """Plot a run: the curves a reader looks at first, from a run directory's TensorBoard events, as one
 PNG.
 
-python plot.py runs/tiny            # writes runs/tiny/curves.png python plot.py runs/tiny --out
-demo.png
+    python -m extras.plot runs/tiny                 # writes runs/tiny/curves.png
+    python -m extras.plot runs/tiny --out demo.png
 
 Owns nothing of training: it only reads what metrics.py logged. Panels whose metrics a run did not
 log (e.g. validation in a run without it) are left out, and the figure says which metrics it drew.

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-import checkpoint
-
 log = logging.getLogger("engine")
-CPU_COMPAT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_compat")
+# the CPU stand-in for SGLang's CUDA kernels, at the repository's root
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_COMPAT_DIR = os.path.join(REPO, "cpu_compat")
 
 
 class RolloutError(RuntimeError):
@@ -88,7 +88,7 @@ class Engine:
         # Created at the first rollout instead, the loop's handlers replaced them, and a SIGTERM
         # that came while training was never seen.
         self._run(self._create_request_loop())
-        self.weight_shapes = checkpoint.tensor_shapes(model_path)
+        self.weight_shapes = tensor_shapes(model_path)
         # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = (
             ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
@@ -473,6 +473,33 @@ def prepare_engine_environment(on_gpu):
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()
+
+
+def tensor_hash(tensor):
+    """SGLang's hash of a tensor, as its weight checker computes it in the engine (sha256 on CPU,
+    a Triton kernel on a GPU): memory.check_weights hashes the trainer's side with it."""
+    from sglang.srt.managers.mm_utils import tensor_hash as sglang_tensor_hash
+
+    return sglang_tensor_hash(tensor)
+
+
+def pad_vocab_size(vocab_size):
+    """The vocabulary size SGLang pads its embedding and head rows to (a multiple of 64)."""
+    from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size as sglang_pad
+
+    return sglang_pad(vocab_size)
+
+
+def tensor_shapes(model_path):
+    """{tensor name: shape} of the HF checkpoint the engine loaded (all safetensors shards)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(os.listdir(model_path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(model_path, file), "pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
 
 
 PORT_WINDOW = 1000  # each local rank draws its engine's NCCL port from its own 1,000 ports

@@ -2,7 +2,8 @@
 state), finding the latest, and restoring a run from it; and the HF folder the engine starts from.
 
 Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves
-and reshards it with torch.distributed.checkpoint) nor when checkpoints are taken (train.py).
+and reshards it with torch.distributed.checkpoint), partial rollout's buffer form (partial.py), nor
+when checkpoints are taken (train.py).
 """
 
 import glob
@@ -13,8 +14,8 @@ import shutil
 
 import torch
 
-import parallel
-from buffer import merge_states
+from partial import merge_states
+import runtime.parallel as parallel
 
 log = logging.getLogger("checkpoint")
 
@@ -31,20 +32,21 @@ def save(out_dir, step, run):
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
     parallel.barrier()
-    parallel.save_state(os.path.join(tmp, "sharded"), run.policy, run.optimizer)
+    trainer = run.trainer
+    parallel.save_state(os.path.join(tmp, "sharded"), trainer.policy, trainer.optimizer)
     # a collective: gathered one tensor at a time to rank 0
-    full_state = parallel.full_state_dict(run.policy)
+    full_state = parallel.full_state_dict(trainer.policy)
     # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or
     # trained twice
     buffers = parallel.gather_objects(run.buffer.state_dict() if run.buffer else None)
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
-        save_hf(run.policy, run.tokenizer, tmp, full_state)
+        save_hf(trainer.policy, run.tokenizer, tmp, full_state)
         torch.save(
             {
                 "step": step,
                 "world_size": parallel.world_size(),
-                "scheduler": run.scheduler.state_dict(),
+                "scheduler": trainer.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
                 "buffer": merge_states(buffers) if run.buffer else None,
@@ -100,15 +102,3 @@ def export_for_engine(policy, tokenizer, out_dir):
         save_hf(policy, tokenizer, model_dir)
     parallel.barrier()
     return model_dir
-
-
-def tensor_shapes(model_path):
-    """{tensor name: shape} of the HF checkpoint the engine loaded (all safetensors shards)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(os.listdir(model_path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(model_path, file), "pt") as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    return shapes

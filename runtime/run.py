@@ -1,9 +1,10 @@
-"""Setting up a run: the `Run` the step loop reads, built once per rank by `setup`.
+"""Setting up a run: loading and checking its config, and the `Run` the step loop reads, built once
+per rank by `setup`.
 
-Owns building the policy (sharded over ranks), the task, the rollout engine, the optimizer and the
-partial-rollout buffer, and restoring them from the latest checkpoint on `--resume`. Does not own
-the training step or the loop (train.py), checkpoint files (checkpoint.py) or the model code
-(model.py).
+Owns building the policy (sharded over ranks), the task, the rollout engine, the optimizer, the
+reward step, the memory phases and partial rollout's buffer, and restoring them from the latest
+checkpoint on `--resume`. Does not own the training step or the loop (train.py), checkpoint files
+(checkpoint.py) or the model code (model.py).
 """
 
 import dataclasses
@@ -11,40 +12,58 @@ import logging
 
 import torch
 
-import checkpoint
-import parallel
-from buffer import PartialBuffer, share_state
+import advantages
+import cancel
+import config
+import loss
+import memory
+import rewards
+import update
 from cancel import plan_launch
 from config import Config, ConfigError
-from model import build_optimizer, build_policy, check_attention
+from partial import PartialBuffer, share_state
 from rollout import RolloutEngine
-from tasks import PromptStream, build_task
+import runtime.checkpoint as checkpoint
+import runtime.model as model
+import runtime.parallel as parallel
+from runtime.model import build_optimizer, build_policy, check_attention
+import task.data as data
+from task.data import PromptStream, build_task
 
 log = logging.getLogger("setup")
+
+# every module with choices or combinations of its own to check at load (each its `check(cfg)`)
+CHECKED_BY = (cancel, advantages, loss, update, rewards, memory, model, data)
+
+
+def load_config(path=None, sets=()):
+    """The run's Config: config.py's defaults <- the YAML file <- `section.key=value` strings,
+    each value of the right type and within its bounds (config.py), then each choice and
+    combination checked by the module that reads it. A ConfigError names the key, before any
+    model or engine starts."""
+    cfg = config.load_config(path, sets)
+    for module in CHECKED_BY:
+        module.check(cfg)
+    return cfg
 
 
 @dataclasses.dataclass
 class Run:
-    """Everything the loop needs, built once by `setup` (`trainer_only` and `engine_only` fill
-    half of it; the rest stays None)."""
+    """Everything the loop needs, built once by `setup` (`engine_only` fills part of it; the rest
+    stays None). Each field is owned by the stage that uses it."""
 
     cfg: Config
-    policy: torch.nn.Module | None = None  # fp32 master weights; an FSDP2 shard with several ranks
-    # frozen initial policy for the KL term (only when kl_coef > 0)
-    reference: torch.nn.Module | None = None
+    trainer: update.Trainer | None = None  # the update's: policy, reference, optimizer, schedule
     tokenizer: object = None
     stream: PromptStream | None = None  # this rank's training prompts; its position is checkpointed
     val_prompts: list = dataclasses.field(default_factory=list)
-    reward_fn: object = None  # (response_text, answer, finished) -> float; see rewards.py
-    tool: object = None  # tools.QwenTools or tools.QuestionCalculator for multi-turn tasks
+    rewards: "rewards.Rewards | None" = None  # the reward step the rollout scores with
+    tool: object = None  # task.tools.QwenTools or QuestionCalculator for multi-turn tasks
     engine: RolloutEngine | None = None
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    device: torch.device | None = None
-    # one rank computing in bf16; None for fp32 or under FSDP2
-    autocast_dtype: torch.dtype | None = None
-    # partial rollout's unfinished samples and held groups; None when off
+    # the rollout's: partial rollout's unfinished samples and held groups; None when off
     buffer: PartialBuffer | None = None
+    phases: memory.MemoryPhases | None = None  # the memory phases the weight sync moves through
+    gap_watch: memory.GapWatch | None = None  # the weight sync's log-prob gap check
     start_step: int = 0
     # optimizer steps the policy holds (the step a checkpoint after a fault records)
     updates_done: int = 0
@@ -53,7 +72,8 @@ class Run:
 def setup(cfg, resume=False, engine=None):
     """Build policy, task, engine and optimizer on this rank; with `resume`, restore the latest
     checkpoint. An `engine` passed in (tests share one) is synced to the policy instead of
-    starting another."""
+    starting another. The trainer's memory is offloaded last: the first step's rollout comes
+    first."""
     torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
     world = parallel.world_size()
     if cfg.rollout.prompts_per_step % world:
@@ -88,6 +108,26 @@ def setup(cfg, resume=False, engine=None):
         engine.update_weights(
             policy.named_parameters(), version=start_step, gather=parallel.full_tensor
         )
+    trainer = update.Trainer(
+        cfg=cfg,
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        reference=reference,
+        autocast_dtype=compute_dtype if world == 1 and compute_dtype != torch.float32 else None,
+        first_step=start_step,
+    )
+    phases = memory.MemoryPhases(
+        engine,
+        policy,
+        optimizer,
+        mode=cfg.memory.mode,
+        bucket_bytes=cfg.memory.bucket_mb << 20,
+        engine_dtype=engine.dtype,
+        reference=reference,
+    )
+    phases.start()
     stream = PromptStream.for_rank(
         task.train_prompts,
         cfg.train.seed,
@@ -97,50 +137,48 @@ def setup(cfg, resume=False, engine=None):
     )
     return Run(
         cfg=cfg,
-        policy=policy,
-        reference=reference,
+        trainer=trainer,
         tokenizer=tokenizer,
         stream=stream,
         val_prompts=task.val_prompts,
-        reward_fn=task.reward_fn,
+        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg),
         tool=task.tool,
         engine=engine,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        device=device,
-        autocast_dtype=compute_dtype if world == 1 and compute_dtype != torch.float32 else None,
         buffer=partial_buffer(cfg, state.get("buffer"), multi_turn=task.tool is not None),
+        phases=phases,
+        gap_watch=memory.GapWatch(cfg, first_step=start_step),
         start_step=start_step,
         updates_done=start_step,
     )
 
 
-def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None):
-    """A Run holding only the trainer half (no engine, no data), with the optimizer and schedule
-    `model.build_optimizer` makes: what train.train_on_rollout reads. For the benchmarks and tests
-    that time or check an update alone."""
+def engine_only(cfg, engine, tokenizer, task):
+    """A Run holding only the engine, the task and its reward step (no policy, no optimizer):
+    what eval.py's sampling and scoring read."""
+    return Run(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        val_prompts=task.val_prompts,
+        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg),
+        tool=task.tool,
+        engine=engine,
+    )
+
+
+def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None, reference=None):
+    """The trainer half alone (no engine, no data), with the optimizer and schedule
+    `model.build_optimizer` makes: what update.update_policy reads. For replay, the benchmarks
+    and the tests that time or check an update alone."""
     check_attention(cfg, device)
     optimizer, scheduler = build_optimizer(policy, cfg.train)
-    return Run(
+    return update.Trainer(
         cfg=cfg,
         policy=policy,
         optimizer=optimizer,
         scheduler=scheduler,
         device=device,
+        reference=reference,
         autocast_dtype=autocast_dtype,
-    )
-
-
-def engine_only(cfg, engine, tokenizer, task):
-    """A Run holding only the engine and the task (no policy, no optimizer): what eval.py's
-    sampling and scoring read."""
-    return Run(
-        cfg=cfg,
-        tokenizer=tokenizer,
-        val_prompts=task.val_prompts,
-        reward_fn=task.reward_fn,
-        tool=task.tool,
-        engine=engine,
     )
 
 
@@ -151,12 +189,12 @@ def place_models(cfg, policy, compute_dtype, device):
     if cfg.train.kl_coef > 0:
         reference = build_policy(cfg, None)[0].requires_grad_(False).eval()
     models = []
-    for model in (policy, reference):
-        if model is not None and parallel.world_size() > 1:
-            model = parallel.shard(model, compute_dtype)
-        if model is not None:
-            model.to(device)
-        models.append(model)
+    for module in (policy, reference):
+        if module is not None and parallel.world_size() > 1:
+            module = parallel.shard(module, compute_dtype)
+        if module is not None:
+            module.to(device)
+        models.append(module)
     return models[0], models[1]
 
 

@@ -5,15 +5,15 @@ Owns what a training rollout launches when partial rollout is on (unfinished sam
 order they were suspended, then new prompts up to the batch), the staleness rule (too old: restart
 from the prompt), when a group is complete, the counters, and the buffer's checkpoint form. Does not
 own the engine (rollout.py continues a sample from its token ids) nor how old tokens are weighted or
-masked in the loss (train.py, grpo.py). Validation never comes here.
+masked in the loss (update.py, loss.py). Validation never comes here: only rollout.collect uses
+this buffer.
 """
 
 import dataclasses
 import math
 
 from metrics import summed
-from sample import Sample, trajectories_of
-from tasks import Prompt
+from sample import Prompt, Sample, trajectories_of
 
 COUNTERS = (
     "launched",
@@ -65,19 +65,19 @@ class PartialBuffer:
         samples."""
         return max(num_prompts - math.ceil(len(self.waiting) / self.group_size), 0)
 
-    def launch(self, new_prompts, num_prompts, version):
-        """(unfinished samples to continue, new prompts to launch) for a rollout under weight
-        `version`.
+    def launch(self, stream, num_prompts, version):
+        """(unfinished samples to continue, new prompts to launch, the held groups' prompts) for
+        a rollout under weight `version`; the new prompts are read from `stream`.
 
         Continued samples go first; new prompts fill the batch of `num_prompts` groups, so the
         launched request count stays about the same. A sample whose oldest token is more than
-        `max_staleness` versions old is restarted from its prompt (an empty response), counted. Each
-        held group gets one group id, numbered after the new prompts' (0..), so the engine never
-        mixes it with a fresh group and dynamic sampling judges it whole (`resumed`,
-        `prior_rewards`).
+        `max_staleness` versions old is restarted from its prompt (an empty response), counted.
+        Group ids: the new prompts' are 0.., and each held group gets one after them, in the order
+        of the held prompts returned, so the engine never mixes it with a fresh group and dynamic
+        sampling judges it whole (`prior_rewards`). The rollout's refills number on from there.
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
-        new_prompts = new_prompts[: self.new_prompts_needed(num_prompts)]
+        new_prompts = stream.take(self.new_prompts_needed(num_prompts))
         resumes = []
         self.resumed = {}
         group_ids = {}  # id(held group) -> its group id this step
@@ -101,7 +101,7 @@ class PartialBuffer:
             resumes.append(dataclasses.replace(sample, group_id=group_id))
         self._launched = self.waiting
         self.waiting = []
-        return resumes, new_prompts
+        return resumes, new_prompts, [group.prompt for group in self.resumed.values()]
 
     def prior_rewards(self):
         """{group id: rewards of its finished members} of the held groups this step resumes: the
@@ -112,18 +112,18 @@ class PartialBuffer:
             for group_id, group in self.resumed.items()
         }
 
-    def collect(self, samples, new_prompts):
+    def collect(self, samples, prompts_by_group):
         """File this rollout's trajectories (resumes first, then `group_size` per new prompt, as
         RolloutEngine.generate returns them) and return the groups now complete, in arrival
         order: each a list of its trajectories (lists of turns). Ids are left as the rollout made
         them: a group's members may come from different steps, so the groups are the structure.
-        `new_prompts` is indexed by group id (dynamic sampling's refills included); the held
+        `prompts_by_group` is indexed by group id (dynamic sampling's refills included); the held
         groups' ids (`resumed`) are skipped."""
         trajectories = trajectories_of(samples)
         self.counters["launched"] = len(trajectories)
         fresh = {
             group_id: HeldGroup(prompt, [])
-            for group_id, prompt in enumerate(new_prompts)
+            for group_id, prompt in enumerate(prompts_by_group)
             if group_id not in self.resumed
         }
         for turns in trajectories:

@@ -2,15 +2,16 @@
 with float32 master weights whatever the compute dtype, and its optimizer and learning-rate
 schedule.
 
-Owns how the model and optimizer are made. Does not own sharding (parallel.py), checkpoints
-(checkpoint.py) or the engine's copy of the weights (sglang_engine.py).
+Owns how the model, its tokenizer (the demo's char tokenizer, built locally) and optimizer are
+made. Does not own sharding (parallel.py), checkpoints (checkpoint.py) or the engine's copy of
+the weights (engine.py).
 """
 
 import math
 
 import torch
 
-import tasks
+from config import ConfigError
 
 LR_SCHEDULES = ("constant", "cosine")  # train.lr_schedule: see lr_factor
 DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
@@ -23,6 +24,39 @@ DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
 # backward on CPU (torch/nn/attention/flex_attention.py, _validate_device): there it can only
 # compute log-probs, so a CPU run trains with sdpa (`check_attention`).
 ATTENTION = ("sdpa", "flex_attention")
+# the tiny demo's vocabulary: one for both tiny tasks (tiny_tool uses "*-=?")
+TINY_CHARS = "0123456789:a+-.=*/()?"
+
+
+def build_char_tokenizer(chars=TINY_CHARS):
+    """A character-level tokenizer built locally with `tokenizers` (no download), HF-wrapped."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *chars])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def check(cfg):
+    """The model section's and the schedule's choices (runtime.run.load_config calls this)."""
+    choices = {
+        "model.compute_dtype": (cfg.model.compute_dtype, DTYPES),
+        "model.engine_dtype": (cfg.model.engine_dtype, DTYPES),
+        "model.attn_implementation": (cfg.model.attn_implementation, ATTENTION),
+        "train.lr_schedule": (cfg.train.lr_schedule, LR_SCHEDULES),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
 
 
 class ModelError(RuntimeError):
@@ -85,7 +119,7 @@ def load_tokenizer(cfg, path):
     Qwen2 config.json, AutoTokenizer returns Qwen2Tokenizer, whose byte-level pre-tokenizer and
     normalisation change the ids)."""
     if cfg.model.path == "tiny":
-        return tasks.build_char_tokenizer()
+        return build_char_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

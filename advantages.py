@@ -1,0 +1,122 @@
+"""Stage 2 of the step: each trajectory's advantage, from the rewards of its GRPO group.
+
+Owns the advantage estimators (`ESTIMATORS`, picked by `train.advantage`: a fork point), masking
+aborted and failed members out of the group statistics, and the KL to the reference as a cost in
+the reward (`train.kl_in: reward`, verl's use_kl_in_reward). Does not own the rewards (rewards.py,
+scored in the rollout) nor the loss (loss.py).
+
+To add an estimator: a function `(rewards, group_ids, is_valid, cfg) -> advantages` below, its
+entry in ESTIMATORS, and `train.advantage: <name>` picks it (README "Fork it";
+tests/test_forks.py follows that recipe).
+"""
+
+import torch
+
+import loss
+import update
+from config import ConfigError
+from metrics import masked_mean, summed
+
+
+def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
+    """GRPO outcome advantage (Shao et al. 2024, eq. 3): reward minus the mean of its group, / std.
+
+    rewards: [B] float, group_ids: [B] long in [0, G), is_valid: [B] bool (False = aborted/failed).
+    Statistics use only the valid members of each group; a group with fewer than 2 valid members
+    has no baseline to compare against, so its advantage is 0 (Dr. GRPO's `scale_by_std=False`
+    drops the std division, which it shows biases toward easy/hard questions).
+    Returns (advantages [B], `degenerate_groups`).
+    """
+    num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
+    weight = is_valid.to(rewards.dtype)
+    count = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, weight)
+    total = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, rewards * weight)
+    mean = total / count.clamp(min=1)
+    deviation = (rewards - mean[group_ids]) * weight
+    # unbiased std over survivors, like torch.std; clamp keeps 1-member groups finite (they get 0
+    # below)
+    sum_sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, deviation**2)
+    std = (sum_sq / (count - 1).clamp(min=1)).sqrt()
+    advantages = deviation / (std[group_ids] + eps) if scale_by_std else deviation
+    has_baseline = count[group_ids] >= 2
+    advantages = torch.where(has_baseline & is_valid, advantages, torch.zeros_like(advantages))
+    return advantages, degenerate_groups(group_ids, is_valid)
+
+
+def degenerate_groups(group_ids, is_valid):
+    """Groups with fewer than 2 valid members: no baseline, so nothing is learned from them."""
+    num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
+    count = torch.zeros(num_groups).index_add_(0, group_ids, is_valid.float())
+    launched = torch.zeros(num_groups).index_add_(0, group_ids, torch.ones(len(group_ids)))
+    return int(((launched > 0) & (count < 2)).sum())
+
+
+def grpo(rewards, group_ids, is_valid, cfg):
+    """GRPO's (Dr. GRPO's with train.scale_by_std false)."""
+    return group_advantages(rewards, group_ids, is_valid, cfg.train.scale_by_std)[0]
+
+
+# train.advantage -> (rewards [N], group_ids [N], is_valid [N], cfg) -> advantages [N]
+ESTIMATORS = {"grpo": grpo}
+
+
+def check(cfg):
+    """train.advantage's choice (runtime.run.load_config calls this at load)."""
+    if cfg.train.advantage not in ESTIMATORS:
+        raise ConfigError(
+            f"train.advantage={cfg.train.advantage!r}: expected one of {tuple(ESTIMATORS)}"
+        )
+
+
+def compute(trainer, groups):
+    """Every trajectory of `groups` (lists of trajectories, each a list of turns), its advantage
+    written on each of its turns (`Sample.advantage`), with the stage's metrics. With
+    train.kl_in=reward, kl_coef x its KL to the reference is subtracted from its reward first
+    (that needs the trainer's memory back: the step calls this after memory.to_train)."""
+    cfg = trainer.cfg
+    trajectories = [turns for group in groups for turns in group]
+    last_turns = [turns[-1] for turns in trajectories]
+    group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long)
+    # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
+    rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)
+    is_valid = torch.tensor([not s.is_aborted for s in last_turns], dtype=torch.bool)
+    metrics = {}
+    if cfg.train.kl_in == "reward":
+        kl_cost = cfg.train.kl_coef * reference_kl(trainer, trajectories)
+        metrics["train/reward_kl_cost"] = masked_mean(kl_cost, is_valid).item()
+        rewards = rewards - kl_cost
+    advantages = ESTIMATORS[cfg.train.advantage](rewards, group_ids, is_valid, cfg)
+    for turns, advantage in zip(trajectories, advantages.tolist()):
+        for turn in turns:
+            turn.advantage = advantage
+    metrics["train/degenerate_groups"] = summed(degenerate_groups(group_ids, is_valid))
+    return trajectories, metrics
+
+
+def reference_kl(trainer, trajectories):
+    """Each trajectory's KL to the frozen reference, summed over the tokens the model wrote (every
+    turn's): train.kl_estimator of the log-probs that sampled them (the engine's) against the
+    reference's, one forward pass without grad, in padded micro-batches of train.micro_batch_size
+    (packing would reorder the samples). Unfinished trajectories get 0 (update.collate gives an
+    aborted sample no trained token; no advantage anyway). For the KL as a cost in the reward, as
+    verl's use_kl_in_reward does (ray_trainer.py apply_kl_penalty; its GRPO advantage sums the
+    token rewards)."""
+    t = trainer.cfg.train
+    samples = [turn for turns in trajectories for turn in turns]
+    owner = torch.tensor(
+        [i for i, turns in enumerate(trajectories) for _ in turns], dtype=torch.long
+    )
+    # padded micro-batches keep the samples' order (packing would not); padding ones come last
+    batches, _ = update.micro_batches(samples, t.micro_batch_size, trainer.pad_id)
+    temperature = trainer.cfg.rollout.temperature
+    per_sample = []
+    with torch.no_grad():
+        for mb in batches:
+            mb = {key: value.to(trainer.device) for key, value in mb.items()}
+            reference, _ = update.sequence_logprobs(
+                trainer.reference, mb, temperature, trainer.autocast_dtype
+            )
+            kl = loss.kl_estimate(mb["engine_logprobs"], reference, t.kl_estimator)
+            per_sample += (kl * mb["loss_mask"]).sum(-1).tolist()
+    total = torch.zeros(len(trajectories))
+    return total.index_add_(0, owner, torch.tensor(per_sample[: len(samples)], dtype=torch.float))
