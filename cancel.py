@@ -188,6 +188,8 @@ def decide(plan, progress, timeout_s=0.0):
         return Decision(stop=True)
     if plan is None:
         return Decision(wake_at_s=timeout_s or None)
+    if plan.cancel not in POLICIES:  # a plan made in code, not checked at load
+        raise ValueError(f"cancel policy {plan.cancel!r}: expected one of {tuple(POLICIES)}")
     decision = POLICIES[plan.cancel](plan, progress)
     if plan.filter_groups and plan.cancel != "none":
         keep = decision.keep_groups

@@ -131,11 +131,16 @@ class RolloutConfig:
     rollout_timeout_s: float = 0.0
 
     def token_budget(self):
-        """Tokens one trajectory may hold after its prompt (generated + tool observations): the
-        one formula every reader of the budget uses (the rollout, DAPO's overlong penalty, Dr.
-        GRPO's constant). max_response_tokens caps it; one turn never exceeds max_new_tokens."""
-        turns = self.max_new_tokens * self.max_turns
-        return min(self.max_response_tokens, turns) if self.max_response_tokens else turns
+        """Tokens one trajectory may hold after its prompt: `token_budget` of this section."""
+        return token_budget(self.max_new_tokens, self.max_turns, self.max_response_tokens)
+
+
+def token_budget(max_new_tokens, max_turns, max_response_tokens=0):
+    """Tokens one trajectory may hold after its prompt (generated + tool observations): the one
+    formula every reader of the budget uses (the rollout, DAPO's overlong penalty, Dr. GRPO's
+    constant). max_response_tokens (0: none) caps it; one turn never exceeds max_new_tokens."""
+    turns = max_new_tokens * max_turns
+    return min(max_response_tokens, turns) if max_response_tokens else turns
 
 
 @dataclasses.dataclass

@@ -24,6 +24,7 @@ import torch
 
 import cancel
 from cancel import GroupFilter, Progress, filter_groups, plan_launch
+from config import token_budget
 from metrics import length_stats, pass_at_k, slowest, summed, trajectory_texts
 from rewards import RewardError
 import runtime.parallel as parallel
@@ -33,6 +34,75 @@ from sample import Sample, groups_of, trajectories_of
 log = logging.getLogger("rollout")
 
 
+# ---------------------------------------------------------------- stage 1: the training rollout
+def collect(run, step):
+    """This rank's training rollout for `step`: (GRPO groups, each a list of trajectories, each a
+    list of scored turns; the stage's metrics). Over-sampling, the cancel policy, dynamic sampling
+    and partial rollout are `rollout.*` settings, switched inside (the step never sees a buffer or
+    a refill). Partial rollout: earlier steps' unfinished samples go first and only complete
+    groups come back (partial.py). Dynamic sampling: the engine asks for more prompts as it goes
+    (`more_prompts`), and only groups whose rewards differ come back (`cancel.filter_groups`)."""
+    r = run.cfg.rollout
+    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
+    buffer = run.buffer
+    resumes = []
+    held_prompts = []
+    prior_rewards = None
+    if buffer is None:
+        new_prompts = run.stream.take(plan.num_prompts)
+    else:
+        version = run.engine.weight_version
+        resumes, new_prompts, held_prompts = buffer.launch(run.stream, plan.num_prompts, version)
+        prior_rewards = buffer.prior_rewards()
+    # indexed by group id: the new prompts' (0..), the held groups', then refills' (partial.py)
+    prompts_by_group = new_prompts + held_prompts
+
+    def more_prompts(count, first_group_id):
+        """Dynamic sampling's refills from this rank's stream, numbered on after every group id
+        so far."""
+        assert first_group_id == len(prompts_by_group)
+        prompts_by_group.extend(run.stream.take(count))
+        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
+
+    samples, stats = run.engine.generate(
+        [p.prompt_ids for p in new_prompts],
+        r.group_size,
+        r.temperature,
+        r.max_new_tokens,
+        plan,
+        tool=run.tool,
+        max_turns=r.max_turns,
+        max_response_tokens=r.max_response_tokens,
+        resumes=resumes,
+        reward=run.rewards.scorer(prompts_by_group),
+        more_prompts=more_prompts,
+        prior_rewards=prior_rewards,
+        seed=rollout_seed(run.cfg.train.seed, step),
+    )
+    if buffer is None:
+        groups = groups_of(trajectories_of(samples))
+    else:
+        groups = buffer.collect(samples, prompts_by_group)
+    metrics = rollout_metrics([turns for group in groups for turns in group], stats)
+    if buffer is not None:
+        metrics |= buffer.metrics()  # its rollout/* counts replace rollout_metrics'
+    # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
+    groups, counts = filter_groups(groups, drop=r.filter_groups)
+    trained = [turns for group in groups for turns in group]
+    metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
+    return groups, metrics
+
+
+def rollout_seed(run_seed, step, purpose="train"):
+    """The seed of one rollout, from which each request's sampling_seed derives (`request_seed`):
+    the same run seed samples the same tokens wherever the engine's arithmetic allows
+    (rollout.deterministic)."""
+    return int.from_bytes(
+        hashlib.blake2b(f"{run_seed}:{step}:{purpose}".encode(), digest_size=4).digest(), "big"
+    )
+
+
+# ---------------------------------------------------------------- in flight on the engine
 @dataclasses.dataclass
 class RolloutStats:
     rollout_s: float = 0.0  # launch -> every request returned
@@ -143,7 +213,7 @@ class RolloutEngine(Engine):
         settings = Settings(
             sampling=sampling,
             group_size=group_size,
-            budget=max_response_tokens or max_new_tokens * max_turns,
+            budget=token_budget(max_new_tokens, max_turns, max_response_tokens),
             max_turns=max_turns,
             tool=tool,
             reward=reward,
@@ -583,79 +653,11 @@ def check_failures(samples, stats, max_failed_ratio):
         )
 
 
-# ---------------------------------------------------------------- stage 1: the training rollout
-def collect(run, step):
-    """This rank's training rollout for `step`: (GRPO groups, each a list of trajectories, each a
-    list of scored turns; the stage's metrics). Over-sampling, the cancel policy, dynamic sampling
-    and partial rollout are `rollout.*` settings, switched inside (the step never sees a buffer or
-    a refill). Partial rollout: earlier steps' unfinished samples go first and only complete
-    groups come back (partial.py). Dynamic sampling: the engine asks for more prompts as it goes
-    (`more_prompts`), and only groups whose rewards differ come back (`cancel.filter_groups`)."""
-    r = run.cfg.rollout
-    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
-    buffer = run.buffer
-    resumes = []
-    held_prompts = []
-    prior_rewards = None
-    if buffer is None:
-        new_prompts = run.stream.take(plan.num_prompts)
-    else:
-        version = run.engine.weight_version
-        resumes, new_prompts, held_prompts = buffer.launch(run.stream, plan.num_prompts, version)
-        prior_rewards = buffer.prior_rewards()
-    # indexed by group id: the new prompts' (0..), the held groups', then refills' (partial.py)
-    prompts_by_group = new_prompts + held_prompts
-
-    def more_prompts(count, first_group_id):
-        """Dynamic sampling's refills from this rank's stream, numbered on after every group id
-        so far."""
-        assert first_group_id == len(prompts_by_group)
-        prompts_by_group.extend(run.stream.take(count))
-        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
-
-    samples, stats = run.engine.generate(
-        [p.prompt_ids for p in new_prompts],
-        r.group_size,
-        r.temperature,
-        r.max_new_tokens,
-        plan,
-        tool=run.tool,
-        max_turns=r.max_turns,
-        max_response_tokens=r.max_response_tokens,
-        resumes=resumes,
-        reward=run.rewards.scorer(prompts_by_group),
-        more_prompts=more_prompts,
-        prior_rewards=prior_rewards,
-        seed=rollout_seed(run.cfg.train.seed, step),
-    )
-    if buffer is None:
-        groups = groups_of(trajectories_of(samples))
-    else:
-        groups = buffer.collect(samples, prompts_by_group)
-    metrics = rollout_metrics([turns for group in groups for turns in group], stats)
-    if buffer is not None:
-        metrics |= buffer.metrics()  # its rollout/* counts replace rollout_metrics'
-    # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
-    groups, counts = filter_groups(groups, drop=r.filter_groups)
-    trained = [turns for group in groups for turns in group]
-    metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
-    return groups, metrics
-
-
-def rollout_seed(run_seed, step, purpose="train"):
-    """The seed of one rollout, from which each request's sampling_seed derives (`request_seed`):
-    the same run seed samples the same tokens wherever the engine's arithmetic allows
-    (rollout.deterministic)."""
-    return int.from_bytes(
-        hashlib.blake2b(f"{run_seed}:{step}:{purpose}".encode(), digest_size=4).digest(), "big"
-    )
-
-
 # ---------------------------------------------------------------- the loop's validation
-def generate(run, prompts, group_size, temperature, seed=None):
-    """Validation's (and eval.py's) rollout: `group_size` trajectories per prompt, every request
-    waited for, each scored by the task's reward alone (no overlong penalty). Returns (samples,
-    RolloutStats)."""
+def generate_scored(run, prompts, group_size, temperature, seed=None):
+    """Validation's rollout (and the tests'; eval has its own): `group_size` trajectories per
+    prompt, every request waited for, each scored by the task's reward alone (no overlong
+    penalty). Returns (samples, RolloutStats)."""
     r = run.cfg.rollout
     return run.engine.generate(
         [p.prompt_ids for p in prompts],
@@ -684,7 +686,7 @@ def validate(run, version):
         ("_sampled", run.cfg.rollout.temperature, n),
     ):
         seed = rollout_seed(run.cfg.train.seed, version, f"val{suffix}")
-        samples = generate(run, prompts, group_size, temperature, seed)[0] if prompts else []
+        samples = generate_scored(run, prompts, group_size, temperature, seed)[0] if prompts else []
         trajectories = trajectories_of(samples)  # scored as they finished
         if not suffix and parallel.rank() == 0 and run.cfg.run.log_samples:
             texts["val/samples"] = trajectory_texts(

@@ -73,9 +73,9 @@ def train_step(run, step):
 
 # ---------------------------------------------------------------- the step loop
 def train(run, stop=None):
-    """The step loop: validate, step, log, dump, checkpoint; stop cleanly after the step on
-    SIGINT/SIGTERM (returns the signal's name; `stop` is the StopSignal to read, else one held
-    while the loop runs), and with a checkpoint when the engine dies (EngineDiedError). Returns
+    """The step loop: validate, step, log, dump for replay, checkpoint; stop cleanly after the
+    step on SIGINT/SIGTERM (returns the signal's name; `stop` is the StopSignal to read, else one
+    held while the loop runs), and with a checkpoint when the engine dies (EngineDiedError). Returns
     None when all steps ran."""
     cfg = run.cfg
     # one writer of TensorBoard and the console
@@ -88,11 +88,11 @@ def train(run, stop=None):
         for step in tqdm.tqdm(
             steps, initial=run.start_step, total=cfg.train.steps, disable=not logger
         ):
-            if step % cfg.run.val_every == 0:
-                log_validation(run, logger, step)
+            # the weights the engine holds before this step, every run.val_every steps
+            scalars, texts = validation(run) if step % cfg.run.val_every == 0 else ({}, {})
             metrics, sequences = train_step(run, step)
             if logger:
-                logger.log(step, metrics, echo=tqdm.tqdm.write)
+                logger.log(step, scalars | metrics, echo=tqdm.tqdm.write, texts=texts)
             if cfg.run.dump_rollouts:  # what `train.py --replay` re-runs
                 replay.dump(cfg.run.out, step, run.start_step, sequences, metrics)
             # every rank stops after the same step
@@ -103,7 +103,9 @@ def train(run, stop=None):
                 checkpoint.save(cfg.run.out, step + 1, run)
             if stopping:
                 return stop.received or "a signal on another rank"
-        log_validation(run, logger, cfg.train.steps)  # the final policy's
+        scalars, texts = validation(run)  # the final policy's
+        if logger:
+            logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write, texts=texts)
         return None
     except (update.NonFiniteError, memory.HealthError) as e:
         # said with where to resume from: the error came after the last checkpoint
@@ -120,14 +122,13 @@ def train(run, stop=None):
             logger.close()
 
 
-def log_validation(run, logger, step):
-    """Validate the weights the engine holds before `step` (the loop's, not the step's: its time
-    is `timing/val_s`, outside `timing/step_s`) and log it."""
+def validation(run):
+    """(scalars, texts) of the weights the engine holds now (rollout.validate): the loop's, not
+    the step's, so its time is `timing/val_s`, outside `timing/step_s`."""
     start = time.perf_counter()
     scalars, texts = rollout.validate(run, version=run.updates_done)
     scalars["timing/val_s"] = time.perf_counter() - start
-    if logger:
-        logger.log(step, scalars, echo=tqdm.tqdm.write, texts=texts)
+    return scalars, texts
 
 
 def save_after_engine_death(run, error):

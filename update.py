@@ -22,6 +22,7 @@ import loss
 from config import ConfigError
 from metrics import TokenMeans, masked_mean, summed
 import runtime.parallel as parallel
+from runtime.model import build_optimizer
 from sample import Sample
 
 log = logging.getLogger("update")
@@ -46,6 +47,22 @@ class Trainer:
     autocast_dtype: torch.dtype | None = None  # one rank computing in bf16; None for fp32 or FSDP2
     first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
     bad_steps: int = 0  # steps in a row whose every update was skipped as non-finite
+
+    @classmethod
+    def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):
+        """The trainer of `policy` (already on `device`), with the AdamW optimizer and schedule
+        `model.build_optimizer` makes."""
+        optimizer, scheduler = build_optimizer(policy, cfg.train)
+        return cls(
+            cfg=cfg,
+            policy=policy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            device=device,
+            reference=reference,
+            autocast_dtype=autocast_dtype,
+            first_step=first_step,
+        )
 
     @property
     def pad_id(self):

@@ -25,11 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # train_step.py's mix (after the root: bench/merge.py)
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-import loss as losses  # noqa: E402
 from advantages import group_advantages  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
 import runtime.run as setup_run  # noqa: E402
-import train  # noqa: E402
 import train_step  # noqa: E402
 from runtime.run import load_config  # noqa: E402
 

@@ -14,7 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch
 
-import loss as losses  # noqa: E402
 from advantages import group_advantages  # noqa: E402
 import train  # noqa: E402
 from train_step import train_on  # noqa: E402
@@ -27,7 +26,7 @@ def one_step(run, phases, step):
     """rollout -> train -> weight sync under `phases`; returns the peak over the step's phases."""
     r = run.cfg.rollout
     prompts = run.stream.take(r.prompts_per_step)
-    samples, _ = rollout.generate(
+    samples, _ = rollout.generate_scored(
         run, prompts, r.group_size, r.temperature
     )  # scored as they finish
     advantages, _ = group_advantages(

@@ -136,8 +136,10 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     medians over `steps` rollouts."""
     import tempfile
 
-    import train  # noqa: E402  (imports torch and SGLang's engine only when the demo runs)
-    from config import load_config
+    # imported only when the demo runs: they import torch and SGLang's engine
+    import rollout
+    import train
+    from runtime.run import load_config
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(
@@ -149,7 +151,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     try:
         for step in range(steps):
             prompts = run.stream.take(cfg.rollout.prompts_per_step)
-            samples, stats = rollout.generate(
+            samples, stats = rollout.generate_scored(
                 run, prompts, cfg.rollout.group_size, cfg.rollout.temperature
             )
             counts = token_counts(trajectories_of(samples))

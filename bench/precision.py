@@ -23,7 +23,6 @@ sys.path.insert(
 import dist_worker  # noqa: E402  (its fixed batch: uneven lengths, aborted rows)
 import runtime.parallel as parallel  # noqa: E402
 import runtime.run as setup_run  # noqa: E402
-import train  # noqa: E402
 from train_step import train_on  # noqa: E402
 import runtime.model as model  # noqa: E402
 from runtime.run import load_config  # noqa: E402

@@ -65,12 +65,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import runtime.checkpoint as checkpoint  # noqa: E402
 import estimate_memory  # noqa: E402  (bench/, beside this file)
-import loss as losses  # noqa: E402
 from advantages import group_advantages  # noqa: E402
 from metrics import local_values  # noqa: E402
 from update import update_policy  # noqa: E402
 import runtime.run as setup_run  # noqa: E402
-import train  # noqa: E402
 import task.data as tasks  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402

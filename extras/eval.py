@@ -15,7 +15,6 @@ validation uses the same estimator (metrics.pass_at_k), logging val/pass@k when 
 
 import argparse
 import json
-import math
 import os
 import random
 import sys

@@ -17,7 +17,7 @@ import update
 from config import ConfigError, load_config
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.model import build_optimizer, build_policy
+from runtime.model import build_policy
 from sample import Sample
 
 
@@ -65,20 +65,17 @@ def replay(folder):
     reference = None
     if cfg.train.kl_coef > 0:  # the frozen reference: the initial policy
         reference = build_policy(cfg, None)[0].requires_grad_(False).eval().to(device)
-    optimizer, scheduler = build_optimizer(policy.to(device), cfg.train)
-    trainer = update.Trainer(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        device=device,
+    trainer = update.Trainer.build(
+        cfg,
+        policy.to(device),
+        device,
         reference=reference,
         autocast_dtype=compute if compute != torch.float32 else None,
         first_step=dumped["start_step"],
     )
     if step > 0:  # AdamW's moments and the schedule, as they were
         state = checkpoint.read_trainer_state(before)
-        checkpoint.restore(before, state, policy, optimizer, scheduler)
+        checkpoint.restore(before, state, policy, trainer.optimizer, trainer.scheduler)
     sequences = [Sample(**s) for s in dumped["sequences"]]
     stats = update.update_policy(trainer, sequences, version=step)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -26,7 +26,7 @@ from rollout import RolloutEngine
 import runtime.checkpoint as checkpoint
 import runtime.model as model
 import runtime.parallel as parallel
-from runtime.model import build_optimizer, build_policy, check_attention
+from runtime.model import build_policy, check_attention
 import task.data as data
 from task.data import PromptStream, build_task
 
@@ -101,27 +101,24 @@ def setup(cfg, resume=False, engine=None):
         engine = start_engine(cfg, engine_dir, start_step)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     policy, reference = place_models(cfg, policy, compute_dtype, device)
-    optimizer, scheduler = build_optimizer(policy, cfg.train)
-    if resume_dir:
-        checkpoint.restore(resume_dir, state, policy, optimizer, scheduler)
-    if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
-        engine.update_weights(
-            policy.named_parameters(), version=start_step, gather=parallel.full_tensor
-        )
-    trainer = update.Trainer(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        device=device,
+    trainer = update.Trainer.build(
+        cfg,
+        policy,
+        device,
         reference=reference,
         autocast_dtype=compute_dtype if world == 1 and compute_dtype != torch.float32 else None,
         first_step=start_step,
     )
+    if resume_dir:
+        checkpoint.restore(resume_dir, state, policy, trainer.optimizer, trainer.scheduler)
+    if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
+        engine.update_weights(
+            policy.named_parameters(), version=start_step, gather=parallel.full_tensor
+        )
     phases = memory.MemoryPhases(
         engine,
         policy,
-        optimizer,
+        trainer.optimizer,
         mode=cfg.memory.mode,
         bucket_bytes=cfg.memory.bucket_mb << 20,
         engine_dtype=engine.dtype,
@@ -170,16 +167,7 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None, r
     `model.build_optimizer` makes: what update.update_policy reads. For replay, the benchmarks
     and the tests that time or check an update alone."""
     check_attention(cfg, device)
-    optimizer, scheduler = build_optimizer(policy, cfg.train)
-    return update.Trainer(
-        cfg=cfg,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        device=device,
-        reference=reference,
-        autocast_dtype=autocast_dtype,
-    )
+    return update.Trainer.build(cfg, policy, device, reference, autocast_dtype)
 
 
 def place_models(cfg, policy, compute_dtype, device):

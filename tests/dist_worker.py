@@ -189,7 +189,7 @@ def check_ranks(out_dir):
     results["saved_buffer_samples"] = len(state["buffer"]["waiting"])
     # the engine now holds the updated weights: it must score its own samples like the trainer does
     prompts = parallel.rank_share(run.val_prompts)
-    fresh, _ = rollout.generate(run, prompts, 2, 1.0)
+    fresh, _ = rollout.generate_scored(run, prompts, 2, 1.0)
     batch = update.collate(fresh, pad_id=0)
     with torch.no_grad():
         trainer_logprobs, _ = update.sequence_logprobs(run.trainer.policy, batch, 1.0)

@@ -1,6 +1,8 @@
 """cancel.decide, the stop rule of every cancel policy, as a pure function of a rollout's progress:
 no engine, no clock (tests/test_rollout.py checks the same rules on the real engine)."""
 
+import pytest
+
 from cancel import LaunchPlan, Progress, decide
 from sample import Sample
 
@@ -75,3 +77,10 @@ def test_dynamic_sampling_stops_at_kept_groups_whatever_the_policy_but_none():
     for policy in ("count", "time", "group"):
         assert decide(plan(policy, filter_groups=True), progress).stop
     assert not decide(plan("none", filter_groups=True), progress).stop
+
+
+def test_a_policy_name_no_policy_has_is_a_named_error():
+    """A plan made in code (not checked at load) with an unknown policy raises, naming the known
+    ones, instead of running as another policy."""
+    with pytest.raises(ValueError, match="cancel policy 'nope': expected one of"):
+        decide(plan("nope"), finished())

@@ -27,8 +27,6 @@ import merge
 import runtime.parallel as parallel
 import runtime.engine as sglang_engine
 import task.tools as tools
-import train
-import rollout
 import runtime.model as model
 from runtime.run import load_config
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO

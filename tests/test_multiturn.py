@@ -36,7 +36,7 @@ def test_tool_turns_extend_the_previous_context(engine, tmp_path):
     prompt is the previous context plus it (so turns merge); every turn carries the trajectory's
     reward, and a trajectory stays within its token budget."""
     run = tool_run(engine, tmp_path)
-    samples, stats = rollout.generate(run, run.stream.prompts[:16], 8, 1.0)
+    samples, stats = rollout.generate_scored(run, run.stream.prompts[:16], 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     multi = [t for t in trajectories if len(t) > 1]
     # random init ends a turn with "?" by chance
@@ -63,7 +63,7 @@ def test_merged_batch_has_the_same_token_mean_loss_as_step_wise(engine, tmp_path
     tokens and the same token-mean loss as step-wise ones."""
     run = tool_run(engine, tmp_path)
     prompts = run.stream.prompts[:16]
-    samples, _ = rollout.generate(run, prompts, 8, 1.0)
+    samples, _ = rollout.generate_scored(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     for turns, advantage in zip(trajectories, torch.randn(len(trajectories)).tolist()):
         for turn in turns:  # as advantages.compute writes it: every turn carries it
@@ -101,7 +101,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     with no further turn started."""
     run = tool_run(engine, tmp_path, "rollout.max_turns=2")
     prompts = run.stream.prompts[:16]
-    samples, stats = rollout.generate(run, prompts, 8, 1.0)
+    samples, stats = rollout.generate_scored(run, prompts, 8, 1.0)
     trajectories = sample.trajectories_of(samples)
     unanswered = [
         t for t in trajectories if t[-1].response_ids[-1:].tolist() == [run.tool.call_end_id]
@@ -115,7 +115,7 @@ def test_a_call_with_no_turn_or_budget_left_is_a_truncation_not_an_answer(engine
     # budget: "?" (1 token) + observation "=4" (2) fills max_response_tokens=3, so the call is never
     # answered
     run.cfg.rollout.max_new_tokens, run.cfg.rollout.max_response_tokens = 1, 3
-    samples, stats = rollout.generate(run, run.stream.prompts[:64], 8, 1.0)
+    samples, stats = rollout.generate_scored(run, run.stream.prompts[:64], 8, 1.0)
     called = [s for s in samples if s.tool_call == 1]
     assert called and all(s.finish_reason == "length" and s.turn == 0 for s in called)
     assert len(samples) == 64 * 8  # no second turn was started

@@ -16,7 +16,6 @@ import torch
 import update
 import loss as losses
 import merge
-import task.data as tasks
 import train
 from partial import PartialBuffer
 from conftest import tiny_config

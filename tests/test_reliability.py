@@ -30,7 +30,6 @@ import runtime.model as model
 import task.data as tasks
 import task.tools as tools
 import train
-import rollout
 import update
 from advantages import ESTIMATORS, group_advantages
 from advantages import compute as compute_advantages

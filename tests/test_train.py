@@ -15,10 +15,10 @@ import sample
 import extras.plot as plot
 import loss as losses
 import train
-from advantages import compute as compute_advantages, reference_kl
+from advantages import compute as compute_advantages
+from advantages import reference_kl
 from conftest import train_on
 import rollout
-import advantages
 import task.data as tasks
 import runtime.model as model
 from sample import Sample
@@ -120,7 +120,7 @@ def rollout_batch(run):
     r = run.cfg.rollout
     # reads on from where the run's steps left the stream
     prompts = run.stream.take(r.prompts_per_step)
-    samples, _ = rollout.generate(run, prompts, r.group_size, r.temperature)
+    samples, _ = rollout.generate_scored(run, prompts, r.group_size, r.temperature)
     groups = sample.groups_of(sample.trajectories_of(samples))  # scored as they finished
     compute_advantages(run.trainer, groups)  # written on each sample
     return samples, torch.tensor([s.advantage for s in samples])
@@ -359,7 +359,7 @@ def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_
     with torch.no_grad():  # a reference unlike the policy, so the KL is far from 0
         for p in run.trainer.reference.parameters():
             p.mul_(0.8)
-    samples, _ = rollout.generate(run, run.stream.take(4), 4, 1.0)
+    samples, _ = rollout.generate_scored(run, run.stream.take(4), 4, 1.0)
     groups = sample.groups_of(sample.trajectories_of(samples))
     trajectories = [turns for group in groups for turns in group]
     kl = reference_kl(run.trainer, trajectories)
