@@ -2,8 +2,9 @@
 
 Owns the advantage estimators (`ESTIMATORS`, picked by `train.advantage`: a fork point), masking
 aborted and failed members out of the group statistics, and the KL to the reference as a cost in
-the reward (`train.kl_in: reward`, verl's use_kl_in_reward). Does not own the rewards (rewards.py,
-scored in the rollout) nor the loss (loss.py).
+the reward (`train.kl_in: reward`, verl's use_kl_in_reward; the switch and its check sit in
+loss.py, beside the KL term it replaces). Does not own the rewards (rewards.py, scored in the
+rollout) nor the loss (loss.py).
 
 To add an estimator: a function `(rewards, group_ids, is_valid, cfg) -> advantages` below, its
 entry in ESTIMATORS, and `train.advantage: <name>` picks it (README "Fork it";

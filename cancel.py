@@ -87,7 +87,8 @@ class Progress:
     complete_groups: list = dataclasses.field(default_factory=list)
     kept_groups: int = 0  # dynamic sampling: groups judged informative (GroupFilter.kept)
     finished_per_group: dict = dataclasses.field(default_factory=dict)
-    generated_tokens: int = 0  # response tokens of the returned trajectories (every turn)
+    # response tokens of the returned trajectories (every turn; a resumed sample's earlier ones too)
+    generated_tokens: int = 0
 
     def returned(self, turns, elapsed_s):
         """A trajectory returned (its turns), `elapsed_s` after launch."""
@@ -204,15 +205,6 @@ def decide(plan, progress, timeout_s=0.0):
     if timeout_s:
         decision.wake_at_s = min(decision.wake_at_s or timeout_s, timeout_s)
     return decision
-
-
-def count_complete_groups(samples, group_size):
-    """Groups all of whose `group_size` members finished (stopped or hit the length limit)."""
-    counts = {}
-    for s in samples:
-        if not s.is_aborted:
-            counts[s.group_id] = counts.get(s.group_id, 0) + 1
-    return sum(n == group_size for n in counts.values())
 
 
 def drop_other_groups(samples, keep_groups):

@@ -4,7 +4,8 @@ Owns every setting's name, type, default, one-line meaning and numeric bounds; Y
 configs/ only override. An unknown key, a value of the wrong type or out of bounds is a ConfigError
 that names it. Does not own the choices a field picks from (a cancel policy, an advantage
 estimator, a loss mode): each is a dict or tuple in the module that reads it, checked there by its
-`check(cfg)` at load (runtime/run.py's load_config calls them all). Imports nothing of the project.
+`check(cfg)` at load (runtime/run.py's load_config calls `read_config`, then them all). Imports
+nothing of the project.
 """
 
 import dataclasses
@@ -220,15 +221,6 @@ class TrainConfig:
     threads: int = 1  # torch threads of the trainer process
     seed: int = 0
 
-    def clip_range(self):
-        """(low, high) clip epsilons of the ratio: [1 - low, 1 + high]; GSPO's own with
-        ratio_level=sequence, CISPO's with ratio_level=cispo."""
-        if self.ratio_level == "sequence":
-            return self.sequence_clip_eps, self.sequence_clip_eps_high
-        if self.ratio_level == "cispo":
-            return self.cispo_eps_low, self.cispo_eps_high
-        return self.clip_eps, self.clip_eps_high or self.clip_eps
-
 
 @dataclasses.dataclass
 class RunConfig:
@@ -421,8 +413,10 @@ def apply(config, overrides, prefix=""):
             setattr(config, key, _coerce(name, value, hints[key]))
 
 
-def load_config(path=None, sets=()):
-    """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars)."""
+def read_config(path=None, sets=()):
+    """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars), each
+    value of the right type and within its bounds. The choices are checked by their owners:
+    runtime.run.load_config runs both, and is what a run uses."""
     config = Config()
     if path:
         try:

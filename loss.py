@@ -82,8 +82,9 @@ def clip_range(t):
 # ---------------------------------------------------------------- extra per-token terms
 # Each term: (inputs) -> [B, T] per-token values, added to the loss times its coefficient and
 # aggregated like the surrogate. `inputs` is a dict of [B, T] tensors: logprobs (with grad),
-# old_logprobs, engine_logprobs, loss_mask, entropy (with its graph only when a term needs it),
-# ref_logprobs (with a KL reference), advantages [B], and kl_estimator and norm_length.
+# old_logprobs, loss_mask, entropy (with its graph only when the entropy term is on),
+# engine_logprobs (None unless train.tis_cap), ref_logprobs (None without a KL reference),
+# advantages [B], and kl_estimator and norm_length (the token budget, Dr. GRPO's constant).
 def kl_penalty(inputs):
     """The KL to the frozen reference (GRPO's, Shao et al. 2024 eq. 3), per `kl_estimate`."""
     return kl_estimate(inputs["logprobs"], inputs["ref_logprobs"], inputs["kl_estimator"])

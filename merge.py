@@ -154,7 +154,7 @@ def _warn_over_length(stats: MergeStats, max_seq_len: int) -> None:
     if stats.over_length:
         warnings.warn(
             f"{stats.over_length} merged sequence(s) exceed max_seq_len={max_seq_len}; "
-            f"returned untruncated, the trainer drops them (counted)",
+            f"returned untruncated, training_sequences drops them (counted)",
             stacklevel=3,
         )
 

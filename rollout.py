@@ -595,7 +595,7 @@ async def scored(work, reward, stats, generated=None):
     if reward is not None and not turns[-1].is_aborted:
         try:
             value = reward(turns)
-            if inspect.isawaitable(value):  # train.scorer's: computed off the loop (rewards.py)
+            if inspect.isawaitable(value):  # Rewards.scorer's: computed off the loop (rewards.py)
                 value = await value
         except RewardError as e:
             log.error("trajectory %d: %s", turns[-1].trajectory_id, e)

@@ -14,7 +14,8 @@ import os
 import torch
 
 import update
-from config import ConfigError, load_config
+from config import ConfigError
+from runtime.run import load_config
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
 from runtime.model import build_policy
@@ -49,7 +50,6 @@ def replay(folder):
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
     dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-    # the run's own config.yaml, whose choices were checked when it started
     cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)

@@ -41,7 +41,7 @@ def load_config(path=None, sets=()):
     each value of the right type and within its bounds (config.py), then each choice and
     combination checked by the module that reads it. A ConfigError names the key, before any
     model or engine starts."""
-    cfg = config.load_config(path, sets)
+    cfg = config.read_config(path, sets)
     for module in CHECKED_BY:
         module.check(cfg)
     return cfg

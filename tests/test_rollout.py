@@ -19,12 +19,21 @@ import runtime.model as model
 import train
 import rollout
 from conftest import tiny_config
-from cancel import count_complete_groups, plan_launch
+from cancel import plan_launch
 from config import ConfigError
 from rollout import RolloutError
 from sample import Sample
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
+
+
+def count_complete_groups(samples, group_size):
+    """Groups all of whose `group_size` members finished (stopped or hit the length limit)."""
+    counts = {}
+    for s in samples:
+        if not s.is_aborted:
+            counts[s.group_id] = counts.get(s.group_id, 0) + 1
+    return sum(n == group_size for n in counts.values())
 
 
 def trainer_logprobs(policy, samples):
