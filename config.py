@@ -139,9 +139,12 @@ class RolloutConfig:
 def token_budget(max_new_tokens, max_turns, max_response_tokens=0):
     """Tokens one trajectory may hold after its prompt (generated + tool observations): the one
     formula every reader of the budget uses (the rollout, DAPO's overlong penalty, Dr. GRPO's
-    constant). max_response_tokens (0: none) caps it; one turn never exceeds max_new_tokens."""
-    turns = max_new_tokens * max_turns
-    return min(max_response_tokens, turns) if max_response_tokens else turns
+    constant). With tools, max_response_tokens (0: max_new_tokens x max_turns) bounds the whole
+    trajectory, observations included, so it may exceed max_new_tokens x max_turns; one turn
+    never holds more than max_new_tokens."""
+    if max_turns == 1:
+        return min(max_new_tokens, max_response_tokens or max_new_tokens)
+    return max_response_tokens or max_new_tokens * max_turns
 
 
 @dataclasses.dataclass
