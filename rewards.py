@@ -11,10 +11,14 @@ trajectory is scored (rollout.py scores each one as it finishes).
 
 import asyncio
 import concurrent.futures
+import decimal
 import functools
 import inspect
 import math
+import numbers
 import re
+
+import numpy
 
 from config import ConfigError, load_function
 
@@ -111,10 +115,22 @@ async def call_async_reward(reward_fn, response_text, answer, finished):
 
 
 def checked(value, where):
-    """`value` as a float, or a RewardError: only a finite number is a reward (a bool neither)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
-    return float(value)
+    """`value` as a float, or a RewardError: any finite real number is a reward (Python's and
+    numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool is not, and one too
+    large for a float (10**400) is refused as not finite."""
+    refused = RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+        value = value.item()  # a 0-dim (or one-element) tensor or array
+    real = isinstance(value, (numbers.Real, decimal.Decimal))
+    if isinstance(value, (bool, numpy.bool_)) or not real:
+        raise refused
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):
+        raise refused from None
+    if not math.isfinite(value):
+        raise refused
+    return value
 
 
 def call_reward(reward_fn, response_text, answer, finished):
@@ -184,9 +200,11 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def parse_number(text):
-    """'1,234.50' -> 1234.5; None when the text holds no number."""
+    """'1,234.50' -> Decimal('1234.50'), exact (a float would make 123456789100 equal
+    123456789012 under a relative tolerance, and 400-digit numbers inf); None when the text holds
+    no number."""
     match = _NUMBER.search(text.replace("$", ""))
-    return float(match.group().replace(",", "")) if match else None
+    return decimal.Decimal(match.group().replace(",", "")) if match else None
 
 
 def extract_answer(response_text):
@@ -197,14 +215,12 @@ def extract_answer(response_text):
     boxed = re.findall(r"\\boxed\{([^}]*)\}", response_text)
     if boxed:
         return parse_number(boxed[-1])
-    numbers = _NUMBER.findall(response_text.replace("$", ""))
-    return float(numbers[-1].replace(",", "")) if numbers else None
+    found = _NUMBER.findall(response_text.replace("$", ""))
+    return decimal.Decimal(found[-1].replace(",", "")) if found else None
 
 
 def gsm8k_reward(response_text, answer, finished):
-    """1 when the extracted number equals the gold answer, else 0 (unfinished answers still
-    count)."""
+    """1 when the extracted number equals the gold answer exactly (decimal arithmetic: 1,234.50
+    equals 1234.5), else 0 (unfinished answers still count)."""
     predicted, gold = extract_answer(response_text), parse_number(answer)
-    return float(
-        predicted is not None and gold is not None and math.isclose(predicted, gold, abs_tol=1e-6)
-    )
+    return float(predicted is not None and gold is not None and predicted == gold)

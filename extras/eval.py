@@ -46,10 +46,12 @@ def majority_correct(answers, correct):
 
 
 def answer_of(task, text):
-    """What maj@k votes on: GSM8K's extracted number, the tiny tasks' whole final text; None for
-    tasks with no extractor (chat: maj@k is not reported)."""
+    """What maj@k votes on: GSM8K's extracted number (as its shortest exact text: 1,234.50 and
+    1234.5 vote alike), the tiny tasks' whole final text; None for tasks with no extractor (chat:
+    maj@k is not reported)."""
     if task == "gsm8k":
-        return rewards.extract_answer(text)
+        number = rewards.extract_answer(text)
+        return None if number is None else format(number.normalize(), "f")
     if task in ("tiny", "tiny_tool"):
         return text
     return None
@@ -188,7 +190,15 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, help="default: rollout.temperature")
     parser.add_argument("--out", help="default: eval.jsonl beside the checkpoint")
     args = parser.parse_args(argv)
-    args.k = sorted({int(k) for k in args.k.split(",")})
+    # usage errors before anything starts (argparse exits 2 with the usage line)
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: expected a count >= 1")
+    try:
+        args.k = sorted({int(k) for k in args.k.split(",")})
+    except ValueError:
+        parser.error(f"--k {args.k!r}: expected comma-separated integers, such as 1,4,16")
+    if min(args.k) < 1:
+        parser.error(f"--k {min(args.k)}: each k must be >= 1")
     if max(args.k) > args.samples:
         raise ConfigError(f"--k {max(args.k)} needs --samples >= {max(args.k)}")
     return args

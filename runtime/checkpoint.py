@@ -6,10 +6,10 @@ and reshards it with torch.distributed.checkpoint), partial rollout's buffer for
 when checkpoints are taken (train.py).
 """
 
-import glob
 import logging
 import os
 import random
+import re
 import shutil
 
 import torch
@@ -61,9 +61,12 @@ def save(out_dir, step, run):
 
 
 def latest(out_dir):
-    """The newest complete checkpoint folder (half-written `.tmp` ones never match), or None."""
-    found = sorted(glob.glob(os.path.join(out_dir, "checkpoints", "step_[0-9]*[0-9]")))
-    return found[-1] if found else None
+    """The newest complete checkpoint folder, by step, or None: only names `save` writes,
+    step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never match)."""
+    folder = os.path.join(out_dir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    steps = [int(name[5:]) for name in names if re.fullmatch(r"step_\d+", name)]
+    return os.path.join(folder, f"step_{max(steps):06d}") if steps else None
 
 
 def read_trainer_state(folder):

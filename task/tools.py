@@ -196,7 +196,12 @@ def arguments_schema(schema):
 
 def result_text(result):
     """A tool's return value as the observation's text: a string as is, else JSON."""
-    text = result if isinstance(result, str) else json.dumps(result, default=str)
+    return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def cut(text):
+    """An observation's text within MAX_OBSERVATION_CHARS, with a visible marker where it was cut:
+    it shares the trajectory's token budget."""
     if len(text) > MAX_OBSERVATION_CHARS:
         text = text[:MAX_OBSERVATION_CHARS] + " ... (cut)"
     return text
@@ -264,12 +269,14 @@ class QwenTools:
         start = text.rfind(self.call_start)
         call = text[start + len(self.call_start) : -len(self.call_end)] if start >= 0 else ""
         name, result = await self.run(call)
+        is_error = result.startswith("error")
+        result = cut(result)  # an error message (a user's exception's) as much as a result
         observation = (
             f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>"
             "<|im_end|>\n<|im_start|>assistant\n"
         )
         ids = self.tokenizer(observation, add_special_tokens=False).input_ids
-        return Observation(ids, name, result.startswith("error"))
+        return Observation(ids, name, is_error)
 
     async def run(self, call):
         """(the tool's name, or UNPARSED; its result, or "error: ...") for one call's text."""
@@ -277,6 +284,8 @@ class QwenTools:
             parsed = json.loads(call)  # json.loads never executes anything
         except ValueError:
             return UNPARSED, "error: the tool call is not valid JSON"
+        except RecursionError:  # model-written text nested deeper than Python's parser recurses
+            return UNPARSED, "error: the tool call is nested too deeply"
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
             return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}}'
         name, arguments = parsed["name"], parsed.get("arguments", {})

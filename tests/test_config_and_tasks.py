@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import math
 import os
 import runpy
 import sys
@@ -293,3 +294,38 @@ def test_the_token_budget_is_one_formula():
     assert token_budget(1, 2, 4) == 4 and token_budget(10, 3) == 30
     cfg = load_config("configs/tiny_tool.yaml", ["run.out=/tmp/unused"])
     assert cfg.rollout.token_budget() == 4
+
+
+def test_any_finite_real_number_is_a_reward_and_nothing_else():
+    """A reward may return numpy's, torch's, Fraction's or Decimal's numbers; a bool, a string, NaN
+    and a number too large for a float (10**400: an OverflowError before) are RewardErrors."""
+    import decimal
+    import fractions
+
+    import numpy
+    import torch
+
+    for value, expected in (
+        (numpy.float32(0.5), 0.5),
+        (numpy.int64(1), 1.0),
+        (torch.tensor(0.25), 0.25),
+        (fractions.Fraction(1, 4), 0.25),
+        (decimal.Decimal("0.75"), 0.75),
+        (2, 2.0),
+    ):
+        assert rewards.checked(value, "here") == expected
+    for value in (True, numpy.bool_(True), "1", math.nan, 10**400, decimal.Decimal("NaN")):
+        with pytest.raises(rewards.RewardError, match="not a finite number"):
+            rewards.checked(value, "here")
+
+
+def test_gsm8k_answers_compare_exactly():
+    """Exact decimal comparison: 123456789100 is not 123456789012 (a relative tolerance said it
+    was), 400-digit numbers are not equal because both overflow, and 1,234.50 is 1234.5."""
+    assert rewards.gsm8k_reward("#### 123456789100", "123456789012", True) == 0.0
+    assert rewards.gsm8k_reward("#### 123456789012", "123456789012", True) == 1.0
+    big = "9" * 400
+    assert rewards.gsm8k_reward(f"#### {big}", big[:-1] + "8", True) == 0.0
+    assert rewards.gsm8k_reward(f"#### {big}", big, True) == 1.0
+    assert rewards.gsm8k_reward("so \\boxed{1,234.50}", "1234.5", True) == 1.0
+    assert rewards.gsm8k_reward("it is 7 then 12", "12", False) == 1.0

@@ -96,3 +96,28 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     assert len(records) == 8 * 5 and {"response", "reward", "answer"} <= set(records[0])
     with pytest.raises(ConfigError, match="--k 8 needs --samples >= 8"):
         evaluation.parse_args(["--run", str(tmp_path), "--samples", "4", "--k", "8"])
+
+
+def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
+    """--k a, --k 0, --k -3 and --samples 0 are usage errors (exit 2, a one-line reason) from the
+    argument parser, before any config, model or engine is touched."""
+    for argv, reason in (
+        (["--k", "a"], "expected comma-separated integers"),
+        (["--k", "0"], "each k must be >= 1"),
+        (["--k", "-3"], "each k must be >= 1"),
+        (["--samples", "0"], "--samples 0: expected a count >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            evaluation.parse_args(["--run", str(tmp_path), *argv])
+        assert exit_info.value.code == 2 and reason in capsys.readouterr().err
+
+
+def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
+    """Only step_<digits> folders count, newest by step: a half-written .tmp and a copy someone
+    named step_000200_copy2 are not checkpoints."""
+    import runtime.checkpoint as checkpoint
+
+    for name in ("step_000050", "step_000100", "step_000200_copy2", "step_000300.tmp"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_000100")
+    assert checkpoint.latest(str(tmp_path / "nowhere")) is None

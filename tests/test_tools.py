@@ -253,3 +253,25 @@ def test_a_long_result_is_cut(tokenizer):
     body = '{"name": "repeat", "arguments": {"word": "%s", "times": 2}}' % ("x" * 3000)
     _, text = ask(tool, tokenizer, body)
     assert len(text) == tools.MAX_OBSERVATION_CHARS + len(" ... (cut)") and text.endswith("(cut)")
+
+
+def shouts(text: str) -> str:
+    """Raise with a long message.
+
+    Args:
+        text: Anything.
+    """
+    raise RuntimeError("no! " * 25_000)
+
+
+def test_deep_nesting_and_long_errors_are_bounded_observations(tokenizer):
+    """A call nested 100,000 brackets deep (json.loads raises RecursionError) is an unparsed
+    call's error observation, not an exception out of the rollout; a tool raising a 100 KB message
+    is answered with it cut to MAX_OBSERVATION_CHARS, marked, and still counted as an error."""
+    tool = tools.QwenTools(tokenizer, [shouts])
+    observation, text = ask(tool, tokenizer, "[" * 100_000)
+    assert observation.is_error and observation.tool == tools.UNPARSED
+    assert text == "error: the tool call is nested too deeply"
+    observation, text = ask(tool, tokenizer, '{"name": "shouts", "arguments": {"text": "x"}}')
+    assert observation.is_error and observation.tool == "shouts"
+    assert len(text) == tools.MAX_OBSERVATION_CHARS + len(" ... (cut)") and text.endswith("(cut)")
