@@ -97,7 +97,7 @@ class RolloutConfig:
     # a reward still running after this many seconds fails its trajectory (counted in
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
     # returns also keeps the process from exiting, so give a judge or sandbox its own timeout
-    reward_timeout_s: float = 0.0
+    reward_timeout_s: float = 60.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     engine_threads: int = 1
     mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache

@@ -212,11 +212,23 @@ def extract_answer(response_text):
     number."""
     if "####" in response_text:
         return parse_number(response_text.rsplit("####", 1)[1])
-    boxed = re.findall(r"\\boxed\{([^}]*)\}", response_text)
-    if boxed:
-        return parse_number(boxed[-1])
+    boxed = last_boxed(response_text)
+    if boxed is not None:
+        return parse_number(boxed)
     found = _NUMBER.findall(response_text.replace("$", ""))
     return decimal.Decimal(found[-1].replace(",", "")) if found else None
+
+
+def last_boxed(text):
+    """The content of the last \\boxed{...} that closes, or None, in linear time: str.rfind and
+    str.find, where a regular expression's findall rescans the rest of the text after every
+    unclosed "\\boxed{" (50,000 of them took over 50 s)."""
+    close = text.rfind("}")
+    start = text.rfind("\\boxed{", 0, close) if close >= 0 else -1
+    if start < 0:
+        return None
+    start += len("\\boxed{")
+    return text[start : text.find("}", start)]
 
 
 def gsm8k_reward(response_text, answer, finished):

@@ -329,3 +329,27 @@ def test_gsm8k_answers_compare_exactly():
     assert rewards.gsm8k_reward(f"#### {big}", big, True) == 1.0
     assert rewards.gsm8k_reward("so \\boxed{1,234.50}", "1234.5", True) == 1.0
     assert rewards.gsm8k_reward("it is 7 then 12", "12", False) == 1.0
+
+
+def test_answers_are_extracted_from_hostile_text_in_one_pass():
+    """The last closed \\boxed{} and the last complete <answer>...</answer> are found with rfind,
+    not a regular expression that rescans after every unclosed opener (350 KB of "\\boxed{" took
+    over 50 s to score before; here it is one pass, and the answer is still found after it)."""
+    from examples.countdown.reward import countdown_reward
+
+    assert rewards.last_boxed("so \\boxed{12} and \\boxed{7}.") == "7"
+    assert rewards.last_boxed("\\boxed{12} then \\boxed{ unclosed") == "12"
+    assert rewards.last_boxed("\\boxed{}") == "" and rewards.last_boxed("no box") is None
+    hostile = "\\boxed{" * 50_000
+    assert rewards.gsm8k_reward(hostile, "3", True) == 0.0
+    assert rewards.gsm8k_reward("\\boxed{3}" + hostile, "3", True) == 1.0
+    row = json.dumps({"target": 2, "numbers": [6, 3]})
+    assert countdown_reward("<answer>" * 50_000, row, True) == 0.0
+    assert countdown_reward("<answer>6 / 3</answer>" + "<answer>" * 50_000, row, True) == 1.0
+
+
+def test_a_reward_has_a_time_limit_by_default():
+    """rollout.reward_timeout_s is 60 s unless set: a reward that never returns fails its
+    trajectory instead of holding the rollout for good (0 still turns the limit off)."""
+    cfg = load_config("configs/tiny.yaml", ["run.out=/tmp/unused"])
+    assert cfg.rollout.reward_timeout_s == 60.0

@@ -23,10 +23,15 @@ def countdown_reward(response_text, answer, finished):
     `answer` is the row's JSON {"target": int, "numbers": [int, ...]}; `finished` is not used (a
     correct equation counts wherever the response ended)."""
     row = json.loads(answer)
-    found = re.findall(r"<answer>(.*?)</answer>", response_text, flags=re.DOTALL)
-    if not found:
+    # the last complete <answer>...</answer>, found in linear time (a non-greedy findall rescans
+    # the rest of the text after every unclosed "<answer>": quadratic on hostile text)
+    end = response_text.rfind("</answer>")
+    start = response_text.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
         return 0.0
-    equation = found[-1].split("=")[0].strip()  # "3 * 8 = 24" is accepted: the left side is checked
+    equation = (
+        response_text[start + len("<answer>") : end].split("=")[0].strip()
+    )  # "3 * 8 = 24" is accepted: the left side is checked
     if (
         not equation
         or len(equation) > 200
