@@ -14,8 +14,7 @@ import os
 import torch
 
 import update
-from config import ConfigError
-from runtime.run import load_config
+from config import ConfigError, read_config
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
 from runtime.model import build_policy
@@ -50,7 +49,10 @@ def replay(folder):
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
     dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-    cfg = load_config(os.path.join(run_dir, "config.yaml"), [])
+    # the run's own config.yaml: types and bounds read again (config.read_config); its choices were
+    # checked by runtime.run.load_config when the run started (importing that here would put the
+    # whole setup under train.py's import of this module)
+    cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
