@@ -12,14 +12,61 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
+import math
 import os
+import reprlib
 import typing
+from typing import Annotated
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the offending key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a number field admits, written beside it: `lr: Annotated[float, Range(gt=0)]`
+    (pydantic's spelling, without pydantic: its errors run to several lines and it would be
+    one more library to read for 30 lines of checks). A float must also be finite whatever its
+    bounds: NaN or inf would train 2-3 steps, then stop on a non-finite loss."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    why: str = ""  # said in the error where the bound is not self-evident
+
+    def admits(self, value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return (
+            (self.gt is None or value > self.gt)
+            and (self.ge is None or value >= self.ge)
+            and (self.lt is None or value < self.lt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def __str__(self):
+        bounds = {">": self.gt, ">=": self.ge, "<": self.lt, "<=": self.le}
+        said = [f"{op} {bound}" for op, bound in bounds.items() if bound is not None]
+        return " and ".join(said)
+
+
+PositiveInt = Annotated[int, Range(ge=1)]
+NonNegativeInt = Annotated[int, Range(ge=0)]  # 0 is "off" or "the engine decides" (see the field)
+PositiveFloat = Annotated[float, Range(gt=0)]
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+
+
+def shown(value, limit=100):
+    """`value`'s repr for an error message, cut to `limit` characters: a few lines of YAML
+    anchors can expand to gigabytes (a "billion laughs"), and an error stays one readable line."""
+    short = reprlib.Repr()  # it stops descending at maxlevel, so a nested bomb costs nothing
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring = 2, 4, 4, limit
+    text = short.repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclasses.dataclass
@@ -36,11 +83,11 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     # run Python code shipped in a model folder (trainer and engine): only if you trust it
     trust_remote_code: bool = False
-    hidden_size: int = 64  # tiny model only, from here on
-    intermediate_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    max_position_embeddings: int = 256
+    hidden_size: PositiveInt = 64  # tiny model only, from here on
+    intermediate_size: PositiveInt = 256
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    max_position_embeddings: Annotated[int, Range(ge=2)] = 256
 
 
 @dataclasses.dataclass
@@ -55,22 +102,28 @@ class DataConfig:
     # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
     reward: str = ""
     hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")
-    max_prompt_len: int = 512  # longer prompts are counted and skipped at load time
-    tiny_max_count: int = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
+    max_prompt_len: PositiveInt = 512  # longer prompts are counted and skipped at load time
+    tiny_max_count: PositiveInt = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
     # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
-    tiny_operand_digits: int = 2
-    num_tiny_prompts: int = 4096  # tiny tasks: size of the drawn training set
-    num_val_prompts: int = 64  # validation prompts used (all if fewer)
+    tiny_operand_digits: Annotated[
+        int, Range(ge=1, le=7, why="the calculator is exact below 1e15")
+    ] = 2
+    num_tiny_prompts: PositiveInt = 4096  # tiny tasks: size of the drawn training set
+    num_val_prompts: PositiveInt = 64  # validation prompts used (all if fewer)
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    prompts_per_step: int = 32
-    group_size: int = 8  # samples per prompt (GRPO group)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48  # per turn
-    max_turns: int = 1  # > 1: multi-turn, the model calling tools between turns
+    prompts_per_step: PositiveInt = 32
+    group_size: Annotated[int, Range(ge=2, why="GRPO compares samples within a group")] = (
+        8  # samples per prompt (GRPO group)
+    )
+    temperature: Annotated[
+        float, Range(gt=0, why="training samples; 0 would divide the trainer's logits by zero")
+    ] = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    max_new_tokens: PositiveInt = 48  # per turn
+    max_turns: PositiveInt = 1  # > 1: multi-turn, the model calling tools between turns
     # gsm8k, chat with max_turns > 1: the tools the model may call, each "path/to/file.py:function"
     # or "module:function", a plain (or async) Python function with type hints and a docstring
     # (task/tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its
@@ -78,12 +131,12 @@ class RolloutConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
     # a tool still running after this many seconds answers with an error observation (> 0: the
     # rollout waits for a running tool before it ends)
-    tool_timeout_s: float = 10.0
+    tool_timeout_s: PositiveFloat = 10.0
     # threads running plain tool functions, apart from the rewards' (a tool that never returns
     # holds one for good: once all are held, every call times out, counted per tool)
-    tool_workers: int = 4
+    tool_workers: PositiveInt = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
-    max_response_tokens: int = 0
+    max_response_tokens: NonNegativeInt = 0
     # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
     merge_turns: bool = True
     # SGLang's deterministic inference (GPU only: it needs the fa3, flashinfer or triton attention
@@ -93,43 +146,51 @@ class RolloutConfig:
     deterministic: bool = False
     # threads running plain reward functions off the rollout's event loop (rewards.py); an async
     # def reward is awaited on the loop instead
-    reward_workers: int = 4
+    reward_workers: PositiveInt = 4
     # a reward still running after this many seconds fails its trajectory (counted in
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
     # returns also keeps the process from exiting, so give a judge or sandbox its own timeout
-    reward_timeout_s: float = 60.0
+    reward_timeout_s: NonNegativeFloat = 60.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
-    engine_threads: int = 1
-    mem_fraction_static: float = 0.6  # GPU: share of memory for engine weights + KV cache
-    max_total_tokens: int = 16384  # KV cache capacity in tokens (0 = engine decides from memory)
+    engine_threads: PositiveInt = 1
+    mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] = (
+        0.6  # GPU: share of memory for engine weights + KV cache
+    )
+    max_total_tokens: NonNegativeInt = (
+        16384  # KV cache capacity in tokens (0 = engine decides from memory)
+    )
     cancel: str = "none"  # tail cancellation: none | count | time | group
     # count/group: launch the batch, stop once (1 - drop_rate) of it finished
-    drop_rate: float = 0.0
+    drop_rate: Annotated[float, Range(ge=0, lt=1)] = 0.0
     # count/group: launch (1 + rate) x batch, stop once the batch finished
-    over_sample_rate: float = 0.0
-    time_quantile: float = 0.8  # time: once this fraction of the target finished at t ...
-    time_factor: float = 1.5  # ... wait at most factor * t more, then cancel the rest
+    over_sample_rate: Annotated[
+        float, Range(ge=0, le=10, why="each launches (1 + rate) x the batch")
+    ] = 0.0
+    time_quantile: Annotated[float, Range(gt=0, le=1)] = (
+        0.8  # time: once this fraction of the target finished at t ...
+    )
+    time_factor: PositiveFloat = 1.5  # ... wait at most factor * t more, then cancel the rest
     # partial rollout (partial.py): a cancelled sample is suspended, not dropped, and continued in
     # the next step under the new weights; its group is trained once every member finished
     partial: bool = False
     # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
-    max_staleness: int = 4
+    max_staleness: NonNegativeInt = 4
     # dynamic sampling (DAPO): train only groups whose rewards differ, judged as each group's last
     # member finishes; the rollout ends once prompts_per_step such groups finished, whatever
     # `cancel` (which then says whether the rest is aborted, or with none waited for), and launches
     # more prompts while too few can be kept
     filter_groups: bool = False
     # prompts launched at a time while too few groups can be kept (0 = prompts_per_step / 4)
-    refill_prompts: int = 0
+    refill_prompts: NonNegativeInt = 0
     # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
-    max_prompts_per_step: int = 0
+    max_prompts_per_step: NonNegativeInt = 0
     # a step where more requests fail inside the engine stops training
-    max_failed_ratio: float = 0.1
-    abort_timeout_s: float = 10.0  # aborted requests must return by then, or it is an error
+    max_failed_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
+    abort_timeout_s: PositiveFloat = 10.0  # aborted requests must return by then, or it is an error
     # a request running longer is aborted and counts as failed (0 = no limit)
-    request_timeout_s: float = 0.0
+    request_timeout_s: NonNegativeFloat = 0.0
     # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
-    rollout_timeout_s: float = 0.0
+    rollout_timeout_s: NonNegativeFloat = 0.0
 
     def token_budget(self):
         """Tokens one trajectory may hold after its prompt: `token_budget` of this section."""
@@ -151,41 +212,45 @@ def token_budget(max_new_tokens, max_turns, max_response_tokens=0):
 class MemoryConfig:
     # staged | all_at_once | off (never release: engine and trainer both stay resident)
     mode: str = "staged"
-    bucket_mb: int = 256  # weight sync pushes parameters in buckets of about this size
+    bucket_mb: PositiveInt = 256  # weight sync pushes parameters in buckets of about this size
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 100
-    lr: float = 5e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # linear learning-rate warmup, then the schedule below
+    steps: NonNegativeInt = 100
+    lr: PositiveFloat = 5e-4
+    adam_beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
+    adam_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.99
+    weight_decay: NonNegativeFloat = 0.0
+    warmup_steps: NonNegativeInt = 0  # linear learning-rate warmup, then the schedule below
     # constant | cosine (decays to min_lr_ratio x lr at the last step)
     lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.1  # cosine: the final learning rate as a fraction of lr
-    grad_clip: float = 1.0
-    clip_eps: float = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
-    clip_eps_high: float = 0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = (
+        0.1  # cosine: the final learning rate as a fraction of lr
+    )
+    grad_clip: PositiveFloat = 1.0
+    clip_eps: PositiveFloat = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
+    clip_eps_high: NonNegativeFloat = (
+        0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
+    )
     # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean) | cispo
     # (CISPO: a clipped, stop-gradient weight on every token's log-prob; needs token-mean)
     ratio_level: str = "token"
     # GSPO's clip range, used instead of clip_eps with ratio_level=sequence
-    sequence_clip_eps: float = 3.0e-4
-    sequence_clip_eps_high: float = 4.0e-4
+    sequence_clip_eps: PositiveFloat = 3.0e-4
+    sequence_clip_eps_high: PositiveFloat = 4.0e-4
     # CISPO's weight range [1 - low, 1 + high] with ratio_level=cispo. MiniMax-M1 bounds only the
     # top and publishes no value: low 1.0 (no lower bound) and high 2.0 are a start, not tuned
-    cispo_eps_low: float = 1.0
-    cispo_eps_high: float = 2.0
+    cispo_eps_low: NonNegativeFloat = 1.0
+    cispo_eps_high: NonNegativeFloat = 2.0
     # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg: str = "token-mean"
     # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
     mask_truncated: bool = False
     # DAPO's soft overlong punishment, added to the reward (rewards.overlong_penalty): from
     # overlong_buffer tokens before the generation budget, down to -overlong_penalty at it (0 = off)
-    overlong_penalty: float = 0.0
-    overlong_buffer: int = 0
+    overlong_penalty: NonNegativeFloat = 0.0
+    overlong_buffer: NonNegativeInt = 0
     # the advantage estimator: grpo (advantages.ESTIMATORS; a fork adds its own there)
     advantage: str = "grpo"
     scale_by_std: bool = True  # grpo: False = Dr. GRPO advantages (no std division)
@@ -195,56 +260,58 @@ class TrainConfig:
     # engine measures the log-prob gap at a process's first step only: after it, the weight
     # checksums alone watch the engine (run.max_logprob_gap has nothing to read)
     old_logprobs: str = "trainer"
-    kl_coef: float = 0.0  # KL to a frozen reference copy; 0 = no reference model kept
+    kl_coef: NonNegativeFloat = 0.0  # KL to a frozen reference copy; 0 = no reference model kept
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (loss.kl_estimate)
     # loss: kl_coef x the per-token KL in the loss | reward: kl_coef x each trajectory's summed KL
     # (from the engine's sampling log-probs) subtracted from its reward before the advantages
     kl_in: str = "loss"
     # entropy bonus: entropy_coef x the token entropy is subtracted from the loss (0 = off)
-    entropy_coef: float = 0.0
+    entropy_coef: NonNegativeFloat = 0.0
     # more per-token loss terms, {name: coefficient}: loss.TERMS names them (a fork adds its own)
     loss_terms: dict[str, float] = dataclasses.field(default_factory=dict)
     # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
-    tis_cap: float = 0.0
+    tis_cap: NonNegativeFloat = 0.0
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
-    max_token_staleness: int = -1
-    num_minibatches: int = 1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
-    micro_batch_size: int = 64  # samples per forward/backward (gradient accumulation)
+    max_token_staleness: Annotated[int, Range(ge=-1)] = -1
+    num_minibatches: PositiveInt = (
+        1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
+    )
+    micro_batch_size: PositiveInt = 64  # samples per forward/backward (gradient accumulation)
     # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
     # width; a longer sequence gets one of its own), rows no wider than the longest sequence
     # (update.py); micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size
     # rows
-    max_tokens_per_micro_batch: int = 0
+    max_tokens_per_micro_batch: NonNegativeInt = 0
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
     # a non-finite loss or gradient norm skips that update (logged, counted in
     # train/skipped_updates); this many in a row stop the run with a NonFiniteError: the policy is
     # broken, not unlucky
-    max_bad_updates: int = 3
-    threads: int = 1  # torch threads of the trainer process
+    max_bad_updates: PositiveInt = 3
+    threads: PositiveInt = 1  # torch threads of the trainer process
     seed: int = 0
 
 
 @dataclasses.dataclass
 class RunConfig:
     out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
-    val_every: int = 10  # steps between validations (greedy and sampled)
-    checkpoint_every: int = 50  # steps between checkpoints (0 = only at the end)
+    val_every: PositiveInt = 10  # steps between validations (greedy and sampled)
+    checkpoint_every: NonNegativeInt = 50  # steps between checkpoints (0 = only at the end)
     # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
-    nproc: int = 0
+    nproc: NonNegativeInt = 0
     # greedy validation trajectories written to TensorBoard as text (val/samples)
-    log_samples: int = 4
+    log_samples: NonNegativeInt = 4
     # sampled responses per validation prompt: > 1 adds val/pass@k (metrics.pass_at_k, as eval)
-    val_samples: int = 1
+    val_samples: PositiveInt = 1
     # Health checks (memory.py), each ending the run with exit 2 and a named error. After a weight
     # push, the engine's tensors are hashed and compared with the trainer's: every push of the
     # first check_weights_first steps, then every check_weights_every steps (0: not again).
-    check_weights_first: int = 3
-    check_weights_every: int = 10
+    check_weights_first: NonNegativeInt = 3
+    check_weights_every: NonNegativeInt = 10
     # the engine-vs-trainer log-prob gap (train/logprob_gap) above this for max_logprob_gap_steps
     # steps in a row (0: off); the first step's gap has its own, tighter bound per dtype
-    max_logprob_gap: float = 0.05
-    max_logprob_gap_steps: int = 3
+    max_logprob_gap: NonNegativeFloat = 0.05
+    max_logprob_gap_steps: NonNegativeInt = 3
     # write each step's trained sequences under run.out/rollouts/step_N (train.py --replay reads)
     dump_rollouts: bool = False
 
@@ -259,109 +326,33 @@ class Config:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
 
     def __post_init__(self):
-        """Every value of the right kind and within its bounds; the choices and the combinations
-        are their owners' (`check` in cancel.py, advantages.py, loss.py, update.py, rewards.py,
-        memory.py, runtime/model.py, task/data.py). A ConfigError names the key."""
-        for key, value, low in self._bounds():
-            if not value >= low:  # also rejects NaN
-                raise ConfigError(f"{key}={value!r}: expected >= {low}")
-        highest = {  # (key, value, largest allowed)
-            "rollout.time_quantile": (self.rollout.time_quantile, 1),
-            "train.min_lr_ratio": (self.train.min_lr_ratio, 1),
-            "data.tiny_operand_digits": (self.data.tiny_operand_digits, 7),  # calculator: < 1e15
-        }
-        for key, (value, high) in highest.items():
-            if not value <= high:
-                raise ConfigError(f"{key}={value!r}: expected <= {high}")
-        if not self.rollout.drop_rate < 1:
-            raise ConfigError(f"rollout.drop_rate={self.rollout.drop_rate!r}: expected < 1")
-        positive = {
-            "train.lr": self.train.lr,
-            "train.clip_eps": self.train.clip_eps,
-            "train.grad_clip": self.train.grad_clip,
-            "rollout.time_factor": self.rollout.time_factor,
-            "rollout.time_quantile": self.rollout.time_quantile,
-        }
-        for key, value in positive.items():
-            if not value > 0:
-                raise ConfigError(f"{key}={value!r}: expected > 0")
-        if self.rollout.group_size < 2:
-            raise ConfigError(
-                "rollout.group_size must be >= 2: GRPO compares samples within a group"
-            )
-        if self.run.nproc < 0:
-            raise ConfigError(
-                f"run.nproc={self.run.nproc}: expected 0 (every visible GPU) or a rank count >= 1"
-            )
+        """Every number within the Range written beside its field; the choices and the
+        combinations are their owners' (`check` in cancel.py, advantages.py, loss.py, update.py,
+        rewards.py, memory.py, runtime/model.py, task/data.py). A ConfigError names the key."""
+        for key, value, allowed in numbers(self):
+            if not allowed.admits(value):
+                kind = "a finite number" if isinstance(value, float) else "an integer"
+                expected = " ".join(filter(None, [kind, str(allowed)]))
+                why = f" ({allowed.why})" if allowed.why else ""
+                raise ConfigError(f"{key}={shown(value)}: expected {expected}{why}")
 
-    def _bounds(self):
-        """(key, value, smallest allowed) of every count and size."""
-        r = self.rollout
-        t = self.train
-        m = self.model
-        d = self.data
-        return [
-            ("rollout.prompts_per_step", r.prompts_per_step, 1),
-            ("rollout.max_new_tokens", r.max_new_tokens, 1),
-            ("rollout.max_turns", r.max_turns, 1),
-            ("rollout.max_response_tokens", r.max_response_tokens, 0),
-            ("rollout.engine_threads", r.engine_threads, 1),
-            ("rollout.max_total_tokens", r.max_total_tokens, 0),
-            ("rollout.temperature", r.temperature, 0),
-            ("rollout.top_p", r.top_p, 1e-9),
-            ("rollout.abort_timeout_s", r.abort_timeout_s, 1e-3),
-            ("rollout.max_failed_ratio", r.max_failed_ratio, 0),
-            ("rollout.request_timeout_s", r.request_timeout_s, 0),
-            ("rollout.rollout_timeout_s", r.rollout_timeout_s, 0),
-            ("rollout.mem_fraction_static", r.mem_fraction_static, 1e-3),
-            ("rollout.refill_prompts", r.refill_prompts, 0),
-            ("rollout.reward_workers", r.reward_workers, 1),
-            ("rollout.reward_timeout_s", r.reward_timeout_s, 0),
-            ("rollout.tool_timeout_s", r.tool_timeout_s, 1e-3),
-            ("rollout.tool_workers", r.tool_workers, 1),
-            ("rollout.max_prompts_per_step", r.max_prompts_per_step, 0),
-            ("rollout.drop_rate", r.drop_rate, 0),
-            ("rollout.over_sample_rate", r.over_sample_rate, 0),
-            ("rollout.max_staleness", r.max_staleness, 0),
-            ("train.steps", t.steps, 0),
-            ("train.micro_batch_size", t.micro_batch_size, 1),
-            ("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0),
-            ("train.num_minibatches", t.num_minibatches, 1),
-            ("train.threads", t.threads, 1),
-            ("train.warmup_steps", t.warmup_steps, 0),
-            ("train.min_lr_ratio", t.min_lr_ratio, 0),
-            ("train.kl_coef", t.kl_coef, 0),
-            ("train.entropy_coef", t.entropy_coef, 0),
-            ("train.overlong_penalty", t.overlong_penalty, 0),
-            ("train.overlong_buffer", t.overlong_buffer, 0),
-            ("train.cispo_eps_low", t.cispo_eps_low, 0),
-            ("train.cispo_eps_high", t.cispo_eps_high, 0),
-            ("train.weight_decay", t.weight_decay, 0),
-            ("train.clip_eps_high", t.clip_eps_high, 0),
-            ("train.sequence_clip_eps", t.sequence_clip_eps, 1e-9),
-            ("train.sequence_clip_eps_high", t.sequence_clip_eps_high, 1e-9),
-            ("train.max_bad_updates", t.max_bad_updates, 1),
-            ("train.max_token_staleness", t.max_token_staleness, -1),
-            ("run.val_samples", self.run.val_samples, 1),
-            ("run.check_weights_first", self.run.check_weights_first, 0),
-            ("run.check_weights_every", self.run.check_weights_every, 0),
-            ("run.max_logprob_gap", self.run.max_logprob_gap, 0),
-            ("run.max_logprob_gap_steps", self.run.max_logprob_gap_steps, 0),
-            ("model.hidden_size", m.hidden_size, 1),
-            ("model.intermediate_size", m.intermediate_size, 1),
-            ("model.num_layers", m.num_layers, 1),
-            ("model.num_heads", m.num_heads, 1),
-            ("model.max_position_embeddings", m.max_position_embeddings, 2),
-            ("data.max_prompt_len", d.max_prompt_len, 1),
-            ("data.tiny_max_count", d.tiny_max_count, 1),
-            ("data.tiny_operand_digits", d.tiny_operand_digits, 1),
-            ("data.num_tiny_prompts", d.num_tiny_prompts, 1),
-            ("data.num_val_prompts", d.num_val_prompts, 1),
-            ("memory.bucket_mb", self.memory.bucket_mb, 1),
-            ("run.val_every", self.run.val_every, 1),
-            ("run.checkpoint_every", self.run.checkpoint_every, 0),
-            ("run.log_samples", self.run.log_samples, 0),
-        ]
+
+def numbers(config, prefix=""):
+    """(key, value, Range) of every number field in the tree, a plain float admitting any finite
+    value; a {name: number} mapping yields each entry (train.loss_terms)."""
+    hints = typing.get_type_hints(type(config), include_extras=True)
+    for name, kind in hints.items():
+        key = f"{prefix}{name}"
+        value = getattr(config, name)
+        if dataclasses.is_dataclass(value):
+            yield from numbers(value, prefix=f"{key}.")
+        elif typing.get_origin(kind) is typing.Annotated:
+            yield key, value, next(m for m in kind.__metadata__ if isinstance(m, Range))
+        elif kind is float:
+            yield key, value, Range()
+        elif typing.get_origin(kind) is dict:
+            for entry, number in value.items():
+                yield f"{key}.{entry}", number, Range()
 
 
 RENAMED = {
@@ -373,17 +364,17 @@ RENAMED = {
 def _coerce(key, value, kind):
     """Check `value` against the field type; ints are accepted where floats are expected."""
     if typing.get_origin(kind) is dict:  # dict[str, float]: a YAML mapping of names to numbers
-        numbers = isinstance(value, dict) and all(
+        is_mapping = isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
             for k, v in value.items()
         )
-        if not numbers:
-            raise ConfigError(f"{key}={value!r}: expected a mapping of names to numbers")
+        if not is_mapping:
+            raise ConfigError(f"{key}={shown(value)}: expected a mapping of names to numbers")
         return {k: float(v) for k, v in value.items()}
     if typing.get_origin(kind) is list:  # list[str]: a YAML list of strings
         (item,) = typing.get_args(kind)
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-            raise ConfigError(f"{key}={value!r}: expected a list of {item.__name__}")
+            raise ConfigError(f"{key}={shown(value)}: expected a list of {item.__name__}")
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -393,17 +384,19 @@ def _coerce(key, value, kind):
         except ValueError:
             pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}={value!r}: expected {kind.__name__}, got {type(value).__name__}")
+        raise ConfigError(
+            f"{key}={shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
+        )
     return value
 
 
 def apply(config, overrides, prefix=""):
     """Write a nested dict of overrides into the dataclass tree, rejecting unknown keys."""
     if not isinstance(overrides, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {overrides!r}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(overrides)}")
     hints = typing.get_type_hints(type(config))
     for key, value in overrides.items():
-        name = f"{prefix}{key}"
+        name = f"{prefix}{shown(key) if not isinstance(key, str) else key[:100]}"
         if name in RENAMED:
             raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
         if key not in hints:
@@ -416,19 +409,29 @@ def apply(config, overrides, prefix=""):
             setattr(config, key, _coerce(name, value, hints[key]))
 
 
+def read_yaml(path):
+    """The YAML file at `path`, parsed safely (no tags that build objects); a file that cannot be
+    read, is not UTF-8 or is not YAML is a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {shown(str(e), 300)}") from None
+
+
 def read_config(path=None, sets=()):
     """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars), each
     value of the right type and within its bounds. The choices are checked by their owners:
     runtime.run.load_config runs both, and is what a run uses."""
     config = Config()
     if path:
-        try:
-            with open(path) as f:
-                apply(config, yaml.safe_load(f) or {})
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        apply(config, read_yaml(path) or {})
     for item in sets:
         key, sep, text = item.partition("=")
         if not sep:

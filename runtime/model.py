@@ -57,6 +57,14 @@ def check(cfg):
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
+    m = cfg.model
+    # the tiny model's heads split hidden_size evenly, each an even width for rotary embeddings
+    # (RoPE rotates pairs of dimensions); otherwise the engine's process dies at its first forward
+    if m.path == "tiny" and (m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2):
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} with model.hidden_size={m.hidden_size}: each head "
+            "needs an even width, hidden_size / num_heads (for instance num_heads=4 with 64)"
+        )
 
 
 class ModelError(RuntimeError):

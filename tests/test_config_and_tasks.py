@@ -13,7 +13,7 @@ import runtime.model as model
 import task.data as tasks
 import task.tools as tools
 import rewards
-from config import ConfigError
+from config import ConfigError, read_config
 from runtime.run import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -353,3 +353,69 @@ def test_a_reward_has_a_time_limit_by_default():
     trajectory instead of holding the rollout for good (0 still turns the limit off)."""
     cfg = load_config("configs/tiny.yaml", ["run.out=/tmp/unused"])
     assert cfg.rollout.reward_timeout_s == 60.0
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.lr=.nan"], "train.lr=nan: expected a finite number > 0"),
+        (["train.lr=.inf"], "train.lr=inf: expected a finite number > 0"),
+        (["train.grad_clip=.nan"], "train.grad_clip=nan: expected a finite number > 0"),
+        (["train.clip_eps=.nan"], "train.clip_eps=nan: expected a finite number > 0"),
+        (["train.tis_cap=.nan"], "train.tis_cap=nan: expected a finite number >= 0"),
+        (["train.adam_beta1=1.5"], "train.adam_beta1=1.5: expected a finite number >= 0 and < 1"),
+        (["rollout.temperature=.inf"], "rollout.temperature=inf: expected a finite number > 0"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0: expected a finite number > 0"),
+        (["rollout.top_p=5"], "rollout.top_p=5.0: expected a finite number > 0 and <= 1"),
+        (["rollout.mem_fraction_static=7"], "rollout.mem_fraction_static=7.0: expected"),
+        (["rollout.over_sample_rate=.inf"], "rollout.over_sample_rate=inf: expected"),
+        (["rollout.time_factor=.nan"], "rollout.time_factor=nan: expected a finite number > 0"),
+        (["train.loss_terms={length: .nan}"], "train.loss_terms.length=nan: expected a finite"),
+        (["model.num_heads=3"], "model.num_heads=3 with model.hidden_size=64"),
+    ],
+)
+def test_every_number_is_checked_against_the_range_beside_its_field(sets, message):
+    """Each of these once trained 2-3 steps before a NonFiniteError, failed every request inside
+    the engine, killed the engine process or raised a raw torch traceback: now a ConfigError at
+    load, naming the field and its range (config.Range, declared beside the field), before any
+    model or engine exists."""
+    with pytest.raises(ConfigError) as raised:
+        load_config("configs/tiny.yaml", sets)
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
+def test_a_yaml_anchor_bomb_gives_a_short_error(tmp_path):
+    """A "billion laughs" as the value of a known key: nine anchored lists, each ten aliases of the
+    last, 10**9 strings once expanded. PyYAML shares aliased lists, so loading is instant; the
+    error quotes the value cut to one line (it was a 2 GB message)."""
+    anchors = ['&a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        anchors.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    bomb = "[" + ", ".join(anchors) + "]"
+    path = tmp_path / "bomb.yaml"
+    for key, text in [
+        ("train.lr", f"train:\n  lr: {bomb}"),
+        ("rollout.tools", f"rollout:\n  tools: {bomb}"),
+        ("train.loss_terms", f"train:\n  loss_terms: {bomb}"),
+        ("model", f"model: {bomb}"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as raised:
+            read_config(str(path))
+        message = str(raised.value)
+        assert message.startswith(key) and len(message) < 250 and "\n" not in message, message
+
+
+def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """A directory given as --config, and a file that is not UTF-8: exit 2 with one line naming
+    the file, no traceback (train.py's own `__main__`, run with runpy: nothing starts)."""
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("train:\n  lr: 0.1  # r\u00e9glage\n".encode("latin-1"))
+    monkeypatch.chdir(ROOT)
+    for path, message in [(tmp_path, "Is a directory"), (latin1, "is not UTF-8 text")]:
+        monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(path)])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and message in stderr and str(path) in stderr
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
