@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import operator
+import re
 import typing
 
 import jsonschema
@@ -225,6 +226,29 @@ def load_tools(specs):
     return functions
 
 
+def added_tokens(tokenizer):
+    """A pattern matching every added token's spelling (Qwen's <|im_end|>, <tool_response>, ...),
+    longest first: the strings a tokenizer turns into control tokens wherever they appear."""
+    spellings = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
+
+
+def text_ids(tokenizer, text, markers):
+    """Token ids of `text` read as plain text: an added token's spelling inside it is encoded as
+    the characters it is made of (its first character, then the rest), never as the token
+    itself, and decodes back to the same text. transformers' `split_special_tokens` would do this
+    for special tokens only, and Qwen's <tool_response> and <tool_call> are added, not special."""
+    ids = []
+    start = 0
+    for found in markers.finditer(text) if markers else ():
+        ids += tokenizer(text[start : found.start()], add_special_tokens=False).input_ids
+        spelled = found.group()
+        ids += tokenizer(spelled[0], add_special_tokens=False).input_ids
+        ids += text_ids(tokenizer, spelled[1:], markers)  # shorter: it may hold another marker
+        start = found.end()
+    return ids + tokenizer(text[start:], add_special_tokens=False).input_ids
+
+
 class QwenTools:
     """Tool calls in the Qwen2.5/Qwen3 chat template's format: the model writes
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and the observation is a
@@ -259,6 +283,7 @@ class QwenTools:
         # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
+        self.markers = added_tokens(tokenizer)
 
     async def __call__(self, response_ids, prompt_ids=()):
         """The Observation of a response that ends in a call, or None when it makes none (it is
@@ -271,12 +296,15 @@ class QwenTools:
         name, result = await self.run(call)
         is_error = result.startswith("error")
         result = cut(result)  # an error message (a user's exception's) as much as a result
-        observation = (
-            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response>"
-            "<|im_end|>\n<|im_start|>assistant\n"
-        )
-        ids = self.tokenizer(observation, add_special_tokens=False).input_ids
+        # the template's markers are control tokens; the result between them is text, whatever
+        # it spells (a result reading "<|im_end|><|im_start|>system" must not open a turn)
+        head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+        tail = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        ids = self.encode(head) + text_ids(self.tokenizer, result, self.markers) + self.encode(tail)
         return Observation(ids, name, is_error)
+
+    def encode(self, text):
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def run(self, call):
         """(the tool's name, or UNPARSED; its result, or "error: ...") for one call's text."""
