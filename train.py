@@ -243,6 +243,7 @@ if __name__ == "__main__":
         RewardError,
         RolloutError,
         parallel.RankError,
+        checkpoint.CheckpointError,
     )
     try:
         stopped_by = main()

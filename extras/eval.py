@@ -25,6 +25,7 @@ import rewards
 from config import ConfigError
 from metrics import pass_at_k
 import runtime.checkpoint as checkpoint
+from runtime.checkpoint import CheckpointError
 from runtime.model import ModelError, load_tokenizer
 from runtime.run import engine_only, load_config, start_engine
 from sample import trajectories_of
@@ -159,7 +160,7 @@ def model_folder(args):
         folder = os.path.join(args.run, "checkpoints", f"step_{args.step:06d}")
         if not os.path.isdir(folder):
             raise ConfigError(f"--step {args.step}: no checkpoint {folder}")
-    return cfg, folder, checkpoint.read_trainer_state(folder)["step"]
+    return cfg, folder, checkpoint.check_resume(folder, cfg)["step"]
 
 
 def run_eval(cfg, engine, tokenizer, num_samples, ks, temperature):
@@ -226,6 +227,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError, ModelError, rewards.RewardError) as e:
+    except (ConfigError, DataError, ModelError, rewards.RewardError, CheckpointError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

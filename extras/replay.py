@@ -76,8 +76,8 @@ def replay(folder):
         first_step=dumped["start_step"],
     )
     if step > 0:  # AdamW's moments and the schedule, as they were
-        state = checkpoint.read_trainer_state(before)
-        checkpoint.restore(before, state, policy, trainer.optimizer, trainer.scheduler)
+        state = checkpoint.check_resume(before, cfg)
+        checkpoint.restore(before, state, trainer, cfg.train)
     sequences = [Sample(**s) for s in dumped["sequences"]]
     stats = update.update_policy(trainer, sequences, version=step)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -6,13 +6,17 @@ and reshards it with torch.distributed.checkpoint), partial rollout's buffer for
 when checkpoints are taken (train.py).
 """
 
+import dataclasses
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
 
+import safetensors
 import torch
+import yaml
 
 from partial import merge_states
 import runtime.parallel as parallel
@@ -42,6 +46,8 @@ def save(out_dir, step, run):
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
         save_hf(trainer.policy, run.tokenizer, tmp, full_state)
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:  # what a resume is checked against
+            yaml.safe_dump(dataclasses.asdict(run.cfg), f, sort_keys=False)
         torch.save(
             {
                 "step": step,
@@ -69,17 +75,82 @@ def latest(out_dir):
     return os.path.join(folder, f"step_{max(steps):06d}") if steps else None
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed: damaged, holding more than data, or written for
+    another model shape. Found before any model or engine starts."""
+
+
+# the fields that fix the weights' shapes (and which weights): a resume cannot change them
+MODEL_SHAPE = (
+    "path",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "max_position_embeddings",
+)
+
+
+def check_resume(folder, cfg):
+    """The trainer state of checkpoint `folder`, once every file a resume reads is found whole and
+    holding data only, and its model fields equal `cfg`'s. Runs before the engine starts: a bad
+    checkpoint costs seconds, not an engine start. A CheckpointError says which file or field."""
+    try:
+        state = read_trainer_state(folder)
+        metadata = parallel.read_metadata(os.path.join(folder, "sharded"))
+        for name in os.listdir(folder):
+            if name.endswith(".safetensors"):  # the HF export the engine and the policy load
+                with safetensors.safe_open(os.path.join(folder, name), "pt") as f:
+                    f.keys()  # reads and checks the header against the file's size
+    except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {e}") from None
+    except safetensors.SafetensorError as e:  # not a subclass of any of the above
+        raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {e}") from None
+    for entry in metadata.storage_data.values():  # each shard's bytes are all there
+        shard = os.path.join(folder, "sharded", entry.relative_path)
+        size = os.path.getsize(shard) if os.path.isfile(shard) else -1
+        if size < entry.offset + entry.length:
+            raise CheckpointError(f"{folder} cannot be resumed: {shard} is missing or cut short")
+    saved = read_saved_model_fields(folder)
+    for name in MODEL_SHAPE if saved else ():
+        was, now = saved.get(name), getattr(cfg.model, name)
+        if was != now:
+            raise CheckpointError(
+                f"--resume: model.{name}={now!r}, but {folder} was written with {was!r}: its "
+                "weights have that shape. Start a new run (another run.out) for a new model."
+            )
+    return state
+
+
+def read_saved_model_fields(folder):
+    """The model section of the config a checkpoint was written with (its config.yaml, parsed
+    safely), or None for a checkpoint written before checkpoints held one."""
+    path = os.path.join(folder, "config.yaml")
+    if not os.path.isfile(path):
+        log.warning("%s holds no config.yaml: its model shape is not checked", folder)
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            model_fields = yaml.safe_load(f)["model"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
+    if not isinstance(model_fields, dict):
+        raise CheckpointError(f"{path}: its model section is not a mapping")
+    return model_fields
+
+
 def read_trainer_state(folder):
     """Step, scheduler and RNG state. Plain tensors and values only: loading never runs pickled
     code."""
     return torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=True)
 
 
-def restore(folder, state, policy, optimizer, scheduler):
+def restore(folder, state, trainer, t):
     """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on
-    every rank)."""
-    parallel.load_state(os.path.join(folder, "sharded"), policy, optimizer)
-    scheduler.load_state_dict(state["scheduler"])
+    every rank); then the optimizer settings of `t` (train config) replace the checkpoint's."""
+    parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    apply_optimizer_settings(trainer.optimizer, trainer.scheduler, t)
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     log.info(
@@ -89,6 +160,29 @@ def restore(folder, state, policy, optimizer, scheduler):
         state["world_size"],
         parallel.world_size(),
     )
+
+
+def apply_optimizer_settings(optimizer, scheduler, t):
+    """A resume trains with the config's lr, betas and weight decay, each change logged: AdamW's
+    moments and step counts come from the checkpoint, its settings do not (lowering lr to go on
+    past an unstable stretch is the common case). The schedule's shape was never saved: LambdaLR
+    keeps no function in its state, so warmup and decay are the config's already."""
+    group = optimizer.param_groups[0]
+    changes = {
+        "train.lr": (scheduler.base_lrs[0], t.lr),
+        "train.adam_beta1": (group["betas"][0], t.adam_beta1),
+        "train.adam_beta2": (group["betas"][1], t.adam_beta2),
+        "train.weight_decay": (group["weight_decay"], t.weight_decay),
+    }
+    for key, (was, now) in changes.items():
+        if was != now:
+            log.warning("resume: %s=%r (the checkpoint had %r) applies from here on", key, now, was)
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = t.lr
+        group["lr"] = t.lr * factor(scheduler.last_epoch)
+        group["betas"] = (t.adam_beta1, t.adam_beta2)
+        group["weight_decay"] = t.weight_decay
 
 
 def save_hf(policy, tokenizer, folder, state_dict=None):

@@ -8,11 +8,13 @@ is reduced or saved (train.py decides), nor the engine (rollout.py: every rank h
 """
 
 import os
+import pickle
 import uuid
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -172,12 +174,81 @@ def save_state(path, model, optimizer):
 
 
 def load_state(path, model, optimizer):
+    """Read back what `save_state` wrote, resharded to this world size; nothing in the folder is
+    unpickled beyond tensors, plain values and the checkpoint library's own metadata classes."""
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to load into
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a `.metadata` file admitting only the classes torch.distributed.checkpoint writes
+    there (tensor and bytes entries, chunk and storage records, sizes, dtypes, a path); any other
+    global, which is how a pickle runs code, is an UnpicklingError."""
+
+    MODULES = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {
+            "Size",
+            *(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
+        },
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    }
+
+    def find_class(self, module, name):
+        if name in self.MODULES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def read_metadata(path):
+    """The sharded state's index (`path`/.metadata). torch reads it with plain pickle.load
+    (torch/distributed/checkpoint/filesystem.py, FileSystemReader.read_metadata), so a checkpoint
+    from elsewhere could run code on load: read with MetadataUnpickler instead."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = MetadataUnpickler(f).load()
+    if not isinstance(metadata, dcp.Metadata):
+        raise pickle.UnpicklingError(f"{path}/.metadata holds a {type(metadata).__name__}")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader with the metadata read by `read_metadata`; the tensors it reads itself
+    with torch.load(weights_only=True) (filesystem.py, read_data)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:  # per-rank metadata: not written by save_state
+            raise pickle.UnpicklingError("per-rank checkpoint metadata is not read")
+        metadata = read_metadata(self.path)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as the base class does
+        return metadata
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DefaultLoadPlanner reads each non-tensor value (the optimizer's lr, betas, flags) with
+    torch.load(weights_only=False) (default_planner.py, load_bytes): each is first loaded with
+    weights_only=True, which admits only tensors and plain values and raises on anything else;
+    the same bytes then go to the base class."""
+
+    def load_bytes(self, read_item, value):
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 def full_state_dict(model):

@@ -89,7 +89,7 @@ def setup(cfg, resume=False, engine=None):
     resume_dir = checkpoint.latest(cfg.run.out) if resume else None
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
-    state = checkpoint.read_trainer_state(resume_dir) if resume_dir else {}
+    state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
     policy, tokenizer = build_policy(cfg, resume_dir)
     task = build_task(cfg, tokenizer)
@@ -110,7 +110,7 @@ def setup(cfg, resume=False, engine=None):
         first_step=start_step,
     )
     if resume_dir:
-        checkpoint.restore(resume_dir, state, policy, trainer.optimizer, trainer.scheduler)
+        checkpoint.restore(resume_dir, state, trainer, cfg.train)
     if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
         engine.update_weights(
             policy.named_parameters(), version=start_step, gather=parallel.full_tensor

@@ -2,8 +2,11 @@
 and a fixed-seed golden check of the first steps guards the reward -> advantage -> update path."""
 
 import asyncio
+import io
 import math
 import os
+import pickle
+import shutil
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import update
 import runtime.checkpoint as checkpoint
+import runtime.parallel as parallel
 import sample
 import extras.plot as plot
 import loss as losses
@@ -188,6 +192,7 @@ def test_checkpoint_is_written_atomically(engine, tmp_path):
     assert sorted(os.listdir(path)) == sorted(
         [
             "config.json",
+            "config.yaml",
             "generation_config.json",
             "model.safetensors",
             "sharded",
@@ -196,6 +201,56 @@ def test_checkpoint_is_written_atomically(engine, tmp_path):
             "trainer_state.pt",
         ]
     )
+
+
+class RunsCode:
+    """What a hostile pickle holds: unpickling it calls os.system, which makes file `path`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, tmp_path, caplog):
+    """--resume checks the checkpoint before any model or engine (setup is called with no engine:
+    passing the check would start one): a `.metadata` or optimizer value that would run code on
+    unpickling, a damaged trainer state, shard or model file, and a changed model shape are each a
+    CheckpointError naming it; nothing ran. Changed optimizer settings apply and are logged."""
+    cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=100")
+    original = train.setup(cfg, engine=engine)
+    folder = checkpoint.save(str(tmp_path), 1, original)
+    hostile = RunsCode(tmp_path / "pwned")
+    pristine = tmp_path / "pristine"
+    shutil.copytree(folder, pristine)
+
+    def refused(message, *sets):
+        with pytest.raises(checkpoint.CheckpointError, match=message):
+            train.setup(tiny_config(tmp_path, "train.steps=3", *sets), resume=True)
+        shutil.rmtree(folder)
+        shutil.copytree(pristine, folder)
+
+    with open(os.path.join(folder, "sharded", ".metadata"), "wb") as f:
+        pickle.dump(hostile, f)
+    refused("posix.system is not checkpoint metadata")
+    with pytest.raises(pickle.UnpicklingError):  # a pickled non-tensor value in a shard
+        parallel.SafeLoadPlanner().load_bytes(None, io.BytesIO(pickle.dumps(hostile)))
+    for name in ("trainer_state.pt", "model.safetensors", os.path.join("sharded", "__0_0.distcp")):
+        with open(os.path.join(folder, name), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
+        refused("cannot be resumed")
+    refused(r"model.hidden_size=128, but .* was written with 64", "model.hidden_size=128")
+    assert not os.path.exists(tmp_path / "pwned")
+    resumed = train.setup(
+        tiny_config(tmp_path, "train.steps=3", "train.lr=1e-4", "train.adam_beta2=0.95"),
+        resume=True,
+        engine=engine,
+    )
+    group = resumed.trainer.optimizer.param_groups[0]
+    was = original.trainer.optimizer.param_groups[0]["lr"]  # tiny.yaml's 1e-3, scheduled
+    assert group["lr"] == pytest.approx(was / 10) and group["betas"] == (0.9, 0.95)
+    assert "resume: train.lr=0.0001 (the checkpoint had 0.001)" in caplog.text
 
 
 def test_golden_first_steps(engine, tmp_path):
