@@ -67,6 +67,11 @@ def check(cfg):
         raise ConfigError(f"train.tis_cap={t.tis_cap}: expected 0 (off) or a cap >= 1")
     if t.kl_in == "reward" and not t.kl_coef:
         raise ConfigError("train.kl_in=reward needs train.kl_coef > 0 (0 keeps no reference)")
+    if t.kl_in == "reward" and t.kl_coef and cfg.rollout.top_p < 1:
+        raise ConfigError(
+            "train.kl_in=reward reads the engine's log-probs, of the full softmax (SGLang's), and "
+            "rollout.top_p < 1 samples from a nucleus: use train.kl_in=loss, or top_p=1"
+        )
 
 
 def clip_range(t):
@@ -127,32 +132,54 @@ def kl_estimate(logprobs, ref_logprobs, estimator="k3"):
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
-def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False):
+def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_p=1.0):
     """Log-prob of each target token and the entropy of each position's distribution.
 
     logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
-    autograd). The engine samples from softmax(logits / temperature), so the trainer scores the same
-    scaled distribution; otherwise ratio and engine/trainer gap would compare different policies.
-    The entropy is a statistic, computed without a graph so it keeps nothing alive, unless
-    `entropy_grad` (train.entropy_coef > 0 differentiates it).
+    autograd). The engine samples from softmax(logits / temperature), cut to its top-p nucleus
+    when top_p < 1 (`nucleus`), so the trainer scores that same distribution; otherwise the ratio
+    and the engine/trainer gap would compare different policies, and the gradient would push on
+    tokens that could never be sampled. The entropy is a statistic, computed without a graph so it
+    keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it).
     """
     scaled = logits.float() / temperature
+    if top_p < 1:
+        scaled = nucleus(scaled, target_ids, top_p)
     logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         log_probs = scaled - scaled.logsumexp(-1, keepdim=True)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        # a token outside the nucleus has p = 0 and log p = -inf: it adds 0, not 0 x -inf = NaN
+        # (masked before the product, so no NaN reaches the backward either)
+        finite = log_probs.masked_fill(scaled.isneginf(), 0.0)
+        entropy = -(log_probs.exp() * finite).sum(-1)
     return logprobs, entropy
 
 
+def nucleus(scaled, target_ids, top_p):
+    """`scaled` logits [B, T, V] with every token outside the top-p nucleus at -inf: the
+    distribution the engine samples from. SGLang's rule (sglang/srt/layers/sampler.py,
+    top_k_top_p_min_p_sampling_from_probs_torch): in descending probability, a token stays while
+    the mass before it is <= top_p. The sampled token (`target_ids` [B, T]) always stays: the
+    engine drew it, and a bf16 engine may draw the nucleus's edge a hair differently. Cost: a sort
+    over the vocabulary per token (chunked by head_logprobs, like the logits)."""
+    probs = scaled.softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    dropped_sorted = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    dropped = torch.empty_like(dropped_sorted).scatter_(-1, order, dropped_sorted)
+    dropped.scatter_(-1, target_ids.unsqueeze(-1), False)
+    return scaled.masked_fill(dropped, float("-inf"))
+
+
 def _linear_token_logprobs(
-    hidden, weight, bias, target_ids, temperature, index=None, entropy_grad=False
+    hidden, weight, bias, target_ids, temperature, index=None, entropy_grad=False, top_p=1.0
 ):
     return token_logprobs(
         F.linear(hidden if index is None else hidden[index], weight, bias),
         target_ids,
         temperature,
         entropy_grad,
+        top_p,
     )
 
 
@@ -165,6 +192,7 @@ def head_logprobs(
     chunk_tokens=1024,
     index=None,
     entropy_grad=False,
+    top_p=1.0,
 ):
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V]
     logits.
@@ -204,10 +232,13 @@ def head_logprobs(
                 temperature,
                 i,
                 entropy_grad,
+                top_p,
                 use_reentrant=False,
             )
         else:
-            lp, ent = _linear_token_logprobs(h, weight, bias, targets, temperature, i, entropy_grad)
+            lp, ent = _linear_token_logprobs(
+                h, weight, bias, targets, temperature, i, entropy_grad, top_p
+            )
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs, dim), torch.cat(entropies, dim)

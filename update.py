@@ -81,6 +81,9 @@ def check(cfg):
             ),
             "rollout.partial (resumed tokens were sampled by older weights)": cfg.rollout.partial,
             "train.tis_cap (TIS weighs pi_old / pi_engine: 1 everywhere)": t.tis_cap > 0,
+            "rollout.top_p < 1 (the engine's log-probs are of the full softmax, not the nucleus)": (
+                cfg.rollout.top_p < 1
+            ),
         }
         named = [name for name, on in conflicts.items() if on]
         if named:
@@ -145,17 +148,20 @@ def old_logprobs(trainer, micro_batches, from_engine=False):
     gap). `from_engine` (`engine_is_pi_old`): the engine's are pi_old, the forward is skipped, and
     there is no gap to report."""
     temperature = trainer.cfg.rollout.temperature
+    top_p = trainer.cfg.rollout.top_p
     with torch.no_grad():
         for mb in micro_batches:
             if from_engine:
                 mb["old_logprobs"] = mb["engine_logprobs"]
             else:
                 mb["old_logprobs"] = sequence_logprobs(
-                    trainer.policy, mb, temperature, trainer.autocast_dtype
+                    trainer.policy, mb, temperature, trainer.autocast_dtype, top_p=top_p
                 )[0]
+                if top_p < 1:
+                    mb["engine_logprobs"] = on_nucleus(trainer, mb, mb["old_logprobs"])
             if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = sequence_logprobs(
-                    trainer.reference, mb, temperature, trainer.autocast_dtype
+                    trainer.reference, mb, temperature, trainer.autocast_dtype, top_p=top_p
                 )[0]
     if from_engine:
         return {}
@@ -167,6 +173,19 @@ def old_logprobs(trainer, micro_batches, from_engine=False):
         gap += ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().item()
         num_tokens += fresh.sum().item()
     return {"train/logprob_gap": gap / max(num_tokens, 1)}
+
+
+def on_nucleus(trainer, mb, nucleus_logprobs):
+    """The engine's log-probs [B, T-1] moved onto the top-p nucleus it sampled from. SGLang
+    returns log-probs of the full softmax at the temperature, taken before its top-p filter
+    (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a sorted
+    copy); the trainer scores the nucleus (loss.nucleus). The difference is the log of the
+    nucleus's mass, which the trainer's full-softmax forward gives: so the gap check, TIS and the
+    ratio compare one distribution. Costs one more forward per micro-batch, only with top_p < 1
+    (its own `return_sampling_mask` needs a finite top_k <= 4096, no use at a 152k vocabulary)."""
+    temperature = trainer.cfg.rollout.temperature
+    full = sequence_logprobs(trainer.policy, mb, temperature, trainer.autocast_dtype)[0]
+    return mb["engine_logprobs"] + (nucleus_logprobs - full) * mb["loss_mask"]
 
 
 def optimizer_step(trainer, minibatch, token_stats):
@@ -189,6 +208,7 @@ def optimizer_step(trainer, minibatch, token_stats):
             temperature,
             trainer.autocast_dtype,
             entropy_grad="entropy" in terms,
+            top_p=trainer.cfg.rollout.top_p,
         )
         mb_loss, loss_stats = loss.policy_loss(
             logprobs,
@@ -314,7 +334,9 @@ def collate(samples, pad_id, rows=None):
     return batch
 
 
-def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_grad=False):
+def sequence_logprobs(
+    model, batch, temperature, autocast_dtype=None, entropy_grad=False, top_p=1.0
+):
     """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
 
     For this call the model's output head returns log-probs (loss.head_logprobs, chunked over
@@ -322,7 +344,8 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_gr
     has gathered the head's weight as for the usual logits, but the full logits never exist. With
     one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
     mixed precision policy does that, and autocast stays off). The entropies carry their graph
-    only with `entropy_grad` (an entropy bonus in the loss).
+    only with `entropy_grad` (an entropy bonus in the loss). With `top_p` < 1, of the nucleus the
+    engine sampled from (loss.nucleus).
     """
     head = model.get_output_embeddings()
     packed = "packed_ids" in batch
@@ -341,6 +364,7 @@ def sequence_logprobs(model, batch, temperature, autocast_dtype=None, entropy_gr
             temperature,
             index=index,
             entropy_grad=entropy_grad,
+            top_p=top_p,
         )
         # [B, T-1, 2] (packed: [N, 2]), where the logits would be
         return torch.stack([logprobs, entropy], -1)

@@ -429,3 +429,26 @@ def test_token_entropy_has_a_graph_only_when_asked():
     p = torch.softmax(logits.detach(), -1)
     h = -(p * p.log()).sum()
     torch.testing.assert_close(logits.grad, -p * (p.log() + h))
+
+
+def test_top_p_log_probs_are_those_of_the_nucleus_hand_computed():
+    """With top_p 0.7 over probabilities (0.5, 0.3, 0.15, 0.05), SGLang keeps a token while the
+    mass before it is <= 0.7: tokens 0 and 1. A kept token's log-prob is log(p / 0.8), the
+    entropy that of (0.625, 0.375), and the gradient finite; a target outside the nucleus (the
+    engine drew it at the edge) stays in its own row's nucleus instead of scoring -inf."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    leaf = probs.log().expand(3, 4).clone().requires_grad_(True)
+    logits = leaf[None]  # [1, 3, 4]
+    targets = torch.tensor([[0, 1, 2]])
+    logprobs, entropy = losses.token_logprobs(logits, targets, top_p=0.7, entropy_grad=True)
+    expected = [math.log(0.5 / 0.8), math.log(0.3 / 0.8), math.log(0.15 / 0.95)]
+    assert logprobs[0].tolist() == pytest.approx(expected, abs=1e-6)
+    kept = torch.tensor([0.625, 0.375])
+    assert entropy[0, 0].item() == pytest.approx(-(kept * kept.log()).sum().item(), abs=1e-6)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert torch.isfinite(leaf.grad).all()
+    full, _ = losses.token_logprobs(logits, targets, top_p=1.0)  # top_p 1: the full softmax
+    assert full[0].tolist() == pytest.approx(probs.log()[[0, 1, 2]].tolist(), abs=1e-6)
+    hidden, weight = torch.ones(1, 3, 1), probs.log()[:, None]  # logits: log(probs) everywhere
+    chunked, _ = losses.head_logprobs(hidden, weight, None, targets, top_p=0.7, chunk_tokens=1)
+    assert chunked[0].tolist() == pytest.approx(expected, abs=1e-6)

@@ -22,6 +22,7 @@ from conftest import tiny_config
 from cancel import plan_launch
 from config import ConfigError
 from rollout import RolloutError
+from runtime.run import trainer_only
 from sample import Sample
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
@@ -62,6 +63,36 @@ def test_generates_from_token_ids_with_matching_logprobs(engine, policy):
         assert s.finish_reason in ("stop", "length") and not s.is_aborted
         assert s.finish_reason == "length" or s.response_ids[-1] == 2  # stopped on <eos>
     assert max_gap(policy, samples) < 1e-4  # fp32 engine vs HF forward on the same weights
+
+
+def test_top_p_samples_come_from_the_nucleus_the_trainer_scores(
+    engine, policy, monkeypatch, tmp_path
+):
+    """The engine sampling at top_p 0.5: every sampled token is inside the nucleus (SGLang's rule,
+    rebuilt here position by position from the HF model's softmax), the trainer's log-prob of it
+    is log(p / nucleus mass), and the engine's own log-probs, of the full softmax, moved onto the
+    nucleus (update.on_nucleus) agree with the trainer's to 1e-4."""
+    monkeypatch.setattr(engine.cfg, "top_p", 0.5)
+    samples, _ = engine.generate(PROMPTS, group_size=8, temperature=1.0, max_new_tokens=16)
+    batch = update.collate(samples, pad_id=0)
+    with torch.no_grad():
+        probs = policy(input_ids=batch["input_ids"]).logits[:, :-1].float().softmax(-1)
+        nucleus, _ = update.sequence_logprobs(policy, batch, 1.0, top_p=0.5)
+    mask = batch["loss_mask"].bool()
+    sizes = []
+    for p, target, lp in zip(probs[mask], batch["input_ids"][:, 1:][mask], nucleus[mask]):
+        ordered, order = p.sort(descending=True)
+        kept = order[ordered.cumsum(0) - ordered <= 0.5]  # SGLang: mass before it <= top_p
+        sizes.append(len(kept))
+        assert target in kept
+        assert lp.item() == pytest.approx((p[target] / p[kept].sum()).log().item(), abs=1e-5)
+    assert sum(sizes) / len(sizes) < probs.shape[-1] / 2  # the nucleus really cuts the vocabulary
+    trainer = trainer_only(tiny_config(tmp_path, "rollout.top_p=0.5"), policy)
+    with torch.no_grad():
+        full, _ = update.sequence_logprobs(policy, batch, 1.0)
+        moved = update.on_nucleus(trainer, batch, nucleus)
+    assert ((full - batch["engine_logprobs"]).abs() * mask).max() < 1e-4  # SGLang: full softmax
+    assert ((moved - nucleus).abs() * mask).max() < 1e-4
 
 
 def test_weight_sync_matches_the_updated_trainer(engine, policy):
