@@ -33,7 +33,7 @@ from metrics import Logger, reduce_metrics, slowest, summed
 from rewards import RewardError
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.engine import EngineDiedError, RolloutError, StopSignal
+from runtime.engine import EngineDiedError, RolloutError, StopSignal, strip_expandable_segments
 from runtime.model import ModelError
 from runtime.run import load_config, setup
 from task.data import DataError
@@ -211,6 +211,7 @@ def run_rank(argv):
 def main(argv=None):
     """`run.nproc > 1` outside torchrun: start the ranks here (each runs `run_rank` on the same
     arguments). Returns the name of the signal that stopped training early, or None."""
+    strip_expandable_segments()  # before anything allocates CUDA memory (ranks inherit it)
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.replay:

@@ -25,7 +25,9 @@ import rewards
 from config import ConfigError
 from metrics import pass_at_k
 import runtime.checkpoint as checkpoint
+from rollout import rollout_seed
 from runtime.checkpoint import CheckpointError
+from runtime.engine import strip_expandable_segments
 from runtime.model import ModelError, load_tokenizer
 from runtime.run import engine_only, load_config, start_engine
 from sample import trajectories_of
@@ -103,6 +105,9 @@ def sample_prompts(run, prompts, num_samples, temperature):
                 return await run.rewards.score(turns, prompts[turns[-1].group_id].answer)
 
             r = run.cfg.rollout
+            # each request its own sampling_seed, as in training: with rollout.deterministic one
+            # seed for all would make a prompt's samples identical (pass@k = pass@1)
+            seed = rollout_seed(run.cfg.train.seed, 0, f"eval_{label}")
             samples, _ = run.engine.generate(
                 [p.prompt_ids for p in prompts],
                 count,
@@ -112,6 +117,7 @@ def sample_prompts(run, prompts, num_samples, temperature):
                 max_turns=r.max_turns,
                 max_response_tokens=r.max_response_tokens,
                 reward=counted,
+                seed=seed,
             )
             for turns in trajectories_of(samples):
                 last = turns[-1]
@@ -206,6 +212,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    strip_expandable_segments()  # before anything allocates CUDA memory
     args = parse_args(argv)
     cfg, folder, step = model_folder(args)
     tokenizer = load_tokenizer(cfg, folder)

@@ -9,9 +9,11 @@ cancelled (rollout.py), nor when memory moves (memory.py).
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import time
+import warnings
 
 import torch
 
@@ -441,6 +443,52 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
     return engine
 
 
+# the allocator settings' names: the newer one first (torch/include/c10/core/AllocatorConfig.h)
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def strip_expandable_segments():
+    """Remove `expandable_segments:True` from the allocator settings, under either name. Called
+    first in every entry point (train.py, extras/eval.py), before any CUDA allocation: torch's
+    allocator reads the setting once, at its first allocation, and memory it allocated as
+    expandable segments cannot be shared with the engine's process (torch_memory_saver refuses
+    it), so the first weight push of a multi-rank GPU run would fail after the NCCL barrier's
+    first allocation. Idempotent; says what it removed."""
+    for name in ALLOC_CONF_NAMES:
+        options = [o for o in os.environ.get(name, "").split(",") if o.strip()]
+        kept = [o for o in options if o.replace(" ", "").lower() != "expandable_segments:true"]
+        if len(kept) != len(options):
+            log.warning(
+                "removed expandable_segments:True from %s: SGLang's memory saver "
+                "(torch_memory_saver) refuses it and the engine would not start",
+                name,
+            )
+            os.environ[name] = ",".join(kept)
+
+
+# Warnings SGLang raises on import in a CPU process, each harmless here, as (the message's
+# start, up to its first comma, the module raising it): the CPU engine loads no AWQ or GGUF
+# weights, and the linear-attention kernels (FLA) it falls back from are not used by Qwen2.
+HARMLESS_WARNINGS = (
+    ("Only CUDA", "sglang.srt.layers.quantization.awq.awq"),  # "..., HIP and XPU support AWQ"
+    ("Only CUDA", "sglang.srt.layers.quantization.gguf"),  # "..., MUSA and NPU support GGUF"
+    ("Triton is not supported on current platform", "sglang.kernels.ops.attention.fla.utils"),
+)
+
+
+def quiet_harmless_warnings():
+    """Ignore HARMLESS_WARNINGS, matched by message, category and raising module, in this process
+    and (through PYTHONWARNINGS, which they read at start) in the engine's: 9 lines at every
+    start that meant nothing to a user. PYTHONWARNINGS cannot hold a comma, hence the prefixes."""
+    entries = []
+    for message, module in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", re.escape(message), UserWarning, re.escape(module))
+        entries.append(f"ignore:{message}:UserWarning:{module}")
+    known = os.environ.get("PYTHONWARNINGS", "")
+    added = [entry for entry in entries if entry not in known.split(",")]
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [known, *added]))
+
+
 def prepare_engine_environment(on_gpu):
     """The engine's processes inherit this process's environment; what they need there.
     torch_memory_saver refuses `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF (the engine
@@ -458,15 +506,8 @@ def prepare_engine_environment(on_gpu):
       its side, managers/tp_worker.py): an index is wrong when the two processes see the GPUs in
       another order (a launcher that sets CUDA_VISIBLE_DEVICES per rank). CUDA-only: the patch
       breaks CPU tensor pickling."""
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    options = [o for o in alloc_conf.split(",") if o.strip()]
-    kept = [o for o in options if o.replace(" ", "").lower() != "expandable_segments:true"]
-    if len(kept) != len(options):
-        log.warning(
-            "removed expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF: SGLang's memory saver "
-            "(torch_memory_saver) refuses it and the engine would not start"
-        )
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(kept)
+    strip_expandable_segments()
+    quiet_harmless_warnings()
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if on_gpu:
         os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")

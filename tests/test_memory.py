@@ -15,6 +15,7 @@ import train
 from conftest import train_on
 import runtime.model as model
 from conftest import tiny_config
+from config import ConfigError
 from memory import Ledger, MemoryPhases, PhaseError
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12]]
@@ -257,3 +258,56 @@ def test_the_weight_check_runs_before_the_trainer_weights_leave_the_device(run, 
         "check",
         "offload params",
     ]
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_expandable_segments_go_first_in_every_entry_point(name, monkeypatch):
+    """train.py's and eval's main strip expandable_segments under both allocator names before
+    anything else runs (here: before the arguments are even read, so before any CUDA
+    allocation), and ranks started from there inherit the stripped environment. GPU smoke:
+    PYTORCH_ALLOC_CONF=expandable_segments:True with run.nproc=2 (README's GPU smoke line)."""
+    import extras.eval as evaluation
+
+    for entry, argv in ((train.main, ["--set", "train.nope=1"]), (evaluation.main, ["--k", "0"])):
+        monkeypatch.setenv(name, "expandable_segments:True,max_split_size_mb:64")
+        with pytest.raises((ConfigError, SystemExit)):
+            entry(argv)
+        assert os.environ[name] == "max_split_size_mb:64"
+
+
+def test_harmless_sglang_warnings_are_quiet_here_and_in_the_engine(monkeypatch):
+    """Each of HARMLESS_WARNINGS is raised by the installed SGLang module it names (its source
+    holds the message), is ignored in this process, and in a child process through PYTHONWARNINGS
+    (the engine's scheduler and detokenizer are such children); the same text raised from another
+    module still shows."""
+    import importlib.util
+    import subprocess
+    import sys
+    import warnings
+
+    import runtime.engine as sglang_engine
+
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    root = os.path.dirname(importlib.util.find_spec("sglang").origin)  # without importing it
+    for message, module in sglang_engine.HARMLESS_WARNINGS:
+        with open(os.path.join(root, *module.split(".")[1:]) + ".py") as f:
+            assert message in f.read(), (message, module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sglang_engine.quiet_harmless_warnings()
+        for message, module in sglang_engine.HARMLESS_WARNINGS:
+            for raiser in (module, "somewhere.else"):
+                warnings.warn_explicit(
+                    f"{message}, and more", UserWarning, "x.py", 1, module=raiser
+                )
+    assert len(caught) == len(sglang_engine.HARMLESS_WARNINGS)  # only somewhere.else's show
+    child = [
+        f"import warnings; warnings.warn_explicit({message + ', and more'!r}, UserWarning, "
+        f"'x.py', 1, module={raiser!r})"
+        for message, module in sglang_engine.HARMLESS_WARNINGS
+        for raiser in (module, "somewhere.else")
+    ]
+    shown = subprocess.run(
+        [sys.executable, "-c", "\n".join(child)], capture_output=True, text=True, check=True
+    ).stderr
+    assert shown.count("UserWarning") == len(sglang_engine.HARMLESS_WARNINGS), shown
