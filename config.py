@@ -132,6 +132,9 @@ class RolloutConfig:
     # a tool still running after this many seconds answers with an error observation (> 0: the
     # rollout waits for a running tool before it ends)
     tool_timeout_s: PositiveFloat = 10.0
+    # a tool's result or error message longer than this is cut, with a visible marker: it shares
+    # the trajectory's token budget (a tool raising a 100 KB message would fill it)
+    max_observation_chars: PositiveInt = 2000
     # threads running plain tool functions, apart from the rewards' (a tool that never returns
     # holds one for good: once all are held, every call times out, counted per tool)
     tool_workers: PositiveInt = 4

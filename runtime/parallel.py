@@ -216,7 +216,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path):
-    """The sharded state's index (`path`/.metadata). torch reads it with plain pickle.load
+    """The sharded state's index (`path`/.metadata). torch unpickles it unrestricted
     (torch/distributed/checkpoint/filesystem.py, FileSystemReader.read_metadata), so a checkpoint
     from elsewhere could run code on load: read with MetadataUnpickler instead."""
     with open(os.path.join(path, ".metadata"), "rb") as f:
@@ -241,7 +241,7 @@ class SafeReader(dcp.FileSystemReader):
 
 class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     """DefaultLoadPlanner reads each non-tensor value (the optimizer's lr, betas, flags) with
-    torch.load(weights_only=False) (default_planner.py, load_bytes): each is first loaded with
+    torch.load with weights_only off (default_planner.py, load_bytes): each is first loaded with
     weights_only=True, which admits only tensors and plain values and raises on anything else;
     the same bytes then go to the base class."""
 

@@ -256,7 +256,13 @@ def build_task(cfg, tokenizer):
     reward_fn = rewards.load_reward(d.reward) if d.reward else rewards.gsm8k_reward
     r = cfg.rollout
     tool = (
-        tools.QwenTools(tokenizer, tools.load_tools(r.tools), r.tool_timeout_s, r.tool_workers)
+        tools.QwenTools(
+            tokenizer,
+            tools.load_tools(r.tools),
+            r.tool_timeout_s,
+            r.tool_workers,
+            r.max_observation_chars,
+        )
         if use_tool
         else None
     )

@@ -147,7 +147,6 @@ def calculator(expression: str) -> str:
 
 
 # ---------------------------------------------------------------- your own tools
-MAX_OBSERVATION_CHARS = 2000  # a longer result is cut: it would crowd the trajectory's budget
 UNPARSED = "unparsed"  # the per-tool count of calls with no well-formed JSON or an unknown name
 
 
@@ -200,11 +199,11 @@ def result_text(result):
     return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
-def cut(text):
-    """An observation's text within MAX_OBSERVATION_CHARS, with a visible marker where it was cut:
-    it shares the trajectory's token budget."""
-    if len(text) > MAX_OBSERVATION_CHARS:
-        text = text[:MAX_OBSERVATION_CHARS] + " ... (cut)"
+def cut(text, max_chars):
+    """An observation's text within `max_chars` (rollout.max_observation_chars), with a visible
+    marker where it was cut: it shares the trajectory's token budget."""
+    if len(text) > max_chars:
+        text = text[:max_chars] + " ... (cut)"
     return text
 
 
@@ -266,7 +265,7 @@ class QwenTools:
     call_start = "<tool_call>"
     call_end = "</tool_call>"
 
-    def __init__(self, tokenizer, functions, timeout_s=10.0, workers=4):
+    def __init__(self, tokenizer, functions, timeout_s=10.0, workers=4, max_chars=2000):
         self.tokenizer = tokenizer
         self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)  # generation stops here
         if self.call_end_id in (None, tokenizer.unk_token_id):
@@ -280,6 +279,7 @@ class QwenTools:
             s["function"]["name"]: STRICT_INTEGERS(arguments_schema(s)) for s in self.schemas
         }
         self.timeout_s = timeout_s
+        self.max_chars = max_chars
         # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
@@ -295,7 +295,8 @@ class QwenTools:
         call = text[start + len(self.call_start) : -len(self.call_end)] if start >= 0 else ""
         name, result = await self.run(call)
         is_error = result.startswith("error")
-        result = cut(result)  # an error message (a user's exception's) as much as a result
+        # an error message (a user's exception's) as much as a result
+        result = cut(result, self.max_chars)
         # the template's markers are control tokens; the result between them is text, whatever
         # it spells (a result reading "<|im_end|><|im_start|>system" must not open a turn)
         head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"

@@ -238,8 +238,9 @@ def calls(code, opening):
 
 
 def test_no_eval_exec_or_unsafe_loading_anywhere():
-    """No eval/exec/pickle in the code; every torch.load reads weights only; remote code stays
-    off."""
+    """No eval/exec in the code; nothing unpickled but through an Unpickler whose find_class
+    admits a list (runtime/parallel.py's, for checkpoint metadata); every torch.load reads
+    weights only; remote code stays off."""
     for path in PROJECT_FILES:
         with open(path, "rb") as f:  # tokens, not text: strings and comments may name what we avoid
             tokens = [
@@ -255,7 +256,9 @@ def test_no_eval_exec_or_unsafe_loading_anywhere():
         if os.path.samefile(path, __file__):
             continue  # the patterns below are spelled out here
         code = re.sub(r"#.*", "", open(path).read())
-        assert "import pickle" not in code and "pickle.load" not in code, path
+        assert "pickle.load" not in code and "pickle.Unpickler(" not in code, path
+        for subclass in re.findall(r"class \w+\(pickle\.Unpickler\)", code):  # admits a list
+            assert "def find_class" in code and "UnpicklingError" in code, (path, subclass)
         for call in calls(code, "torch.load("):
             assert "weights_only=True" in call, (path, call)
         assert "trust_remote_code=True" not in code, path

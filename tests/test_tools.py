@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import task.data as tasks
 import task.tools as tools
 from config import ConfigError
 from runtime.run import load_config
@@ -248,12 +249,16 @@ def test_a_slow_tool_is_cut_at_its_time_limit_and_the_loop_runs_meanwhile(tokeni
 
 
 def test_a_long_result_is_cut(tokenizer):
-    """A result longer than MAX_OBSERVATION_CHARS is cut and says so, instead of filling the
-    trajectory's token budget."""
-    tool = tools.QwenTools(tokenizer, [repeat])
+    """A result longer than rollout.max_observation_chars (2,000 by default) is cut and says so,
+    instead of filling the trajectory's token budget; the config's bound reaches the tool."""
     body = '{"name": "repeat", "arguments": {"word": "%s", "times": 2}}' % ("x" * 3000)
-    _, text = ask(tool, tokenizer, body)
-    assert len(text) == tools.MAX_OBSERVATION_CHARS + len(" ... (cut)") and text.endswith("(cut)")
+    _, text = ask(tools.QwenTools(tokenizer, [repeat]), tokenizer, body)
+    assert len(text) == 2000 + len(" ... (cut)") and text.endswith("(cut)")
+    rows = ["data.train_path=tests/data/gsm8k_train_100.jsonl", "data.val_path=''"]
+    cfg = load_config("configs/gsm8k_tool.yaml", [*rows, "rollout.max_observation_chars=100"])
+    tool = tasks.build_task(cfg, tokenizer).tool
+    _, text = ask(tool, tokenizer, '{"name": "%s", "arguments": {}}' % ("x" * 300))
+    assert len(text) == 100 + len(" ... (cut)") and text.endswith("(cut)")
 
 
 def shouts(text: str) -> str:
@@ -268,14 +273,14 @@ def shouts(text: str) -> str:
 def test_deep_nesting_and_long_errors_are_bounded_observations(tokenizer):
     """A call nested 100,000 brackets deep (json.loads raises RecursionError) is an unparsed
     call's error observation, not an exception out of the rollout; a tool raising a 100 KB message
-    is answered with it cut to MAX_OBSERVATION_CHARS, marked, and still counted as an error."""
+    is answered with it cut to 2,000 characters, marked, and still counted as an error."""
     tool = tools.QwenTools(tokenizer, [shouts])
     observation, text = ask(tool, tokenizer, "[" * 100_000)
     assert observation.is_error and observation.tool == tools.UNPARSED
     assert text == "error: the tool call is nested too deeply"
     observation, text = ask(tool, tokenizer, '{"name": "shouts", "arguments": {"text": "x"}}')
     assert observation.is_error and observation.tool == "shouts"
-    assert len(text) == tools.MAX_OBSERVATION_CHARS + len(" ... (cut)") and text.endswith("(cut)")
+    assert len(text) == 2000 + len(" ... (cut)") and text.endswith("(cut)")
 
 
 def echo(text: str) -> str:
