@@ -334,6 +334,36 @@ def collate(samples, pad_id, rows=None):
     return batch
 
 
+def flex_mask(model, batch):
+    """A packed micro-batch's FlexAttention BlockMask (`document_mask`), built at its first forward
+    and kept in `batch` for the others (pi_old, the reference, the update: 2-4 per micro-batch);
+    transformers would build one in every forward. None for other attention (SDPA reads the
+    packing from position_ids)."""
+    if model.config._attn_implementation != "flex_attention":
+        return None
+    if "block_mask" not in batch:
+        batch["block_mask"] = document_mask(batch["position_ids"])
+    return batch["block_mask"]
+
+
+def document_mask(position_ids):
+    """Causal attention within each packed sequence of `position_ids` [B, T], as a BlockMask. A
+    sequence starts where the position does not go on by one: transformers' own rule
+    (masking_utils.find_packed_sequence_indices), so the mask is the one it would build."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch_size, width = position_ids.shape
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    document = (position_ids - previous != 1).cumsum(-1)  # [B, T]
+
+    def causal_in_document(b, h, q, kv):
+        return (document[b, q] == document[b, kv]) & (q >= kv)
+
+    return create_block_mask(
+        causal_in_document, batch_size, None, width, width, device=position_ids.device
+    )
+
+
 def sequence_logprobs(
     model, batch, temperature, autocast_dtype=None, entropy_grad=False, top_p=1.0
 ):
@@ -375,7 +405,7 @@ def sequence_logprobs(
         # keeps every layer's K/V alive through the no-grad pass (transformers utils/generic.py),
         # and packing needs it off
         inputs = (
-            dict(position_ids=batch["position_ids"], attention_mask=None)
+            dict(position_ids=batch["position_ids"], attention_mask=flex_mask(model, batch))
             if packed
             else dict(attention_mask=batch["attention_mask"])
         )

@@ -140,6 +140,13 @@ def check_attention(cfg, device):
             "model.attn_implementation=flex_attention trains on a GPU only: torch's FlexAttention "
             "has no backward on CPU. Set model.attn_implementation=sdpa on this machine."
         )
+    if cfg.model.attn_implementation == "flex_attention":
+        # transformers compiles flex_attention once (integrations/flex_attention.py) and Dynamo
+        # compiles a variant per grad mode and mask layout it meets (the update's micro-batches
+        # vary in width; one BlockMask per micro-batch, update.flex_mask, keeps them few). Past
+        # recompile_limit (8 by default) it would silently run the unfused path that builds the
+        # full [T, T] scores: raised deliberately, a process-wide setting
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 
 def build_optimizer(policy, t):

@@ -16,6 +16,7 @@ import dist_worker
 import loss as losses
 import runtime.model as model
 import runtime.run as setup_run
+from metrics import local_values
 from sample import Sample
 
 
@@ -96,16 +97,42 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     assert batch["packed_ids"].numel() < padded["input_ids"].numel()
     # the head: responses only
     assert len(batch["head_index"]) == sum(len(s.response_ids) for s in samples)
+    built = []  # BlockMasks made: one per packed micro-batch, kept for its later forwards
+    make = update.document_mask
+    monkeypatch.setattr(update, "document_mask", lambda ids: built.append(ids) or make(ids))
     with torch.no_grad():
         expected, expected_entropy = update.sequence_logprobs(policy, padded, 1.0)
         policy.set_attn_implementation(attention)
         assert policy.model.layers[0].self_attn.config._attn_implementation == attention
         got, entropy = update.sequence_logprobs(policy, batch, 1.0)
+        again, _ = update.sequence_logprobs(policy, batch, 1.0)
+    assert len(built) == (attention == "flex_attention") and torch.equal(again, got)
     real = batch["gathered"]  # every position that predicts a response token
     assert real.sum() == len(batch["head_index"])
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
     assert (got[~real] == 0).all()
+
+
+def test_every_forward_of_a_micro_batch_reads_the_same_dict(tmp_path, monkeypatch):
+    """pi_old's forward and the update's read each packed micro-batch from one dict, so the
+    BlockMask update.flex_mask keeps there is built once per micro-batch, not per forward."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.max_tokens_per_micro_batch=30")
+    policy, _ = model.build_policy(cfg, None)
+    trainer = setup_run.trainer_only(cfg, policy)
+    samples, advantages = random_samples(2)
+    for s, advantage in zip(samples, advantages.tolist()):
+        s.advantage = advantage
+    read = []
+    forward = update.sequence_logprobs
+    monkeypatch.setattr(
+        update,
+        "sequence_logprobs",
+        lambda m, batch, *a, **k: read.append(id(batch)) or forward(m, batch, *a, **k),
+    )
+    stats = local_values(update.update_policy(trainer, samples, version=0))
+    assert stats["train/micro_batches"] == len(set(read)) > 1
+    assert all(read.count(batch) == 2 for batch in set(read))  # pi_old, then the update
 
 
 def test_flex_attention_is_refused_for_training_on_cpu(tmp_path):
