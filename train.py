@@ -15,6 +15,7 @@ re-import the main module). README.md has the map.
 import argparse
 import glob
 import logging
+import os
 import signal
 import sys
 import time
@@ -228,6 +229,10 @@ def main(argv=None):
         raise ConfigError(
             f"run.nproc={nproc} but only {torch.cuda.device_count()} GPUs are visible"
         )
+    if not torch.cuda.is_available() and nproc > (os.cpu_count() or 1):  # a process per rank
+        raise ConfigError(f"run.nproc={nproc} but this machine has {os.cpu_count()} CPUs")
+    if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
+        raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
     if nproc > 1 and not parallel.under_launcher():
         stopped_by = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
         return next((name for name in stopped_by if name), None)

@@ -97,6 +97,7 @@ def test_unknown_key_in_yaml(tmp_path):
             ["--set", "model.path=/nonexistent/model"],
             "model.path='/nonexistent/model' could not be loaded",
         ),
+        (["--set", "run.nproc=1000000"], "run.nproc=1000000 but this machine has"),
     ],
 )
 def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, capsys, args, message):
@@ -404,6 +405,17 @@ def test_a_yaml_anchor_bomb_gives_a_short_error(tmp_path):
             read_config(str(path))
         message = str(raised.value)
         assert message.startswith(key) and len(message) < 250 and "\n" not in message, message
+
+
+def test_a_file_as_the_run_directory_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """--out naming a file (it would fail writing the first model folder, with a traceback)."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "taken").write_text("a file")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--out", str(tmp_path / "taken")])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2 and "is a file, not a run directory" in stderr, stderr
 
 
 def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path, monkeypatch, capsys):
