@@ -12,10 +12,12 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import warnings
 
 import torch
+import tqdm
 
 log = logging.getLogger("engine")
 # the CPU stand-in for SGLang's CUDA kernels, at the repository's root
@@ -489,6 +491,16 @@ def quiet_harmless_warnings():
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [known, *added]))
 
 
+def keep_semaphores_out():
+    """tqdm's progress bars share a thread lock instead of their default multiprocessing one.
+    SGLang's Engine.shutdown kills every child of this process (entrypoints/engine.py:
+    kill_process_tree(os.getpid(), include_parent=False)), multiprocessing's resource tracker
+    among them; once SGLang has made "spawn" the start method, tqdm's lock is a named semaphore
+    the tracker holds, and releasing it at exit relaunched the tracker and printed a KeyError
+    traceback (eval.py's last lines). Bars are drawn from this process's threads only."""
+    tqdm.tqdm.set_lock(threading.RLock())
+
+
 def prepare_engine_environment(on_gpu):
     """The engine's processes inherit this process's environment; what they need there.
     torch_memory_saver refuses `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF (the engine
@@ -508,6 +520,7 @@ def prepare_engine_environment(on_gpu):
       breaks CPU tensor pickling."""
     strip_expandable_segments()
     quiet_harmless_warnings()
+    keep_semaphores_out()
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if on_gpu:
         os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")

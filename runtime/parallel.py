@@ -7,9 +7,11 @@ the plain single-process equivalent, so train.py reads the same with 1 rank or 8
 is reduced or saved (train.py decides), nor the engine (rollout.py: every rank has its own).
 """
 
+import contextlib
 import os
 import pickle
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -166,11 +168,24 @@ def gather_objects(obj):
 
 
 # ---------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def alone_is_intended():
+    """Within it, torch.distributed.checkpoint's warning that it saves or loads in a single
+    process (torch/distributed/checkpoint/utils.py) is not shown: with one rank and no process
+    group that is what this trainer means, and it printed at every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning
+        )
+        yield
+
+
 def save_state(path, model, optimizer):
     """Sharded model + optimizer state under `path` (every rank writes its shard). Loadable at any
     world size, 1 included: torch.distributed.checkpoint reshards on load."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    with alone_is_intended():
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
 
 
 def load_state(path, model, optimizer):
@@ -178,7 +193,8 @@ def load_state(path, model, optimizer):
     unpickled beyond tensors, plain values and the checkpoint library's own metadata classes."""
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to load into
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+    with alone_is_intended():
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )

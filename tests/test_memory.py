@@ -12,7 +12,7 @@ from safetensors import safe_open
 import update
 import memory as health
 import train
-from conftest import train_on
+from conftest import REPO, train_on
 import runtime.model as model
 from conftest import tiny_config
 from config import ConfigError
@@ -311,3 +311,34 @@ def test_harmless_sglang_warnings_are_quiet_here_and_in_the_engine(monkeypatch):
         [sys.executable, "-c", "\n".join(child)], capture_output=True, text=True, check=True
     ).stderr
     assert shown.count("UserWarning") == len(sglang_engine.HARMLESS_WARNINGS), shown
+
+
+def test_no_semaphore_is_left_for_the_killed_resource_tracker():
+    """SGLang's shutdown kills every child of the trainer, multiprocessing's resource tracker too;
+    a tqdm bar drawn after SGLang made "spawn" the start method held a named semaphore, whose
+    release at exit relaunched the tracker and printed a KeyError traceback (eval's last lines).
+    Reproduced without an engine: the same kill, with and without keep_semaphores_out."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import multiprocessing, os, sys, tqdm
+        import runtime.engine as engine
+        multiprocessing.set_start_method("spawn", force=True)  # as SGLang sets it
+        if sys.argv[1] == "kept_out":
+            engine.keep_semaphores_out()
+        for _ in tqdm.tqdm(range(2)):
+            pass
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+        os.kill(resource_tracker._resource_tracker._pid, 9)  # what the engine's shutdown does
+        os.waitpid(resource_tracker._resource_tracker._pid, 0)
+    """
+    stderr = {
+        how: subprocess.run(
+            [sys.executable, "-c", script, how], capture_output=True, text=True, cwd=REPO
+        ).stderr
+        for how in ("tqdm_default", "kept_out")
+    }
+    assert "KeyError" in stderr["tqdm_default"]  # the failure this guards against
+    assert "KeyError" not in stderr["kept_out"] and "Traceback" not in stderr["kept_out"]
