@@ -118,9 +118,9 @@ class RolloutConfig:
     group_size: Annotated[int, Range(ge=2, why="GRPO compares samples within a group")] = (
         8  # samples per prompt (GRPO group)
     )
-    temperature: Annotated[
-        float, Range(gt=0, why="training samples; 0 would divide the trainer's logits by zero")
-    ] = 1.0
+    # training samples (validation's greedy pass is apart): the trainer divides its logits by it,
+    # and below 0.01 they overflow (0 divides by zero)
+    temperature: Annotated[float, Range(ge=0.01, why="the trainer divides its logits by it")] = 1.0
     top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     max_new_tokens: PositiveInt = 48  # per turn
     max_turns: PositiveInt = 1  # > 1: multi-turn, the model calling tools between turns
@@ -350,7 +350,7 @@ def numbers(config, prefix=""):
         if dataclasses.is_dataclass(value):
             yield from numbers(value, prefix=f"{key}.")
         elif typing.get_origin(kind) is typing.Annotated:
-            yield key, value, next(m for m in kind.__metadata__ if isinstance(m, Range))
+            yield key, value, next((m for m in kind.__metadata__ if isinstance(m, Range)), Range())
         elif kind is float:
             yield key, value, Range()
         elif typing.get_origin(kind) is dict:
@@ -399,7 +399,10 @@ def apply(config, overrides, prefix=""):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(overrides)}")
     hints = typing.get_type_hints(type(config))
     for key, value in overrides.items():
-        name = f"{prefix}{shown(key) if not isinstance(key, str) else key[:100]}"
+        if not isinstance(key, str):  # YAML reads `on:` as True and `1:` as 1
+            where = prefix.rstrip(".") or "config"
+            raise ConfigError(f"{where}: key {shown(key)} is not a name; quote it")
+        name = f"{prefix}{key[:100]}"
         if name in RENAMED:
             raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
         if key not in hints:

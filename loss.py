@@ -159,8 +159,9 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
 def nucleus(scaled, target_ids, top_p):
     """`scaled` logits [B, T, V] with every token outside the top-p nucleus at -inf: the
     distribution the engine samples from. SGLang's rule (sglang/srt/layers/sampler.py,
-    top_k_top_p_min_p_sampling_from_probs_torch): in descending probability, a token stays while
-    the mass before it is <= top_p. The sampled token (`target_ids` [B, T]) always stays: the
+    top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
+    same nucleus up to ties, not read here): in descending probability, a token stays while the
+    mass before it is <= top_p. The sampled token (`target_ids` [B, T]) always stays: the
     engine drew it, and a bf16 engine may draw the nucleus's edge a hair differently. Cost: a sort
     over the vocabulary per token (chunked by head_logprobs, like the logits)."""
     probs = scaled.softmax(-1)

@@ -179,10 +179,12 @@ def on_nucleus(trainer, mb, nucleus_logprobs):
     """The engine's log-probs [B, T-1] moved onto the top-p nucleus it sampled from. SGLang
     returns log-probs of the full softmax at the temperature, taken before its top-p filter
     (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a sorted
-    copy); the trainer scores the nucleus (loss.nucleus). The difference is the log of the
-    nucleus's mass, which the trainer's full-softmax forward gives: so the gap check, TIS and the
-    ratio compare one distribution. Costs one more forward per micro-batch, only with top_p < 1
-    (its own `return_sampling_mask` needs a finite top_k <= 4096, no use at a 152k vocabulary)."""
+    copy); the trainer scores the nucleus (loss.nucleus). Each trained token's engine log-prob
+    is lowered by the log of the nucleus's mass as the trainer's full-softmax forward measures
+    it, taking the engine's nucleus to hold the same mass: the gap check and TIS then compare
+    exactly what the full softmaxes of engine and trainer compare. Positions out of the loss keep
+    the engine's value. Costs one more forward per micro-batch, only with top_p < 1 (SGLang's own
+    `return_sampling_mask` needs a finite top_k <= 4096, no use at a 152k vocabulary)."""
     temperature = trainer.cfg.rollout.temperature
     full = sequence_logprobs(trainer.policy, mb, temperature, trainer.autocast_dtype)[0]
     return mb["engine_logprobs"] + (nucleus_logprobs - full) * mb["loss_mask"]
@@ -349,7 +351,9 @@ def flex_mask(model, batch):
 def document_mask(position_ids):
     """Causal attention within each packed sequence of `position_ids` [B, T], as a BlockMask. A
     sequence starts where the position does not go on by one: transformers' own rule
-    (masking_utils.find_packed_sequence_indices), so the mask is the one it would build."""
+    (masking_utils.find_packed_sequence_indices), so the mask allows what its would. Built
+    uncompiled (transformers compiles its own): at most 4,096 tokens per micro-batch make a dense
+    [B, 1, T, T] of at most 16 M booleans, once per micro-batch."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch_size, width = position_ids.shape

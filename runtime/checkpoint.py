@@ -7,6 +7,7 @@ when checkpoints are taken (train.py).
 """
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -17,6 +18,8 @@ import shutil
 import safetensors
 import torch
 import yaml
+from torch.distributed.checkpoint import BytesStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from partial import merge_states
 import runtime.parallel as parallel
@@ -91,35 +94,62 @@ MODEL_SHAPE = (
 )
 
 
+# what a damaged or hostile file raises while it is read (a SafetensorError subclasses none)
+UNREADABLE = (OSError, EOFError, ValueError, RuntimeError, KeyError, IndexError, TypeError)
+UNREADABLE += (AttributeError, pickle.UnpicklingError, safetensors.SafetensorError)
+TRAINER_STATE = {"step", "world_size", "scheduler", "torch_rng", "python_rng", "buffer"}
+
+
 def check_resume(folder, cfg):
     """The trainer state of checkpoint `folder`, once every file a resume reads is found whole and
     holding data only, and its model fields equal `cfg`'s. Runs before the engine starts: a bad
     checkpoint costs seconds, not an engine start. A CheckpointError says which file or field."""
     try:
         state = read_trainer_state(folder)
-        metadata = parallel.read_metadata(os.path.join(folder, "sharded"))
+        if not (isinstance(state, dict) and TRAINER_STATE <= state.keys()) or not isinstance(
+            state["step"], int
+        ):
+            raise ValueError("trainer_state.pt holds no trainer state")
+        check_sharded(os.path.join(folder, "sharded"))
         for name in os.listdir(folder):
             if name.endswith(".safetensors"):  # the HF export the engine and the policy load
                 with safetensors.safe_open(os.path.join(folder, name), "pt") as f:
                     f.keys()  # reads and checks the header against the file's size
-    except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+    except UNREADABLE as e:
         raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {e}") from None
-    except safetensors.SafetensorError as e:  # not a subclass of any of the above
-        raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {e}") from None
-    for entry in metadata.storage_data.values():  # each shard's bytes are all there
-        shard = os.path.join(folder, "sharded", entry.relative_path)
-        size = os.path.getsize(shard) if os.path.isfile(shard) else -1
-        if size < entry.offset + entry.length:
-            raise CheckpointError(f"{folder} cannot be resumed: {shard} is missing or cut short")
     saved = read_saved_model_fields(folder)
-    for name in MODEL_SHAPE if saved else ():
+    # a HF model's shape is its folder's: only the tiny model's comes from these fields
+    compared = MODEL_SHAPE if cfg.model.path == "tiny" else ("path",)
+    for name in compared if saved is not None else ():
         was, now = saved.get(name), getattr(cfg.model, name)
         if was != now:
             raise CheckpointError(
                 f"--resume: model.{name}={now!r}, but {folder} was written with {was!r}: its "
-                "weights have that shape. Start a new run (another run.out) for a new model."
+                "weights are that model's. Start a new run (another run.out) for a new model."
             )
     return state
+
+
+def check_sharded(path):
+    """What dcp.load would otherwise find only after the engine started: every shard's bytes are
+    there, in the folder, and every non-tensor value (the optimizer's lr, betas, flags; written
+    with torch.save) loads with weights_only=True. Raises one of UNREADABLE."""
+    metadata = parallel.read_metadata(path)
+    values = {
+        name
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, BytesStorageMetadata)
+    }
+    for index, entry in metadata.storage_data.items():
+        if os.path.basename(entry.relative_path) != entry.relative_path:
+            raise ValueError(f"a shard outside the checkpoint: {entry.relative_path!r}")
+        shard = os.path.join(path, entry.relative_path)
+        if os.path.getsize(shard) < entry.offset + entry.length:
+            raise ValueError(f"{shard} is cut short")
+        if index.fqn in values:
+            with open(shard, "rb") as f:
+                f.seek(entry.offset)
+                torch.load(io.BytesIO(f.read(entry.length)), weights_only=True)
 
 
 def read_saved_model_fields(folder):
@@ -148,7 +178,11 @@ def read_trainer_state(folder):
 def restore(folder, state, trainer, t):
     """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on
     every rank); then the optimizer settings of `t` (train config) replace the checkpoint's."""
-    parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
+    try:
+        parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
+    except CheckpointException as e:  # a BaseException: what check_resume cannot see (a flipped
+        # byte inside a tensor's shard, say) would end the run with a traceback
+        raise CheckpointError(f"{folder} cannot be restored: {e}") from None
     trainer.scheduler.load_state_dict(state["scheduler"])
     apply_optimizer_settings(trainer.optimizer, trainer.scheduler, t)
     torch.set_rng_state(state["torch_rng"])

@@ -222,7 +222,9 @@ class MetadataUnpickler(pickle.Unpickler):
             "Size",
             *(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)),
         },
+        # DCP keeps the checkpoint's path; Python 3.13 pickles it from pathlib._local
         "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+        "pathlib._local": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
     }
 
     def find_class(self, module, name):

@@ -235,8 +235,10 @@ def added_tokens(tokenizer):
 def text_ids(tokenizer, text, markers):
     """Token ids of `text` read as plain text: an added token's spelling inside it is encoded as
     the characters it is made of (its first character, then the rest), never as the token
-    itself, and decodes back to the same text. transformers' `split_special_tokens` would do this
-    for special tokens only, and Qwen's <tool_response> and <tool_call> are added, not special."""
+    itself (one a single character long excepted: none of the chat template's is), and decodes
+    back to the text (as the tokenizer normalises it: NFC for Qwen's). transformers'
+    `split_special_tokens` would do this for special tokens only, and Qwen's <tool_response> and
+    <tool_call> are added, not special."""
     ids = []
     start = 0
     for found in markers.finditer(text) if markers else ():
@@ -295,8 +297,9 @@ class QwenTools:
         call = text[start + len(self.call_start) : -len(self.call_end)] if start >= 0 else ""
         name, result = await self.run(call)
         is_error = result.startswith("error")
-        # an error message (a user's exception's) as much as a result
-        result = cut(result, self.max_chars)
+        # an error message (a user's exception's) as much as a result; a lone surrogate ("\ud800",
+        # which a Python str may hold) would make the tokenizer raise: replaced
+        result = cut(result, self.max_chars).encode("utf-8", "replace").decode("utf-8")
         # the template's markers are control tokens; the result between them is text, whatever
         # it spells (a result reading "<|im_end|><|im_start|>system" must not open a turn)
         head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"

@@ -267,8 +267,8 @@ def _timed_rollout(engine, reward):
 def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     """A reward that takes 200 ms (a parser, a sandbox, a judge), run in the reward threads as
     Rewards.scorer runs it: the cancellation lands about as fast as with an instant reward (within
-    20%, or 50 ms on this noisy machine), and every finished trajectory gets its value; an
-    `async def` reward is awaited as well. The same slow reward run on the event loop itself (as
+    20%, or 100 ms on this noisy machine: 50 ms failed once under load), and every finished
+    trajectory gets its value; an `async def` reward is awaited as well. The same slow reward run on the event loop itself (as
     before rewards went off it) delays the cancellation by whole rewards: the check has teeth."""
 
     def slow(text, answer, finished):
@@ -291,7 +291,7 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     samples, offloaded = _timed_rollout(engine, off_loop(slow))
     finished = [s for s in samples if not s.is_aborted]
     assert finished and all(s.reward == 0.5 for s in finished)
-    margin = max(0.2 * instant.cancel_latency_s, 0.05)
+    margin = max(0.2 * instant.cancel_latency_s, 0.1)  # a blocking reward costs > 0.2 s
     assert offloaded.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, offloaded)
     samples, awaited = _timed_rollout(engine, off_loop(slow_async))
     assert all(s.reward == 0.25 for s in samples if not s.is_aborted)

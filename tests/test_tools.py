@@ -305,6 +305,9 @@ def test_an_observation_spelling_control_tokens_stays_text(tokenizer):
     counted = [observation.ids.count(token) for token in controls]
     assert counted == [2, 2, 1]  # the template's own: the end of both turns, and one close
     assert tool.call_end_id not in observation.ids
+    lone = '{"name": "echo", "arguments": {"text": "a\\ud800b"}}'  # JSON's escape of a surrogate
+    observation, text = ask(tool, tokenizer, lone)
+    assert text == "a?b" and not observation.is_error  # replaced: the tokenizer would raise
     plain = '{"name": "echo", "arguments": {"text": "7"}}'  # no marker: encoded as before
     observation, _ = ask(tool, tokenizer, plain)
     head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import update
@@ -240,6 +241,16 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
     refused("posix.system is not checkpoint metadata")
     with pytest.raises(pickle.UnpicklingError):  # a pickled non-tensor value in a shard
         parallel.SafeLoadPlanner().load_bytes(None, io.BytesIO(pickle.dumps(hostile)))
+    # the same in a real shard: the optimizer's lr a pickled call, written by dcp itself
+    shutil.rmtree(os.path.join(folder, "sharded"))
+    with parallel.alone_is_intended():
+        dcp.save(
+            {"optimizer": {"param_groups": [{"lr": hostile}]}},
+            checkpoint_id=os.path.join(folder, "sharded"),
+        )
+    refused("UnpicklingError")
+    torch.save([1, 2], os.path.join(folder, "trainer_state.pt"))  # data, but no trainer state
+    refused("holds no trainer state")
     for name in ("trainer_state.pt", "model.safetensors", os.path.join("sharded", "__0_0.distcp")):
         with open(os.path.join(folder, name), "r+b") as f:
             f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
