@@ -268,8 +268,9 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     """A reward that takes 200 ms (a parser, a sandbox, a judge), run in the reward threads as
     Rewards.scorer runs it: the cancellation lands about as fast as with an instant reward (within
     20%, or 100 ms on this noisy machine: 50 ms failed once under load), and every finished
-    trajectory gets its value; an `async def` reward is awaited as well. The same slow reward run on the event loop itself (as
-    before rewards went off it) delays the cancellation by whole rewards: the check has teeth."""
+    trajectory gets its value; an `async def` reward is awaited as well. The same slow reward run
+    on the event loop itself (as before rewards went off it) delays the cancellation by whole
+    rewards: the check has teeth."""
 
     def slow(text, answer, finished):
         time.sleep(0.2)
