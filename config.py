@@ -64,7 +64,10 @@ def shown(value, limit=100):
     """`value`'s repr for an error message, cut to `limit` characters: a few lines of YAML
     anchors can expand to gigabytes (a "billion laughs"), and an error stays one readable line."""
     short = reprlib.Repr()  # it stops descending at maxlevel, so a nested bomb costs nothing
-    short.maxlevel, short.maxlist, short.maxdict, short.maxstring = 2, 4, 4, limit
+    short.maxlevel = 2
+    short.maxlist = 4
+    short.maxdict = 4
+    short.maxstring = limit
     text = short.repr(value).replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -115,9 +118,8 @@ class DataConfig:
 @dataclasses.dataclass
 class RolloutConfig:
     prompts_per_step: PositiveInt = 32
-    group_size: Annotated[int, Range(ge=2, why="GRPO compares samples within a group")] = (
-        8  # samples per prompt (GRPO group)
-    )
+    # samples per prompt (GRPO group)
+    group_size: Annotated[int, Range(ge=2, why="GRPO compares samples within a group")] = 8
     # training samples (validation's greedy pass is apart): the trainer divides its logits by it,
     # and below 0.01 they overflow (0 divides by zero)
     temperature: Annotated[float, Range(ge=0.01, why="the trainer divides its logits by it")] = 1.0
@@ -156,12 +158,10 @@ class RolloutConfig:
     reward_timeout_s: NonNegativeFloat = 60.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
     engine_threads: PositiveInt = 1
-    mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] = (
-        0.6  # GPU: share of memory for engine weights + KV cache
-    )
-    max_total_tokens: NonNegativeInt = (
-        16384  # KV cache capacity in tokens (0 = engine decides from memory)
-    )
+    # GPU: share of memory for engine weights + KV cache
+    mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] = 0.6
+    # KV cache capacity in tokens (0 = engine decides from memory)
+    max_total_tokens: NonNegativeInt = 16384
     cancel: str = "none"  # tail cancellation: none | count | time | group
     # count/group: launch the batch, stop once (1 - drop_rate) of it finished
     drop_rate: Annotated[float, Range(ge=0, lt=1)] = 0.0
@@ -169,9 +169,8 @@ class RolloutConfig:
     over_sample_rate: Annotated[
         float, Range(ge=0, le=10, why="each launches (1 + rate) x the batch")
     ] = 0.0
-    time_quantile: Annotated[float, Range(gt=0, le=1)] = (
-        0.8  # time: once this fraction of the target finished at t ...
-    )
+    # time: once this fraction of the target finished at t ...
+    time_quantile: Annotated[float, Range(gt=0, le=1)] = 0.8
     time_factor: PositiveFloat = 1.5  # ... wait at most factor * t more, then cancel the rest
     # partial rollout (partial.py): a cancelled sample is suspended, not dropped, and continued in
     # the next step under the new weights; its group is trained once every member finished
@@ -228,14 +227,12 @@ class TrainConfig:
     warmup_steps: NonNegativeInt = 0  # linear learning-rate warmup, then the schedule below
     # constant | cosine (decays to min_lr_ratio x lr at the last step)
     lr_schedule: str = "constant"
-    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = (
-        0.1  # cosine: the final learning rate as a fraction of lr
-    )
+    # cosine: the final learning rate as a fraction of lr
+    min_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     grad_clip: PositiveFloat = 1.0
     clip_eps: PositiveFloat = 0.2  # PPO ratio clip: [1 - clip_eps, 1 + clip_eps_high]
-    clip_eps_high: NonNegativeFloat = (
-        0.0  # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
-    )
+    # 0 = clip_eps; DAPO's clip-higher uses 0.28 with clip_eps 0.2
+    clip_eps_high: NonNegativeFloat = 0.0
     # token | sequence (GSPO: one ratio per sequence; needs loss_agg seq-mean-token-mean) | cispo
     # (CISPO: a clipped, stop-gradient weight on every token's log-prob; needs token-mean)
     ratio_level: str = "token"
@@ -276,9 +273,8 @@ class TrainConfig:
     tis_cap: NonNegativeFloat = 0.0
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     max_token_staleness: Annotated[int, Range(ge=-1)] = -1
-    num_minibatches: PositiveInt = (
-        1  # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
-    )
+    # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
+    num_minibatches: PositiveInt = 1
     micro_batch_size: PositiveInt = 64  # samples per forward/backward (gradient accumulation)
     # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
     # width; a longer sequence gets one of its own), rows no wider than the longest sequence

@@ -80,7 +80,8 @@ def latest(out_dir):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed: damaged, holding more than data, or written for
-    another model shape. Found before any model or engine starts."""
+    another model shape. `check_resume` finds it before any model or engine starts, except damage
+    inside a tensor's bytes, which only `restore` reads."""
 
 
 # the fields that fix the weights' shapes (and which weights): a resume cannot change them
@@ -95,8 +96,18 @@ MODEL_SHAPE = (
 
 
 # what a damaged or hostile file raises while it is read (a SafetensorError subclasses none)
-UNREADABLE = (OSError, EOFError, ValueError, RuntimeError, KeyError, IndexError, TypeError)
-UNREADABLE += (AttributeError, pickle.UnpicklingError, safetensors.SafetensorError)
+UNREADABLE = (
+    OSError,
+    EOFError,
+    ValueError,
+    RuntimeError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    pickle.UnpicklingError,
+    safetensors.SafetensorError,
+)
 TRAINER_STATE = {"step", "world_size", "scheduler", "torch_rng", "python_rng", "buffer"}
 
 

@@ -64,6 +64,20 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
+def sent_seeds(engine, monkeypatch):
+    """The sampling_seed of every request the shared engine receives from here on, in order."""
+    sent = []
+    request = engine.request
+
+    async def recording(rid, input_ids, sampling):
+        sent.append(sampling.get("sampling_seed"))
+        return await request(rid, input_ids, sampling)
+
+    monkeypatch.setattr(engine, "request", recording)
+    return sent
+
+
+@pytest.fixture
 def policy(engine, tmp_path):
     """A fresh seeded tiny policy, pushed into the shared engine as version 0."""
     policy, _ = model.build_policy(tiny_config(tmp_path), None)

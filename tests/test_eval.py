@@ -123,19 +123,12 @@ def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
     assert checkpoint.latest(str(tmp_path / "nowhere")) is None
 
 
-def test_eval_seeds_every_request(engine, policy, tmp_path, monkeypatch):
+def test_eval_seeds_every_request(engine, policy, tmp_path, sent_seeds):
     """eval sends each request its own sampling_seed, as training does: with
     rollout.deterministic one seed for all would make a prompt's samples identical and pass@k
     collapse to pass@1."""
-    sent = []
-    request = engine.request
-
-    async def recording(rid, input_ids, sampling):
-        sent.append(sampling.get("sampling_seed"))
-        return await request(rid, input_ids, sampling)
-
-    monkeypatch.setattr(engine, "request", recording)
     cfg = tiny_config(tmp_path, "data.num_val_prompts=2", "rollout.max_new_tokens=4")
     tokenizer = model.load_tokenizer(cfg, "tiny")
     evaluation.run_eval(cfg, engine, tokenizer, 4, [1, 2], 1.0)
-    assert len(sent) == 2 * 4 + 2 and None not in sent and len(set(sent)) == len(sent)
+    assert len(sent_seeds) == 2 * 4 + 2 and None not in sent_seeds
+    assert len(set(sent_seeds)) == len(sent_seeds)

@@ -87,18 +87,11 @@ def test_weights_are_checked_every_push_at_first_then_every_n_steps(tmp_path):
     assert [s for s in range(40) if health.should_check_weights(s, cfg.run)] == [0, 1, 2]
 
 
-def test_every_request_carries_its_own_sampling_seed(engine, policy, monkeypatch):
+def test_every_request_carries_its_own_sampling_seed(engine, policy, sent_seeds):
     """Reproducible rollouts: with a rollout seed, each request the engine receives carries a
     sampling_seed, distinct for every member of every group (a shared seed would make a group
     sample alike and train nothing), and the same seed gives the same seeds again."""
-    sent = []
-    request = engine.request
-
-    async def recording(rid, input_ids, sampling):
-        sent.append(sampling.get("sampling_seed"))
-        return await request(rid, input_ids, sampling)
-
-    monkeypatch.setattr(engine, "request", recording)
+    sent = sent_seeds
     prompts = [[1, 5, 6, 2], [1, 7, 2]]
     for _ in range(2):
         engine.generate(prompts, 4, 1.0, 4, seed=rollout.rollout_seed(0, step=3))

@@ -135,9 +135,10 @@ def test_every_forward_of_a_micro_batch_reads_the_same_dict(tmp_path, monkeypatc
     assert all(read.count(batch) == 2 for batch in set(read))  # pi_old, then the update
 
 
-def test_flex_attention_is_refused_for_training_on_cpu(tmp_path):
+def test_flex_attention_is_refused_for_training_on_cpu(tmp_path, monkeypatch):
     """FlexAttention cannot train on CPU (torch raises in the backward, after a whole forward):
-    the trainer says so before the first step, and how to fix it."""
+    the trainer says so before the first step, and how to fix it. On a GPU it raises Dynamo's
+    recompile limit (the line a CPU can run of that branch)."""
     cfg = dist_worker.parity_config(
         tmp_path, "token-mean", "model.attn_implementation=flex_attention"
     )
@@ -145,6 +146,11 @@ def test_flex_attention_is_refused_for_training_on_cpu(tmp_path):
     assert policy.config._attn_implementation == "flex_attention"
     with pytest.raises(model.ModelError, match="model.attn_implementation=sdpa"):
         setup_run.trainer_only(cfg, policy)
+    # on a GPU (only the device is named here: nothing is allocated) Dynamo's recompile limit is
+    # raised so the compiled kernel never falls back to the unfused path
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    model.check_attention(cfg, torch.device("cuda"))
+    assert torch._dynamo.config.recompile_limit == 32
 
 
 def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
