@@ -283,6 +283,10 @@ class TrainConfig:
     max_tokens_per_micro_batch: NonNegativeInt = 0
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer and the output head's per-chunk math (runtime/model.py
+    # compile_layers, loss.chunk_function): their elementwise work fused into few kernels; costs a
+    # compile (seconds to a minute) at the first update. On where it pays: a GPU
+    compile: bool = False
     # a non-finite loss or gradient norm skips that update (logged, counted in
     # train/skipped_updates); this many in a row stop the run with a NonFiniteError: the policy is
     # broken, not unlucky

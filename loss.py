@@ -132,7 +132,7 @@ def kl_estimate(logprobs, ref_logprobs, estimator="k3"):
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
-def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_p=1.0):
+def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_p=1.0, full=False):
     """Log-prob of each target token and the entropy of each position's distribution.
 
     logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
@@ -140,48 +140,105 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     when top_p < 1 (`nucleus`), so the trainer scores that same distribution; otherwise the ratio
     and the engine/trainer gap would compare different policies, and the gradient would push on
     tokens that could never be sampled. The entropy is a statistic, computed without a graph so it
-    keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it).
+    keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it). With
+    `full`, a third value: the targets' log-probs under the full softmax (no graph), which the
+    engine reports with top_p < 1 (update.take_pi_old), from the same pass.
+
+    One pass over the vocabulary as far as eager kernels allow: one log-sum-exp (two with top_p),
+    one shifted copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).
     """
-    scaled = logits.float() / temperature
+    scaled = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: a vocabulary-wide pass saved
+        scaled = scaled / temperature
+    target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    lse = scaled.logsumexp(-1)
+    full_logprobs = target - lse
     if top_p < 1:
-        scaled = nucleus(scaled, target_ids, top_p)
-    logprobs = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
+        scaled = nucleus(scaled, target_ids, top_p, lse)
+        lse = scaled.logsumexp(-1)
+    logprobs = target - lse
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_probs = scaled - scaled.logsumexp(-1, keepdim=True)
+        log_probs = scaled - lse.unsqueeze(-1)
         # a token outside the nucleus has p = 0 and log p = -inf: it adds 0, not 0 x -inf = NaN
         # (masked before the product, so no NaN reaches the backward either)
-        finite = log_probs.masked_fill(scaled.isneginf(), 0.0)
+        finite = log_probs.masked_fill(scaled.isneginf(), 0.0) if top_p < 1 else log_probs
         entropy = -(log_probs.exp() * finite).sum(-1)
+    if full:
+        return logprobs, entropy, full_logprobs.detach()
     return logprobs, entropy
 
 
-def nucleus(scaled, target_ids, top_p):
+# the nucleus is looked for among each position's this many likeliest tokens first (`nucleus`)
+NUCLEUS_TOP_K = 256
+
+
+def nucleus(scaled, target_ids, top_p, lse=None):
     """`scaled` logits [B, T, V] with every token outside the top-p nucleus at -inf: the
     distribution the engine samples from. SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
     same nucleus up to ties, not read here): in descending probability, a token stays while the
-    mass before it is <= top_p. The sampled token (`target_ids` [B, T]) always stays: the
-    engine drew it, and a bf16 engine may draw the nucleus's edge a hair differently. Cost: a sort
-    over the vocabulary per token (chunked by head_logprobs, like the logits)."""
-    probs = scaled.softmax(-1)
-    sorted_probs, order = probs.sort(-1, descending=True)
-    dropped_sorted = sorted_probs.cumsum(-1) - sorted_probs > top_p
-    dropped = torch.empty_like(dropped_sorted).scatter_(-1, order, dropped_sorted)
+    mass before it is <= top_p. So the nucleus is every token at least as likely as the least
+    likely one kept (tokens tied with it all stay). The sampled token (`target_ids` [B, T]) always
+    stays: the engine drew it, and a bf16 engine may draw the nucleus's edge a hair differently.
+
+    Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k, not a
+    sort of the vocabulary), which holds it wherever they weigh more than top_p, as a trained
+    model's do nearly everywhere; only the positions where they do not (a near-uniform
+    distribution) sort their whole row (one host read per call decides). `lse`: the rows'
+    log-sum-exp, if already known."""
+    lse = scaled.logsumexp(-1) if lse is None else lse
+    probs = (scaled - lse.unsqueeze(-1)).exp()
+    flat = probs.flatten(0, -2)  # [N, V]
+    top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).values  # descending
+    edge, mass = nucleus_edge(top, top_p)
+    wide = (mass <= top_p).nonzero().squeeze(-1)  # the top k hold too little: the edge is beyond
+    if len(wide):
+        edge[wide] = nucleus_edge(flat[wide].sort(-1, descending=True).values, top_p)[0]
+    dropped = probs < edge.view(probs.shape[:-1]).unsqueeze(-1)
     dropped.scatter_(-1, target_ids.unsqueeze(-1), False)
     return scaled.masked_fill(dropped, float("-inf"))
+
+
+def nucleus_edge(sorted_probs, top_p):
+    """(the least probability kept, the mass of all K) per row of `sorted_probs` [N, K]
+    (descending): position j stays while the mass before it, cumsum - p, is <= top_p (the first
+    always does)."""
+    mass = sorted_probs.cumsum(-1)
+    kept = ((mass - sorted_probs) <= top_p).sum(-1, keepdim=True)
+    return sorted_probs.gather(-1, kept.clamp(min=1) - 1).squeeze(-1), mass[:, -1]
 
 
 def _linear_token_logprobs(
     hidden, weight, bias, target_ids, temperature, index=None, entropy_grad=False, top_p=1.0
 ):
+    """One chunk of head_logprobs: the projection and token_logprobs, with the full softmax's
+    log-probs always (a third value)."""
     return token_logprobs(
         F.linear(hidden if index is None else hidden[index], weight, bias),
         target_ids,
         temperature,
         entropy_grad,
         top_p,
+        full=True,
     )
+
+
+# `head_logprobs(compiled=True)`: the chunk above as one compiled function (its elementwise
+# passes over the vocabulary fused), shapes dynamic so a new chunk length does not recompile;
+# compiled at its first call
+_compiled_chunk = None
+
+
+def chunk_function(compiled):
+    """The per-chunk function head_logprobs runs: `_linear_token_logprobs`, or with `compiled` its
+    torch.compile'd form (made once per process)."""
+    global _compiled_chunk
+    if not compiled:
+        return _linear_token_logprobs
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_linear_token_logprobs, dynamic=True)
+    return _compiled_chunk
 
 
 def head_logprobs(
@@ -194,19 +251,23 @@ def head_logprobs(
     index=None,
     entropy_grad=False,
     top_p=1.0,
+    full=False,
+    compiled=False,
 ):
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V]
     logits.
 
     hidden: [B, T, H], weight: [V, H], target_ids: [B, T] -> (logprobs [B, T], entropy [B, T]),
-    fp32. With `index` [N] (positions of hidden flattened to [B * T, H]; target_ids [N]): only
-    there, -> ([N], [N]); each chunk gathers its positions inside its checkpoint, so no [N, H] copy
-    outlives the forward. The output projection runs on about `chunk_tokens` tokens (over the batch)
-    at a time, and with autograd each chunk is checkpointed: its logits and their fp32 copies are
+    fp32 (with `full`, a third: the full softmax's log-probs, no graph). With `index` [N]
+    (positions of hidden flattened to [B * T, H]; target_ids [N]): only there, -> ([N], [N]);
+    each chunk gathers its positions inside its checkpoint, so no [N, H] copy outlives the
+    forward. The output projection runs on about `chunk_tokens` tokens (over the batch) at a
+    time, and with autograd each chunk is checkpointed: its logits and their fp32 copies are
     freed after the forward and recomputed in the backward. Peak memory is then a few chunks of
-    [chunk_tokens, V], not several full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6 GB
-    per fp32 copy of 1,024 tokens, against 2.5 GB per copy of a micro-batch of 4 x 1,024). The cost:
-    the projection runs twice.
+    [chunk_tokens, V], not several full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6
+    GB per fp32 copy of 1,024 tokens, against 2.5 GB per copy of a micro-batch of 4 x 1,024). The
+    cost: the projection runs twice. `compiled` (train.compile): each chunk's work is one
+    torch.compile'd function (`chunk_function`).
     """
     # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
     if index is not None:
@@ -221,28 +282,16 @@ def head_logprobs(
             (h, None, targets)
             for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))
         ]
-    logprobs, entropies = [], []
+    function = chunk_function(compiled)
+    outputs = []
     for h, i, targets in chunks:
+        args = (h, weight, bias, targets, temperature, i, entropy_grad, top_p)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(
-                _linear_token_logprobs,
-                h,
-                weight,
-                bias,
-                targets,
-                temperature,
-                i,
-                entropy_grad,
-                top_p,
-                use_reentrant=False,
-            )
+            outputs.append(checkpoint(function, *args, use_reentrant=False))
         else:
-            lp, ent = _linear_token_logprobs(
-                h, weight, bias, targets, temperature, i, entropy_grad, top_p
-            )
-        logprobs.append(lp)
-        entropies.append(ent)
-    return torch.cat(logprobs, dim), torch.cat(entropies, dim)
+            outputs.append(function(*args))
+    logprobs, entropies, full_logprobs = (torch.cat(parts, dim) for parts in zip(*outputs))
+    return (logprobs, entropies, full_logprobs) if full else (logprobs, entropies)
 
 
 def aggregate(per_token, loss_mask, mode, norm_length=1):

@@ -122,22 +122,32 @@ def trajectory_texts(trajectories, tokenizer, count):
 class TokenMeans:
     """Per-micro-batch token means (entropy, clip fraction, KL, TIS weight) as one token-weighted
     mean over the step's micro-batches and every rank's: a short or padding micro-batch weighs
-    what its tokens weigh."""
+    what its tokens weigh. Means and counts may be device tensors: they are read in one go by
+    `means`, so adding one never waits for the GPU."""
 
     def __init__(self):
-        self.sums = {}  # name -> sum of mean x tokens
-        self.tokens = {}  # name -> tokens
+        self.added = {}  # name -> [(mean, tokens)]
 
     def add(self, name, mean, num_tokens):
-        self.sums[name] = self.sums.get(name, 0.0) + mean * num_tokens
-        self.tokens[name] = self.tokens.get(name, 0) + num_tokens
+        self.added.setdefault(name, []).append((mean, num_tokens))
 
     def means(self):
         """{name: token-weighted mean}, reduced over ranks (a collective: every rank calls it)."""
-        names = sorted(self.sums)
-        totals = parallel.all_reduce(
-            [self.sums[n] for n in names] + [self.tokens[n] for n in names]
-        )
+        names = sorted(self.added)
+        pairs = [pair for n in names for pair in self.added[n]]
+        tensors = [torch.as_tensor(v) for pair in pairs for v in pair]
+        device = tensors[0].device if tensors else None
+        values = iter(torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()
+                      if tensors else [])
+        local_sums, local_tokens = [], []
+        for n in names:
+            total, tokens = 0.0, 0
+            for _ in self.added[n]:
+                mean, num_tokens = next(values), next(values)
+                total, tokens = total + mean * num_tokens, tokens + num_tokens
+            local_sums.append(total)
+            local_tokens.append(tokens)
+        totals = parallel.all_reduce(local_sums + local_tokens)
         sums = totals[: len(names)]
         tokens = totals[len(names) :]
         return {name: s / max(n, 1) for name, s, n in zip(names, sums, tokens)}

@@ -93,11 +93,22 @@ def check(cfg):
             )
 
 
-def engine_is_pi_old(trainer, version):
-    """Whether the engine's sampling log-probs serve as pi_old (the trainer's forward skipped):
-    with train.old_logprobs=engine, except at this process's first step, where the log-prob gap
-    check needs the trainer's own."""
-    return trainer.cfg.train.old_logprobs == "engine" and version != trainer.first_step
+def pi_old_source(trainer, version):
+    """Where this step's pi_old (the log-probs of the policy that sampled, as the trainer scores
+    it) comes from:
+    - "engine": the engine's sampling log-probs (train.old_logprobs=engine), except at this
+      process's first step, where the log-prob gap check needs the trainer's own;
+    - "update": the update's own forward, detached. With one minibatch (train.num_minibatches=1,
+      every shipped config) the weights the step trains are pi_old, so the log-probs of its first
+      and only optimizer step are pi_old's exactly, and the ratio starts at 1 (TRL does the
+      same): no forward of its own;
+    - "forward": a no-grad forward of every micro-batch before the first optimizer step. With
+      several minibatches the later ones need the weights from before the first step.
+    The KL reference (train.kl_coef with kl_in=loss) keeps its own forward whatever the source."""
+    t = trainer.cfg.train
+    if t.old_logprobs == "engine" and version != trainer.first_step:
+        return "engine"
+    return "update" if t.num_minibatches == 1 else "forward"
 
 
 # ---------------------------------------------------------------- the stage
@@ -115,19 +126,26 @@ def update_policy(trainer, sequences, version):
     minibatches, over_budget = make_minibatches(sequences, t, trainer.pad_id, trainer.device)
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = mask_stale_tokens(every_mb, version, t.max_token_staleness)
-    stats |= old_logprobs(trainer, every_mb, from_engine=engine_is_pi_old(trainer, version))
     stats |= layout_stats(every_mb)
-    stats |= offpolicy_stats(every_mb, t.tis_cap)
     stats["train/over_budget_sequences"] = summed(over_budget)
+    source = pi_old_source(trainer, version)
     token_stats = TokenMeans()
     losses = []
     grad_norms = []
     skipped = 0
-    for minibatch in minibatches:
-        minibatch_loss, grad_norm = optimizer_step(trainer, minibatch, token_stats)
-        losses.append(minibatch_loss)
-        grad_norms.append(grad_norm)
-        skipped += not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm))
+    # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
+    with parallel.gathered_for_update(trainer.policy) as last_micro_batch:
+        old_logprobs(trainer, every_mb, source)
+        for minibatch in minibatches:
+            minibatch_loss, grad_norm = optimizer_step(
+                trainer, minibatch, token_stats, last_micro_batch, pi_old_here=source == "update"
+            )
+            losses.append(minibatch_loss)
+            grad_norms.append(grad_norm)
+            skipped += not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm))
+    if source != "engine":  # engine vs trainer: only where the trainer computed pi_old
+        stats |= logprob_gap(every_mb)
+    stats |= offpolicy_stats(every_mb, t.tis_cap)
     stats["train/skipped_updates"] = skipped
     stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
     stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -142,106 +160,97 @@ def update_policy(trainer, sequences, version):
     return stats
 
 
-def old_logprobs(trainer, micro_batches, from_engine=False):
-    """The sampling policy's log-probs, recomputed by the trainer on every micro-batch (and the
-    frozen reference's, for the KL term in the loss); the engine's own copy is only compared (the
-    gap). `from_engine` (`engine_is_pi_old`): the engine's are pi_old, the forward is skipped, and
-    there is no gap to report."""
+def old_logprobs(trainer, micro_batches, source):
+    """pi_old from `source` (`pi_old_source`): the engine's log-probs, or a no-grad forward of
+    every micro-batch ("update": nothing here, optimizer_step takes them from its own forward);
+    and the frozen reference's, for the KL term in the loss, always from a forward of its own."""
     temperature = trainer.cfg.rollout.temperature
     top_p = trainer.cfg.rollout.top_p
-    with torch.no_grad():
+    compiled = trainer.cfg.train.compile
+    with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
-            if from_engine:
+            if source == "engine":
                 mb["old_logprobs"] = mb["engine_logprobs"]
-            else:
-                mb["old_logprobs"] = sequence_logprobs(
-                    trainer.policy, mb, temperature, trainer.autocast_dtype, top_p=top_p
-                )[0]
-                if top_p < 1:
-                    mb["engine_logprobs"] = on_nucleus(trainer, mb, mb["old_logprobs"])
+            elif source == "forward":
+                logprobs, _, full = sequence_logprobs(
+                    trainer.policy, mb, temperature, trainer.autocast_dtype, top_p=top_p,
+                    full=True, compiled_head=compiled
+                )
+                take_pi_old(mb, logprobs, full)
             if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = sequence_logprobs(
-                    trainer.reference, mb, temperature, trainer.autocast_dtype, top_p=top_p
+                    trainer.reference, mb, temperature, trainer.autocast_dtype, top_p=top_p,
+                    compiled_head=compiled
                 )[0]
-    if from_engine:
-        return {}
-    # engine vs trainer on the tokens the current weights sampled (older tokens differ by design)
-    gap = 0.0
-    num_tokens = 0
+
+
+def take_pi_old(mb, logprobs, full_logprobs):
+    """Store pi_old's log-probs [B, T-1] (no graph) in the micro-batch, and with top-p
+    (`full_logprobs` not None: the same forward's log-probs of the full softmax) move the
+    engine's onto the nucleus it sampled from. SGLang returns log-probs of the full softmax at the
+    temperature, taken before its top-p filter (sglang/srt/layers/sampler.py: `logprobs =
+    torch.log(probs)`, the filter works on a sorted copy); the trainer scores the nucleus
+    (loss.nucleus). Each trained token's engine log-prob is lowered by the log of the nucleus's
+    mass as the trainer measures it, taking the engine's nucleus to hold the same mass: the gap
+    check and TIS then compare exactly what the full softmaxes of engine and trainer compare.
+    Positions out of the loss keep the engine's value. The head computes both from one pass over
+    the vocabulary (loss.head_logprobs); SGLang's own `return_sampling_mask` needs a finite top_k
+    <= 4096, no use at a 152k vocabulary."""
+    mb["old_logprobs"] = logprobs
+    if full_logprobs is not None:
+        mb["engine_logprobs"] = mb["engine_logprobs"] + (logprobs - full_logprobs) * mb["loss_mask"]
+
+
+def logprob_gap(micro_batches):
+    """{"train/logprob_gap": mean |pi_old - engine| over the trained tokens the current weights
+    sampled} (older tokens differ by design), read once after the update (one host sync)."""
+    gap = torch.zeros(())
+    num_tokens = torch.zeros(())
     for mb in micro_batches:
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
-        gap += ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().item()
-        num_tokens += fresh.sum().item()
-    return {"train/logprob_gap": gap / max(num_tokens, 1)}
+        gap = gap + ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().cpu()
+        num_tokens = num_tokens + fresh.sum().cpu()
+    return {"train/logprob_gap": gap.item() / max(num_tokens.item(), 1)}
 
 
-def on_nucleus(trainer, mb, nucleus_logprobs):
-    """The engine's log-probs [B, T-1] moved onto the top-p nucleus it sampled from. SGLang
-    returns log-probs of the full softmax at the temperature, taken before its top-p filter
-    (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a sorted
-    copy); the trainer scores the nucleus (loss.nucleus). Each trained token's engine log-prob
-    is lowered by the log of the nucleus's mass as the trainer's full-softmax forward measures
-    it, taking the engine's nucleus to hold the same mass: the gap check and TIS then compare
-    exactly what the full softmaxes of engine and trainer compare. Positions out of the loss keep
-    the engine's value. Costs one more forward per micro-batch, only with top_p < 1 (SGLang's own
-    `return_sampling_mask` needs a finite top_k <= 4096, no use at a 152k vocabulary)."""
-    temperature = trainer.cfg.rollout.temperature
-    full = sequence_logprobs(trainer.policy, mb, temperature, trainer.autocast_dtype)[0]
-    return mb["engine_logprobs"] + (nucleus_logprobs - full) * mb["loss_mask"]
+def compute_precision(trainer):
+    """One rank in bf16: autocast over the fp32 masters. Entered once around a whole pass (every
+    micro-batch's forward and backward of an optimizer step, or every no-grad forward), not per
+    call: autocast caches its bf16 copy of each fp32 leaf weight until the outermost context
+    exits (aten/src/ATen/autocast_mode.cpp, cached_cast), so each weight is cast once per pass
+    instead of once per micro-batch. A no-grad pass keeps a context of its own: a copy cast under
+    no_grad has no graph, and reused by a grad forward it would stop the weights' gradients.
+    With FSDP2 or in fp32: no autocast (its mixed-precision policy casts)."""
+    dtype = trainer.autocast_dtype
+    return torch.autocast(
+        trainer.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+    )
 
 
-def optimizer_step(trainer, minibatch, token_stats):
+def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_here=False):
     """One clipped-ratio optimizer step over a minibatch's micro-batches (gradient accumulation),
     skipped when the loss or the gradient norm is not finite. Adds each micro-batch's statistics
-    to `token_stats`. Returns (the minibatch's loss, its gradient norm), both global over ranks."""
+    to `token_stats`, kept on the device: the host reads the loss, the norm and the statistics
+    once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_here`
+    (`pi_old_source` "update"): each micro-batch's pi_old is this forward's log-probs, detached.
+    `last_micro_batch(flag)` (parallel.gathered_for_update) is told which micro-batch is the last.
+    Returns (the minibatch's loss, its gradient norm), both global over ranks."""
     t = trainer.cfg.train
-    temperature = trainer.cfg.rollout.temperature
-    clip_low, clip_high = loss.clip_range(t)
     terms = loss.term_coefficients(t)
-    norm_length = trainer.cfg.rollout.token_budget()  # Dr. GRPO's constant
     trainer.optimizer.zero_grad(set_to_none=True)
-    counts = [loss.aggregation_count(mb["loss_mask"], t.loss_agg).item() for mb in minibatch]
+    counts = torch.stack([loss.aggregation_count(mb["loss_mask"], t.loss_agg) for mb in minibatch])
+    counts = counts.tolist()  # one host read, before any forward is queued
     total = max(parallel.all_reduce([sum(counts)])[0], 1)  # the loss denominator of all ranks
-    minibatch_loss = 0.0
-    for mb, count in zip(minibatch, counts):
-        logprobs, entropy = sequence_logprobs(
-            trainer.policy,
-            mb,
-            temperature,
-            trainer.autocast_dtype,
-            entropy_grad="entropy" in terms,
-            top_p=trainer.cfg.rollout.top_p,
-        )
-        mb_loss, loss_stats = loss.policy_loss(
-            logprobs,
-            mb["old_logprobs"],
-            mb["advantages"],
-            mb["loss_mask"],
-            clip_eps=clip_low,
-            agg_mode=t.loss_agg,
-            norm_length=norm_length,
-            engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None,
-            tis_cap=t.tis_cap,
-            clip_eps_high=clip_high,
-            ratio_level=t.ratio_level,
-            terms=terms,
-            ref_logprobs=mb.get("ref_logprobs"),
-            kl_estimator=t.kl_estimator,
-            entropy=entropy,
-        )
-        # weight each micro-batch by its share of the denominator: accumulation == one big batch
-        weighted = mb_loss * count / total
-        weighted.backward()
-        minibatch_loss += weighted.item()
-        num_tokens = mb["loss_mask"].sum().item()
-        token_stats.add(
-            "train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]).item(), num_tokens
-        )
-        for name, value in loss_stats.items():
-            token_stats.add(f"train/{name}", value.item(), num_tokens)
+    losses = []
+    with compute_precision(trainer):
+        for i, (mb, count) in enumerate(zip(minibatch, counts)):
+            last_micro_batch(i == len(minibatch) - 1)
+            losses.append(
+                micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_here)
+            )
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), t.grad_clip)
-    grad_norm = parallel.full_tensor(grad_norm).item()
-    minibatch_loss = parallel.all_reduce([minibatch_loss])[0]
+    grad_norm = parallel.full_tensor(grad_norm).item()  # the minibatch's one read of the queue
+    minibatch_loss = parallel.all_reduce([sum(torch.stack(losses).tolist())])[0]
     if math.isfinite(minibatch_loss) and math.isfinite(grad_norm):
         trainer.optimizer.step()
         trainer.scheduler.step()
@@ -251,6 +260,50 @@ def optimizer_step(trainer, minibatch, token_stats):
         log.warning("non-finite loss %s or grad norm %s: update skipped", minibatch_loss, grad_norm)
         trainer.optimizer.zero_grad(set_to_none=True)
     return minibatch_loss, grad_norm
+
+
+def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_here):
+    """The forward and backward of one micro-batch, its loss weighted by its share of the
+    minibatch's denominator (`count` of `total`: accumulation == one big batch). Returns the
+    weighted loss (a detached device scalar); adds its token statistics to `token_stats`."""
+    t = trainer.cfg.train
+    clip_low, clip_high = loss.clip_range(t)
+    logprobs, entropy, full_logprobs = sequence_logprobs(
+        trainer.policy,
+        mb,
+        trainer.cfg.rollout.temperature,
+        trainer.autocast_dtype,
+        entropy_grad="entropy" in terms,
+        top_p=trainer.cfg.rollout.top_p,
+        full=True,
+        compiled_head=t.compile,
+    )
+    if pi_old_here:
+        take_pi_old(mb, logprobs.detach(), full_logprobs)
+    mb_loss, loss_stats = loss.policy_loss(
+        logprobs,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["loss_mask"],
+        clip_eps=clip_low,
+        agg_mode=t.loss_agg,
+        norm_length=trainer.cfg.rollout.token_budget(),  # Dr. GRPO's constant
+        engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None,
+        tis_cap=t.tis_cap,
+        clip_eps_high=clip_high,
+        ratio_level=t.ratio_level,
+        terms=terms,
+        ref_logprobs=mb.get("ref_logprobs"),
+        kl_estimator=t.kl_estimator,
+        entropy=entropy,
+    )
+    weighted = mb_loss * count / total
+    weighted.backward()
+    num_tokens = mb["loss_mask"].sum()
+    token_stats.add("train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]), num_tokens)
+    for name, value in loss_stats.items():
+        token_stats.add(f"train/{name}", value.detach(), num_tokens)
+    return weighted.detach()
 
 
 # ---------------------------------------------------------------- the tensor layout
@@ -369,7 +422,14 @@ def document_mask(position_ids):
 
 
 def sequence_logprobs(
-    model, batch, temperature, autocast_dtype=None, entropy_grad=False, top_p=1.0
+    model,
+    batch,
+    temperature,
+    autocast_dtype=None,
+    entropy_grad=False,
+    top_p=1.0,
+    full=False,
+    compiled_head=False,
 ):
     """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
 
@@ -379,7 +439,9 @@ def sequence_logprobs(
     one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
     mixed precision policy does that, and autocast stays off). The entropies carry their graph
     only with `entropy_grad` (an entropy bonus in the loss). With `top_p` < 1, of the nucleus the
-    engine sampled from (loss.nucleus).
+    engine sampled from (loss.nucleus). With `full`, a third value: the log-probs of the full
+    softmax (no graph; what the engine reports with top_p < 1), None at top_p 1, where they are
+    the first. `compiled_head` (train.compile): the head's chunks compiled (loss.chunk_function).
     """
     head = model.get_output_embeddings()
     packed = "packed_ids" in batch
@@ -390,7 +452,7 @@ def sequence_logprobs(
     targets = input_ids.flatten()[index + 1] if packed else input_ids[:, 1:]
 
     def logprobs_head(hidden):  # hidden: [B, T, H]
-        logprobs, entropy = loss.head_logprobs(
+        values = loss.head_logprobs(
             hidden if packed else hidden[:, :-1],
             head.weight,
             head.bias,
@@ -399,9 +461,11 @@ def sequence_logprobs(
             index=index,
             entropy_grad=entropy_grad,
             top_p=top_p,
+            full=True,
+            compiled=compiled_head,
         )
-        # [B, T-1, 2] (packed: [N, 2]), where the logits would be
-        return torch.stack([logprobs, entropy], -1)
+        # [B, T-1, 3] (packed: [N, 3]), where the logits would be
+        return torch.stack(values, -1)
 
     head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
     try:
@@ -423,7 +487,10 @@ def sequence_logprobs(
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
         out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
-    return out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+    logprobs, entropy = out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+    if not full:
+        return logprobs, entropy
+    return logprobs, entropy, out[..., 2].detach() if top_p < 1 else None
 
 
 def micro_batches(samples, size, pad_id, max_tokens=0):

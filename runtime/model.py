@@ -119,7 +119,20 @@ def build_policy(cfg, init_dir):
     # each decoder layer's activations recomputed in the backward
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.train.compile:
+        compile_layers(model)
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
+
+
+def compile_layers(model):
+    """train.compile: each decoder layer's forward torch.compile'd, with dynamic shapes (every
+    micro-batch has its own token count: one graph serves them all). Only `forward` is replaced,
+    on each layer instance, so parameter names (checkpoints, the weight sync) do not change and
+    FSDP2's hooks, which run around forward in Module.__call__, stay outside the compiled code.
+    The layers share one class's code, so Dynamo compiles it once, not once per layer (modules
+    are inlined as inputs: torch._dynamo.config.inline_inbuilt_nn_modules, on by default)."""
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def load_tokenizer(cfg, path):

@@ -138,6 +138,39 @@ def shard(model, compute_dtype):
     return model
 
 
+@contextlib.contextmanager
+def gathered_for_update(model):
+    """Within it, an FSDP2 policy's units stay gathered (all-gathered and cast to the compute dtype
+    once) from their first forward to the last micro-batch's backward of each optimizer step:
+    reshard_after_forward off keeps a unit gathered from its forward to its backward, and
+    reshard_after_backward off keeps it for the next micro-batch's forward (FSDPParamGroup.unshard
+    returns at once when `is_unsharded`; torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+    Yields `last(flag)`: call it before each micro-batch with whether it is the minibatch's last,
+    whose backward reshards, as the optimizer step that follows changes the shards. Gradients are
+    still reduce-scattered after every micro-batch (set_requires_gradient_sync stays on): they stay
+    sharded, where accumulating them unsharded would hold a whole fp32 gradient per rank. The
+    cost: the whole model in the compute dtype on every rank during the update (the estimate's
+    "FSDP units gathered"). On exit every unit is resharded and its flags are back to what `shard`
+    set, so outside an update named_parameters() is the shards again. Without FSDP: no-op."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield lambda last: None
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield lambda last: model.set_reshard_after_backward(last)
+    finally:
+        model.set_reshard_after_backward(True)
+        for unit in units:
+            unit.reshard()
+            # shard's defaults: decoder layers reshard after forward; the root does not (FSDP
+            # leaves its parameters gathered for the backward that follows)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)
+
+
 def full_tensor(tensor):
     """The whole tensor from a DTensor shard (a collective: every rank calls it in the same
     order)."""

@@ -114,10 +114,19 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     assert (got[~real] == 0).all()
 
 
-def test_every_forward_of_a_micro_batch_reads_the_same_dict(tmp_path, monkeypatch):
+@pytest.mark.parametrize("minibatches, forwards", [(1, 1), (2, 2)])
+def test_every_forward_of_a_micro_batch_reads_the_same_dict(
+    tmp_path, monkeypatch, minibatches, forwards
+):
     """pi_old's forward and the update's read each packed micro-batch from one dict, so the
-    BlockMask update.flex_mask keeps there is built once per micro-batch, not per forward."""
-    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.max_tokens_per_micro_batch=30")
+    BlockMask update.flex_mask keeps there is built once per micro-batch, not per forward. With
+    one minibatch pi_old is the update's own forward (update.pi_old_source): one forward each."""
+    cfg = dist_worker.parity_config(
+        tmp_path,
+        "token-mean",
+        "train.max_tokens_per_micro_batch=30",
+        f"train.num_minibatches={minibatches}",
+    )
     policy, _ = model.build_policy(cfg, None)
     trainer = setup_run.trainer_only(cfg, policy)
     samples, advantages = random_samples(2)
@@ -132,7 +141,7 @@ def test_every_forward_of_a_micro_batch_reads_the_same_dict(tmp_path, monkeypatc
     )
     stats = local_values(update.update_policy(trainer, samples, version=0))
     assert stats["train/micro_batches"] == len(set(read)) > 1
-    assert all(read.count(batch) == 2 for batch in set(read))  # pi_old, then the update
+    assert all(read.count(batch) == forwards for batch in set(read))  # pi_old, then the update
 
 
 def test_flex_attention_is_refused_for_training_on_cpu(tmp_path, monkeypatch):

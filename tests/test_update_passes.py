@@ -1,0 +1,197 @@
+"""The update computes nothing twice, and each saving is exact: pi_old from the update's own forward
+(one minibatch) against a forward of its own; the top-p nucleus and the full softmax from one head
+pass; autocast casting each weight once per optimizer step; train.compile against eager. On CPU,
+with the tiny Qwen2 (no engine)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dist_worker
+import loss as losses
+import runtime.model as model
+import runtime.run as setup_run
+import update
+from conftest import train_on
+from test_packing import random_samples
+
+PATHS = {
+    "packed": ["train.max_tokens_per_micro_batch=40"],
+    "padded": ["train.max_tokens_per_micro_batch=0", "train.micro_batch_size=3"],
+}
+# top-p moves the engine's log-probs onto the nucleus; TIS and partial rollout's stale tokens read
+# pi_old; the KL reference keeps its own forward; the entropy bonus differentiates the entropy
+EXTRAS = {
+    "plain": [],
+    "top_p_tis": ["rollout.top_p=0.8", "train.tis_cap=2.0"],
+    "kl_entropy": [
+        "train.kl_coef=0.1",
+        "train.entropy_coef=0.01",
+        "train.loss_agg=seq-mean-token-mean",
+    ],
+}
+
+
+def update_with_gradients(trainer, samples, advantages):
+    """(stats, {name: gradient}) of one update_policy: the gradients as the optimizer read them."""
+    grads = {}
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grads.__setitem__(n, p.grad.clone()))
+        for n, p in trainer.policy.named_parameters()
+    ]
+    stats = train_on(trainer, samples, advantages)
+    for hook in hooks:
+        hook.remove()
+    return stats, grads
+
+
+def one_update(tmp_path, sets, source=None, monkeypatch=None):
+    """(stats, {name: gradient}) of one update of the seeded tiny policy on random_samples(3)
+    (tokens 0-2 versions old, aborted rows, a 1-token response), pi_old from `source` if given."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    policy, _ = model.build_policy(cfg, None)
+    reference = None
+    if cfg.train.kl_coef:
+        reference = model.build_policy(cfg, None)[0].requires_grad_(False).eval()
+    trainer = setup_run.trainer_only(cfg, policy, reference=reference)
+    if source:
+        monkeypatch.setattr(update, "pi_old_source", lambda trainer, version: source)
+    return update_with_gradients(trainer, *random_samples(3))
+
+
+@pytest.mark.parametrize("extra", EXTRAS)
+@pytest.mark.parametrize("path", PATHS)
+def test_pi_old_from_the_update_forward_equals_a_forward_of_its_own(
+    tmp_path, monkeypatch, path, extra
+):
+    """With one minibatch, pi_old taken from the update's own forward (detached) gives the loss,
+    gradients and every statistic (the log-prob gap, TIS and staleness weights, clip fraction,
+    entropy, KL) of the two-forward path, whatever the layout and the loss terms."""
+    sets = PATHS[path] + EXTRAS[extra]
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    assert update.pi_old_source(trainer, version=0) == "update"
+    one, one_grads = one_update(tmp_path, sets)
+    two, two_grads = one_update(tmp_path, sets, source="forward", monkeypatch=monkeypatch)
+    assert one.keys() == two.keys() and "train/logprob_gap" in one
+    for key in one:
+        assert one[key] == pytest.approx(two[key], rel=1e-6, abs=1e-9), key
+    assert one_grads.keys() == two_grads.keys()
+    torch.testing.assert_close(one_grads, two_grads, rtol=1e-6, atol=1e-9)
+
+
+def test_several_minibatches_keep_a_forward_for_pi_old(tmp_path):
+    """pi_old_source: a forward of its own with several minibatches (later ones need the weights
+    from before the first step), the engine's with old_logprobs=engine past the first step."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.num_minibatches=2")
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    assert update.pi_old_source(trainer, version=0) == "forward"
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.old_logprobs=engine")
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    assert update.pi_old_source(trainer, version=0) == "update"  # the first step checks the gap
+    assert update.pi_old_source(trainer, version=1) == "engine"
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypatch):
+    """loss.nucleus finds the edge among the NUCLEUS_TOP_K likeliest tokens where they hold more
+    than top_p, else by sorting the row: both give the nucleus of the whole sorted vocabulary
+    (SGLang's rule), on peaked and flat rows alike; the full softmax's log-probs come from the
+    same pass."""
+    torch.manual_seed(0)
+    vocab = 600
+    # peaked rows (their top 8 hold most of the mass) and near-uniform ones (the sort's case)
+    logits = torch.cat([torch.randn(5, 7, vocab) * 4, torch.randn(5, 7, vocab) * 0.1])
+    targets = torch.randint(0, vocab, (10, 7))
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 8)
+    probs = logits.softmax(-1)
+    ordered, order = probs.sort(-1, descending=True)
+    dropped = torch.empty_like(ordered, dtype=torch.bool).scatter_(
+        -1, order, ordered.cumsum(-1) - ordered > top_p
+    )
+    dropped.scatter_(-1, targets.unsqueeze(-1), False)
+    expected = logits.masked_fill(dropped, float("-inf"))
+    assert torch.equal(losses.nucleus(logits, targets, top_p).isinf(), expected.isinf())
+    logprobs, _, full = losses.token_logprobs(logits, targets, top_p=top_p, full=True)
+    want = expected.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs, want)
+    torch.testing.assert_close(full, logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0])
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts the casts of each parameter (by storage) to bfloat16."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.pointers = {p.data_ptr(): name for name, p in params}
+        self.casts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            name = self.pointers.get(args[0].data_ptr())
+            if name:
+                self.casts[name] = self.casts.get(name, 0) + 1
+        return func(*args, **kwargs)
+
+
+def test_one_rank_bf16_casts_each_weight_once_per_optimizer_step(tmp_path, monkeypatch):
+    """One rank under bf16 autocast: each matmul weight is cast once per optimizer step (the
+    autocast context spans every micro-batch's forward and backward), not once per micro-batch,
+    and the gradients are those of a context per forward, exactly."""
+    sets = ["train.max_tokens_per_micro_batch=40", "model.compute_dtype=bfloat16"]
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    results = []
+    for hoisted in (True, False):
+        if not hoisted:  # each forward in its own autocast (sequence_logprobs'), as before
+            monkeypatch.setattr(update, "compute_precision", lambda t: contextlib.nullcontext())
+        policy, _ = model.build_policy(cfg, None)
+        trainer = setup_run.trainer_only(cfg, policy, autocast_dtype=torch.bfloat16)
+        samples, advantages = random_samples(3)
+        counter = CastCounter(policy.named_parameters())
+        with counter:
+            stats, grads = update_with_gradients(trainer, samples, advantages)
+        results.append((counter.casts, grads, stats["train/micro_batches"]))
+    (casts, grads, micro_batches), (casts_before, grads_before, _) = results
+    assert micro_batches >= 3
+    # every projection's weight and bias, and the tied embedding as the output head
+    linear = {
+        f"{module_name}.{n}"
+        for module_name, module in policy.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        for n, _ in module.named_parameters()
+        if module_name != "lm_head"
+    }
+    assert set(casts) == linear | {"model.embed_tokens.weight"}
+    assert all(count == 1 for count in casts.values()), casts
+    assert all(casts_before[n] >= micro_batches for n in casts)
+    torch.testing.assert_close(grads, grads_before, rtol=0, atol=0)
+
+
+def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_path):
+    """train.compile: the update of compiled decoder layers and head equals the eager one (fp32,
+    to kernel rounding), the parameter names are unchanged, and after the first update three new
+    length mixes compile nothing more (dynamic shapes). Costs ~40-60 s on 2 cores: Inductor
+    compiles a layer's and the head's forward and backward once."""
+    from torch._dynamo.utils import counters
+
+    results = []
+    for switch in ("false", "true"):
+        sets = PATHS["packed"] + [f"train.compile={switch}"]
+        cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+        policy, _ = model.build_policy(cfg, None)
+        trainer = setup_run.trainer_only(cfg, policy)
+        stats, grads = update_with_gradients(trainer, *random_samples(3))
+        results.append((stats["train/loss"], grads))
+        if switch == "true":
+            graphs = counters["stats"]["unique_graphs"]
+            for seed in (4, 5, 6):
+                train_on(trainer, *random_samples(seed))
+            assert counters["stats"]["unique_graphs"] == graphs
+    (eager_loss, eager), (compiled_loss, compiled) = results
+    assert list(compiled) == list(eager)  # the same parameter names, in order
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+    scale = max(g.abs().max() for g in eager.values())
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
