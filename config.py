@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import reprlib
+import types
 import typing
 from typing import Annotated
 
@@ -279,8 +280,9 @@ class TrainConfig:
     # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
     # width; a longer sequence gets one of its own), rows no wider than the longest sequence
     # (update.py); micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size
-    # rows
-    max_tokens_per_micro_batch: NonNegativeInt = 0
+    # rows. auto: the largest budget whose estimated train phase fits the card with a margin
+    # (runtime/estimate.py auto_budget; 4,096 without a GPU), chosen and logged at setup
+    max_tokens_per_micro_batch: NonNegativeInt | typing.Literal["auto"] = 0
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
     # torch.compile each decoder layer and the output head's per-chunk math (runtime/model.py
@@ -349,6 +351,12 @@ def numbers(config, prefix=""):
         value = getattr(config, name)
         if dataclasses.is_dataclass(value):
             yield from numbers(value, prefix=f"{key}.")
+        elif typing.get_origin(kind) in (typing.Union, types.UnionType):  # a number or a word
+            if not isinstance(value, str):
+                (arm,) = [
+                    a for a in typing.get_args(kind) if typing.get_origin(a) is typing.Annotated
+                ]
+                yield key, value, next(m for m in arm.__metadata__ if isinstance(m, Range))
         elif typing.get_origin(kind) is typing.Annotated:
             yield key, value, next((m for m in kind.__metadata__ if isinstance(m, Range)), Range())
         elif kind is float:
@@ -366,6 +374,24 @@ RENAMED = {
 
 def _coerce(key, value, kind):
     """Check `value` against the field type; ints are accepted where floats are expected."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):  # int | Literal["auto"]
+        words = [
+            a
+            for arm in typing.get_args(kind)
+            for a in typing.get_args(arm)
+            if typing.get_origin(arm) is typing.Literal
+        ]
+        if value in words and isinstance(value, str):
+            return value
+        (number,) = [
+            arm for arm in typing.get_args(kind) if typing.get_origin(arm) is not typing.Literal
+        ]
+        try:
+            return _coerce(key, value, number)
+        except ConfigError:
+            raise ConfigError(
+                f"{key}={shown(value)}: expected {number.__name__} or one of {words}"
+            ) from None
     if typing.get_origin(kind) is dict:  # dict[str, float]: a YAML mapping of names to numbers
         is_mapping = isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)

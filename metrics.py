@@ -137,8 +137,9 @@ class TokenMeans:
         pairs = [pair for n in names for pair in self.added[n]]
         tensors = [torch.as_tensor(v) for pair in pairs for v in pair]
         device = tensors[0].device if tensors else None
-        values = iter(torch.stack([t.to(device, torch.float64) for t in tensors]).tolist()
-                      if tensors else [])
+        values = iter(
+            torch.stack([t.to(device, torch.float64) for t in tensors]).tolist() if tensors else []
+        )
         local_sums, local_tokens = [], []
         for n in names:
             total, tokens = 0.0, 0

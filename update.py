@@ -173,14 +173,23 @@ def old_logprobs(trainer, micro_batches, source):
                 mb["old_logprobs"] = mb["engine_logprobs"]
             elif source == "forward":
                 logprobs, _, full = sequence_logprobs(
-                    trainer.policy, mb, temperature, trainer.autocast_dtype, top_p=top_p,
-                    full=True, compiled_head=compiled
+                    trainer.policy,
+                    mb,
+                    temperature,
+                    trainer.autocast_dtype,
+                    top_p=top_p,
+                    full=True,
+                    compiled_head=compiled,
                 )
                 take_pi_old(mb, logprobs, full)
             if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = sequence_logprobs(
-                    trainer.reference, mb, temperature, trainer.autocast_dtype, top_p=top_p,
-                    compiled_head=compiled
+                    trainer.reference,
+                    mb,
+                    temperature,
+                    trainer.autocast_dtype,
+                    top_p=top_p,
+                    compiled_head=compiled,
                 )[0]
 
 
@@ -531,9 +540,10 @@ def micro_batches(samples, size, pad_id, max_tokens=0):
 def pack_rows(lengths, max_tokens):
     """Sample indices laid out as [micro-batch][row][sample]. First-fit decreasing over the whole
     minibatch (longest first, each into the first row with room) into rows as wide as its longest
-    sequence, then as many rows per micro-batch as the budget holds (rows x width <= max_tokens,
-    so the budget bounds the positions computed, hence memory). Rows come out nearly full (a few
-    % padding at GRPO's 64 samples per rank; fewer samples leave more gaps), and none is wider
+    sequence, then as few micro-batches as the budget allows (rows x width <= max_tokens, so the
+    budget bounds the positions computed, hence memory), the rows shared out evenly. Rows come
+    out nearly full (a few % padding at GRPO's 64 samples per rank; fewer samples leave more
+    gaps), and none is wider
     than its longest sequence needs alone: with a dense block-diagonal mask (SDPA) attention
     costs width^2 per row whatever the row holds. A sequence longer than the budget gets a
     micro-batch of its own."""
@@ -552,8 +562,12 @@ def pack_rows(lengths, max_tokens):
         else:
             rows.append([i])
             room.append(width - lengths[i])
-    per_micro_batch = max_tokens // width
-    return over + [rows[k : k + per_micro_batch] for k in range(0, len(rows), per_micro_batch)]
+    # as few micro-batches as the budget allows, their rows shared out evenly (sizes differ by at
+    # most one): no 1-row remainder, whose shape would make a compiled layer specialise again
+    # (torch.compile treats a size of 1 apart from the others)
+    count = -(-len(rows) // (max_tokens // width))
+    bounds = [len(rows) * k // count for k in range(count + 1)]
+    return over + [rows[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def layout_stats(micro_batches):

@@ -67,7 +67,9 @@ import runtime.checkpoint as checkpoint  # noqa: E402
 import estimate_memory  # noqa: E402  (bench/, beside this file)
 from advantages import group_advantages  # noqa: E402
 from metrics import local_values  # noqa: E402
+import update as update_stage  # noqa: E402  (`update` is this file's padded/packed update)
 from update import update_policy  # noqa: E402
+import runtime.parallel as parallel  # noqa: E402
 import runtime.run as setup_run  # noqa: E402
 import task.data as tasks  # noqa: E402
 import rollout  # noqa: E402
@@ -303,25 +305,45 @@ def state_bytes(run):
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
-def timed_update(run, samples, advantages, device, profile=False, from_engine=False):
-    """One update_policy (`from_engine`: pi_old from the engine's log-probs); returns
-    (seconds, its stats, the peak bytes held). On a GPU the peak is the allocator's. On CPU, with
-    `profile`, it is the state held before plus the profiler's peak above it; else 0 (profiling
-    slows a CPU update: the timed ones are not profiled)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
+def timed_update(trainer, samples, advantages, device, pi_old=None):
+    """One update_policy (`pi_old`: force update.pi_old_source's answer, as the baseline arm's
+    separate forward); returns (seconds, its stats, the peak bytes the allocator held: a GPU's,
+    0 on CPU)."""
+    for sample, advantage in zip(samples, advantages.tolist()):
+        sample.advantage = advantage
+    forced = update_stage.pi_old_source
+    if pi_old:
+        update_stage.pi_old_source = lambda trainer, version: pi_old
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        stats = train_on(run, samples, advantages, from_engine=from_engine)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
-    held = state_bytes(run)
-    start = time.perf_counter()
-    if not profile:
-        stats = train_on(run, samples, advantages, from_engine=from_engine)
+        stats = local_values(update_policy(trainer, samples, version=0))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
         return time.perf_counter() - start, stats, 0
-    stats, above = profiled(lambda: train_on(run, samples, advantages, from_engine=from_engine))
-    return time.perf_counter() - start, stats, held + above
+    finally:
+        update_stage.pi_old_source = forced
+
+
+def gpu_profile(trainer, samples, advantages, device, pi_old=None):
+    """(share of the GPU's kernel time in matmuls, kernel launches) of one update, from
+    torch.profiler: the self device time of aten::mm/addmm/bmm/_scaled_mm over every op's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_update(trainer, samples, advantages, device, pi_old)
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    matmul = sum(
+        e.self_device_time_total
+        for e in events
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
+    )
+    kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA")
+    return matmul / max(total, 1), kernels
 
 
 def parity(device, attention):
@@ -336,6 +358,7 @@ def parity(device, attention):
         cfg = shape_config(
             [
                 "model.compute_dtype=float32",
+                "train.compile=false",
                 f"model.attn_implementation={arm_attention}",
                 f"train.max_tokens_per_micro_batch={budget}",
             ]
@@ -363,9 +386,59 @@ def shape_config(sets):
     return load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), ["data.train_path=unused", *sets])
 
 
+def shape_arms(args, device, shipped):
+    """{arm name: (config overrides, compile, pi_old source or None, FSDP2)}. `baseline` is the
+    update as shipped before issue 42 as near as this code runs it: configs/gsm8k.yaml's attention
+    at its 4,096-token budget, eager, pi_old from a forward of its own. The others run the config
+    as shipped now (max_tokens_per_micro_batch auto, train.compile) with each attention, with
+    top_p 0.9, and as FSDP2 on one rank (what each of N ranks computes)."""
+    compiled = args.compile == "true"
+    attentions = ["sdpa", "flex_attention"] if device.type == "cuda" else ["sdpa"]
+    arms = {
+        "baseline": (
+            [f"model.attn_implementation={shipped}", "train.max_tokens_per_micro_batch=4096"],
+            False,
+            "forward",
+            False,
+        )
+    }
+    for attention in attentions:
+        arms[f"now-{attention}"] = (
+            [f"model.attn_implementation={attention}"],
+            compiled,
+            None,
+            False,
+        )
+    if args.top_p < 1:
+        arms["top_p"] = (
+            [f"model.attn_implementation={shipped}", f"rollout.top_p={args.top_p}"],
+            compiled,
+            None,
+            False,
+        )
+    if args.fsdp:
+        arms["fsdp"] = ([f"model.attn_implementation={shipped}"], compiled, None, True)
+    return {name: arm for name, arm in arms.items() if not args.arms or name in args.arms}
+
+
+def fsdp_one_rank(device):
+    """A process group of one rank (NCCL on a GPU, gloo on CPU) for the FSDP2 arm."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method="tcp://127.0.0.1:29517",
+            rank=0,
+            world_size=1,
+        )
+
+
 def shape_main(args):
-    """Padded against packed (each attention) at a real model's shape: see the module docstring."""
+    """Each arm of `shape_arms` at a real model's shape: see the module docstring."""
     check_versions()
+    from torch._dynamo.utils import counters
+
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shape = SHAPES[args.shape]
     # CPU (tiny): sdpa, as FlexAttention has no backward there, and float32, as a CPU without
@@ -373,84 +446,109 @@ def shape_main(args):
     cpu = ["model.attn_implementation=sdpa", "model.compute_dtype=float32"]
     base = shape_config([] if device.type == "cuda" else cpu)
     dtype = getattr(torch, base.model.compute_dtype)
+    autocast = dtype if dtype != torch.float32 else None
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     contexts = 2 * estimate_memory.CONTEXT_GIB * 2**30  # trainer + engine: not the allocator's
-    budget = base.train.max_tokens_per_micro_batch
-    arms = [("padded", "sdpa", 0), ("packed", "sdpa", budget)]
     if device.type == "cuda":
-        arms.append(("packed", "flex_attention", budget))
         parity(device, "flex_attention")
     else:
         parity(device, "sdpa")
         print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
-    estimates = {}
-    if args.old_logprobs == "engine":  # the shipped packed path, pi_old from the engine
-        arms.append(("engine_old", base.model.attn_implementation, budget))
-    for name, attention, arm_budget in arms:
-        cfg = shape_config([f"train.max_tokens_per_micro_batch={arm_budget}"])
-        cfg.model.compute_dtype = base.model.compute_dtype
-        _, phases = estimate_memory.estimate(cfg, 1, card or 80 * 2**30, shape)
-        estimates[name, attention] = phases["train"] - contexts  # the skipped forward: no less
-    if card and min(estimates.values()) > card:
-        raise SystemExit(
-            f"shape={args.shape}: the estimate ({min(estimates.values()) / 2**30:.1f} GiB for one "
-            f"rank's update) is over this card's {card / 2**30:.1f} GiB; it needs FSDP over ranks"
-        )
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device={device_name} torch={torch.__version__} "
         f"transformers={__import__('transformers').__version__} shape={args.shape} {shape}"
     )
-    policy = shape_policy(shape, device)
-    run = setup_run.trainer_only(base, policy, device, dtype if dtype != torch.float32 else None)
-    samples = gsm8k_samples(args.gsm8k_samples, vocab=shape[5])
-    advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(0))
+    # the first `warmups` mixes warm up (compiles, autotunes); the 3 after are timed, each a new
+    # set of lengths
+    mixes = [
+        gsm8k_samples(args.gsm8k_samples, seed=seed, vocab=shape[5])
+        for seed in range(args.warmups + 3)
+    ]
+    advantages = torch.randn(args.gsm8k_samples, generator=torch.Generator().manual_seed(0))
     peak_flops, peak_source = bf16_peak(device, dtype, args.peak_tflops)
-    seconds = {arm: [] for arm in arms}
-    tokens, peaks = {}, {}
-    for repeat in range(args.repeats + 1):  # the first round warms up (compiles, autotunes)
-        for arm in arms if repeat % 2 == 0 else arms[::-1]:
-            name, attention, arm_budget = arm
-            run.cfg.train.max_tokens_per_micro_batch = arm_budget
-            policy.set_attn_implementation(attention)
-            gc.collect()
-            # CPU: the warm-up round measures memory, the others time
-            profile = repeat == 0
-            from_engine = name == "engine_old"
-            elapsed, stats, peak = timed_update(
-                run, samples, advantages, device, profile, from_engine
-            )
-            peaks[arm] = max(peaks.get(arm, 0), peak)
-            if repeat:
-                seconds[arm].append(elapsed)
-            tokens[arm] = stats["train/tokens"]
+    policy = None
     figures = {}
-    for arm in arms:
-        name, attention, _ = arm
-        median = statistics.median(seconds[arm])
-        tok_s = tokens[arm] / median
-        mfu = 6 * matmul_params(policy) * tok_s / peak_flops
-        figures[arm] = (tok_s, mfu, peaks[arm] / 2**30, estimates[name, attention] / 2**30)
-        print(
-            f"train_step_gpu: device={device_name} shape={args.shape} path={name}-{attention} "
-            f"tok_s={tok_s:.1f} mfu={mfu:.3f} peak_gib={figures[arm][2]:.3f} "
-            f"estimate_gib={figures[arm][3]:.3f} update_s={median:.3f} tokens={tokens[arm]}"
-        )
+    for name, (sets, compiled, pi_old, fsdp) in shape_arms(
+        args, device, base.model.attn_implementation
+    ).items():
+        cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
+        try:
+            if fsdp or policy is None:
+                policy = None
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                policy = shape_policy(shape, device)
+            for layer in policy.model.layers:  # compiled or eager, per arm (compile_layers)
+                layer.__dict__.pop("forward", None)
+            if compiled:
+                model.compile_layers(policy, sharded=fsdp)
+            policy.set_attn_implementation(cfg.model.attn_implementation)
+            if fsdp:
+                fsdp_one_rank(device)
+                policy = parallel.shard(policy, dtype)
+            cfg.train.compile = compiled
+            trainer = setup_run.trainer_only(cfg, policy, device, None if fsdp else autocast)
+            budget = cfg.train.max_tokens_per_micro_batch
+            estimate = estimate_memory.estimate(cfg, 1, card or 80 * 2**30, shape)[1]["train"]
+            for samples in mixes[: args.warmups]:  # warm-up: compiles, autotunes
+                timed_update(trainer, samples, advantages, device, pi_old)
+            graphs = counters["stats"]["unique_graphs"]
+            seconds, tokens, peak = [], [], 0
+            for _ in range(args.repeats):
+                for samples in mixes[args.warmups :]:
+                    elapsed, stats, arm_peak = timed_update(
+                        trainer, samples, advantages, device, pi_old
+                    )
+                    seconds.append(elapsed)
+                    tokens.append(stats["train/tokens"])
+                    peak = max(peak, arm_peak)
+            recompiles = counters["stats"]["unique_graphs"] - graphs
+            tok_s = sum(tokens) / sum(seconds)
+            mfu = 6 * matmul_params(policy) * tok_s / peak_flops
+            share, kernels = (
+                gpu_profile(trainer, mixes[-1], advantages, device, pi_old)
+                if device.type == "cuda" and args.profile
+                else (float("nan"), 0)
+            )
+            figures[name] = (tok_s, mfu, sum(seconds) / len(seconds), peak, estimate - contexts)
+            print(
+                f"train_step_gpu: device={device_name} shape={args.shape} arm={name} "
+                f"attention={cfg.model.attn_implementation} budget={budget} compile={compiled} "
+                f"pi_old={pi_old or update_stage.pi_old_source(trainer, 0)} "
+                f"top_p={cfg.rollout.top_p} "
+                f"tok_s={tok_s:.1f} mfu={mfu:.3f} update_s={figures[name][2]:.3f} "
+                f"peak_gib={peak / 2**30:.3f} estimate_gib={(estimate - contexts) / 2**30:.3f} "
+                f"recompiles={recompiles} matmul_share={share:.3f} kernels={kernels} "
+                f"tokens={sum(tokens) // len(tokens)}",
+                flush=True,
+            )
+            del trainer
+        except Exception as e:  # one arm's failure must not cost the others' figures
+            print(
+                f"train_step_gpu: arm={name} failed: {type(e).__name__}: {str(e)[:500]}", flush=True
+            )
+            policy = None
     print(f"mfu peak: {peak_source}")
-    if args.old_logprobs == "engine":
-        trainer_s = statistics.median(seconds["packed", base.model.attn_implementation, budget])
-        engine_s = statistics.median(seconds["engine_old", base.model.attn_implementation, budget])
-        print(
-            f"old_logprobs: engine/trainer update time ratio={engine_s / trainer_s:.3f} "
-            f"(trainer {trainer_s:.3f} s, engine {engine_s:.3f} s: the skipped forward)"
-        )
-    shipped = base.model.attn_implementation
-    packed = next(arm for arm in arms if arm[0] == "packed" and arm[1] == shipped)
-    tok_s, mfu, peak_gib, estimate_gib = figures[packed]
+    now = [n for n in figures if n.startswith("now-")]
+    if not now:
+        raise SystemExit("train_step_gpu: no arm of the shipped path ran")
+    best = max(now, key=lambda n: figures[n][1])
+    if "top_p" in figures:
+        shipped = f"now-{base.model.attn_implementation}"
+        if shipped in figures:
+            print(
+                f"top_p: update time at top_p {args.top_p} / at 1 = "
+                f"{figures['top_p'][2] / figures[shipped][2]:.3f}"
+            )
+    tok_s, mfu, _, peak, estimate = figures[best]
+    baseline = figures.get("baseline", (0, 0))[1]
+    fsdp = figures.get("fsdp", (0, 0))[1]
     print(
-        f"train_step_gpu: device={device_name} shape={args.shape} "
-        f"padded_tok_s={figures[arms[0]][0]:.1f} packed_tok_s={tok_s:.1f} mfu={mfu:.3f} "
-        f"peak_gib={peak_gib:.3f} estimate_gib={estimate_gib:.3f}"
+        f"train_step_gpu: device={device_name} shape={args.shape} best={best} "
+        f"baseline_mfu={baseline:.3f} mfu={mfu:.3f} fsdp_mfu={fsdp:.3f} tok_s={tok_s:.1f} "
+        f"peak_gib={peak / 2**30:.3f} estimate_gib={estimate / 2**30:.3f}"
     )
 
 
@@ -475,10 +573,26 @@ def main():
         "--peak-tflops", type=float, default=0, help="--shape: the device's bf16 peak for MFU"
     )
     parser.add_argument(
-        "--old-logprobs",
-        choices=("trainer", "engine"),
-        default="trainer",
-        help="--shape: engine also times the shipped packed path with pi_old from the engine",
+        "--compile",
+        choices=("true", "false"),
+        default="true",
+        help="--shape: train.compile in the arms of the path as shipped",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.9, help="--shape: an arm at this top_p (1: none)"
+    )
+    parser.add_argument("--fsdp", action="store_true", help="--shape: an FSDP2 arm on one rank")
+    parser.add_argument(
+        "--warmups", type=int, default=1, help="--shape: untimed updates, each a new length mix"
+    )
+    parser.add_argument(
+        "--arms",
+        type=lambda text: text.split(","),
+        default=None,
+        help="--shape: only these arms (comma-separated names, as printed)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="--shape: matmul share and kernels (GPU)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

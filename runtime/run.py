@@ -24,6 +24,7 @@ from config import Config, ConfigError
 from partial import PartialBuffer, share_state
 from rollout import RolloutEngine
 import runtime.checkpoint as checkpoint
+import runtime.estimate as estimate
 import runtime.model as model
 import runtime.parallel as parallel
 from runtime.model import build_policy, check_attention
@@ -101,6 +102,7 @@ def setup(cfg, resume=False, engine=None):
         engine = start_engine(cfg, engine_dir, start_step)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     policy, reference = place_models(cfg, policy, compute_dtype, device)
+    size_micro_batches(cfg, policy, device)
     trainer = update.Trainer.build(
         cfg,
         policy,
@@ -167,7 +169,26 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None, r
     `model.build_optimizer` makes: what update.update_policy reads. For replay, the benchmarks
     and the tests that time or check an update alone."""
     check_attention(cfg, device)
+    size_micro_batches(cfg, policy, device)
     return update.Trainer.build(cfg, policy, device, reference, autocast_dtype)
+
+
+def size_micro_batches(cfg, policy, device):
+    """`train.max_tokens_per_micro_batch: auto` becomes a number of tokens here, once, written
+    into the config (logged): on a GPU the largest budget whose estimated train phase fits this
+    card with a margin (estimate.auto_budget, at this run's rank count and the policy's shape),
+    so a bigger card or more ranks get bigger micro-batches; without one CPU_AUTO_TOKENS."""
+    if cfg.train.max_tokens_per_micro_batch != "auto":
+        return
+    if device.type == "cuda":
+        card = torch.cuda.get_device_properties(device).total_memory
+        shape = estimate.shape_of(policy.config)
+        budget = estimate.auto_budget(cfg, parallel.world_size(), card, shape)
+        why = f"the estimated train phase on this {card / 2**30:.1f} GiB card"
+    else:
+        budget, why = estimate.CPU_AUTO_TOKENS, "no GPU"
+    cfg.train.max_tokens_per_micro_batch = budget
+    log.info("train.max_tokens_per_micro_batch: auto -> %d (%s)", budget, why)
 
 
 def place_models(cfg, policy, compute_dtype, device):

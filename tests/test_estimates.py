@@ -70,3 +70,37 @@ def test_train_memory_bench_chunked_path_peaks_under_half_the_old_one(background
     new = int(match[2])
     ratio = float(match[3])
     assert 0 < new < 0.5 * old and ratio == pytest.approx(new / old, abs=1e-3)
+
+
+def test_auto_budget_fills_the_card_within_the_margin():
+    """train.max_tokens_per_micro_batch: auto is the largest multiple of 1,024 tokens whose
+    estimated train phase fits 85% of the card: one step more does not; a bigger card or more
+    ranks (sharded state) get a bigger budget; without a GPU the trainer takes 4,096."""
+    sys.path.insert(0, REPO)
+    import runtime.estimate as estimate
+    import runtime.run as setup_run
+    import runtime.model as model
+    from runtime.run import load_config
+
+    cfg = load_config(
+        os.path.join(REPO, "configs", "gsm8k.yaml"),
+        ["data.train_path=unused", "train.max_tokens_per_micro_batch=auto"],
+    )
+    card = estimate.H100_80GB_GIB * 2**30
+    budgets = {}
+    for ranks, gib in ((1, 79.2), (8, 79.2), (1, 139.8)):
+        budget = estimate.auto_budget(cfg, ranks, gib * 2**30)
+        train = lambda tokens: estimate.estimate(cfg, ranks, gib * 2**30, budget=tokens)[1]["train"]
+        assert budget % 1024 == 0 and budget >= estimate.longest_sequence(cfg)
+        assert train(budget) <= 0.85 * gib * 2**30 < train(budget + 1024)
+        budgets[ranks, gib] = budget
+    assert budgets[1, 79.2] < budgets[8, 79.2] and budgets[1, 79.2] < budgets[1, 139.8]
+    # the estimate of an auto config is that of its budget
+    assert estimate.estimate(cfg, 1, card) == estimate.estimate(
+        cfg, 1, card, budget=budgets[1, 79.2]
+    )
+    tiny = load_config(
+        os.path.join(REPO, "configs", "tiny.yaml"), ["train.max_tokens_per_micro_batch=auto"]
+    )
+    setup_run.trainer_only(tiny, model.build_policy(tiny, None)[0])
+    assert tiny.train.max_tokens_per_micro_batch == estimate.CPU_AUTO_TOKENS

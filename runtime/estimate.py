@@ -1,0 +1,184 @@
+"""Per-GPU memory of a config, estimated without a GPU: what each phase of a step holds on one rank
+(FSDP2 shards the trainer's fp32 state over the ranks; every rank holds a whole engine), and the
+micro-batch token budget that fills the card (`train.max_tokens_per_micro_batch: auto`).
+
+Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
+comments, and the activation term is an estimate (bf16 activations). bench/estimate_memory.py
+prints it; bench/train_step.py --shape sets it beside the measured peak. Owns no state.
+"""
+
+import os
+
+# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab, tied
+# input and output embeddings), for offline use.
+KNOWN_SHAPES = {
+    "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936, True),
+    "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936, True),
+    "Qwen/Qwen2.5-7B-Instruct": (3584, 18944, 28, 28, 4, 152_064, False),
+}
+CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
+# the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
+CUDA_GRAPH_GIB = 2.0
+# SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
+# region)
+CHUNK_TOKENS = 1024  # losses.head_logprobs' default
+H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
+
+
+def model_shape(path):
+    """(hidden, intermediate, layers, heads, KV heads, vocab, tied): a local HF folder's config,
+    else a known public shape, else the hub (where reachable)."""
+    if not os.path.isdir(path) and path in KNOWN_SHAPES:
+        return KNOWN_SHAPES[path]
+    try:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        raise SystemExit(
+            f"model.path={path!r}: no HF config reachable and no known shape; "
+            "add it to KNOWN_SHAPES"
+        )
+    return (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+        c.tie_word_embeddings,
+    )
+
+
+def shape_of(config):
+    """(hidden, intermediate, layers, heads, KV heads, vocab, tied) of a HF model config."""
+    c = config
+    return (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+        c.tie_word_embeddings,
+    )
+
+
+def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
+    """{component: bytes} per rank, and the three phase totals. `shape`: a KNOWN_SHAPES tuple
+    (default: `model.path`'s). `budget`: the micro-batch token budget (default: the config's,
+    `auto` sized by `auto_budget`)."""
+    hidden, inter, layers, heads, kv_heads, vocab, tied = shape or model_shape(cfg.model.path)
+    head_dim = hidden // heads
+    per_layer = (
+        2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    )
+    embedding = vocab * hidden  # the largest tensor; Qwen2.5 <= 3B ties it to the output head
+    params = embedding * (1 if tied else 2) + layers * per_layer + hidden
+    compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
+    r, t = cfg.rollout, cfg.train
+    seq_len = longest_sequence(cfg)
+    if budget is None:
+        budget = t.max_tokens_per_micro_batch
+        if budget == "auto":
+            budget = auto_budget(cfg, ranks, gpu_bytes, shape)
+    # packed: at most the token budget in a micro-batch, or one sequence longer than it; padded:
+    # rows x longest
+    tokens = max(budget, seq_len) if budget else t.micro_batch_size * seq_len
+    batch = f"{tokens} tokens, packed" if budget else f"{t.micro_batch_size} x {seq_len} tokens"
+    # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4
+    # I values)
+    per_token_layer = (10 * hidden + 4 * inter) * compute
+    if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
+        activations = tokens * (layers * hidden * compute + per_token_layer)
+    else:
+        activations = tokens * layers * per_token_layer
+    kv_per_token = layers * 2 * kv_heads * head_dim * engine
+    weights_engine = params * engine
+    contexts = 2 * CONTEXT_GIB * 2**30
+    if r.max_total_tokens:
+        kv_cache = r.max_total_tokens * kv_per_token
+    # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less the
+    else:
+        # weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
+        kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
+    sharded = ranks > 1
+    parts = {
+        "trainer params (fp32, sharded)": params * 4 / ranks,
+        "gradients (fp32, sharded)": params * 4 / ranks,
+        "AdamW state (fp32, sharded)": 2 * params * 4 / ranks,
+        # FSDP2 during the update: every unit stays gathered in the compute dtype from its first
+        # forward to the last micro-batch's backward (parallel.gathered_for_update)
+        "FSDP units gathered for the update": params * compute if sharded else 0,
+        "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
+        # one rank: autocast caches a compute-dtype copy of every weight for the forward and
+        # backward
+        "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
+        f"activations ({batch})": activations,
+        "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
+        # top_p < 1 (loss.nucleus), per chunk: probabilities and the masked logits (fp32), the
+        # drop mask, and for rows whose top k hold too little a sort's values and int64 indices
+        "top-p nucleus (chunked head)": (
+            CHUNK_TOKENS * vocab * (4 + 4 + 1 + 12) if r.top_p < 1 else 0
+        ),
+        "engine weights": weights_engine,
+        "engine KV cache": kv_cache,
+        "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
+        # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the
+        # largest tensor, all in the engine's dtype (sglang_engine.weight_buckets casts each shard
+        # before gathering it)
+        "weight-sync bucket": cfg.memory.bucket_mb * 2**20 + embedding * engine,
+        "CUDA contexts (trainer + engine)": contexts,
+    }
+    trainer_state = sum(
+        v for k, v in parts.items() if k.startswith(("trainer", "gradients", "AdamW"))
+    )
+    train_extra = (
+        "FSDP units gathered for the update",
+        "root gradient, unsharded fp32 (reduce-scatter)",
+        "autocast weight copies",
+        "log-prob path (chunked head)",
+        "top-p nucleus (chunked head)",
+    )
+    phases = {
+        # rollout: engine resident, trainer params and optimizer offloaded to the CPU
+        "rollout": weights_engine + kv_cache + parts["engine CUDA graphs"] + contexts,
+        # train: engine released (weights, KV cache, CUDA graphs); trainer state, gathered units,
+        # activations
+        "train": trainer_state + sum(parts[k] for k in train_extra) + activations + contexts,
+        # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one
+        # bucket
+        "sync": params * 4 / ranks + weights_engine + parts["weight-sync bucket"] + contexts,
+    }
+    if cfg.memory.mode == "off":  # nothing released: everything at once
+        phases = {name: sum(parts.values()) for name in phases}
+    return parts, phases
+
+
+# `auto` leaves this share of the card to what the estimate does not see: allocator fragmentation
+# and cached blocks, and the estimate's own error
+AUTO_MARGIN = 0.15
+AUTO_STEP = 1024  # the budget is a multiple of this many tokens
+CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
+
+
+def longest_sequence(cfg):
+    """The longest sequence a step can train: the prompt limit plus the response budget."""
+    r = cfg.rollout
+    return cfg.data.max_prompt_len + (r.max_response_tokens or r.max_new_tokens * r.max_turns)
+
+
+def auto_budget(cfg, ranks, gpu_bytes, shape=None):
+    """`train.max_tokens_per_micro_batch: auto`: the largest multiple of AUTO_STEP tokens whose
+    estimated train phase fits (1 - AUTO_MARGIN) of a card of `gpu_bytes`, at least the longest
+    sequence. The train phase grows linearly in the budget (activations, the head's hidden
+    states), so two estimates give its slope."""
+    seq_len = longest_sequence(cfg)
+
+    def at(tokens):
+        return estimate(cfg, ranks, gpu_bytes, shape, budget=tokens)[1]["train"]
+
+    per_token = (at(2 * seq_len) - at(seq_len)) / seq_len
+    room = (1 - AUTO_MARGIN) * gpu_bytes - (at(seq_len) - seq_len * per_token)
+    return max(int(room / per_token) // AUTO_STEP * AUTO_STEP, seq_len)
