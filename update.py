@@ -565,6 +565,8 @@ def pack_rows(lengths, max_tokens):
     # as few micro-batches as the budget allows, their rows shared out evenly (sizes differ by at
     # most one): no 1-row remainder, whose shape would make a compiled layer specialise again
     # (torch.compile treats a size of 1 apart from the others)
+    if not rows:
+        return over
     count = -(-len(rows) // (max_tokens // width))
     bounds = [len(rows) * k // count for k in range(count + 1)]
     return over + [rows[a:b] for a, b in zip(bounds, bounds[1:])]

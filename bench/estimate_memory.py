@@ -47,8 +47,12 @@ def main():
         f"{'component':<48}"
         + "".join(f"{f'{n} rank' + ('s' if n > 1 else ''):>10}" for n in results)
     )
-    for name in results[1][0]:
-        print(f"{name:<48}" + "".join(f"{gib(parts[name]):>10}" for parts, _ in results.values()))
+    # row by row: with max_tokens_per_micro_batch auto, each rank count names its own budget in
+    # the activations row
+    for row in zip(*(parts.items() for parts, _ in results.values())):
+        names = list(dict.fromkeys(name for name, _ in row))
+        label = names[0] if len(names) == 1 else " / ".join(names).replace(" tokens, packed", "")
+        print(f"{label:<48}" + "".join(f"{gib(value):>10}" for _, value in row))
     for phase in ("rollout", "train", "sync"):
         print(
             f"{'peak: ' + phase + ' phase':<48}"

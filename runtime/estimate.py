@@ -21,6 +21,12 @@ CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and aga
 CUDA_GRAPH_GIB = 2.0
 # SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
 # region)
+# The activations measured against the rule of thumb below (bf16 on an H200, torch 2.11: RESULTS.md,
+# "The update at the GPU's speed"): eager layers held 1.13-1.14x it (Qwen2.5-1.5B at 4,096 tokens
+# one rank, and at 32,768 under FSDP2), compiled ones 0.62-0.72x (1.5B at 32,768 tokens, 3B at
+# 14,336): Inductor recomputes elementwise results in the backward instead of saving them. Keyed
+# by whether the layers are compiled.
+ACTIVATION_FACTOR = {False: 1.13, True: 0.70}
 CHUNK_TOKENS = 1024  # losses.head_logprobs' default
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
@@ -89,7 +95,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     batch = f"{tokens} tokens, packed" if budget else f"{t.micro_batch_size} x {seq_len} tokens"
     # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4
     # I values)
-    per_token_layer = (10 * hidden + 4 * inter) * compute
+    # compiled layers (train.compile, one rank: under FSDP2 they stay eager) save less
+    compiled = t.compile and not sharded_over(ranks)
+    per_token_layer = (10 * hidden + 4 * inter) * compute * ACTIVATION_FACTOR[compiled]
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
         activations = tokens * (layers * hidden * compute + per_token_layer)
     else:
@@ -103,7 +111,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     else:
         # weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
-    sharded = ranks > 1
+    sharded = sharded_over(ranks)
     parts = {
         "trainer params (fp32, sharded)": params * 4 / ranks,
         "gradients (fp32, sharded)": params * 4 / ranks,
@@ -161,6 +169,11 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
 AUTO_MARGIN = 0.15
 AUTO_STEP = 1024  # the budget is a multiple of this many tokens
 CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
+
+
+def sharded_over(ranks):
+    """Whether the policy is an FSDP2 shard: with more than one rank."""
+    return ranks > 1
 
 
 def longest_sequence(cfg):

@@ -182,7 +182,13 @@ def check_ranks(out_dir):
         ],
     )
     run = train.setup(cfg)
-    train.train(run)
+    try:
+        train.train(run)
+    except BaseException:
+        # the engine's scheduler processes are not daemons: left running, the rank would wait for
+        # them at exit and the suite would hang instead of failing with this error
+        run.engine.shutdown()
+        raise
     # the checkpoint holds both ranks' suspended samples
     results["buffer_samples"] = len(run.buffer.waiting)
     state = checkpoint.read_trainer_state(checkpoint.latest(run_dir))

@@ -43,7 +43,8 @@ def test_gradient_checkpointing_lowers_the_train_estimate():
     """Turning train.gradient_checkpointing on lowers the estimated train-phase memory."""
 
     def train_gib(*sets):
-        line = run_bench("bench/estimate_memory.py", "--ranks", "1", *sets)[-1]
+        budget = ("--set", "train.max_tokens_per_micro_batch=4096")  # auto would fill the card
+        line = run_bench("bench/estimate_memory.py", "--ranks", "1", *budget, *sets)[-1]
         return float(re.search(r"train_gib=(\S+)", line).group(1))
 
     assert train_gib("--set", "train.gradient_checkpointing=true") < train_gib()
@@ -75,7 +76,8 @@ def test_train_memory_bench_chunked_path_peaks_under_half_the_old_one(background
 def test_auto_budget_fills_the_card_within_the_margin():
     """train.max_tokens_per_micro_batch: auto is the largest multiple of 1,024 tokens whose
     estimated train phase fits 85% of the card: one step more does not; a bigger card or more
-    ranks (sharded state) get a bigger budget; without a GPU the trainer takes 4,096."""
+    ranks (sharded state) get a bigger budget, and so do compiled layers (they save less); without
+    a GPU the trainer takes 4,096."""
     sys.path.insert(0, REPO)
     import runtime.estimate as estimate
     import runtime.run as setup_run
@@ -84,7 +86,7 @@ def test_auto_budget_fills_the_card_within_the_margin():
 
     cfg = load_config(
         os.path.join(REPO, "configs", "gsm8k.yaml"),
-        ["data.train_path=unused", "train.max_tokens_per_micro_batch=auto"],
+        ["data.train_path=unused", "train.max_tokens_per_micro_batch=auto", "train.compile=false"],
     )
     card = estimate.H100_80GB_GIB * 2**30
     budgets = {}
@@ -95,6 +97,9 @@ def test_auto_budget_fills_the_card_within_the_margin():
         assert train(budget) <= 0.85 * gib * 2**30 < train(budget + 1024)
         budgets[ranks, gib] = budget
     assert budgets[1, 79.2] < budgets[8, 79.2] and budgets[1, 79.2] < budgets[1, 139.8]
+    cfg.train.compile = True  # one rank: compiled layers
+    assert estimate.auto_budget(cfg, 1, card) > budgets[1, 79.2]
+    cfg.train.compile = False
     # the estimate of an auto config is that of its budget
     assert estimate.estimate(cfg, 1, card) == estimate.estimate(
         cfg, 1, card, budget=budgets[1, 79.2]

@@ -143,7 +143,9 @@ ESTIMATE_TABLE = {
     "FSDP units gathered for the update": 2.88,
     "root gradient, unsharded fp32 (reduce-scatter)": 0.87,
     "autocast weight copies": 0.0,
-    "activations (4096 tokens, packed)": 10.94,
+    # 4,096 x 28 layers x (10 x 1,536 + 4 x 8,960) x 2 bytes = 10.94, x 1.13 (eager layers under
+    # FSDP2, as measured on an H200: estimate.ACTIVATION_FACTOR)
+    "activations (4096 tokens, packed)": 12.36,
     "log-prob path (chunked head)": 2.34,
     "top-p nucleus (chunked head)": 0.0,  # top_p 1
     "engine weights": 2.88,
@@ -152,7 +154,8 @@ ESTIMATE_TABLE = {
     "weight-sync bucket": 0.93,
     "CUDA contexts (trainer + engine)": 2.0,
 }
-PHASE_TABLE = {"rollout": 42.60, "train": 21.90, "sync": 6.53}  # train: 19.63 - 0.60 + 2.88
+# train: 19.63 before issue 42, - 0.60 + 2.88 (units gathered) + 1.42 (activations measured)
+PHASE_TABLE = {"rollout": 42.60, "train": 23.32, "sync": 6.53}
 
 
 def test_memory_estimate_terms_match_the_table():
@@ -164,7 +167,9 @@ def test_memory_estimate_terms_match_the_table():
     estimate_memory = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(estimate_memory)
     cfg = load_config(
-        os.path.join(REPO, "configs", "gsm8k.yaml"), [f"data.train_path={GSM8K_TRAIN}"]
+        os.path.join(REPO, "configs", "gsm8k.yaml"),
+        # the budget the table was computed at (the config's auto: test_estimates.py)
+        [f"data.train_path={GSM8K_TRAIN}", "train.max_tokens_per_micro_batch=4096"],
     )
     parts, phases = estimate_memory.estimate(cfg, 8, estimate_memory.H100_80GB_GIB * 2**30)
     assert {k: round(v / 2**30, 2) for k, v in parts.items()} == pytest.approx(

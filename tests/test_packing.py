@@ -312,3 +312,12 @@ def test_grad_sync_bench_syncs_once_per_minibatch_to_the_same_parameters(backgro
         line,
     )
     assert match and float(match[1]) < 1e-6, line
+
+
+def test_pack_rows_of_nothing_or_only_over_budget_sequences():
+    """A rank with nothing to train (or only sequences over the budget) packs without error: the
+    2-rank step with partial rollout can leave a rank no finished sample."""
+    assert update.pack_rows([], max_tokens=64) == []
+    assert update.pack_rows([100, 90], max_tokens=64) == [[[0]], [[1]]]
+    layout = update.pack_rows([5] * 9, max_tokens=40)  # 8 rows of 5 fit one micro-batch: 9 rows
+    assert [len(mb) for mb in layout] == [4, 5]  # shared evenly, no 1-row remainder
