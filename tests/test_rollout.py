@@ -71,13 +71,14 @@ def test_top_p_samples_come_from_the_nucleus_the_trainer_scores(
     """The engine sampling at top_p 0.5: every sampled token is inside the nucleus (SGLang's rule,
     rebuilt here position by position from the HF model's softmax), the trainer's log-prob of it
     is log(p / nucleus mass), and the engine's own log-probs, of the full softmax, moved onto the
-    nucleus (update.on_nucleus) agree with the trainer's to 1e-4."""
+    nucleus (update.take_pi_old, from the full softmax's log-probs of the same head pass) agree
+    with the trainer's to 1e-4."""
     monkeypatch.setattr(engine.cfg, "top_p", 0.5)
     samples, _ = engine.generate(PROMPTS, group_size=8, temperature=1.0, max_new_tokens=16)
     batch = update.collate(samples, pad_id=0)
     with torch.no_grad():
         probs = policy(input_ids=batch["input_ids"]).logits[:, :-1].float().softmax(-1)
-        nucleus, _ = update.sequence_logprobs(policy, batch, 1.0, top_p=0.5)
+        nucleus, _, one_pass = update.sequence_logprobs(policy, batch, 1.0, top_p=0.5, full=True)
     mask = batch["loss_mask"].bool()
     sizes = []
     for p, target, lp in zip(probs[mask], batch["input_ids"][:, 1:][mask], nucleus[mask]):
@@ -87,12 +88,12 @@ def test_top_p_samples_come_from_the_nucleus_the_trainer_scores(
         assert target in kept
         assert lp.item() == pytest.approx((p[target] / p[kept].sum()).log().item(), abs=1e-5)
     assert sum(sizes) / len(sizes) < probs.shape[-1] / 2  # the nucleus really cuts the vocabulary
-    trainer = trainer_only(tiny_config(tmp_path, "rollout.top_p=0.5"), policy)
     with torch.no_grad():
         full, _ = update.sequence_logprobs(policy, batch, 1.0)
-        moved = update.on_nucleus(trainer, batch, nucleus)
+    torch.testing.assert_close(one_pass, full)  # the nucleus's pass gives the full softmax's too
     assert ((full - batch["engine_logprobs"]).abs() * mask).max() < 1e-4  # SGLang: full softmax
-    assert ((moved - nucleus).abs() * mask).max() < 1e-4
+    update.take_pi_old(batch, nucleus, one_pass)  # moves batch["engine_logprobs"] onto the nucleus
+    assert ((batch["engine_logprobs"] - nucleus).abs() * mask).max() < 1e-4
 
 
 def test_weight_sync_matches_the_updated_trainer(engine, policy):
