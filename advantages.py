@@ -47,7 +47,9 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
 def degenerate_groups(group_ids, is_valid):
     """Groups with fewer than 2 valid members: no baseline, so nothing is learned from them."""
     num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
-    count = torch.zeros(num_groups).index_add_(0, group_ids, is_valid.float())
+    # both sides in torch's default dtype: index_add_ needs one (float32 into a float64 default
+    # raised)
+    count = torch.zeros(num_groups).index_add_(0, group_ids, is_valid.to(torch.get_default_dtype()))
     launched = torch.zeros(num_groups).index_add_(0, group_ids, torch.ones(len(group_ids)))
     return int(((launched > 0) & (count < 2)).sum())
 
@@ -119,5 +121,5 @@ def reference_kl(trainer, trajectories):
             )
             kl = loss.kl_estimate(mb["engine_logprobs"], reference, t.kl_estimator)
             per_sample += (kl * mb["loss_mask"]).sum(-1).tolist()
-    total = torch.zeros(len(trajectories))
+    total = torch.zeros(len(trajectories), dtype=torch.float)
     return total.index_add_(0, owner, torch.tensor(per_sample[: len(samples)], dtype=torch.float))

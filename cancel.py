@@ -87,12 +87,13 @@ class Progress:
     complete_groups: list = dataclasses.field(default_factory=list)
     kept_groups: int = 0  # dynamic sampling: groups judged informative (GroupFilter.kept)
     finished_per_group: dict = dataclasses.field(default_factory=dict)
-    # response tokens of the returned trajectories (every turn; a resumed sample's earlier ones too)
-    generated_tokens: int = 0
+    # response tokens of the trajectories returned so far (every turn; a resumed sample's earlier
+    # ones too). Not the engine's output: what is still in flight is not counted
+    returned_tokens: int = 0
 
     def returned(self, turns, elapsed_s):
         """A trajectory returned (its turns), `elapsed_s` after launch."""
-        self.generated_tokens += sum(len(turn.response_ids) for turn in turns)
+        self.returned_tokens += sum(len(turn.response_ids) for turn in turns)
         last_turn = turns[-1]
         if last_turn.is_aborted:
             return
@@ -166,7 +167,7 @@ def check(cfg):
     if r.partial and r.cancel == "none":
         raise ConfigError(
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
-            "nothing: choose a cancel policy (count, time or group)"
+            f"nothing: choose a cancel policy ({', '.join(p for p in POLICIES if p != 'none')})"
         )
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
@@ -209,11 +210,12 @@ def decide(plan, progress, timeout_s=0.0):
 
 def drop_other_groups(samples, keep_groups):
     """A Decision's `keep_groups` applied at the end of a rollout: every finished sample of any
-    other group is marked dropped (masked out like an abort)."""
+    other group is masked out (`is_aborted`) with finish_reason "dropped": it finished, so it is
+    neither counted as aborted (rollout/dropped counts it) nor resumed by partial rollout."""
     for s in samples:
         if s.group_id not in keep_groups and not s.is_aborted:
             s.is_aborted = True
-            s.finish_reason = "abort"
+            s.finish_reason = "dropped"
 
 
 def informative(rewards):

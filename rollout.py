@@ -734,7 +734,9 @@ def rollout_metrics(trajectories, stats):
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
     finished = [s for s in launched if not s.is_aborted]
     # turns cut by cancellation
-    failed = ("error", "reward_error")  # kept out like an abort, but counted on their own
+    # kept out like an abort, but counted on their own: failures, and finished samples of groups a
+    # cancel policy's keep_groups left out (cancel.drop_other_groups)
+    failed = ("error", "reward_error", "dropped")
     aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
     num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
@@ -748,6 +750,7 @@ def rollout_metrics(trajectories, stats):
         "rollout/aborted": summed(num_aborted),
         "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
         "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
+        "rollout/dropped": summed(sum(s.finish_reason == "dropped" for s in launched)),
         "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
         / max(len(finished), 1),
         "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),

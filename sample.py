@@ -46,7 +46,8 @@ class Sample:
     group_id: int  # index of the prompt this sample answers (GRPO group)
     trajectory_id: int = 0  # multi-turn: turns of one trajectory share this id
     turn: int = 0  # multi-turn: index of the turn inside its trajectory
-    # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed)
+    # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed) |
+    # "dropped" (finished, in a group a cancel policy's keep_groups left out)
     finish_reason: str = "stop"
     # masked out of the loss and of reward means: cancelled before finishing, failed in the engine
     # ("error"), or its reward failed ("reward_error"); finish_reason says which

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+from config import read_config  # noqa: E402
 from runtime.run import load_config  # noqa: E402
 
 from runtime.estimate import (  # noqa: E402,F401  (the arithmetic; names bench/ reads)
@@ -35,7 +36,10 @@ def main():
         "--gpu-gib", type=float, default=H100_80GB_GIB, help="the card's total as CUDA reports it"
     )
     args = parser.parse_args()
-    cfg = load_config(args.config, args.set + ["data.train_path=unused-by-the-estimate"])
+    # the estimate reads no rows; gsm8k and chat need a train_path set (a tiny task refuses one)
+    task = read_config(args.config, args.set).data.task
+    rows = ["data.train_path=unused-by-the-estimate"] if task in ("gsm8k", "chat") else []
+    cfg = load_config(args.config, args.set + rows)
     gpu_bytes = args.gpu_gib * 2**30
     results = {n: estimate(cfg, n, gpu_bytes) for n in sorted({1, args.ranks})}
     gib = lambda b: f"{b / 2**30:8.2f}"  # noqa: E731

@@ -233,7 +233,7 @@ class Engine:
     def weight_checksums(self):
         """{tensor name: hash} of every weight the engine holds, by SGLang's weight checker
         (sglang/srt/utils/weight_checker.py: `tensor_hash` of each tensor, in the engine's layout:
-        fused projections, padded vocabulary; rotary caches skipped). health.check_weights
+        fused projections, padded vocabulary; rotary caches skipped). memory.check_weights
         compares them with the trainer's."""
         from sglang.srt.managers.io_struct import CheckWeightsReqInput
 

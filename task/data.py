@@ -15,7 +15,7 @@ import os
 import random
 
 import rewards
-from config import ConfigError
+from config import Config, ConfigError
 from sample import Prompt
 import task.tools as tools
 
@@ -24,11 +24,61 @@ log = logging.getLogger("tasks")
 TASKS = ("tiny", "tiny_tool", "gsm8k", "chat")  # data.task: see build_task
 
 
+# The data fields each task reads beyond the ones every task reads (task, reward, max_prompt_len,
+# num_val_prompts), and the rollout fields its tools read (gsm8k and chat with max_turns > 1:
+# tools.QwenTools; tiny_tool's calculator reads none). `check` refuses any other of them set to a
+# value but its default: a field nothing reads would look like it took effect (the test that this
+# table is what build_task reads: tests/test_config_and_tasks.py).
+TASK_FIELDS = {
+    "tiny": {"data.tiny_max_count", "data.num_tiny_prompts"},
+    "tiny_tool": {"data.tiny_operand_digits", "data.num_tiny_prompts"},
+    "gsm8k": {"data.train_path", "data.val_path", "data.hub_subset"},
+    "chat": {
+        "data.train_path",
+        "data.val_path",
+        "data.hub_subset",
+        "data.prompt_field",
+        "data.answer_field",
+    },
+}
+TOOL_FIELDS = {
+    "rollout.tools",
+    "rollout.tool_timeout_s",
+    "rollout.tool_workers",
+    "rollout.max_observation_chars",
+}
+
+
+def fields_read(cfg):
+    """The task-specific fields (TASK_FIELDS, TOOL_FIELDS) the configured task and turns read."""
+    read = set(TASK_FIELDS[cfg.data.task])
+    if cfg.data.task in ("gsm8k", "chat") and cfg.rollout.max_turns > 1:
+        read |= TOOL_FIELDS
+    return read
+
+
 def check(cfg):
-    """data.task's choice and what it needs (runtime.run.load_config calls this at load)."""
+    """data.task's choice and what it needs (runtime.run.load_config calls this at load); a
+    task-specific field set for a task or mode that does not read it is a ConfigError."""
     d = cfg.data
     if d.task not in TASKS:
         raise ConfigError(f"data.task={d.task!r}: expected one of {TASKS}")
+    read = fields_read(cfg)
+    defaults = Config()
+    for key in sorted(set().union(*TASK_FIELDS.values(), TOOL_FIELDS) - read):
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != getattr(getattr(defaults, section), name):
+            readers = [task for task, keys in TASK_FIELDS.items() if key in keys]
+            who = (
+                f"data.task {' or '.join(readers)}"
+                if readers
+                else "the tools of data.task gsm8k or chat with rollout.max_turns > 1"
+            )
+            raise ConfigError(
+                f"{key}={value!r} is read by {who}, not by data.task={d.task} with "
+                f"rollout.max_turns={cfg.rollout.max_turns}: unset it"
+            )
     if d.task in ("gsm8k", "chat") and not d.train_path:
         raise ConfigError(
             f"data.task={d.task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
@@ -36,15 +86,6 @@ def check(cfg):
     if d.task == "chat" and not d.reward:
         raise ConfigError(
             "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
-        )
-    if cfg.rollout.tools and cfg.rollout.max_turns == 1:
-        raise ConfigError(
-            f"rollout.tools={cfg.rollout.tools} needs rollout.max_turns > 1 (one turn calls none)"
-        )
-    if cfg.rollout.tools and d.task in ("tiny", "tiny_tool"):
-        raise ConfigError(
-            f"rollout.tools: the {d.task} task calls no tools of yours (tiny_tool: its own '?' "
-            "calculator); tools are called in Qwen's <tool_call> JSON (data.task gsm8k or chat)"
         )
 
 
@@ -243,17 +284,17 @@ def build_task(cfg, tokenizer):
     if d.task == "tiny":
         train = tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
         val = tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
-        return Task(train, val, rewards.tiny_reward, tool=None)
+        return Task(train, val, task_reward(d, rewards.tiny_reward), tool=None)
     if d.task == "tiny_tool":
         digits = d.tiny_operand_digits
         train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, digits, seed=seed)
         val = tiny_tool_prompts(tokenizer, d.num_val_prompts, digits, seed=seed + 1)
         tool = tools.QuestionCalculator(tokenizer) if use_tool else None
-        return Task(train, val, rewards.tiny_tool_reward, tool)
+        return Task(train, val, task_reward(d, rewards.tiny_tool_reward), tool)
     # gsm8k: a chat dataset of its own rows, with its own reward unless the config names one; chat:
     # the rows' fields and the reward the config names (loaded first: a wrong one is named before
     # any data is read)
-    reward_fn = rewards.load_reward(d.reward) if d.reward else rewards.gsm8k_reward
+    reward_fn = task_reward(d, rewards.gsm8k_reward)
     r = cfg.rollout
     tool = (
         tools.QwenTools(
@@ -290,6 +331,11 @@ def build_task(cfg, tokenizer):
                 subset=d.hub_subset,
             )
     return Task(prompts["train"], prompts["test"][: d.num_val_prompts], reward_fn, tool)
+
+
+def task_reward(d, default):
+    """The reward `data.reward` names (every task honours it), else the task's own `default`."""
+    return rewards.load_reward(d.reward) if d.reward else default
 
 
 class PromptStream:

@@ -1,6 +1,7 @@
 """Shared test fixtures (one real SGLang engine per session: starting one costs ~20-50 s on CPU),
 background runs of the subprocesses whose tests only read their output, and the suite's time
-budget: a full run that takes far longer than README's 8 minutes fails."""
+against README's 8-minute target: printed with the engines started and the slowest tests, never a
+failure (a correct change must not fail on a slow or busy machine)."""
 
 import collections
 import concurrent.futures
@@ -217,59 +218,32 @@ def _seed():
     torch.manual_seed(0)
 
 
-# ---------------------------------------------------------------- the suite's time budget
-SUITE_BUDGET_S = 480  # README: the whole suite in 8 minutes on 2 cores, engine starts included
-# a full run fails only past a clear margin (the slowest tests are listed: --durations)
-BUDGET_MARGIN = 1.25
-CALIBRATION_REFERENCE_S = 0.18  # `calibrate()` on the 2-core machine where the budget was measured
-MAX_SLOWDOWN = 2.0  # a slower machine gets a proportionally larger limit, at most this much larger
-
-
-def calibrate():
-    """Seconds for a fixed single-threaded workload (torch matmuls and a Python loop, like the
-    suite's mix)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-    for _ in range(200):
-        a = torch.tanh(a @ a * 0.01)
-    total = sum(i % 7 for i in range(2_000_000))
-    torch.set_num_threads(threads)
-    assert total > 0
-    return time.perf_counter() - start
+# ---------------------------------------------------------------- the suite's time
+SUITE_TARGET_S = 480  # README: the whole suite in 8 minutes on 2 cores, engine starts included
 
 
 def pytest_sessionstart(session):
-    session.config.stash[CALIBRATION] = (time.monotonic(), calibrate())
+    """Counts the SGLang engines this process starts (each 30-90 s on 2 cores)."""
+    session.config.stash[STARTED] = time.monotonic()
+    session.config.stash[ENGINE_STARTS] = starts = [0]
+    start_engine = rollout.RolloutEngine.__init__
+
+    def counted(self, *args, **kwargs):
+        starts[0] += 1
+        start_engine(self, *args, **kwargs)
+
+    rollout.RolloutEngine.__init__ = counted
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """On a full run (no paths, -k or -m given), fail when the wall time exceeds the budget by
-    the margin, scaled by how much slower than the reference this machine ran the calibration
-    workload (capped)."""
+    """The wall time against the target, as a figure (the slowest tests: --durations)."""
     config = session.config
-    started, calibration_s = config.stash[CALIBRATION]
-    elapsed = time.monotonic() - started
-    slowdown = min(max(calibration_s / CALIBRATION_REFERENCE_S, 1.0), MAX_SLOWDOWN)
-    limit = SUITE_BUDGET_S * BUDGET_MARGIN * slowdown
-    full_run = (
-        config.args_source == pytest.Config.ArgsSource.TESTPATHS
-        and not config.option.keyword
-        and not config.option.markexpr
-    )
-    verdict = (
-        "over the limit: FAILED"
-        if full_run and elapsed > limit
-        else "ok" if full_run else "not a full run"
-    )
+    elapsed = time.monotonic() - config.stash[STARTED]
     config.stash[BUDGET_LINE] = (
-        f"suite time: {elapsed:.0f} s, budget {SUITE_BUDGET_S} s, limit {limit:.0f} s "
-        f"(margin {BUDGET_MARGIN}, machine slowdown {slowdown:.2f}: calibration "
-        f"{calibration_s:.3f} s vs {CALIBRATION_REFERENCE_S} s): {verdict}"
+        f"suite time: {elapsed:.0f} s (target {SUITE_TARGET_S} s: "
+        f"{'met' if elapsed <= SUITE_TARGET_S else 'not met'}), engines started in this process: "
+        f"{config.stash[ENGINE_STARTS][0]}"
     )
-    if full_run and elapsed > limit and session.exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -289,6 +263,7 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
 
 
-CALIBRATION = pytest.StashKey[tuple]()
+STARTED = pytest.StashKey[float]()
+ENGINE_STARTS = pytest.StashKey[list]()
 BUDGET_LINE = pytest.StashKey[str]()
 BACKGROUND = pytest.StashKey[BackgroundRuns]()

@@ -434,3 +434,91 @@ def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path, monkeyp
         stderr = capsys.readouterr().err
         assert exited.value.code == 2 and message in stderr
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+# a value other than its default for each task-specific field (task.data.TASK_FIELDS, TOOL_FIELDS)
+FIELD_VALUES = {
+    "data.train_path": GSM8K_TRAIN,
+    "data.val_path": GSM8K_TRAIN,
+    "data.hub_subset": "main",
+    "data.prompt_field": "question",
+    "data.answer_field": "answer_text",
+    "data.tiny_max_count": "5",
+    "data.num_tiny_prompts": "100",
+    "data.tiny_operand_digits": "3",
+    "rollout.tools": "[task.tools:calculator]",
+    "rollout.tool_timeout_s": "5",
+    "rollout.tool_workers": "2",
+    "rollout.max_observation_chars": "100",
+}
+TASK_SETS = {
+    "tiny": [],
+    "tiny_tool": ["data.task=tiny_tool"],
+    "gsm8k": ["data.task=gsm8k", f"data.train_path={GSM8K_TRAIN}"],
+    "chat": [
+        "data.task=chat",
+        f"data.train_path={GSM8K_TRAIN}",
+        "data.reward=rewards:gsm8k_reward",
+    ],
+}
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
+    """Walking every task, with one turn and with tools' turns: each task-specific field set to a
+    value but its default is accepted where the task reads it and is a ConfigError naming it
+    everywhere else (the CPU demo once trained on its own reward with data.reward set)."""
+    assert set(FIELD_VALUES) == set().union(*tasks.TASK_FIELDS.values(), tasks.TOOL_FIELDS)
+    base = [f"run.out=/tmp/unused", f"rollout.max_turns={turns}", *TASK_SETS[task]]
+    read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
+    for key, value in FIELD_VALUES.items():
+        sets = [*base, f"{key}={value}"]
+        if key in read:
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
+        else:
+            with pytest.raises(ConfigError, match=f"{key}=.* is read by .*not by data.task={task}"):
+                load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
+    # every task reads data.reward: the demo tasks too
+    cfg = load_config(
+        os.path.join(ROOT, "configs/tiny.yaml"), [*base, "data.reward=rewards:gsm8k_reward"]
+    )
+    assert cfg.data.reward == "rewards:gsm8k_reward"
+
+
+class Recorder:
+    """A config section that records which of its fields were read."""
+
+    def __init__(self, section):
+        self._section, self.read = section, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._section, name)
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
+    """task.data.TASK_FIELDS (and TOOL_FIELDS with tools' turns) is exactly what build_task reads
+    of those fields for each task, and data.reward replaces each task's own reward."""
+    from transformers import AutoTokenizer
+
+    turns = 2 if task in ("tiny_tool", "gsm8k") else 1
+    sets = [f"run.out=/tmp/unused", f"rollout.max_turns={turns}", *TASK_SETS[task]]
+    sets += ["data.reward=rewards:gsm8k_reward"]
+    if task == "chat":
+        sets += ["data.prompt_field=question"]
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
+    tokenizer = (
+        model.build_char_tokenizer()
+        if task.startswith("tiny")
+        else AutoTokenizer.from_pretrained(qwen_tiny_dir)
+    )
+    data, rollout_section = Recorder(cfg.data), Recorder(cfg.rollout)
+    cfg.data, cfg.rollout = data, rollout_section
+    built = tasks.build_task(cfg, tokenizer)
+    table = set().union(*tasks.TASK_FIELDS.values(), tasks.TOOL_FIELDS)
+    read = {f"data.{n}" for n in data.read} | {f"rollout.{n}" for n in rollout_section.read}
+    expected = tasks.TASK_FIELDS[task] | (tasks.TOOL_FIELDS if task == "gsm8k" else set())
+    assert read & table == expected
+    assert built.reward_fn is rewards.gsm8k_reward

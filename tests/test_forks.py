@@ -157,3 +157,36 @@ def test_a_policy_can_cancel_one_group_while_the_rest_go_on(engine, policy, fork
     assert sum(s.finish_reason == "abort" for s in by_group[0]) >= 2
     assert not any(s.is_aborted for g in (1, 2) for s in by_group[g])
     assert engine.num_in_flight() == 0
+
+
+def test_keep_groups_drops_finished_groups_without_calling_them_aborted(engine, tmp_path):
+    """A Decision's `keep_groups` on the real engine: the other groups' finished members are masked
+    out with finish_reason "dropped", counted in rollout/dropped and not in rollout/aborted; the
+    policy, asked at each return, sees `returned_tokens` grow to every returned token."""
+    import rollout
+    import sample
+
+    seen = []
+
+    def keep_first(plan, progress):
+        seen.append(progress.returned_tokens)
+        return Decision(keep_groups=frozenset({0}))
+
+    cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
+    cancel.POLICIES["keep_first"] = keep_first
+    try:
+        plan = LaunchPlan(
+            cancel="keep_first", num_prompts=3, group_size=4, target_samples=12, target_groups=3
+        )
+        prompts = [[1, 5, 6, 14], [1, 7, 14], [1, 6, 14]]
+        samples, stats = engine.generate(prompts, 4, 1.0, cfg.rollout.max_new_tokens, plan)
+    finally:
+        del cancel.POLICIES["keep_first"]
+    assert not any(s.is_aborted for s in samples if s.group_id == 0)
+    others = [s for s in samples if s.group_id != 0]
+    assert len(others) == 8 and all(s.is_aborted and s.finish_reason == "dropped" for s in others)
+    for s in samples:
+        s.reward = 0.0
+    metrics = rollout.rollout_metrics(sample.trajectories_of(samples), stats)
+    assert metrics["rollout/dropped"].value == 8 and metrics["rollout/aborted"].value == 0
+    assert seen == sorted(seen) and seen[-1] == sum(len(s.response_ids) for s in samples)

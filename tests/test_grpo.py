@@ -452,3 +452,17 @@ def test_top_p_log_probs_are_those_of_the_nucleus_hand_computed():
     hidden, weight = torch.ones(1, 3, 1), probs.log()[:, None]  # logits: log(probs) everywhere
     chunked, _ = losses.head_logprobs(hidden, weight, None, targets, top_p=0.7, chunk_tokens=1)
     assert chunked[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_degenerate_groups_under_a_float64_default_dtype():
+    """advantages.degenerate_groups counts groups with fewer than 2 valid members whatever torch's
+    default dtype (float64 made index_add_ raise)."""
+    from advantages import degenerate_groups
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        count = degenerate_groups(torch.tensor([0, 0, 1, 1, 2]), torch.tensor([1, 1, 1, 0, 1]) > 0)
+    finally:
+        torch.set_default_dtype(default)
+    assert count == 2  # group 1 has one valid member, group 2 one

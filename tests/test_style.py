@@ -1,6 +1,6 @@
-"""Style (STYLE.md point 10): no line of the repository's Python files is longer than black's line
-length in pyproject.toml. Black wraps code only; this also holds comments, docstrings and strings
-to it. Reads files, runs nothing: milliseconds."""
+"""Style (docs/STYLE.md point 10): no line of the repository's Python files is longer than black's
+line length in pyproject.toml. Black wraps code only; this also holds comments, docstrings and
+strings to it. Reads files, runs nothing: milliseconds."""
 
 import glob
 import os
