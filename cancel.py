@@ -17,7 +17,7 @@ import dataclasses
 import math
 import statistics
 
-from config import ConfigError
+from config import ConfigError, refuse_unread
 
 
 @dataclasses.dataclass
@@ -156,9 +156,32 @@ def group(plan, progress):
 POLICIES = {"none": wait_for_all, "count": count, "time": time_limit, "group": group}
 
 
+def _tail_cut_by_count(cfg):
+    r = cfg.rollout
+    return r.cancel != "none" and not r.filter_groups and not r.over_sample_rate
+
+
+# config.refuse_unread's table: the rollout fields only some policies and modes read (plan_launch)
+READ_WHEN = {
+    "rollout.drop_rate": (_tail_cut_by_count, "with a cancel policy, no over-sampling or filter"),
+    "rollout.over_sample_rate": (
+        lambda cfg: cfg.rollout.cancel != "none" or cfg.rollout.filter_groups,
+        "with a cancel policy or rollout.filter_groups",
+    ),
+    "rollout.time_quantile": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
+    "rollout.time_factor": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
+    "rollout.max_staleness": (lambda cfg: cfg.rollout.partial, "with rollout.partial"),
+    "rollout.refill_prompts": (lambda cfg: cfg.rollout.filter_groups, "with rollout.filter_groups"),
+    "rollout.max_prompts_per_step": (
+        lambda cfg: cfg.rollout.filter_groups,
+        "with rollout.filter_groups",
+    ),
+}
+
+
 def check(cfg):
     """rollout.cancel's choice and the rollout's combinations (runtime.run.load_config calls
-    this at load)."""
+    this at load); a field only other policies or modes read is refused (READ_WHEN)."""
     r = cfg.rollout
     if r.cancel not in POLICIES:
         raise ConfigError(f"rollout.cancel={r.cancel!r}: expected one of {tuple(POLICIES)}")
@@ -169,6 +192,7 @@ def check(cfg):
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
             f"nothing: choose a cancel policy ({', '.join(p for p in POLICIES if p != 'none')})"
         )
+    refuse_unread(cfg, READ_WHEN)
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "

@@ -342,6 +342,19 @@ class Config:
                 raise ConfigError(f"{key}={shown(value)}: expected {expected}{why}")
 
 
+def refuse_unread(cfg, read_when):
+    """Each field of `read_when` ({"section.field": (is_read(cfg), "when it is read")}) set to a
+    value but its default where `is_read` says nothing reads it is a ConfigError: a value nothing
+    reads would look like it took effect. Each owner module declares the fields it reads only in
+    some tasks or modes beside its `check`, which calls this."""
+    defaults = Config()
+    for key, (is_read, when) in read_when.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value != getattr(getattr(defaults, section), name) and not is_read(cfg):
+            raise ConfigError(f"{key}={shown(value)} is read only {when}: unset it")
+
+
 def numbers(config, prefix=""):
     """(key, value, Range) of every number field in the tree, a plain float admitting any finite
     value; a {name: number} mapping yields each entry (train.loss_terms)."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from config import ConfigError
+from config import ConfigError, refuse_unread
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -38,8 +38,26 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # train.kl_estimator: see kl_e
 KL_PLACEMENTS = ("loss", "reward")
 
 
+def _ratio_is(level):
+    return lambda cfg: cfg.train.ratio_level == level
+
+
+# config.refuse_unread's table: the clip ranges each ratio level reads (clip_range), and what only
+# a KL reference reads
+READ_WHEN = {
+    "train.clip_eps": (_ratio_is("token"), "with train.ratio_level=token"),
+    "train.clip_eps_high": (_ratio_is("token"), "with train.ratio_level=token"),
+    "train.sequence_clip_eps": (_ratio_is("sequence"), "with train.ratio_level=sequence"),
+    "train.sequence_clip_eps_high": (_ratio_is("sequence"), "with train.ratio_level=sequence"),
+    "train.cispo_eps_low": (_ratio_is("cispo"), "with train.ratio_level=cispo"),
+    "train.cispo_eps_high": (_ratio_is("cispo"), "with train.ratio_level=cispo"),
+    "train.kl_estimator": (lambda cfg: cfg.train.kl_coef > 0, "with train.kl_coef > 0"),
+}
+
+
 def check(cfg):
-    """The loss's choices and combinations (runtime.run.load_config calls this at load)."""
+    """The loss's choices and combinations (runtime.run.load_config calls this at load); a clip
+    range another ratio level reads, or a KL setting without a reference, is refused."""
     t = cfg.train
     choices = {
         "train.loss_agg": (t.loss_agg, LOSS_AGG_MODES),
@@ -50,6 +68,7 @@ def check(cfg):
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
+    refuse_unread(cfg, READ_WHEN)
     unknown = sorted(set(t.loss_terms) - set(TERMS))
     if unknown:
         raise ConfigError(f"train.loss_terms: no term {unknown[0]!r}; loss.TERMS has {list(TERMS)}")

@@ -15,7 +15,7 @@ import os
 import random
 
 import rewards
-from config import Config, ConfigError
+from config import ConfigError, refuse_unread
 from sample import Prompt
 import task.tools as tools
 
@@ -57,28 +57,27 @@ def fields_read(cfg):
     return read
 
 
+def _readers(key):
+    tasks = [task for task, keys in TASK_FIELDS.items() if key in keys]
+    if tasks:
+        return f"by data.task {' or '.join(tasks)}"
+    return "by the tools of data.task gsm8k or chat with rollout.max_turns > 1"
+
+
+# config.refuse_unread's table of this module's fields
+READ_WHEN = {
+    key: (lambda cfg, key=key: key in fields_read(cfg), _readers(key))
+    for key in sorted(set().union(*TASK_FIELDS.values(), TOOL_FIELDS))
+}
+
+
 def check(cfg):
     """data.task's choice and what it needs (runtime.run.load_config calls this at load); a
     task-specific field set for a task or mode that does not read it is a ConfigError."""
     d = cfg.data
     if d.task not in TASKS:
         raise ConfigError(f"data.task={d.task!r}: expected one of {TASKS}")
-    read = fields_read(cfg)
-    defaults = Config()
-    for key in sorted(set().union(*TASK_FIELDS.values(), TOOL_FIELDS) - read):
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != getattr(getattr(defaults, section), name):
-            readers = [task for task, keys in TASK_FIELDS.items() if key in keys]
-            who = (
-                f"data.task {' or '.join(readers)}"
-                if readers
-                else "the tools of data.task gsm8k or chat with rollout.max_turns > 1"
-            )
-            raise ConfigError(
-                f"{key}={value!r} is read by {who}, not by data.task={d.task} with "
-                f"rollout.max_turns={cfg.rollout.max_turns}: unset it"
-            )
+    refuse_unread(cfg, READ_WHEN)
     if d.task in ("gsm8k", "chat") and not d.train_path:
         raise ConfigError(
             f"data.task={d.task} needs data.train_path (a .jsonl/.parquet file or a hub name)"

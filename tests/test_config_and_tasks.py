@@ -477,7 +477,7 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         if key in read:
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
         else:
-            with pytest.raises(ConfigError, match=f"{key}=.* is read by .*not by data.task={task}"):
+            with pytest.raises(ConfigError, match=f"{key}=.* is read only by "):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
     # every task reads data.reward: the demo tasks too
     cfg = load_config(
@@ -522,3 +522,56 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
     expected = tasks.TASK_FIELDS[task] | (tasks.TOOL_FIELDS if task == "gsm8k" else set())
     assert read & table == expected
     assert built.reward_fn is rewards.gsm8k_reward
+
+
+@pytest.mark.parametrize("module", ["cancel", "loss", "task.data"])
+def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
+    """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
+    with the mode off, is a ConfigError naming it; with the mode on it is accepted."""
+    import importlib
+
+    import config as config_module
+
+    owner = importlib.import_module(module)
+    defaults = config_module.Config()
+    turn_on = {  # a mode in which each field is read
+        "rollout.drop_rate": ["rollout.cancel=count"],
+        "rollout.over_sample_rate": ["rollout.cancel=count"],
+        "rollout.time_quantile": ["rollout.cancel=time"],
+        "rollout.time_factor": ["rollout.cancel=time"],
+        "rollout.max_staleness": ["rollout.cancel=count", "rollout.partial=true"],
+        "rollout.refill_prompts": ["rollout.filter_groups=true"],
+        "rollout.max_prompts_per_step": ["rollout.filter_groups=true"],
+        "train.clip_eps": [],
+        "train.clip_eps_high": [],
+        "train.sequence_clip_eps": [
+            "train.ratio_level=sequence",
+            "train.loss_agg=seq-mean-token-mean",
+        ],
+        "train.sequence_clip_eps_high": [
+            "train.ratio_level=sequence",
+            "train.loss_agg=seq-mean-token-mean",
+        ],
+        "train.cispo_eps_low": ["train.ratio_level=cispo"],
+        "train.cispo_eps_high": ["train.ratio_level=cispo"],
+        "train.kl_estimator": ["train.kl_coef=0.1"],
+    }
+    other = {
+        "train.kl_estimator": "k1",
+        "rollout.refill_prompts": "64",
+        "rollout.time_quantile": "0.5",
+        "rollout.drop_rate": "0.25",
+        "rollout.max_prompts_per_step": "256",
+    }
+    for key, (is_read, _) in owner.READ_WHEN.items():
+        section, name = key.split(".")
+        default = getattr(getattr(defaults, section), name)
+        value = other.get(key) or FIELD_VALUES.get(key) or str(default * 2 if default else 0.5)
+        off = ["run.out=/tmp/unused", f"{key}={value}"]
+        if key.startswith("train.clip_eps"):
+            off += ["train.ratio_level=cispo"]
+        if key in turn_on:
+            cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), off[:2] + turn_on[key])
+            assert is_read(cfg), key
+            with pytest.raises(ConfigError, match=f"{key}=.* is read only "):
+                load_config(os.path.join(ROOT, "configs/tiny.yaml"), off)
