@@ -39,26 +39,17 @@ def model_shape(path):
     try:
         from transformers import AutoConfig
 
-        c = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         raise SystemExit(
             f"model.path={path!r}: no HF config reachable and no known shape; "
             "add it to KNOWN_SHAPES"
         )
-    return (
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.vocab_size,
-        c.tie_word_embeddings,
-    )
+    return shape_of(config)
 
 
-def shape_of(config):
-    """(hidden, intermediate, layers, heads, KV heads, vocab, tied) of a HF model config."""
-    c = config
+def shape_of(c):
+    """(hidden, intermediate, layers, heads, KV heads, vocab, tied) of a HF model config `c`."""
     return (
         c.hidden_size,
         c.intermediate_size,
