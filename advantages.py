@@ -64,7 +64,7 @@ ESTIMATORS = {"grpo": grpo}
 
 
 def check(cfg):
-    """train.advantage's choice (runtime.run.load_config calls this at load)."""
+    """train.advantage's choice (assemble.load_config calls this at load)."""
     if cfg.train.advantage not in ESTIMATORS:
         raise ConfigError(
             f"train.advantage={cfg.train.advantage!r}: expected one of {tuple(ESTIMATORS)}"

@@ -180,7 +180,7 @@ READ_WHEN = {
 
 
 def check(cfg):
-    """rollout.cancel's choice and the rollout's combinations (runtime.run.load_config calls
+    """rollout.cancel's choice and the rollout's combinations (assemble.load_config calls
     this at load); a field only other policies or modes read is refused (READ_WHEN)."""
     r = cfg.rollout
     if r.cancel not in POLICIES:

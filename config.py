@@ -4,7 +4,7 @@ Owns every setting's name, type, default, one-line meaning and numeric bounds; Y
 configs/ only override. An unknown key, a value of the wrong type or out of bounds is a ConfigError
 that names it. Does not own the choices a field picks from (a cancel policy, an advantage
 estimator, a loss mode): each is a dict or tuple in the module that reads it, checked there by its
-`check(cfg)` at load (runtime/run.py's load_config calls `read_config`, then them all). Imports
+`check(cfg)` at load (assemble.py's load_config calls `read_config`, then them all). Imports
 nothing of the project.
 """
 
@@ -473,7 +473,7 @@ def read_yaml(path):
 def read_config(path=None, sets=()):
     """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars), each
     value of the right type and within its bounds. The choices are checked by their owners:
-    runtime.run.load_config runs both, and is what a run uses."""
+    assemble.load_config runs both, and is what a run uses."""
     config = Config()
     if path:
         apply(config, read_yaml(path) or {})

@@ -56,7 +56,7 @@ READ_WHEN = {
 
 
 def check(cfg):
-    """The loss's choices and combinations (runtime.run.load_config calls this at load); a clip
+    """The loss's choices and combinations (assemble.load_config calls this at load); a clip
     range another ratio level reads, or a KL setting without a reference, is refused."""
     t = cfg.train
     choices = {

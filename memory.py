@@ -35,7 +35,7 @@ LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}
 
 
 def check(cfg):
-    """memory.mode's choice (runtime.run.load_config calls this at load)."""
+    """memory.mode's choice (assemble.load_config calls this at load)."""
     if cfg.memory.mode not in MEMORY_MODES:
         raise ConfigError(f"memory.mode={cfg.memory.mode!r}: expected one of {MEMORY_MODES}")
 

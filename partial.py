@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 from metrics import summed
+import runtime.parallel as parallel
 from sample import Prompt, Sample, trajectories_of
 
 COUNTERS = (
@@ -168,6 +169,11 @@ class PartialBuffer:
         }
 
     # ------------------------------------------------------------------ checkpoint form
+    def checkpoint_state(self):
+        """Every rank's `state_dict`, merged into the one a checkpoint holds (a collective: every
+        rank calls it; runtime/checkpoint.py writes what rank 0 gets)."""
+        return merge_states(parallel.gather_objects(self.state_dict()))
+
     def state_dict(self):
         """Plain lists, strings and numbers (checkpoint.py loads them with weights_only=True)."""
         index = {id(group): i for i, group in enumerate(self.groups)}

@@ -29,7 +29,7 @@ class RewardError(ValueError):
 
 
 def check(cfg):
-    """DAPO's overlong penalty's limits (runtime.run.load_config calls this at load)."""
+    """DAPO's overlong penalty's limits (assemble.load_config calls this at load)."""
     t = cfg.train
     budget = cfg.rollout.token_budget()
     if t.overlong_penalty and cfg.rollout.max_turns > 1:

@@ -8,7 +8,7 @@ its own metrics; every feature is switched inside its stage, so none is named he
     -> training sequences (merge.py) -> update (update.py, loss.py) -> weight sync (memory.py)
     -> metrics (metrics.py)
 
-Setup is runtime/run.py's. Importing this file never trains (SGLang's and the launcher's processes
+Setup is assemble.py's. Importing this file never trains (SGLang's and the launcher's processes
 re-import the main module). README.md has the map.
 """
 
@@ -36,7 +36,7 @@ import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
 from runtime.engine import EngineDiedError, RolloutError, StopSignal, strip_expandable_segments
 from runtime.model import ModelError
-from runtime.run import load_config, setup
+from assemble import load_config, setup
 from task.data import DataError
 
 log = logging.getLogger("train")

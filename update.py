@@ -35,7 +35,7 @@ class NonFiniteError(RuntimeError):
 
 @dataclasses.dataclass
 class Trainer:
-    """The trainer's half of a run, which this stage updates (built by runtime/run.py)."""
+    """The trainer's half of a run, which this stage updates (built by assemble.py)."""
 
     cfg: object  # the run's Config
     policy: torch.nn.Module  # fp32 master weights; an FSDP2 shard with several ranks
@@ -70,7 +70,7 @@ class Trainer:
 
 
 def check(cfg):
-    """train.old_logprobs's choice and where it is valid (runtime.run.load_config calls this)."""
+    """train.old_logprobs's choice and where it is valid (assemble.load_config calls this)."""
     t = cfg.train
     if t.old_logprobs not in ("trainer", "engine"):
         raise ConfigError(f"train.old_logprobs={t.old_logprobs!r}: expected trainer or engine")

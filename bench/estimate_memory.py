@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from config import read_config  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 
 from runtime.estimate import (  # noqa: E402,F401  (the arithmetic; names bench/ reads)
     CONTEXT_GIB,

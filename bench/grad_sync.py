@@ -27,9 +27,9 @@ sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 from advantages import group_advantages  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
-import runtime.run as setup_run  # noqa: E402
+import assemble as setup_run  # noqa: E402
 import train_step  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 
 
 def update(samples, once_per_minibatch, micro_batches, max_tokens=0):

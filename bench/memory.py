@@ -18,7 +18,7 @@ from advantages import group_advantages  # noqa: E402
 import train  # noqa: E402
 from train_step import train_on  # noqa: E402
 import rollout  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 from memory import MemoryPhases  # noqa: E402
 
 

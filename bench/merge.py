@@ -139,7 +139,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     # imported only when the demo runs: they import torch and SGLang's engine
     import rollout
     import train
-    from runtime.run import load_config
+    from assemble import load_config
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = load_config(

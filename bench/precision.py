@@ -22,10 +22,10 @@ sys.path.insert(
 
 import dist_worker  # noqa: E402  (its fixed batch: uneven lengths, aborted rows)
 import runtime.parallel as parallel  # noqa: E402
-import runtime.run as setup_run  # noqa: E402
+import assemble as setup_run  # noqa: E402
 from train_step import train_on  # noqa: E402
 import runtime.model as model  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 
 
 def one_step(cfg, samples, advantages, device, params_dtype):

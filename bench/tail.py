@@ -27,7 +27,7 @@ import task.data as tasks  # noqa: E402  (needs the sys.path line above)
 import sample  # noqa: E402
 import runtime.checkpoint as checkpoint  # noqa: E402
 import runtime.model as model  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 from partial import PartialBuffer  # noqa: E402
 from cancel import filter_groups, plan_launch  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402

@@ -70,11 +70,11 @@ from metrics import local_values  # noqa: E402
 import update as update_stage  # noqa: E402  (`update` is this file's padded/packed update)
 from update import update_policy  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
-import runtime.run as setup_run  # noqa: E402
+import assemble as setup_run  # noqa: E402
 import task.data as tasks  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
 VOCAB = 32_000  # the gsm8k mix's vocabulary

@@ -29,7 +29,7 @@ from rollout import rollout_seed
 from runtime.checkpoint import CheckpointError
 from runtime.engine import strip_expandable_segments
 from runtime.model import ModelError, load_tokenizer
-from runtime.run import engine_only, load_config, start_engine
+from assemble import engine_only, load_config, start_engine
 from sample import trajectories_of
 from task.data import DataError, build_task
 

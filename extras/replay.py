@@ -50,7 +50,7 @@ def replay(folder):
     dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
     # the run's own config.yaml: types and bounds read again (config.read_config); its choices were
-    # checked by runtime.run.load_config when the run started (importing that here would put the
+    # checked by assemble.load_config when the run started (importing that here would put the
     # whole setup under train.py's import of this module)
     cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
     step = dumped["step"]

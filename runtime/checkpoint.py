@@ -21,7 +21,6 @@ import yaml
 from torch.distributed.checkpoint import BytesStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
-from partial import merge_states
 import runtime.parallel as parallel
 
 log = logging.getLogger("checkpoint")
@@ -44,8 +43,8 @@ def save(out_dir, step, run):
     # a collective: gathered one tensor at a time to rank 0
     full_state = parallel.full_state_dict(trainer.policy)
     # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or
-    # trained twice
-    buffers = parallel.gather_objects(run.buffer.state_dict() if run.buffer else None)
+    # trained twice (partial.PartialBuffer.checkpoint_state, a collective)
+    buffer = run.buffer.checkpoint_state() if run.buffer else None
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
         save_hf(trainer.policy, run.tokenizer, tmp, full_state)
@@ -58,7 +57,7 @@ def save(out_dir, step, run):
                 "scheduler": trainer.scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(),
                 "python_rng": random.getstate(),
-                "buffer": merge_states(buffers) if run.buffer else None,
+                "buffer": buffer,
                 "prompt_positions": positions,
             },
             os.path.join(tmp, "trainer_state.pt"),

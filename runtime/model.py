@@ -50,7 +50,7 @@ def build_char_tokenizer(chars=TINY_CHARS):
 
 
 def check(cfg):
-    """The model section's and the schedule's choices (runtime.run.load_config calls this)."""
+    """The model section's and the schedule's choices (assemble.load_config calls this)."""
     choices = {
         "model.compute_dtype": (cfg.model.compute_dtype, DTYPES),
         "model.engine_dtype": (cfg.model.engine_dtype, DTYPES),

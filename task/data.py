@@ -72,7 +72,7 @@ READ_WHEN = {
 
 
 def check(cfg):
-    """data.task's choice and what it needs (runtime.run.load_config calls this at load); a
+    """data.task's choice and what it needs (assemble.load_config calls this at load); a
     task-specific field set for a task or mode that does not read it is a ConfigError."""
     d = cfg.data
     if d.task not in TASKS:

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import runtime.checkpoint as checkpoint  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests

@@ -24,12 +24,12 @@ import loss as losses  # noqa: E402
 from advantages import group_advantages  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
 import runtime.engine as sglang_engine  # noqa: E402
-import runtime.run as setup_run  # noqa: E402
+import assemble as setup_run  # noqa: E402
 import train  # noqa: E402
 from conftest import train_on  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402
-from runtime.run import load_config  # noqa: E402
+from assemble import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
 MODES = losses.LOSS_AGG_MODES

@@ -14,7 +14,7 @@ import task.data as tasks
 import task.tools as tools
 import rewards
 from config import ConfigError, read_config
-from runtime.run import load_config
+from assemble import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first 100 rows of GSM8K's train split (MIT, tests/data/GSM8K_LICENSE): shipped so the tests

@@ -80,9 +80,9 @@ def test_auto_budget_fills_the_card_within_the_margin():
     a GPU the trainer takes 4,096."""
     sys.path.insert(0, REPO)
     import runtime.estimate as estimate
-    import runtime.run as setup_run
+    import assemble as setup_run
     import runtime.model as model
-    from runtime.run import load_config
+    from assemble import load_config
 
     cfg = load_config(
         os.path.join(REPO, "configs", "gsm8k.yaml"),

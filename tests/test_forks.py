@@ -17,7 +17,7 @@ import loss
 import rewards
 from cancel import Decision, LaunchPlan, Progress
 from config import ConfigError
-from runtime.run import load_config
+from assemble import load_config
 from sample import Sample
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -28,7 +28,7 @@ import runtime.parallel as parallel
 import runtime.engine as sglang_engine
 import task.tools as tools
 import runtime.model as model
-from runtime.run import load_config
+from assemble import load_config
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_train import scalars
 

@@ -8,7 +8,7 @@ import pytest
 import memory as health
 import rollout
 import train
-from runtime.run import load_config
+from assemble import load_config
 from conftest import tiny_config
 from runtime.engine import RolloutError
 

@@ -14,7 +14,7 @@ import task.tools as tools
 import train
 import rollout
 import task.data as tasks
-from runtime.run import load_config
+from assemble import load_config
 from conftest import tiny_config
 
 

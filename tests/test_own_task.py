@@ -17,7 +17,7 @@ import sample
 import task.data as tasks
 import rewards
 from config import ConfigError
-from runtime.run import load_config
+from assemble import load_config
 from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
 from test_gpu_readiness import CPU_SIZES
 from test_train import scalars

@@ -15,7 +15,7 @@ import update
 import dist_worker
 import loss as losses
 import runtime.model as model
-import runtime.run as setup_run
+import assemble as setup_run
 from metrics import local_values
 from sample import Sample
 

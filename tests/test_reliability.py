@@ -37,7 +37,7 @@ from config import Config, ConfigError, numbers
 from conftest import tiny_config, train_on
 from metrics import summed
 from runtime.engine import StopSignal
-from runtime.run import load_config
+from assemble import load_config
 from test_config_and_tasks import _wide_char_tokenizer, qwen_tool_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -572,7 +572,7 @@ def test_a_second_signal_exits_at_once_with_130(engine):
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})
-import runtime.checkpoint as checkpoint, runtime.model as model, runtime.run as setup_run
+import runtime.checkpoint as checkpoint, runtime.model as model, assemble as setup_run
 import task.data as tasks
 cfg = setup_run.load_config("configs/tiny.yaml", ["run.out={out}"])
 policy, tokenizer = model.build_policy(cfg, None)

@@ -22,7 +22,7 @@ from conftest import tiny_config
 from cancel import plan_launch
 from config import ConfigError
 from rollout import RolloutError
-from runtime.run import trainer_only
+from assemble import trainer_only
 from sample import Sample
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...

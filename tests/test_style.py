@@ -2,6 +2,7 @@
 line length in pyproject.toml. Black wraps code only; this also holds comments, docstrings and
 strings to it. Reads files, runs nothing: milliseconds."""
 
+import ast
 import glob
 import os
 import tomllib
@@ -89,3 +90,31 @@ def test_every_dotted_name_in_the_readme_exists():
                 if not (known or f"{first}.{second}" in keys):
                     missing.append(f"{first}.{second}")
     assert not missing, f"README names that do not exist: {sorted(set(missing))}"
+
+
+def test_the_substrate_imports_no_stage():
+    """runtime/ (engine, model, parallel, checkpoint, estimate) is what the stages run on: its
+    modules import no module of this repository but each other and config.py; the assembly that
+    imports the stages (assemble.py) sits above them, beside train.py."""
+    local = {os.path.splitext(name)[0] for name in os.listdir(REPO) if name.endswith(".py")} | {
+        "task",
+        "extras",
+        "runtime",
+    }
+    found = {}
+    for name in sorted(os.listdir(os.path.join(REPO, "runtime"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(REPO, "runtime", name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            modules = []
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module]
+            for module in modules:
+                top = module.split(".")[0]
+                if top in local and top not in ("runtime", "config"):
+                    found.setdefault(name, []).append(module)
+    assert not found, f"runtime/ imports stage modules: {found}"

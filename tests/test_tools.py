@@ -13,7 +13,7 @@ import pytest
 import task.data as tasks
 import task.tools as tools
 from config import ConfigError
-from runtime.run import load_config
+from assemble import load_config
 from test_config_and_tasks import qwen_tool_tokenizer
 
 

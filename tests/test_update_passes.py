@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dist_worker
 import loss as losses
 import runtime.model as model
-import runtime.run as setup_run
+import assemble as setup_run
 import update
 from conftest import train_on
 from test_packing import random_samples

@@ -1,5 +1,6 @@
 """Setting up a run: loading and checking its config, and the `Run` the step loop reads, built once
-per rank by `setup`.
+per rank by `setup`. The assembly sits above the stages it assembles (beside train.py): it imports
+them all, and nothing under runtime/ (the substrate a step runs on) imports a stage.
 
 Owns building the policy (sharded over ranks), the task, the rollout engine, the optimizer, the
 reward step, the memory phases and partial rollout's buffer, and restoring them from the latest
