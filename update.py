@@ -46,7 +46,7 @@ class Trainer:
     reference: torch.nn.Module | None = None
     autocast_dtype: torch.dtype | None = None  # one rank computing in bf16; None for fp32 or FSDP2
     first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
-    bad_steps: int = 0  # steps in a row whose every update was skipped as non-finite
+    bad_steps: int = 0  # steps in a row with an update skipped as non-finite
 
     @classmethod
     def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):
@@ -94,14 +94,19 @@ def check(cfg):
 
 
 def pi_old_source(trainer, version):
-    """Where this step's pi_old (the log-probs of the policy that sampled, as the trainer scores
-    it) comes from:
+    """Where this step's pi_old comes from: the log-probs, as the trainer scores them, of the
+    weights as they are at the start of this step (the ones that sampled, but for partial
+    rollout's older tokens, which TIS or the staleness mask handle):
     - "engine": the engine's sampling log-probs (train.old_logprobs=engine), except at this
       process's first step, where the log-prob gap check needs the trainer's own;
     - "update": the update's own forward, detached. With one minibatch (train.num_minibatches=1,
-      every shipped config) the weights the step trains are pi_old, so the log-probs of its first
-      and only optimizer step are pi_old's exactly, and the ratio starts at 1 (TRL does the
-      same): no forward of its own;
+      every shipped config) no optimizer step comes between pi_old's forward and the update's, on
+      the same weights and inputs with no dropout (Qwen2's is 0): the two give the same numbers in
+      exact arithmetic, so the update's own, detached, are pi_old and the ratio is 1 (TRL does the
+      same: trl/trainer/grpo_trainer.py, old_per_token_logps = per_token_logps.detach() with one
+      iteration). In floating point the two-forward path differed by its kernels' rounding (a
+      no-grad and a grad variant); this path has none. Equal to the two-forward path's loss and
+      gradients to 1e-6 on CPU (tests/test_update_passes.py). No forward of its own;
     - "forward": a no-grad forward of every micro-batch before the first optimizer step. With
       several minibatches the later ones need the weights from before the first step.
     The KL reference (train.kl_coef with kl_in=loss) keeps its own forward whatever the source."""
@@ -163,7 +168,9 @@ def update_policy(trainer, sequences, version):
 def old_logprobs(trainer, micro_batches, source):
     """pi_old from `source` (`pi_old_source`): the engine's log-probs, or a no-grad forward of
     every micro-batch ("update": nothing here, optimizer_step takes them from its own forward);
-    and the frozen reference's, for the KL term in the loss, always from a forward of its own."""
+    and the frozen reference's, for the KL term in the loss, always from a forward of its own.
+    With "update" (one minibatch, the default) it computes no pi_old: only the reference's, if
+    any."""
     temperature = trainer.cfg.rollout.temperature
     top_p = trainer.cfg.rollout.top_p
     compiled = trainer.cfg.train.compile
@@ -243,12 +250,13 @@ def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_her
     once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_here`
     (`pi_old_source` "update"): each micro-batch's pi_old is this forward's log-probs, detached.
     `last_micro_batch(flag)` (parallel.gathered_for_update) is told which micro-batch is the last.
+    With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus).
     Returns (the minibatch's loss, its gradient norm), both global over ranks."""
     t = trainer.cfg.train
     terms = loss.term_coefficients(t)
     trainer.optimizer.zero_grad(set_to_none=True)
     counts = torch.stack([loss.aggregation_count(mb["loss_mask"], t.loss_agg) for mb in minibatch])
-    counts = counts.tolist()  # one host read, before any forward is queued
+    counts = counts.tolist()  # one host read, before this minibatch's forwards are queued
     total = max(parallel.all_reduce([sum(counts)])[0], 1)  # the loss denominator of all ranks
     losses = []
     with compute_precision(trainer):
@@ -370,7 +378,7 @@ def collate(samples, pad_id, rows=None):
         row_width = max(sum(lengths[a:b]) for a, b in zip(bounds, bounds[1:]))
         # Positions restart at 0 for each sequence, and every pad slot is at 0 too (a one-token
         # segment of its own): transformers (>= 4.53) then builds a block-diagonal causal mask per
-        # row, but only with no attention_mask and no cache
+        # row (the SDPA path), but only with no attention_mask and no cache
         # (masking_utils.find_packed_sequence_indices).
         packed_ids = torch.full((len(rows), row_width), pad_id, dtype=torch.long)
         position_ids = torch.zeros((len(rows), row_width), dtype=torch.long)
@@ -486,6 +494,8 @@ def sequence_logprobs(
             if packed
             else dict(attention_mask=batch["attention_mask"])
         )
+        # for callers outside the update; inside compute_precision's context this nested one
+        # keeps its cast cache (only the outermost exit clears it)
         with torch.autocast(
             input_ids.device.type,
             dtype=autocast_dtype or torch.float32,
@@ -496,7 +506,8 @@ def sequence_logprobs(
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
         out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
-    logprobs, entropy = out[..., 0], out[..., 1] if entropy_grad else out[..., 1].detach()
+    logprobs = out[..., 0]
+    entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
     if not full:
         return logprobs, entropy
     return logprobs, entropy, out[..., 2].detach() if top_p < 1 else None
@@ -588,7 +599,7 @@ def layout_stats(micro_batches):
     return {
         "train/tokens": summed(tokens),
         "train/padded_fraction": 1 - tokens / max(positions, 1),
-        "train/head_positions": head,
+        "train/head_positions": summed(head),
         "train/micro_batches": summed(len(micro_batches)),
         "train/tokens_per_micro_batch": tokens / max(len(micro_batches), 1),
     }

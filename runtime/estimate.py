@@ -18,16 +18,16 @@ KNOWN_SHAPES = {
 }
 CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
 # the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
-CUDA_GRAPH_GIB = 2.0
 # SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
 # region)
+CUDA_GRAPH_GIB = 2.0
 # The activations measured against the rule of thumb below (bf16 on an H200, torch 2.11: RESULTS.md,
 # "The update at the GPU's speed"): eager layers held 1.13-1.14x it (Qwen2.5-1.5B at 4,096 tokens
 # one rank, and at 32,768 under FSDP2), compiled ones 0.62-0.72x (1.5B at 32,768 tokens, 3B at
 # 14,336): Inductor recomputes elementwise results in the backward instead of saving them. Keyed
 # by whether the layers are compiled.
 ACTIVATION_FACTOR = {False: 1.13, True: 0.70}
-CHUNK_TOKENS = 1024  # losses.head_logprobs' default
+CHUNK_TOKENS = 1024  # loss.head_logprobs' chunk_tokens default (a stage: not imported here)
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 
@@ -98,9 +98,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     contexts = 2 * CONTEXT_GIB * 2**30
     if r.max_total_tokens:
         kv_cache = r.max_total_tokens * kv_per_token
-    # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less the
     else:
-        # weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
+        # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less
+        # the weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
     sharded = sharded_over(ranks)
     parts = {
@@ -115,7 +115,12 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # backward
         "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
         f"activations ({batch})": activations,
+        # about 4 fp32 [chunk, vocab] tensors alive at once (the logits' fp32 copy, the shifted
+        # log-probs, their exp, a product), and the head's fp32 hidden states
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
+        # train.kl_coef > 0: the frozen reference, built like the policy (fp32, sharded like it),
+        # stays on the GPU through the update
+        "KL reference (fp32, sharded)": params * 4 / ranks if t.kl_coef > 0 else 0,
         # top_p < 1 (loss.nucleus), per chunk: probabilities and the masked logits (fp32), the
         # drop mask, and for rows whose top k hold too little a sort's values and int64 indices
         "top-p nucleus (chunked head)": (
@@ -139,6 +144,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         "autocast weight copies",
         "log-prob path (chunked head)",
         "top-p nucleus (chunked head)",
+        "KL reference (fp32, sharded)",
     )
     phases = {
         # rollout: engine resident, trainer params and optimizer offloaded to the CPU

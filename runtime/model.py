@@ -123,7 +123,9 @@ def build_policy(cfg, init_dir):
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.train.compile:
-        compile_layers(model, sharded=torch.distributed.is_initialized())
+        import runtime.parallel as parallel  # lazily: the trainer's only distributed state
+
+        compile_layers(model, sharded=parallel.world_size() > 1)
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 

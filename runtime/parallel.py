@@ -145,6 +145,8 @@ def gathered_for_update(model):
     reshard_after_forward off keeps a unit gathered from its forward to its backward, and
     reshard_after_backward off keeps it for the next micro-batch's forward (FSDPParamGroup.unshard
     returns at once when `is_unsharded`; torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py).
+    A no-grad pass inside it (pi_old's forward with several minibatches) leaves the units gathered
+    for the first minibatch's forwards: the weights have not changed in between.
     Yields `last(flag)`: call it before each micro-batch with whether it is the minibatch's last,
     whose backward reshards, as the optimizer step that follows changes the shards. Gradients are
     still reduce-scattered after every micro-batch (set_requires_gradient_sync stays on): they stay

@@ -148,6 +148,7 @@ ESTIMATE_TABLE = {
     "activations (4096 tokens, packed)": 12.36,
     "log-prob path (chunked head)": 2.34,
     "top-p nucleus (chunked head)": 0.0,  # top_p 1
+    "KL reference (fp32, sharded)": 0.0,  # kl_coef 0
     "engine weights": 2.88,
     "engine KV cache": 35.72,
     "engine CUDA graphs": 2.0,

@@ -1,4 +1,5 @@
-"""The update computes nothing twice, and each saving is exact: pi_old from the update's own forward
+"""The update computes nothing twice, and each saving keeps the result (to fp32 rounding, or
+bit for bit where said): pi_old from the update's own forward
 (one minibatch) against a forward of its own; the top-p nucleus and the full softmax from one head
 pass; autocast casting each weight once per optimizer step; train.compile against eager. On CPU,
 with the tiny Qwen2 (no engine)."""
