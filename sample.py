@@ -49,8 +49,10 @@ class Sample:
     # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed) |
     # "dropped" (finished, in a group a cancel policy's keep_groups left out)
     finish_reason: str = "stop"
-    # masked out of the loss and of reward means: cancelled before finishing, failed in the engine
-    # ("error"), or its reward failed ("reward_error"); finish_reason says which
+    # masked out of the loss and of reward means (the name is historical: not every such sample was
+    # aborted): cancelled before finishing ("abort"), failed in the engine ("error"), its reward
+    # failed ("reward_error"), or finished but dropped with its group ("dropped"); finish_reason
+    # says which, and rollout/aborted counts only the first
     is_aborted: bool = False
     weight_version: int = 0  # policy version that generated the tokens
     reward: float = 0.0
