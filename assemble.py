@@ -19,6 +19,7 @@ import config
 import loss
 import memory
 import rewards
+import seeds
 import update
 from cancel import plan_launch
 from config import Config, ConfigError
@@ -214,7 +215,7 @@ def start_engine(cfg, model_dir, start_step):
         model_dir,
         cfg.rollout,
         dtype=cfg.model.engine_dtype,
-        seed=cfg.train.seed + start_step + 100_003 * parallel.rank(),
+        seed=seeds.derive(cfg.train.seed, "engine", start_step, parallel.rank()),
         gpu_id=parallel.gpu_index(),
         local_rank=parallel.local_rank(),
         trust_remote_code=cfg.model.trust_remote_code,

@@ -14,7 +14,7 @@ text becomes a reward (rewards.py), which samples are suspended (partial.py), or
 import array
 import asyncio
 import dataclasses
-import hashlib
+import seeds
 import inspect
 import logging
 import time
@@ -97,9 +97,7 @@ def rollout_seed(run_seed, step, purpose="train"):
     """The seed of one rollout, from which each request's sampling_seed derives (`request_seed`):
     the same run seed samples the same tokens wherever the engine's arithmetic allows
     (rollout.deterministic)."""
-    return int.from_bytes(
-        hashlib.blake2b(f"{run_seed}:{step}:{purpose}".encode(), digest_size=4).digest(), "big"
-    )
+    return seeds.derive(run_seed, "rollout", step, purpose)
 
 
 # ---------------------------------------------------------------- in flight on the engine
@@ -160,8 +158,7 @@ def request_seed(rollout_seed, index, turn):
     this step's draw from the data stream, then the member) in the rollout seeded `rollout_seed`
     (`rollout_seed`: the run's seed and the step). Distinct for every request and turn, so no
     two members of a group sample alike; below 2**31 (SGLang stores it as int64)."""
-    digest = hashlib.blake2b(f"{rollout_seed}:{index}:{turn}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") >> 1
+    return seeds.derive(rollout_seed, "request", index, turn)
 
 
 class RolloutEngine(Engine):

@@ -13,6 +13,7 @@ import math
 import torch
 
 from config import ConfigError
+import seeds
 
 log = logging.getLogger("model")
 
@@ -92,7 +93,7 @@ def build_policy(cfg, init_dir):
                 )
             else:
                 m = cfg.model
-                torch.manual_seed(cfg.train.seed)
+                torch.manual_seed(seeds.derive(cfg.train.seed, "model"))
                 config = Qwen2Config(
                     vocab_size=len(tokenizer),
                     hidden_size=m.hidden_size,

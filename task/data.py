@@ -15,6 +15,7 @@ import os
 import random
 
 import rewards
+import seeds
 from config import ConfigError, refuse_unread
 from sample import Prompt
 import task.tools as tools
@@ -278,16 +279,17 @@ class Task:
 def build_task(cfg, tokenizer):
     """The `Task` that `data.task` names, its prompts tokenized with `tokenizer`."""
     d = cfg.data
-    seed = cfg.train.seed
+    train_seed = seeds.derive(cfg.train.seed, "prompts", "train")
+    val_seed = seeds.derive(cfg.train.seed, "prompts", "val")
     use_tool = cfg.rollout.max_turns > 1  # one turn: no tool, whatever the task
     if d.task == "tiny":
-        train = tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, seed=seed)
-        val = tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, seed=seed + 1)
+        train = tiny_prompts(tokenizer, d.num_tiny_prompts, d.tiny_max_count, train_seed)
+        val = tiny_prompts(tokenizer, d.num_val_prompts, d.tiny_max_count, val_seed)
         return Task(train, val, task_reward(d, rewards.tiny_reward), tool=None)
     if d.task == "tiny_tool":
         digits = d.tiny_operand_digits
-        train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, digits, seed=seed)
-        val = tiny_tool_prompts(tokenizer, d.num_val_prompts, digits, seed=seed + 1)
+        train = tiny_tool_prompts(tokenizer, d.num_tiny_prompts, digits, train_seed)
+        val = tiny_tool_prompts(tokenizer, d.num_val_prompts, digits, val_seed)
         tool = tools.QuestionCalculator(tokenizer) if use_tool else None
         return Task(train, val, task_reward(d, rewards.tiny_tool_reward), tool)
     # gsm8k: a chat dataset of its own rows, with its own reward unless the config names one; chat:
@@ -358,7 +360,7 @@ class PromptStream:
             epoch, offset = divmod(self.rank + self.world_size * self.position, len(self.prompts))
             if epoch != self._epoch:
                 self._epoch, self._order = epoch, list(range(len(self.prompts)))
-                random.Random(self.seed * 100_003 + epoch).shuffle(self._order)
+                random.Random(seeds.derive(self.seed, "stream", epoch)).shuffle(self._order)
             out.append(self.prompts[self._order[offset]])
             self.position += 1
         return out

@@ -318,8 +318,10 @@ def test_golden_first_steps(engine, tmp_path):
     assert losses == pytest.approx(GOLDEN_LOSSES, abs=2e-4)
 
 
-GOLDEN_REWARDS = [0.0199, 0.0118, 0.0133]  # recorded with torch 2.14.1, transformers 5.19.0
-GOLDEN_LOSSES = [-0.0402, 0.0590, 0.0897]
+# recorded with torch 2.14.1, transformers 5.19.0; re-pinned in issue 43, when every seed came to
+# derive from seeds.derive (the tiny model's initial weights and the prompt sets moved)
+GOLDEN_REWARDS = [0.0013, 0.0199, 0.0067]
+GOLDEN_LOSSES = [-0.0035, -0.0786, 0.0592]
 
 
 def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
