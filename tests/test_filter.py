@@ -100,7 +100,7 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
     assert engine.num_in_flight() == 0  # nothing left running inside the engine
     # at least the target: groups whose last members return in the same wake-up of the rollout
     # are judged together before the stop (seen once in a loaded full run: 5)
-    assert 4 <= stats.kept_groups <= 6 and stats.num_cancelled > 0
+    assert stats.kept_groups >= 4 and stats.num_cancelled > 0
     assert [s.trajectory_id for s in samples] == list(range(len(samples)))
     trajectories = sample.trajectories_of(samples)
     for turns in trajectories:  # scored by the rollout as each finished; cancelled ones never
