@@ -19,7 +19,7 @@ import config
 import loss
 import memory
 import rewards
-import seeds
+import runtime.seeds as seeds
 import update
 from cancel import plan_launch
 from config import Config, ConfigError

@@ -14,7 +14,7 @@ text becomes a reward (rewards.py), which samples are suspended (partial.py), or
 import array
 import asyncio
 import dataclasses
-import seeds
+import runtime.seeds as seeds
 import inspect
 import logging
 import time

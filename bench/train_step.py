@@ -517,7 +517,8 @@ def shape_main(args):
             for samples in mixes[: args.warmups]:  # warm-up: compiles, autotunes
                 timed_update(trainer, samples, advantages, device, pi_old)
             graphs = counters["stats"]["unique_graphs"]
-            seconds, tokens, peak, ran = [], [], 0, 0
+            seconds, tokens = [], []  # per timed update
+            peak = ran = 0  # the most bytes held; the largest micro-batch's positions
             for _ in range(args.repeats):
                 for samples in mixes[args.warmups :]:
                     elapsed, stats, arm_peak = timed_update(

@@ -13,7 +13,7 @@ import math
 import torch
 
 from config import ConfigError
-import seeds
+import runtime.seeds as seeds
 
 log = logging.getLogger("model")
 

@@ -15,7 +15,7 @@ import os
 import random
 
 import rewards
-import seeds
+import runtime.seeds as seeds
 from config import ConfigError, refuse_unread
 from sample import Prompt
 import task.tools as tools

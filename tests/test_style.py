@@ -94,8 +94,7 @@ def test_every_dotted_name_in_the_readme_exists():
 
 def test_the_substrate_imports_no_stage():
     """runtime/ (engine, model, parallel, checkpoint, estimate) is what the stages run on: its
-    modules import no module of this repository but each other, config.py and seeds.py (which
-    import none); the assembly that
+    modules import no module of this repository but each other and config.py; the assembly that
     imports the stages (assemble.py) sits above them, beside train.py."""
     local = {os.path.splitext(name)[0] for name in os.listdir(REPO) if name.endswith(".py")} | {
         "task",
@@ -116,6 +115,6 @@ def test_the_substrate_imports_no_stage():
                 modules = [node.module]
             for module in modules:
                 top = module.split(".")[0]
-                if top in local and top not in ("runtime", "config", "seeds"):
+                if top in local and top not in ("runtime", "config"):
                     found.setdefault(name, []).append(module)
     assert not found, f"runtime/ imports stage modules: {found}"
