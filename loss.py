@@ -11,6 +11,7 @@ To add a loss term: a function `(inputs) -> [B, T]` per-token values, its entry 
 `train.loss_terms: {name: coefficient}` turns it on (README "Fork it"; tests/test_forks.py).
 """
 
+import functools
 import math
 
 import torch
@@ -243,21 +244,17 @@ def _linear_token_logprobs(
     )
 
 
-# `head_logprobs(compiled=True)`: the chunk above as one compiled function (its elementwise
-# passes over the vocabulary fused), shapes dynamic so a new chunk length does not recompile;
-# compiled at its first call
-_compiled_chunk = None
+@functools.cache
+def compiled_chunk():
+    """`head_logprobs(compiled=True)`'s chunk: `_linear_token_logprobs` as one torch.compile'd
+    function (its elementwise passes over the vocabulary fused), shapes dynamic so a new chunk
+    length does not recompile; made once per process, compiled at its first call."""
+    return torch.compile(_linear_token_logprobs, dynamic=True)
 
 
 def chunk_function(compiled):
-    """The per-chunk function head_logprobs runs: `_linear_token_logprobs`, or with `compiled` its
-    torch.compile'd form (made once per process)."""
-    global _compiled_chunk
-    if not compiled:
-        return _linear_token_logprobs
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_linear_token_logprobs, dynamic=True)
-    return _compiled_chunk
+    """The per-chunk function head_logprobs runs: `_linear_token_logprobs`, or `compiled_chunk`."""
+    return compiled_chunk() if compiled else _linear_token_logprobs
 
 
 def head_logprobs(
