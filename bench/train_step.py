@@ -387,38 +387,35 @@ def shape_config(sets):
 
 
 def shape_arms(args, device, shipped):
-    """{arm name: (config overrides, compile, pi_old source or None, FSDP2)}. `baseline` is the
-    update as shipped before issue 42 as near as this code runs it: configs/gsm8k.yaml's attention
-    at its 4,096-token budget, eager, pi_old from a forward of its own. The others run the config
-    as shipped now (max_tokens_per_micro_batch auto, train.compile) with each attention, with
-    top_p 0.9, and as FSDP2 on one rank (what each of N ranks computes)."""
-    compiled = args.compile == "true"
+    """{arm name: (config overrides, compile scope or None for eager, pi_old source or None,
+    FSDP2)}. `baseline` is the update as shipped before issue 42 as near as this code runs it:
+    configs/gsm8k.yaml's attention at its 4,096-token budget, eager, pi_old from a forward of its
+    own. The others run the config as shipped now (max_tokens_per_micro_batch auto, train.compile)
+    with each attention, with top_p 0.9, and as FSDP2 on one rank (what each of N ranks computes),
+    whose compile scope (model.COMPILE_SCOPE) is also timed eager, as a whole layer, and, on one
+    rank, beside the whole layer (`now-parts`)."""
+    scope = model.COMPILE_SCOPE[False] if args.compile == "true" else None
+    fsdp_scope = model.COMPILE_SCOPE[True] if args.compile == "true" else None
     attentions = ["sdpa", "flex_attention"] if device.type == "cuda" else ["sdpa"]
+    shipped_attention = [f"model.attn_implementation={shipped}"]
     arms = {
         "baseline": (
-            [f"model.attn_implementation={shipped}", "train.max_tokens_per_micro_batch=4096"],
-            False,
+            shipped_attention + ["train.max_tokens_per_micro_batch=4096"],
+            None,
             "forward",
             False,
         )
     }
     for attention in attentions:
-        arms[f"now-{attention}"] = (
-            [f"model.attn_implementation={attention}"],
-            compiled,
-            None,
-            False,
-        )
+        arms[f"now-{attention}"] = ([f"model.attn_implementation={attention}"], scope, None, False)
     if args.top_p < 1:
-        arms["top_p"] = (
-            [f"model.attn_implementation={shipped}", f"rollout.top_p={args.top_p}"],
-            compiled,
-            None,
-            False,
-        )
+        arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], scope, None, False)
         arms["top_p-peaked"] = arms["top_p"]  # with PEAKED_NORM: see there
     if args.fsdp:
-        arms["fsdp"] = ([f"model.attn_implementation={shipped}"], compiled, None, True)
+        arms["now-parts"] = (shipped_attention, "parts", None, False)
+        arms["fsdp"] = (shipped_attention, fsdp_scope, None, True)
+        arms["fsdp-eager"] = (shipped_attention, None, None, True)
+        arms["fsdp-layer"] = (shipped_attention, "layer", None, True)
     return {name: arm for name, arm in arms.items() if not args.arms or name in args.arms}
 
 
@@ -487,7 +484,7 @@ def shape_main(args):
     peak_flops, peak_source = bf16_peak(device, dtype, args.peak_tflops)
     policy = None
     figures = {}
-    for name, (sets, compiled, pi_old, fsdp) in shape_arms(
+    for name, (sets, scope, pi_old, fsdp) in shape_arms(
         args, device, base.model.attn_implementation
     ).items():
         cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
@@ -498,15 +495,15 @@ def shape_main(args):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 policy = shape_policy(shape, device)
-            for layer in policy.model.layers:  # compiled or eager, per arm (compile_layers)
-                layer.__dict__.pop("forward", None)
-            if compiled:
-                model.compile_layers(policy, sharded=fsdp)
+            for module in policy.model.layers.modules():  # compiled or eager, per arm
+                module.__dict__.pop("forward", None)
+            if scope:
+                model.compile_layers(policy, scope)
             policy.set_attn_implementation(cfg.model.attn_implementation)
             if fsdp:
                 fsdp_one_rank(device)
                 policy = parallel.shard(policy, dtype)
-            cfg.train.compile = compiled
+            cfg.train.compile = scope is not None
             norm = policy.model.norm.weight
             saved_norm = norm.detach().clone()
             if name.endswith("peaked"):
@@ -542,7 +539,7 @@ def shape_main(args):
             figures[name] = (tok_s, mfu, sum(seconds) / len(seconds), peak, estimate - contexts)
             print(
                 f"train_step_gpu: device={device_name} shape={args.shape} arm={name} "
-                f"attention={cfg.model.attn_implementation} budget={budget} compile={compiled} "
+                f"attention={cfg.model.attn_implementation} budget={budget} compile={scope} "
                 f"pi_old={pi_old or update_stage.pi_old_source(trainer, 0)} "
                 f"top_p={cfg.rollout.top_p} "
                 f"tok_s={tok_s:.1f} mfu={mfu:.3f} update_s={figures[name][2]:.3f} "

@@ -126,29 +126,40 @@ def build_policy(cfg, init_dir):
     if cfg.train.compile:
         import runtime.parallel as parallel  # lazily: the trainer's only distributed state
 
-        compile_layers(model, sharded=parallel.world_size() > 1)
+        compile_layers(model, COMPILE_SCOPE[parallel.world_size() > 1])
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 
-def compile_layers(model, sharded=False):
-    """train.compile: each decoder layer's forward torch.compile'd, with dynamic shapes (every
-    micro-batch has its own token count: one graph serves them all). Only `forward` is replaced,
-    on each layer instance, so parameter names (checkpoints, the weight sync) do not change and
-    FSDP2's hooks, which run around forward in Module.__call__, stay outside the compiled code.
-    The layers share one class's code, so Dynamo compiles it once, not once per layer (modules
-    are inlined as inputs: torch._dynamo.config.inline_inbuilt_nn_modules, on by default).
+# what train.compile compiles in each decoder layer: all of it with one rank; under FSDP2 (several
+# ranks) its RMSNorms and MLP, the attention left eager (`compile_layers`)
+COMPILE_SCOPE = {False: "layer", True: "parts"}
 
-    Under FSDP2 (`sharded`: several ranks) the layers stay eager, and only the head's math is
-    compiled: measured on an H200 (torch 2.11, docs/RESULTS.md), every dimension dynamic failed
-    Inductor's flex_attention lowering there, and automatic dynamic shapes compiled but ran an
-    update in 4.9 s against 0.93 s eager."""
-    if sharded:
-        log.warning(
-            "train.compile under FSDP2: the decoder layers stay eager (model.compile_layers)"
-        )
-        return
+
+def compile_layers(model, scope="layer"):
+    """train.compile: torch.compile with dynamic shapes (every micro-batch has its own token count:
+    one graph serves them all) of each decoder layer's forward (`scope` "layer"), or of its two
+    RMSNorms' and its MLP's only ("parts": the attention, FlexAttention included, stays eager).
+    Only `forward` is replaced, on each module instance, so parameter names (checkpoints, the
+    weight sync) do not change and FSDP2's hooks, which run around a layer's forward in
+    Module.__call__, stay outside the compiled code. The layers share one class's code, so
+    Dynamo compiles it once, not once per layer (modules are inlined as inputs:
+    torch._dynamo.config.inline_inbuilt_nn_modules, on by default).
+
+    Why two scopes (COMPILE_SCOPE picks by FSDP2): measured on an H200 (torch 2.11,
+    docs/RESULTS.md), a whole layer compiled under FSDP2 failed Inductor's flex_attention
+    lowering (every dimension dynamic) or ran an update in 4.9 s against 0.93 s eager (automatic
+    dynamic shapes), while the parts, which hold most of a layer's elementwise kernels, compile
+    as they do on one rank."""
+    if scope not in ("layer", "parts"):
+        raise ValueError(f"compile_layers: unknown scope {scope!r}; expected 'layer' or 'parts'")
     for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        parts = (
+            [layer]
+            if scope == "layer"
+            else [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
+        )
+        for module in parts:
+            module.forward = torch.compile(module.forward, dynamic=True)
 
 
 def load_tokenizer(cfg, path):
