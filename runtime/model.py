@@ -159,13 +159,7 @@ def compile_layers(model, scope="layer"):
             else [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
         )
         for module in parts:
-            compiled = torch.compile(module.forward, dynamic=True)
-            # Python ints read from FSDP2-managed modules (self_attn.head_dim) would be symbolic
-            # under dynamic=True, as Dynamo specializes only other modules' ints
-            # (torch/_dynamo/utils.py, is_int_specialization_case); a symbolic head count fails
-            # Inductor's flex_attention lowering. specialize_int keeps every int a constant: only
-            # tensor dimensions (the token count) stay dynamic
-            module.forward = torch._dynamo.config.patch(specialize_int=True)(compiled)
+            module.forward = torch.compile(module.forward, dynamic=True)
 
 
 def load_tokenizer(cfg, path):
