@@ -607,7 +607,9 @@ def main():
     parser.add_argument(
         "--top-p", type=float, default=0.9, help="--shape: an arm at this top_p (1: none)"
     )
-    parser.add_argument("--fsdp", action="store_true", help="--shape: an FSDP2 arm on one rank")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="--shape: FSDP2 arms on one rank (each compile scope)"
+    )
     parser.add_argument(
         "--warmups", type=int, default=1, help="--shape: untimed updates, each a new length mix"
     )

@@ -24,8 +24,9 @@ CUDA_GRAPH_GIB = 2.0
 # The activations measured against the rule of thumb below (bf16 on an H200, torch 2.11: RESULTS.md,
 # "The update at the GPU's speed"): eager layers held 1.13-1.14x it (Qwen2.5-1.5B at 4,096 tokens
 # one rank, and at 32,768 under FSDP2), compiled ones 0.62-0.72x (1.5B at 32,768 tokens, 3B at
-# 14,336): Inductor recomputes elementwise results in the backward instead of saving them. Keyed
-# by whether the layers are compiled.
+# 14,336; and with only the norms and MLP compiled under FSDP2, model.compile_layers' "parts",
+# 1.5B at 47,104 and 3B at 20,480, within 1%): Inductor recomputes elementwise results in the
+# backward instead of saving them. Keyed by whether the layers are compiled.
 ACTIVATION_FACTOR = {False: 1.13, True: 0.70}
 CHUNK_TOKENS = 1024  # loss.head_logprobs' chunk_tokens default (a stage: not imported here)
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
@@ -86,8 +87,8 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     batch = f"{tokens} tokens, packed" if budget else f"{t.micro_batch_size} x {seq_len} tokens"
     # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4
     # I values)
-    # compiled layers (train.compile, one rank: under FSDP2 they stay eager) save less
-    compiled = t.compile and not sharded_over(ranks)
+    # compiled layers (train.compile: whole on one rank, their norms and MLP under FSDP2) save less
+    compiled = t.compile
     per_token_layer = (10 * hidden + 4 * inter) * compute * ACTIVATION_FACTOR[compiled]
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
         activations = tokens * (layers * hidden * compute + per_token_layer)

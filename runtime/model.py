@@ -145,11 +145,16 @@ def compile_layers(model, scope="layer"):
     Dynamo compiles it once, not once per layer (modules are inlined as inputs:
     torch._dynamo.config.inline_inbuilt_nn_modules, on by default).
 
-    Why two scopes (COMPILE_SCOPE picks by FSDP2): measured on an H200 (torch 2.11,
-    docs/RESULTS.md), a whole layer compiled under FSDP2 failed Inductor's flex_attention
-    lowering (every dimension dynamic) or ran an update in 4.9 s against 0.93 s eager (automatic
-    dynamic shapes), while the parts, which hold most of a layer's elementwise kernels, compile
-    as they do on one rank."""
+    Why two scopes (COMPILE_SCOPE picks by FSDP2; measured on an H200, torch 2.11,
+    docs/RESULTS.md): a whole layer compiled under FSDP2 fails Inductor's flex_attention
+    lowering. Dynamo treats an FSDP2-managed module's Python ints (self_attn.head_dim) as
+    symbolic under dynamic=True, as it specializes only other modules' ints
+    (torch/_dynamo/utils.py, is_int_specialization_case), and a symbolic head count is what the
+    lowering cannot take. Specializing every int instead (torch._dynamo.config.specialize_int)
+    also fixed the BlockMask's sequence lengths: a recompile per length mix, 14 s an update. The
+    parts hold no head count and most of a layer's elementwise kernels: under FSDP2 they took
+    MFU from 0.295 (eager) to 0.39-0.40, near the whole layer's 0.41-0.42 on one rank.
+    """
     if scope not in ("layer", "parts"):
         raise ValueError(f"compile_layers: unknown scope {scope!r}; expected 'layer' or 'parts'")
     for layer in model.model.layers:

@@ -174,25 +174,29 @@ def test_one_rank_bf16_casts_each_weight_once_per_optimizer_step(tmp_path, monke
 def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_path):
     """train.compile: the update of compiled decoder layers and head equals the eager one (fp32,
     to kernel rounding), the parameter names are unchanged, and after the first update three new
-    length mixes compile nothing more (dynamic shapes). Costs ~40-60 s on 2 cores: Inductor
-    compiles a layer's and the head's forward and backward once."""
+    length mixes compile nothing more (dynamic shapes). The same for the scope FSDP2 ranks
+    compile (model.COMPILE_SCOPE: each layer's norms and MLP), here on one rank. Costs ~60-90 s
+    on 2 cores: Inductor compiles a layer's, its parts' and the head's forward and backward once."""
     from torch._dynamo.utils import counters
 
-    results = []
-    for switch in ("false", "true"):
-        sets = PATHS["packed"] + [f"train.compile={switch}"]
+    results = {}
+    for scope in (None, "layer", model.COMPILE_SCOPE[True]):
+        sets = PATHS["packed"] + [f"train.compile={scope == 'layer'}"]
         cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
         policy, _ = model.build_policy(cfg, None)
+        if scope == "parts":
+            model.compile_layers(policy, scope)
         trainer = setup_run.trainer_only(cfg, policy)
         stats, grads = update_with_gradients(trainer, *random_samples(3))
-        results.append((stats["train/loss"], grads))
-        if switch == "true":
+        results[scope] = (stats["train/loss"], grads)
+        if scope:
             graphs = counters["stats"]["unique_graphs"]
             for seed in (4, 5, 6):
                 train_on(trainer, *random_samples(seed))
-            assert counters["stats"]["unique_graphs"] == graphs
-    (eager_loss, eager), (compiled_loss, compiled) = results
-    assert compiled.keys() == eager.keys()  # the same parameter names
-    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+            assert counters["stats"]["unique_graphs"] == graphs, scope
+    eager_loss, eager = results.pop(None)
     scale = max(g.abs().max() for g in eager.values())
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
+    for compiled_loss, compiled in results.values():
+        assert compiled.keys() == eager.keys()  # the same parameter names
+        assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
