@@ -29,9 +29,9 @@ import runtime.checkpoint as checkpoint
 import runtime.estimate as estimate
 import runtime.model as model
 import runtime.parallel as parallel
-from runtime.model import build_policy, check_attention
+from runtime.model import TINY_CHARS, build_policy, check_attention
 import task.data as data
-from task.data import PromptStream, build_task
+from task.data import PromptStream, build_task, vocabulary
 
 log = logging.getLogger("setup")
 
@@ -94,7 +94,7 @@ def setup(cfg, resume=False, engine=None):
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
-    policy, tokenizer = build_policy(cfg, resume_dir)
+    policy, tokenizer = build_policy(cfg, resume_dir, vocabulary(cfg, TINY_CHARS))
     task = build_task(cfg, tokenizer)
     # the weights the engine loads (run.out/model: the initial policy), or the checkpoint's
     engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
@@ -198,7 +198,8 @@ def place_models(cfg, policy, compute_dtype, device):
     reference is the *initial* policy, also after a resume: built again, not copied."""
     reference = None
     if cfg.train.kl_coef > 0:
-        reference = build_policy(cfg, None)[0].requires_grad_(False).eval()
+        chars = vocabulary(cfg, TINY_CHARS)
+        reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval()
     models = []
     for module in (policy, reference):
         if module is not None and parallel.world_size() > 1:

@@ -7,7 +7,7 @@ kept groups, time since launch) returning a `Decision`: stop the whole rollout, 
 running members while the rest go on, keep only some groups. `decide` adds what every policy
 shares (the rollout timeout, dynamic sampling's stop). Also the over-sampling and refill
 arithmetic (`plan_launch`, `GroupFilter.wanted`) and the group bookkeeping. Does not wait, launch
-or abort (rollout.py applies each Decision inside the engine's event loop), nor score (rewards.py).
+or abort (inflight.py applies each Decision inside the engine's event loop), nor score (rewards.py).
 
 To add a policy: a function `(plan, progress) -> Decision` below and its entry in POLICIES
 (README "Fork it"; tests/test_forks.py follows that recipe, with no engine).
@@ -77,7 +77,7 @@ def plan_launch(cfg, num_prompts):
 
 @dataclasses.dataclass
 class Progress:
-    """What a rollout has seen so far, as `decide` reads it (rollout.py records each return)."""
+    """What a rollout has seen so far, as `decide` reads it (inflight.py records each return)."""
 
     group_size: int = 0
     elapsed_s: float = 0.0  # since launch
@@ -261,7 +261,7 @@ class GroupFilter:
     A group is judged once every member launched this step has returned, on its survivors:
     finished members' rewards (with, for a held group of partial rollout, those its members
     earned in earlier steps); failed members count nowhere, like in the advantages. Members
-    cancelled at the end are never judged here (rollout.py stops feeding the filter at its
+    cancelled at the end are never judged here (inflight.py stops feeding the filter at its
     decision)."""
 
     def __init__(self, prior_rewards=None):

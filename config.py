@@ -96,7 +96,8 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # tiny | tiny_tool (multi-turn calculator demo) | gsm8k | chat (your own rows and reward)
+    # a task module of task/ (task/data.py): tiny | tiny_tool (multi-turn calculator demo) | gsm8k |
+    # chat (your own rows and reward) | reverse (the example of a task module) | your own
     task: str = "tiny"
     train_path: str = ""  # gsm8k, chat: a .jsonl / .parquet file or a hub name such as openai/gsm8k
     val_path: str = ""  # default: train_path's "test" split (a file: the same rows)
@@ -147,7 +148,7 @@ class RolloutConfig:
     merge_turns: bool = True
     # SGLang's deterministic inference (GPU only: it needs the fa3, flashinfer or triton attention
     # backend; sglang/srt/arg_groups/overrides.py rejects the CPU's torch_native). Only then does
-    # the engine use each request's sampling_seed (rollout.request_seed), which the trainer always
+    # the engine use each request's sampling_seed (inflight.request_seed), which the trainer always
     # sends (sglang/srt/sampling/sampling_batch_info.py)
     deterministic: bool = False
     # threads running plain reward functions off the rollout's event loop (rewards.py); an async

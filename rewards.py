@@ -176,26 +176,6 @@ def overlong_penalty(length, max_length, buffer, factor):
 
 
 # ---------------------------------------------------------------- the built-in rewards
-def tiny_reward(response_text, answer, finished):
-    """Positionwise credit for N copies of 'a': 1 for exact, 0 if the sample never emitted <eos>."""
-    if not finished:
-        return 0.0
-    target = "a" * int(answer)
-    if response_text == target:
-        return 1.0
-    matches = sum(a == b for a, b in zip(response_text, target))
-    return matches / max(len(response_text), len(target))
-
-
-def tiny_tool_reward(response_text, answer, finished):
-    """Positionwise credit of the final answer (the last turn's text), whether or not it ended: 1
-    for exactly the digit. A last turn that is a call ("...?") was never answered: 0."""
-    if response_text.endswith("?"):
-        return 0.0
-    matches = sum(a == b for a, b in zip(response_text, answer))
-    return matches / max(len(response_text), len(answer))
-
-
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 

@@ -35,7 +35,7 @@ def synthetic_batch(
 ) -> list[list[Sample]]:
     """Trajectories whose turn i+1 prompt = turn i prompt + response + tool observation
     (~200/100/20 tokens), as the rollout builds them: per-token arrays, each turn's prompt a new
-    array (rollout.py's `context`)."""
+    array (`context` in task/tools.py's multi_turn)."""
 
     def tokens(mean: int) -> array.array:
         return array.array(

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import task.data as tasks  # noqa: E402  (needs the sys.path line above)
+import task.tiny as tiny
 import sample  # noqa: E402
 import runtime.checkpoint as checkpoint  # noqa: E402
 import runtime.model as model  # noqa: E402
@@ -159,7 +160,7 @@ def main():
     # over-sampling launches more prompts than the batch; the baseline launches just the batch
     drawn = [
         p.prompt_ids
-        for p in tasks.tiny_prompts(tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed)
+        for p in tiny.draw(tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed)
     ]
     base_prompts, cancel_prompts = drawn[: args.prompts], drawn
     # SGLang admits a request only if the KV pool can hold ~0.7 x max_new_tokens for every running
@@ -261,7 +262,7 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
             # versions keep rising over the repeats, as in one long run
             version = repeat * (args.steps + 1) + step
             engine.update_weights(policy.named_parameters(), version=version)
-            step_prompts = tasks.tiny_prompts(
+            step_prompts = tiny.draw(
                 tokenizer, plan.num_prompts, cfg.data.tiny_max_count, args.seed + 1000 * version
             )
             prompts = [p.prompt_ids for p in step_prompts]
@@ -375,7 +376,7 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         stream = [
             p.prompt_ids
-            for p in tasks.tiny_prompts(
+            for p in tiny.draw(
                 tokenizer,
                 10 * max(target, args.round_prompts),
                 cfg.data.tiny_max_count,

@@ -28,10 +28,10 @@ import runtime.checkpoint as checkpoint
 from rollout import rollout_seed
 from runtime.checkpoint import CheckpointError
 from runtime.engine import strip_expandable_segments
-from runtime.model import ModelError, load_tokenizer
+from runtime.model import TINY_CHARS, ModelError, load_tokenizer
 from assemble import engine_only, load_config, start_engine
 from sample import trajectories_of
-from task.data import DataError, build_task
+from task.data import DataError, build_task, task_module, vocabulary
 
 
 # ---------------------------------------------------------------- the metrics
@@ -49,15 +49,10 @@ def majority_correct(answers, correct):
 
 
 def answer_of(task, text):
-    """What maj@k votes on: GSM8K's extracted number (as its shortest exact text: 1,234.50 and
-    1234.5 vote alike), the tiny tasks' whole final text; None for tasks with no extractor (chat:
-    maj@k is not reported)."""
-    if task == "gsm8k":
-        number = rewards.extract_answer(text)
-        return None if number is None else format(number.normalize(), "f")
-    if task in ("tiny", "tiny_tool"):
-        return text
-    return None
+    """What maj@k votes on: data.task `task`'s `answer_of(text)` (GSM8K's extracted number, the tiny
+    tasks' whole final text); None for a task without one (chat: maj@k is not reported)."""
+    vote = getattr(task_module(task), "answer_of", None)
+    return vote(text) if vote is not None else None
 
 
 def bootstrap_interval(values, resamples=1000, seed=0):
@@ -215,7 +210,7 @@ def main(argv=None):
     strip_expandable_segments()  # before anything allocates CUDA memory
     args = parse_args(argv)
     cfg, folder, step = model_folder(args)
-    tokenizer = load_tokenizer(cfg, folder)
+    tokenizer = load_tokenizer(cfg, folder, vocabulary(cfg, TINY_CHARS))
     temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
     engine = start_engine(cfg, folder, step)
     try:

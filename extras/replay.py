@@ -17,7 +17,8 @@ import update
 from config import ConfigError, read_config
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.model import build_policy
+from runtime.model import TINY_CHARS, build_policy
+from task.data import vocabulary
 from sample import Sample
 
 
@@ -61,12 +62,13 @@ def replay(folder):
             f"--replay {folder}: no checkpoint {before} to start from; dump with "
             "run.checkpoint_every=1 to replay any step"
         )
-    policy, _ = build_policy(cfg, before if step > 0 else None)
+    chars = vocabulary(cfg, TINY_CHARS)
+    policy, _ = build_policy(cfg, before if step > 0 else None, chars)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     compute = getattr(torch, cfg.model.compute_dtype)
     reference = None
     if cfg.train.kl_coef > 0:  # the frozen reference: the initial policy
-        reference = build_policy(cfg, None)[0].requires_grad_(False).eval().to(device)
+        reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval().to(device)
     trainer = update.Trainer.build(
         cfg,
         policy.to(device),

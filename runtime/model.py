@@ -28,7 +28,8 @@ DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
 # backward on CPU (torch/nn/attention/flex_attention.py, _validate_device): there it can only
 # compute log-probs, so a CPU run trains with sdpa (`check_attention`).
 ATTENTION = ("sdpa", "flex_attention")
-# the tiny demo's vocabulary: one for both tiny tasks (tiny_tool uses "*-=?")
+# the tiny model's characters: the demo tasks' (task/tiny.py, tiny_tool.py); a task needing more
+# adds them after these (task.data.vocabulary), so the demo's token ids never move
 TINY_CHARS = "0123456789:a+-.=*/()?"
 
 
@@ -75,17 +76,18 @@ class ModelError(RuntimeError):
     """The policy model cannot be built or loaded."""
 
 
-def build_policy(cfg, init_dir):
+def build_policy(cfg, init_dir, chars=TINY_CHARS):
     """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master
     weights AdamW updates (compute runs in `model.compute_dtype`, the engine in
     `model.engine_dtype`). The dtype is explicit: transformers 5 would load "auto" (bfloat16 for
     Qwen). `model.path: tiny` builds the demo model from the config (random init, seeded);
-    anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both."""
+    anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both.
+    `chars`: the tiny model's characters (task.data.vocabulary: the task's)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path = init_dir or cfg.model.path
     try:
-        tokenizer = load_tokenizer(cfg, path)
+        tokenizer = load_tokenizer(cfg, path, chars)
         if cfg.model.path == "tiny":
             if init_dir:
                 model = AutoModelForCausalLM.from_pretrained(
@@ -167,12 +169,12 @@ def compile_layers(model, scope="layer"):
             module.forward = torch.compile(module.forward, dynamic=True)
 
 
-def load_tokenizer(cfg, path):
-    """The tokenizer of the model at `path` (a HF folder, or `tiny`'s, rebuilt: for a folder with a
-    Qwen2 config.json, AutoTokenizer returns Qwen2Tokenizer, whose byte-level pre-tokenizer and
-    normalisation change the ids)."""
+def load_tokenizer(cfg, path, chars=TINY_CHARS):
+    """The tokenizer of the model at `path` (a HF folder, or `tiny`'s, rebuilt of `chars`: for a
+    folder with a Qwen2 config.json, AutoTokenizer returns Qwen2Tokenizer, whose byte-level
+    pre-tokenizer and normalisation change the ids)."""
     if cfg.model.path == "tiny":
-        return build_char_tokenizer()
+        return build_char_tokenizer(chars)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

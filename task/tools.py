@@ -6,10 +6,12 @@ call, parsing it (model-written, untrusted: `json.loads`, never `eval`), checkin
 against the function's JSON schema (built from its type hints and docstring by transformers'
 `get_json_schema`, the schema the chat template shows the model), running it off the event loop
 within `rollout.tool_timeout_s`, and formatting its result or the error. Also the built-in tool,
-the calculator (Python's `ast`, bounded in size, depth and magnitude). Does not decide when a tool
-runs (rollout.py calls one on a turn that ends in a call).
+the calculator (Python's `ast`, bounded in size, depth and magnitude). And the loop of a
+multi-turn trajectory (`multi_turn`): generate, call, observe, go on, each turn sent and each call
+run through the rollout in flight (inflight.py), which owns waiting and aborting.
 """
 
+import array
 import ast
 import asyncio
 import concurrent.futures
@@ -360,3 +362,50 @@ class QuestionCalculator:
         is_error = result.startswith("error")
         ids = self.tokenizer("=?" if is_error else f"={result}", add_special_tokens=False).input_ids
         return Observation(ids, "calculator", is_error)
+
+
+# ---------------------------------------------------------------- a multi-turn trajectory
+async def multi_turn(flight, request, settings):
+    """The turns of one multi-turn trajectory: generate, run the tool on a turn ending in a call,
+    append its observation, go on, within `settings.max_turns` turns and `settings.budget`
+    generated + observation tokens. Each turn's prompt is the previous prompt + response +
+    observation, so turns merge (merge.py). `flight` is the rollout in flight
+    (inflight.Rollout): it sends each turn (`generate_one`), runs each call (`run_tool`), and
+    says which trajectories were cancelled (`cancelled`), so a cancellation stops a trajectory
+    between turns too."""
+    turns = []
+    prompt_ids = request.prompt_ids
+    context = array.array("i", prompt_ids)
+    for turn in range(settings.max_turns):
+        # cancelled before its first request, or while its tool ran
+        if request.index in flight.cancelled:
+            if not turns:
+                return [flight.failed(request, reason="abort")]
+            turns[-1].finish_reason = "abort"  # unfinished
+            break
+        remaining = settings.budget - (len(context) - len(prompt_ids))
+        if remaining <= 0:  # token budget spent on earlier turns and observations
+            # the tool ran, but no budget is left for a turn that reads it: truncated
+            turns[-1].finish_reason = "length"
+            break
+        max_new_tokens = min(settings.sampling["max_new_tokens"], remaining)
+        sampling = {**settings.sampling, "max_new_tokens": max_new_tokens}
+        sample = await flight.generate_one(request, context, sampling, turn)
+        turns.append(sample)
+        ends_in_call = sample.finish_reason == "stop" and sample.response_ids[-1:].tolist() == [
+            settings.tool.call_end_id
+        ]
+        if not ends_in_call:
+            break  # an answer, a length cut, an abort or an error ends the trajectory
+        if turn == settings.max_turns - 1:
+            # a call with no turn left to read the result: truncated, not an answer
+            sample.finish_reason = "length"
+            break
+        observation = await flight.run_tool(request, sample)
+        sample.tool_call = -1 if observation.is_error else 1
+        # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
+        context = context + sample.response_ids + array.array("i", observation.ids)
+    if any(t.is_aborted or t.finish_reason == "abort" for t in turns):
+        for t in turns:  # a trajectory is trained whole or not at all
+            t.is_aborted = True
+    return turns

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-import task.data as tasks
+import task.gsm8k as gsm8k
 import task.tools as tools
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -139,9 +139,7 @@ def sft_examples(tokenizer, data, rng, malformed_share=0.3):
         final = row["answer"].rsplit("####", 1)[-1].strip()
         answer_ids = encode(f"#### {final}<|im_end|>")
         for schemas in (None, tool.schemas):
-            messages = [
-                {"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}
-            ]
+            messages = [{"role": "user", "content": f"{row['question']}\n{gsm8k.INSTRUCTION}"}]
             prompt = encode(
                 tokenizer.apply_chat_template(
                     messages, tools=schemas, tokenize=False, add_generation_prompt=True
@@ -203,7 +201,7 @@ def build(folder, data_path, steps=250, seed=0):
 
     data = rows(data_path)
     rng = random.Random(seed)
-    corpus = [f"{r['question']}\n{tasks.GSM8K_INSTRUCTION}\n{r['answer']}" for r in data]
+    corpus = [f"{r['question']}\n{gsm8k.INSTRUCTION}\n{r['answer']}" for r in data]
     corpus += [CHAT_TEMPLATE, *map(json.dumps, map(tools.function_schema, TOOLS))] * 20
     tokenizer = build_tokenizer(corpus)
     end_of_text, im_end = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])

@@ -11,6 +11,10 @@ import pytest
 
 import runtime.model as model
 import task.data as tasks
+import task.gsm8k as gsm8k
+import task.chat as chat
+import task.tiny as tiny
+import task.tiny_tool as tiny_tool
 import task.tools as tools
 import rewards
 from config import ConfigError, read_config
@@ -121,7 +125,7 @@ def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
             [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
         )
     )
-    prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+    prompts = gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert len(prompts) == 2
     assert (
         "skipped 1 unparseable rows of 5" in caplog.text
@@ -149,18 +153,18 @@ def test_over_long_prompts_are_counted_and_skipped(caplog):
     """Prompts longer than max_prompt_len are dropped and counted; a limit that leaves none is a
     DataError."""
     tokenizer = _wide_char_tokenizer()
-    prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=250)
+    prompts = gsm8k.read(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=250)
     assert 0 < len(prompts) < GSM8K_ROWS
     assert all(len(p.prompt_ids) <= 250 for p in prompts)
     assert f"skipped {GSM8K_ROWS - len(prompts)} prompts longer than 250 tokens" in caplog.text
     with pytest.raises(tasks.DataError, match="no usable prompts"):
-        tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=5)
+        gsm8k.read(tokenizer, GSM8K_TRAIN, "train", max_prompt_len=5)
 
 
 def test_gsm8k_reward_on_real_rows():
     """On 50 real GSM8K rows the reference solution scores 1 and a wrong final number 0; a boxed
     answer, a thousands separator and a last number in the text are read; no number scores 0."""
-    rows = tasks.read_rows(GSM8K_TRAIN, "train")[:50]
+    rows = chat.read_rows(GSM8K_TRAIN, "train")[:50]
     for row in rows:
         gold = row["answer"].rsplit("####", 1)[1].strip()
         solution = row["answer"]  # the reference solution ends in "#### <answer>": full credit
@@ -177,21 +181,21 @@ def test_tiny_task_and_reward():
     prompts; its reward is 1 for N a's ending in <eos>, partial credit for a wrong count or other
     characters, 0 without <eos>."""
     tokenizer = model.build_char_tokenizer()
-    prompts = tasks.tiny_prompts(tokenizer, 2000, 32, seed=0)
+    prompts = tiny.draw(tokenizer, 2000, 32, seed=0)
     counts = [int(p.answer) for p in prompts]
     assert counts.count(1) > 5 * counts.count(10) > 0  # weight 1/N: short targets dominate
     assert tokenizer.decode(prompts[0].prompt_ids, skip_special_tokens=True) == f"{counts[0]}:"
-    assert rewards.tiny_reward("aaa", "3", finished=True) == 1.0
-    assert rewards.tiny_reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
-    assert rewards.tiny_reward("aa", "4", finished=True) == 0.5
-    assert rewards.tiny_reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
+    assert tiny.reward("aaa", "3", finished=True) == 1.0
+    assert tiny.reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
+    assert tiny.reward("aa", "4", finished=True) == 0.5
+    assert tiny.reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
 
 
 def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
     """Prompts "a*b-c=" whose value is a digit 2..9, spread evenly; "?" ending a turn gets that
     value from the calculator, and the reward scores the answer, a call never answered as 0."""
     tokenizer = model.build_char_tokenizer()
-    prompts = tasks.tiny_tool_prompts(tokenizer, 2000, 2, seed=0)
+    prompts = tiny_tool.draw(tokenizer, 2000, 2, seed=0)
     tool = tools.QuestionCalculator(tokenizer)
     ids = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     for p in prompts[:50]:
@@ -211,11 +215,11 @@ def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():
         answers
     )
     # a one-token turn ends by length
-    assert rewards.tiny_tool_reward("4", "4", finished=False) == 1.0
-    assert rewards.tiny_tool_reward("5", "4", finished=True) == 0.0
-    assert rewards.tiny_tool_reward("43", "4", finished=True) == 0.5
+    assert tiny_tool.reward("4", "4", finished=False) == 1.0
+    assert tiny_tool.reward("5", "4", finished=True) == 0.0
+    assert tiny_tool.reward("43", "4", finished=True) == 0.5
     # a call never answered is no answer
-    assert rewards.tiny_tool_reward("4?", "4", finished=True) == 0.0
+    assert tiny_tool.reward("4?", "4", finished=True) == 0.0
 
 
 def test_qwen_tool_call_format_round_trip():
@@ -460,16 +464,18 @@ TASK_SETS = {
         f"data.train_path={GSM8K_TRAIN}",
         "data.reward=rewards:gsm8k_reward",
     ],
+    "reverse": ["data.task=reverse"],
 }
 
 
 @pytest.mark.parametrize("turns", [1, 2])
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.task_names())
 def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
     """Walking every task, with one turn and with tools' turns: each task-specific field set to a
     value but its default is accepted where the task reads it and is a ConfigError naming it
     everywhere else (the CPU demo once trained on its own reward with data.reward set)."""
-    assert set(FIELD_VALUES) == set().union(*tasks.TASK_FIELDS.values(), tasks.TOOL_FIELDS)
+    assert set(FIELD_VALUES) == tasks.TASK_FIELDS | tasks.TOOL_FIELDS
+    assert set(TASK_SETS) == set(tasks.task_names())
     base = [f"run.out=/tmp/unused", f"rollout.max_turns={turns}", *TASK_SETS[task]]
     read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
     for key, value in FIELD_VALUES.items():
@@ -497,10 +503,11 @@ class Recorder:
         return getattr(self._section, name)
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("task", tasks.task_names())
 def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
-    """task.data.TASK_FIELDS (and TOOL_FIELDS with tools' turns) is exactly what build_task reads
-    of those fields for each task, and data.reward replaces each task's own reward."""
+    """Each task module's FIELDS (its TOOL_FIELDS only with tools' turns) is exactly what
+    build_task reads of the task-specific fields, and data.reward replaces each task's own
+    reward."""
     from transformers import AutoTokenizer
 
     turns = 2 if task in ("tiny_tool", "gsm8k") else 1
@@ -510,16 +517,17 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
         sets += ["data.prompt_field=question"]
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
     tokenizer = (
-        model.build_char_tokenizer()
-        if task.startswith("tiny")
-        else AutoTokenizer.from_pretrained(qwen_tiny_dir)
+        AutoTokenizer.from_pretrained(qwen_tiny_dir)
+        if task in ("gsm8k", "chat")
+        else model.build_char_tokenizer(tasks.vocabulary(cfg, model.TINY_CHARS))
     )
     data, rollout_section = Recorder(cfg.data), Recorder(cfg.rollout)
     cfg.data, cfg.rollout = data, rollout_section
     built = tasks.build_task(cfg, tokenizer)
-    table = set().union(*tasks.TASK_FIELDS.values(), tasks.TOOL_FIELDS)
+    table = tasks.TASK_FIELDS | tasks.TOOL_FIELDS
     read = {f"data.{n}" for n in data.read} | {f"rollout.{n}" for n in rollout_section.read}
-    expected = tasks.TASK_FIELDS[task] | (tasks.TOOL_FIELDS if task == "gsm8k" else set())
+    listed = tasks.task_module(task).FIELDS
+    expected = listed if turns > 1 else listed - tasks.TOOL_FIELDS
     assert read & table == expected
     assert built.reward_fn is rewards.gsm8k_reward
 

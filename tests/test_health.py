@@ -6,6 +6,7 @@ run."""
 import pytest
 
 import memory as health
+import inflight
 import rollout
 import train
 from assemble import load_config
@@ -98,7 +99,7 @@ def test_every_request_carries_its_own_sampling_seed(engine, policy, sent_seeds)
     first, again = sent[:8], sent[8:]
     assert None not in first and len(set(first)) == 8 and sorted(first) == sorted(again)
     assert rollout.rollout_seed(0, 3) != rollout.rollout_seed(0, 4) != rollout.rollout_seed(1, 4)
-    seeds = {rollout.request_seed(7, index, turn) for index in range(512) for turn in range(4)}
+    seeds = {inflight.request_seed(7, index, turn) for index in range(512) for turn in range(4)}
     assert len(seeds) == 512 * 4 and max(seeds) < 2**31
 
 

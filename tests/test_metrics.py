@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from metrics import Summed, length_stats, masked_mean, reduce_metrics, summed
-from rollout import RolloutStats, rollout_metrics
+from inflight import RolloutStats
+from rollout import rollout_metrics
 from sample import Sample, trajectories_of
 
 

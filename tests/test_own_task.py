@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 
 import sample
 import task.data as tasks
+import task.gsm8k as gsm8k
+import task.chat as chat
 import rewards
 from config import ConfigError
 from assemble import load_config
@@ -44,7 +46,7 @@ def test_chat_rows_render_like_hand_built_chat_prompts(qwen_tiny_dir, tmp_path):
     """Chat rows (a string prompt, or a message list under other field names) become exactly the
     token ids of the chat template applied by hand; a number answer becomes text."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
-    strings = tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "a.jsonl", ROWS), "train", 256)
+    strings = chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "a.jsonl", ROWS), "train", 256)
     messages = [
         {
             "question": [
@@ -55,7 +57,7 @@ def test_chat_rows_render_like_hand_built_chat_prompts(qwen_tiny_dir, tmp_path):
         }
         for r in ROWS
     ]
-    lists = tasks.chat_prompts(
+    lists = chat.chat_prompts(
         tokenizer,
         write_jsonl(tmp_path / "b.jsonl", messages),
         "train",
@@ -82,7 +84,7 @@ def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, ca
         {"prompt": 3, "answer": "1"},
         {"prompt": "ok", "answer": True},
     ]
-    prompts = tasks.chat_prompts(
+    prompts = chat.chat_prompts(
         tokenizer, write_jsonl(tmp_path / "rows.jsonl", ROWS + bad), "train", 256
     )
     assert (
@@ -91,21 +93,21 @@ def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, ca
         and "skipped 1 unparseable" in caplog.text
     )
     with pytest.raises(tasks.DataError, match="no usable prompts"):
-        tasks.chat_prompts(tokenizer, write_jsonl(tmp_path / "bad.jsonl", bad), "train", 256)
+        chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "bad.jsonl", bad), "train", 256)
 
 
 def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir):
     """GSM8K through the chat path: every row's question and instruction rendered by the chat
     template, the answer after "####", and full reward for that answer."""
     tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
-    prompts = tasks.gsm8k_prompts(tokenizer, GSM8K_TRAIN, "train", 512)
-    rows = tasks.read_rows(GSM8K_TRAIN, "train")
+    prompts = gsm8k.read(tokenizer, GSM8K_TRAIN, "train", 512)
+    rows = chat.read_rows(GSM8K_TRAIN, "train")
     assert len(prompts) == len(rows) == 100
     # what the GSM8K loader built before it became a chat dataset
     for prompt, row in zip(prompts, rows):
         assert prompt.prompt_ids == rendered(
             tokenizer,
-            [{"role": "user", "content": f"{row['question']}\n{tasks.GSM8K_INSTRUCTION}"}],
+            [{"role": "user", "content": f"{row['question']}\n{gsm8k.INSTRUCTION}"}],
         )
         assert prompt.answer == row["answer"].rsplit("####", 1)[1].strip()
         response = f"so #### {prompt.answer}"

@@ -28,6 +28,7 @@ import loss as losses
 import runtime.checkpoint as checkpoint
 import runtime.model as model
 import task.data as tasks
+import task.gsm8k as gsm8k
 import task.tools as tools
 import train
 import update
@@ -165,7 +166,7 @@ def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
         json.dumps(good),
     ]
     path.write_text("\n".join(hostile), errors="surrogateescape")
-    prompts = tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+    prompts = gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert [p.answer for p in prompts] == ["5", "5"]
     assert "skipped 2 unparseable rows of 11" in caplog.text
     assert (
@@ -174,7 +175,7 @@ def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
     )
     path.write_text("{not json\n[]\n")
     with pytest.raises(tasks.DataError, match="no usable prompts"):
-        tasks.gsm8k_prompts(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
+        gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
 
 
 def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
@@ -182,7 +183,7 @@ def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}))
     with pytest.raises(tasks.DataError, match="no chat template"):
-        tasks.gsm8k_prompts(model.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
+        gsm8k.read(model.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
 
 
 def test_tool_call_fuzzing_through_the_qwen_json_adapter():
@@ -616,7 +617,7 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
 
 def runs_our_code(task):
     """Whether an asyncio task runs a coroutine defined in one of the trainer's own modules (the
-    rollout's tasks run `rollout.scored`, and `asyncio.wait_for` wraps `Engine.request` in one)."""
+    rollout's tasks run `inflight.scored`, and `asyncio.wait_for` wraps `Engine.request` in one)."""
     code = getattr(task.get_coro(), "cr_code", None)
     if code is None:  # not a Python coroutine
         return False

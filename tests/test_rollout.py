@@ -21,7 +21,7 @@ import rollout
 from conftest import tiny_config
 from cancel import plan_launch
 from config import ConfigError
-from rollout import RolloutError
+from runtime.engine import RolloutError
 from assemble import trainer_only
 from sample import Sample
 

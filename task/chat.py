@@ -1,0 +1,188 @@
+"""Your own task: chat rows of a prompt and an answer, scored by the reward data.reward names.
+
+Rows come from a local .jsonl (unparseable lines counted and skipped), a .parquet file or a hub
+dataset; a row's prompt is a string (made one user message) or a list of chat messages, rendered
+with the tokenizer's chat template (with the tools' descriptions when the trajectory has tools).
+Malformed rows and over-long prompts are counted and skipped. GSM8K (task/gsm8k.py) is a chat
+task of its own rows. A task module as task/tiny.py describes.
+"""
+
+import json
+import logging
+import os
+
+from config import ConfigError
+from sample import Prompt
+from task.data import TOOL_FIELDS, DataError
+import task.tools as tools
+
+log = logging.getLogger("tasks")
+
+FIELDS = {
+    "data.train_path",
+    "data.val_path",
+    "data.hub_subset",
+    "data.prompt_field",
+    "data.answer_field",
+} | TOOL_FIELDS
+reward = None  # the one data.reward names (`check`)
+
+
+def check(cfg):
+    """Rows to read and a reward to score them: named before any model loads."""
+    task = cfg.data.task
+    if not cfg.data.train_path:
+        raise ConfigError(
+            f"data.task={task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
+        )
+    if task == "chat" and not cfg.data.reward:
+        raise ConfigError(
+            "data.task=chat needs data.reward: 'path/to/file.py:function' or 'module:function'"
+        )
+
+
+def prompts(cfg, tokenizer, split, seed, tool=None):
+    """The rows of data.train_path ("train"), or of data.val_path (default: train_path's "test"
+    split) for "val", as chat prompts; the rows' order is the data's (`seed` unused: the prompt
+    stream shuffles)."""
+    d = cfg.data
+    path = d.train_path if split == "train" else d.val_path or d.train_path
+    return chat_prompts(
+        tokenizer,
+        path,
+        "train" if split == "train" else "test",
+        d.max_prompt_len,
+        prompt_field=d.prompt_field,
+        answer_field=d.answer_field,
+        tools=tool.schemas if tool is not None else None,
+        subset=d.hub_subset,
+    )
+
+
+def tool(cfg, tokenizer):
+    """Its multi-turn trajectories' tools (rollout.max_turns > 1): the functions rollout.tools
+    names (none: the calculator), called in the chat template's JSON format."""
+    r = cfg.rollout
+    return tools.QwenTools(
+        tokenizer,
+        tools.load_tools(r.tools),
+        r.tool_timeout_s,
+        r.tool_workers,
+        r.max_observation_chars,
+    )
+
+
+def read_rows(source, split, subset=None):
+    """Rows (dicts) from a local .jsonl (unparseable lines counted and skipped), a .parquet file,
+    or a hub dataset's `split` (its configuration `subset`, e.g. GSM8K's "main") through
+    `datasets`."""
+    if source.endswith(".jsonl"):
+        if not os.path.isfile(source):
+            raise DataError(f"dataset file not found: {source}")
+        rows, num_bad = [], 0
+        with open(source, errors="replace") as f:  # undecodable bytes become U+FFFD, not a crash
+            for line_no, line in enumerate(f, 1):
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as e:
+                    num_bad += 1
+                    log.warning("skipping unparseable row %s:%d (%s)", source, line_no, e)
+        if num_bad:
+            log.warning(
+                "%s: skipped %d unparseable rows of %d", source, num_bad, num_bad + len(rows)
+            )
+        return rows
+    import datasets  # parquet files and hub names ("openai/gsm8k") go through the library
+
+    if source.endswith(".parquet"):
+        if not os.path.isfile(source):
+            raise DataError(f"dataset file not found: {source}")
+        return list(datasets.load_dataset("parquet", data_files=source, split="train"))
+    return list(datasets.load_dataset(source, subset or None, split=split))
+
+
+def row_problem(row, prompt_field, answer_field, max_chars):
+    """Why a row cannot be used (None if it can): not a mapping; a missing answer, or one not a
+    string or a number; a prompt that is neither a string nor a list of {role, content} string
+    messages; or a text longer than `max_chars` (checked before tokenizing: a huge field is never
+    tokenized)."""
+    if not isinstance(row, dict):
+        return f"expected an object, got {type(row).__name__}"
+    answer, prompt = row.get(answer_field), row.get(prompt_field)
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        return f"needs a string or number field {answer_field!r}"
+    if isinstance(prompt, list):
+        if not prompt or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in prompt
+        ):
+            return (
+                f"field {prompt_field!r}: a list of messages needs "
+                "{'role': str, 'content': str} items"
+            )
+        texts = [m["content"] for m in prompt]
+    elif isinstance(prompt, str):
+        texts = [prompt]
+    else:
+        return f"needs a string (or message list) field {prompt_field!r}"
+    length = sum(map(len, texts)) + len(str(answer))
+    if length > max_chars:
+        return f"a prompt and answer of {length} characters (limit {max_chars})"
+    return None
+
+
+def chat_prompts(
+    tokenizer,
+    source,
+    split,
+    max_prompt_len,
+    prompt_field="prompt",
+    answer_field="answer",
+    tools=None,
+    subset=None,
+    to_prompt=None,
+):
+    """Chat-formatted prompts from rows of a prompt (a string, made one user message, or a list
+    of chat messages) and a reference answer, rendered with the tokenizer's chat template (with
+    the tool descriptions when `tools` is given). `to_prompt(row) -> (prompt, answer)` reshapes a
+    dataset's own rows (GSM8K's); malformed rows and prompts longer than `max_prompt_len` tokens
+    are counted and skipped."""
+    rows = read_rows(source, split, subset)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the tokenizer has no chat template: chat prompts are rendered with it (use an "
+            "instruct model's tokenizer, or give the tokenizer a chat_template)"
+        )
+    prompts = []
+    num_too_long = 0
+    num_bad = 0
+    max_chars = 32 * max_prompt_len  # far more than a prompt of max_prompt_len tokens can hold
+    for row_no, row in enumerate(rows, 1):
+        problem = row_problem(row, prompt_field, answer_field, max_chars)
+        if problem:
+            num_bad += 1
+            log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
+            continue
+        prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) > max_prompt_len:
+            num_too_long += 1
+            continue
+        prompts.append(Prompt(prompt_ids=ids, answer=str(answer)))
+    if num_bad:
+        log.warning("%s: skipped %d malformed rows", source, num_bad)
+    if num_too_long:
+        log.warning(
+            "%s: skipped %d prompts longer than %d tokens", source, num_too_long, max_prompt_len
+        )
+    if not prompts:
+        raise DataError(
+            f"{source}: no usable prompts (malformed rows or all longer than {max_prompt_len})"
+        )
+    return prompts

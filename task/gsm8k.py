@@ -1,0 +1,48 @@
+"""GSM8K: grade-school math word problems, a chat task (task/chat.py) of its own rows
+{question, answer}: the question and an instruction as the prompt, the number after '####' as the
+answer, scored by rewards.gsm8k_reward unless data.reward names another. A task module as
+task/tiny.py describes.
+"""
+
+import rewards
+import task.chat as chat
+
+FIELDS = {"data.train_path", "data.val_path", "data.hub_subset"} | chat.TOOL_FIELDS
+INSTRUCTION = "Solve the problem step by step. Put the final numeric answer after '####'."
+reward = rewards.gsm8k_reward
+check = chat.check  # rows to read
+tool = chat.tool  # the same tools as any chat task
+
+
+def row(row):
+    """A GSM8K row as (prompt, answer): the question and the instruction; the gold number after
+    '####'."""
+    return f"{row['question']}\n{INSTRUCTION}", row["answer"].rsplit("####", 1)[-1].strip()
+
+
+def prompts(cfg, tokenizer, split, seed, tool=None):
+    """data.train_path's rows ("train") or data.val_path's (default: train_path's "test" split)
+    as chat prompts, a hub dataset's configuration data.hub_subset (default "main"): `read`."""
+    d = cfg.data
+    return read(
+        tokenizer,
+        d.train_path if split == "train" else d.val_path or d.train_path,
+        "train" if split == "train" else "test",
+        d.max_prompt_len,
+        tool.schemas if tool is not None else None,
+        d.hub_subset or "main",
+    )
+
+
+def read(tokenizer, source, split, max_prompt_len, tools=None, subset="main"):
+    """GSM8K's rows of `source` as chat prompts (`row`; chat.chat_prompts reads and renders)."""
+    return chat.chat_prompts(
+        tokenizer, source, split, max_prompt_len, "question", "answer", tools, subset, row
+    )
+
+
+def answer_of(text):
+    """What eval's maj@k votes on: the extracted number as its shortest exact text (1,234.50 and
+    1234.5 vote alike)."""
+    number = rewards.extract_answer(text)
+    return None if number is None else format(number.normalize(), "f")

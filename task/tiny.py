@@ -1,0 +1,53 @@
+"""The CPU demo's task: write N copies of a letter. Prompt "<bos>17:", target "a" * 17 then <eos>.
+N is drawn with weight 1/N up to data.tiny_max_count, so most answers are short and a few are
+long: the long-tailed length distribution RL rollouts have. A ~130k-parameter model learns it from
+its reward in minutes on CPU.
+
+Each built-in task is one module of task/ like this one, which task/data.py finds by data.task's
+name: the config fields it reads, the characters its text needs, its prompts, its reward and what
+eval votes on (task/reverse.py: the smallest complete one).
+"""
+
+import random
+
+from sample import Prompt
+
+# the config fields it reads beyond those every task reads (task/data.py refuses the others)
+FIELDS = {"data.tiny_max_count", "data.num_tiny_prompts"}
+CHARS = "0123456789:a"  # its prompts' and answers' characters (the tiny model's vocabulary)
+
+
+def prompts(cfg, tokenizer, split, seed, tool=None):
+    """data.num_tiny_prompts prompts for "train" (data.num_val_prompts for "val"), N up to
+    data.tiny_max_count (`draw`)."""
+    d = cfg.data
+    number = d.num_tiny_prompts if split == "train" else d.num_val_prompts
+    return draw(tokenizer, number, d.tiny_max_count, seed)
+
+
+def draw(tokenizer, number, max_count, seed):
+    """`number` prompts with N drawn with weight 1/N from 1..max_count, fixed by `seed`."""
+    rng = random.Random(seed)
+    counts = list(range(1, max_count + 1))
+    weights = [1 / n for n in counts]
+    out = []
+    for n in rng.choices(counts, weights=weights, k=number):
+        ids = [tokenizer.bos_token_id] + tokenizer(f"{n}:", add_special_tokens=False).input_ids
+        out.append(Prompt(prompt_ids=ids, answer=str(n)))
+    return out
+
+
+def reward(response_text, answer, finished):
+    """Positionwise credit for N copies of 'a': 1 for exact, 0 if the sample never emitted <eos>."""
+    if not finished:
+        return 0.0
+    target = "a" * int(answer)
+    if response_text == target:
+        return 1.0
+    matches = sum(a == b for a, b in zip(response_text, target))
+    return matches / max(len(response_text), len(target))
+
+
+def answer_of(text):
+    """What eval's maj@k votes on: the whole response."""
+    return text
