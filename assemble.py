@@ -115,7 +115,8 @@ def setup(cfg, resume=False, engine=None):
     )
     if resume_dir:
         checkpoint.restore(resume_dir, state, trainer, cfg.train)
-    if shared_engine:  # an engine we started loaded exactly these weights from engine_dir
+    # a shared engine serves other weights: push these (one we started loaded them from engine_dir)
+    if shared_engine:
         engine.update_weights(
             policy.named_parameters(), version=start_step, gather=parallel.full_tensor
         )

@@ -165,7 +165,7 @@ class RolloutConfig:
     # KV cache capacity in tokens (0 = engine decides from memory)
     max_total_tokens: NonNegativeInt = 16384
     cancel: str = "none"  # tail cancellation: none | count | time | group
-    # count/group: launch the batch, stop once (1 - drop_rate) of it finished
+    # count/time/group: launch the batch, stop once (1 - drop_rate) of it finished
     drop_rate: Annotated[float, Range(ge=0, lt=1)] = 0.0
     # count/group: launch (1 + rate) x batch, stop once the batch finished
     over_sample_rate: Annotated[

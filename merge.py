@@ -177,8 +177,8 @@ def merge_each(
     trajectories: list[list[Sample]], max_seq_len: int
 ) -> tuple[list[list[Sample]], MergeStats]:
     """merge_trajectory over a batch: each trajectory's sequences, in a list aligned with
-    `trajectories` (so the trainer zips them with the trajectories' advantages); one warning for
-    the whole batch if any sequence is over length."""
+    `trajectories`, each sequence carrying its trajectory's advantage (LAST_TURN_FIELDS); one
+    warning for the whole batch if any sequence is over length."""
     per_trajectory, stats = [], MergeStats()
     for turns in trajectories:
         sequences = []

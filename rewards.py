@@ -1,12 +1,12 @@
-"""Rewards: the built-in reward functions, loading your own (`data.reward`), calling one safely,
-DAPO's overlong penalty, and `Rewards.scorer`, the one place a trajectory's text becomes a reward.
+"""Rewards: GSM8K's reward, loading your own (`data.reward`), calling one safely, DAPO's overlong
+penalty, and `Rewards.scorer`, the one place a trajectory's text becomes a reward.
 
 Owns what a reward function is called with and what it may return (a finite number; anything else
 is a RewardError, counted by the rollout), and that it runs off the rollout's event loop: an
 `async def` reward is awaited, a plain one runs in a thread pool of its own
 (`rollout.reward_workers`), so a slow reward (a parser, a sandbox, a judge) never delays the other
-requests or the cancel decision. Does not own prompts or data (task/data.py), nor when a
-trajectory is scored (rollout.py scores each one as it finishes).
+requests or the cancel decision. Does not own prompts, data or a task's own reward (task/), nor
+when a trajectory is scored (inflight.scored scores each one as it finishes).
 """
 
 import asyncio

@@ -238,10 +238,10 @@ def rollout_metrics(trajectories, stats):
     samples = [turn for turns in trajectories for turn in turns]
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
     finished = [s for s in launched if not s.is_aborted]
-    # turns cut by cancellation
     # kept out like an abort, but counted on their own: failures, and finished samples of groups a
     # cancel policy's keep_groups left out (cancel.drop_other_groups)
     failed = ("error", "reward_error", "dropped")
+    # turns cut by cancellation
     aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
     num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
@@ -290,7 +290,7 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering):
         **{f"filter/{name}": summed(value) for name, value in counts.items()},
         "filter/prompts_launched": summed(stats.prompts_launched),
         # 1 when filtering kept fewer groups than the target (the prompt bound ended the step),
-        # on any rank
+        # on any rank (`slowest`: reduced by max)
         "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
         "train/reward_mean": sum(rewards) / max(len(rewards), 1),
         "perf/generated_tokens_per_kept_group": stats.generated_tokens

@@ -2,7 +2,7 @@
 versions, flags; its reward and advantage) for one sequence or one turn, as the stages read it.
 
 Owns the records' fields and their storage (typed arrays per token), and grouping turns into
-trajectories and trajectories into groups. Does not own how samples are made (rollout.py), scored
+trajectories and trajectories into groups. Does not own how samples are made (inflight.py), scored
 (rewards.py), merged (merge.py) or trained on (update.py).
 """
 

@@ -412,10 +412,12 @@ def shape_arms(args, device, shipped):
         arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], scope, None, False)
         arms["top_p-peaked"] = arms["top_p"]  # with PEAKED_NORM: see there
     if args.fsdp:
-        arms["now-parts"] = (shipped_attention, "parts", None, False)
+        if scope:  # the compile scopes side by side (with --compile false every arm is eager)
+            arms["now-parts"] = (shipped_attention, "parts", None, False)
         arms["fsdp"] = (shipped_attention, fsdp_scope, None, True)
-        arms["fsdp-eager"] = (shipped_attention, None, None, True)
-        arms["fsdp-layer"] = (shipped_attention, "layer", None, True)
+        if scope:
+            arms["fsdp-eager"] = (shipped_attention, None, None, True)
+            arms["fsdp-layer"] = (shipped_attention, "layer", None, True)
     return {name: arm for name, arm in arms.items() if not args.arms or name in args.arms}
 
 

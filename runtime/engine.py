@@ -3,7 +3,7 @@
 Owns starting the in-process engine (its environment, ports, device), watching its processes, the
 process's signal handling (SGLang's handlers replaced; the trainer's StopSignal), single requests
 and aborts, weight pushes, and memory release/resume. Does not own what is generated or when it is
-cancelled (rollout.py), nor when memory moves (memory.py).
+cancelled (rollout.py, inflight.py), nor when memory moves (memory.py).
 """
 
 import asyncio

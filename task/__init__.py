@@ -1,2 +1,3 @@
-"""What a run trains on: prompts from the tiny demos, GSM8K or your own rows (data.py), and the
-tools a multi-turn trajectory may call (tools.py). The rewards that judge them are rewards.py's."""
+"""What a run trains on: a module per task (tiny.py, tiny_tool.py, gsm8k.py, chat.py, reverse.py:
+its prompts and reward), data.py, which finds the one data.task names and streams its prompts, and
+the tools a multi-turn trajectory may call (tools.py)."""

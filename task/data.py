@@ -25,8 +25,9 @@ import rewards
 import runtime.seeds as seeds
 from config import ConfigError, DataConfig, refuse_unread
 
-# the fields every task reads; the rest of the data section is read by the tasks that list it in
-# their FIELDS, and the tool fields only with tools' turns (rollout.max_turns > 1)
+# the fields any task may read (never refused); the rest of the data section is read by the tasks
+# that list it in their FIELDS, and the tool fields only with tools' turns (rollout.max_turns > 1).
+# A setting a new task needs is a field of config.DataConfig that its FIELDS lists.
 COMMON_FIELDS = {"data.task", "data.reward", "data.max_prompt_len", "data.num_val_prompts"}
 TOOL_FIELDS = {
     "rollout.tools",

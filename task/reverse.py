@@ -2,7 +2,8 @@
 module, an example to copy: a new built-in task is a module like this one in task/ (data.task
 names it), a config (configs/tiny_reverse.yaml) and a test (tests/test_task_reverse.py), and no
 other file changes. Its letters are not in the demo's vocabulary: `CHARS` adds them to the tiny
-model's (task.data.vocabulary).
+model's (task.data.vocabulary). A setting of its own would be a field of config.DataConfig,
+listed in FIELDS; this one reuses data.num_tiny_prompts.
 """
 
 import random

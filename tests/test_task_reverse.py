@@ -1,8 +1,8 @@
 """The reverse-a-string task (task/reverse.py), the example of a built-in task as one module: its
 config loads and refuses the fields it does not read, its letters extend the tiny vocabulary
 without moving the demo's token ids, its prompts, reward and eval vote are right, and its config
-trains end to end on the real engine (3 steps, in the background: its own engine, as its model's
-vocabulary differs from the shared engine's)."""
+trains end to end on the real engine (3 steps, a background run: conftest.BackgroundRuns; its own
+engine, as its model's vocabulary differs from the shared engine's)."""
 
 import os
 import sys
@@ -58,7 +58,7 @@ def test_the_reverse_config_trains_on_the_real_engine(background_runs):
     its own engine, trained and validated; rewards are scored (not all zero: the model already
     emits some letters right by chance)."""
     background_runs.lines("reverse_run")
-    logged = scalars(os.path.join(RUN, "tb"))
+    logged = scalars(RUN)
     assert len(logged["train/reward_mean"]) == 3
     assert "val/reward_mean" in logged and logged["rollout/reward_errors"] == [0, 0, 0]
     assert max(logged["train/reward_mean"]) > 0
