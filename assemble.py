@@ -29,6 +29,7 @@ import runtime.checkpoint as checkpoint
 import runtime.estimate as estimate
 import runtime.model as model
 import runtime.parallel as parallel
+import runtime.lora as lora
 from runtime.model import TINY_CHARS, build_policy, check_attention
 import task.data as data
 from task.data import PromptStream, build_task, vocabulary
@@ -118,7 +119,7 @@ def setup(cfg, resume=False, engine=None):
     # a shared engine serves other weights: push these (one we started loaded them from engine_dir)
     if shared_engine:
         engine.update_weights(
-            policy.named_parameters(), version=start_step, gather=parallel.full_tensor
+            lora.engine_weights(policy), version=start_step, gather=parallel.full_tensor
         )
     phases = memory.MemoryPhases(
         engine,
@@ -127,7 +128,8 @@ def setup(cfg, resume=False, engine=None):
         mode=cfg.memory.mode,
         bucket_bytes=cfg.memory.bucket_mb << 20,
         engine_dtype=engine.dtype,
-        reference=reference,
+        # a LoRA run's reference is the policy itself: nothing more to count or move
+        reference=reference if isinstance(reference, torch.nn.Module) else None,
     )
     phases.start()
     stream = PromptStream.for_rank(
@@ -198,6 +200,10 @@ def place_models(cfg, policy, compute_dtype, device):
     """(policy, KL reference or None) on `device`, each an FSDP2 shard with several ranks. The
     reference is the *initial* policy, also after a resume: built again, not copied."""
     reference = None
+    if cfg.model.lora_rank and parallel.world_size() > 1:
+        raise ConfigError("model.lora_rank > 0 trains on one rank for now: set run.nproc=1")
+    if cfg.train.kl_coef > 0 and cfg.model.lora_rank:
+        return policy.to(device), lora.Base(policy)  # the base: the policy, adapters off
     if cfg.train.kl_coef > 0:
         chars = vocabulary(cfg, TINY_CHARS)
         reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval()

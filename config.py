@@ -92,6 +92,24 @@ class ModelConfig:
     num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
     max_position_embeddings: Annotated[int, Range(ge=2)] = 256
+    # LoRA (runtime/lora.py): > 0 trains rank-r adapters on a frozen base instead of every weight
+    # (one rank for now); the others are read only then
+    lora_rank: NonNegativeInt = 0
+    lora_alpha: PositiveFloat = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    lora_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
+    # the linear layers given adapters, by the last part of their name (default: every projection
+    # of a decoder layer)
+    lora_targets: list[str] = dataclasses.field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ import torch
 
 from config import ConfigError
 from metrics import slowest
+import runtime.lora as lora
 import runtime.parallel as parallel
 
 MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
@@ -289,14 +290,14 @@ def sync_weights(run, version, logprob_gap=None):
     def push():
         nonlocal check_s
         run.engine.update_weights(
-            run.trainer.policy.named_parameters(),
+            lora.engine_weights(run.trainer.policy),  # with LoRA: merged (runtime/lora.py)
             version,
             run.phases.bucket_bytes,
             gather=parallel.full_tensor,
         )
         if should_check_weights(version - 1, run.cfg.run):
             check_start = time.perf_counter()
-            check_weights(run.engine, run.trainer.policy.named_parameters(), parallel.full_tensor)
+            check_weights(run.engine, lora.engine_weights(run.trainer.policy), parallel.full_tensor)
             check_s = time.perf_counter() - check_start
 
     run.phases.to_rollout(push)

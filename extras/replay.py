@@ -54,6 +54,10 @@ def replay(folder):
     # checked by assemble.load_config when the run started (importing that here would put the
     # whole setup under train.py's import of this module)
     cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
+    if cfg.model.lora_rank:  # its HF folders hold merged weights; the adapters are not rebuilt yet
+        raise ConfigError(
+            f"--replay {folder}: a LoRA run (model.lora_rank > 0) is not replayed yet"
+        )
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")

@@ -21,6 +21,7 @@ import yaml
 from torch.distributed.checkpoint import BytesStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
+import runtime.lora as lora
 import runtime.parallel as parallel
 
 log = logging.getLogger("checkpoint")
@@ -47,7 +48,8 @@ def save(out_dir, step, run):
     buffer = run.buffer.checkpoint_state() if run.buffer else None
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
-        save_hf(trainer.policy, run.tokenizer, tmp, full_state)
+        # with LoRA the folder holds merged weights; the adapters are in the sharded state
+        save_hf(trainer.policy, run.tokenizer, tmp, dict(lora.merged(full_state, trainer.policy)))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:  # what a resume is checked against
             yaml.safe_dump(dataclasses.asdict(run.cfg), f, sort_keys=False)
         torch.save(
@@ -230,7 +232,10 @@ def apply_optimizer_settings(optimizer, scheduler, t):
 
 
 def save_hf(policy, tokenizer, folder, state_dict=None):
-    """A HF folder (safetensors, fp32) that `from_pretrained` and the engine load."""
+    """A HF folder (safetensors) that `from_pretrained` and the engine load; with LoRA adapters,
+    of merged weights (lora.merged)."""
+    if state_dict is None:
+        state_dict = dict(lora.engine_weights(policy))
     policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 

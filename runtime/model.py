@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from config import ConfigError
+from config import ConfigError, refuse_unread
+import runtime.lora as lora
 import runtime.seeds as seeds
 
 log = logging.getLogger("model")
@@ -63,6 +64,11 @@ def check(cfg):
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
     m = cfg.model
+    lora_fields = ("model.lora_alpha", "model.lora_dropout", "model.lora_targets")
+    refuse_unread(
+        cfg,
+        {key: (lambda c: c.model.lora_rank > 0, "with model.lora_rank > 0") for key in lora_fields},
+    )
     # the tiny model's heads split hidden_size evenly, each an even width for rotary embeddings
     # (RoPE rotates pairs of dimensions); otherwise the engine's process dies at its first forward
     if m.path == "tiny" and (m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2):
@@ -122,6 +128,13 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
             f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
         ) from None
     model.set_attn_implementation(cfg.model.attn_implementation)
+    if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
+        m = cfg.model
+        torch.manual_seed(seeds.derive(cfg.train.seed, "lora"))
+        base_dtype = getattr(torch, m.compute_dtype)
+        lora.add_adapters(
+            model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_targets, base_dtype
+        )
     # each decoder layer's activations recomputed in the backward
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -199,7 +212,7 @@ def check_attention(cfg, device):
 def build_optimizer(policy, t):
     """AdamW over the fp32 masters, and its learning-rate schedule (`lr_factor`)."""
     optimizer = torch.optim.AdamW(
-        policy.parameters(),
+        [p for p in policy.parameters() if p.requires_grad],  # with LoRA: the adapters alone
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         weight_decay=t.weight_decay,

@@ -1,0 +1,120 @@
+"""LoRA: the policy as a frozen base plus trainable low-rank adapters (model.lora_rank > 0).
+
+Each linear layer named in model.lora_targets keeps its weight W, frozen, and gains two trainable
+matrices, A [r, in] and B [out, r], so it computes x W^T + scale * dropout(x) A^T B^T with scale =
+alpha / r (Hu et al. 2021). B starts at zero, so the adapted model starts as the base. Only the
+adapters train: AdamW keeps state for them alone, and the base sits in the compute dtype (no fp32
+master of a weight that never changes). Written by hand rather than with peft: the whole feature
+is `add_adapters` and one forward, the parameter names of the base do not change (checkpoints,
+the weight sync and the engine read them as before), and `adapters_off` gives the KL reference
+without a second model.
+
+The engine serves merged weights, W + scale * B A per adapted layer (`engine_weights`): every
+weight push sends the whole model, as with full fine-tuning (an adapter-only push is the next
+step). Does not own when weights move (memory.py) nor the optimizer (runtime/model.py).
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+# the projections of a Qwen2/Llama decoder layer (all of them: the default, as "LoRA without
+# regret" finds attention-only adapters learn worse in RL)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapted(model):
+    """{module name: module} of the linear layers carrying adapters."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
+
+
+def add_adapters(model, rank, alpha, dropout, targets, base_dtype):
+    """Give each nn.Linear whose name ends in one of `targets` a rank-`rank` adapter (A random as
+    nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
+    hold it in `base_dtype`. Returns the adapted layers' names."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+        parameter.data = parameter.data.to(base_dtype)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in targets:
+            continue
+        weight = module.weight
+        a = torch.empty(rank, module.in_features, device=weight.device, dtype=torch.float32)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        module.lora_A = torch.nn.Parameter(a)
+        module.lora_B = torch.nn.Parameter(
+            torch.zeros(module.out_features, rank, device=weight.device, dtype=torch.float32)
+        )
+        module.lora_scale = alpha / rank
+        module.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        module.lora_on = True
+        module.forward = _forward.__get__(module)  # this instance only: nn.Linear is untouched
+        names.append(name)
+    if not names:
+        raise ValueError(
+            f"model.lora_targets={list(targets)}: no linear layer of the model matches"
+        )
+    return names
+
+
+def _forward(self, x):
+    """An adapted nn.Linear: the frozen projection plus the low-rank update (skipped while the
+    adapters are off)."""
+    out = F.linear(x, self.weight, self.bias)
+    if not self.lora_on:
+        return out
+    update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+    return out + update * self.lora_scale
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Inside: `model` computes its frozen base (the KL reference, with no second copy)."""
+    layers = adapted(model).values()
+    for module in layers:
+        module.lora_on = False
+    try:
+        yield model
+    finally:
+        for module in layers:
+            module.lora_on = True
+
+
+class Base:
+    """The policy with its adapters off, as a model to call: the KL reference of a LoRA run. The
+    same parameters, so it holds no memory of its own (what memory.py counts and moves is the
+    policy's)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):
+        with adapters_off(self.policy):
+            return self.policy(*args, **kwargs)
+
+    def __getattr__(self, name):  # config, get_output_embeddings, ...: the policy's
+        return getattr(self.policy, name)
+
+
+def engine_weights(model):
+    """(name, tensor) of what the engine serves: `merged` over the model's parameters."""
+    return merged(model.named_parameters(), model)
+
+
+def merged(tensors, model):
+    """(name, tensor) of `tensors` (a model's parameters or full state dict, as pairs), each
+    adapted layer's weight merged, W + scale * B A in the base's dtype, and the adapters left
+    out: what the engine serves and a HF folder holds. Without adapters: `tensors` as they are."""
+    tensors = dict(tensors)
+    scales = {f"{name}.weight": m.lora_scale for name, m in adapted(model).items()}
+    for name, tensor in tensors.items():
+        if ".lora_" in name:
+            continue
+        if name in scales:
+            prefix = name[: -len("weight")]
+            delta = (tensors[prefix + "lora_B"] @ tensors[prefix + "lora_A"]) * scales[name]
+            tensor = (tensor.float() + delta.float()).to(tensor.dtype).detach()
+        yield name, tensor

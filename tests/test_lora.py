@@ -1,0 +1,101 @@
+"""LoRA (model.lora_rank, runtime/lora.py): the adapters start as the base and train alone, the
+merged weights the engine serves compute what the adapters do, the KL reference is the policy with
+its adapters off (equal to a separately built base, no second model), the fields LoRA reads are
+refused without it, and a LoRA run trains on the real engine (the log-prob gap and the weight
+checksums over the merged weights) and resumes exactly."""
+
+import pytest
+import torch
+
+import runtime.lora as lora
+import runtime.model as model
+import train
+import update
+from assemble import load_config
+from config import ConfigError
+from conftest import tiny_config, train_on
+from test_packing import random_samples
+from test_train import rollout_batch, scalars
+
+LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
+
+
+def test_adapters_start_as_the_base_train_alone_and_merge_exactly(tmp_path):
+    cfg = tiny_config(tmp_path, *LORA)
+    base, _ = model.build_policy(tiny_config(tmp_path), None)
+    policy, tokenizer = model.build_policy(cfg, None)
+    ids = torch.randint(4, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    # B starts at zero: the adapted model is the base, exactly
+    torch.testing.assert_close(policy(ids).logits, base(ids).logits, rtol=0, atol=0)
+    layers = lora.adapted(policy)
+    assert len(layers) == 7 * cfg.model.num_layers  # every projection of every decoder layer
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable == {f"{name}.lora_{x}" for name in layers for x in "AB"}
+    optimizer, _ = model.build_optimizer(policy, cfg.train)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)
+    frozen = {n: p.detach().clone() for n, p in policy.named_parameters() if not p.requires_grad}
+    policy(ids, labels=ids).loss.backward()
+    optimizer.step()
+    for name, parameter in policy.named_parameters():
+        if name in frozen:
+            assert torch.equal(parameter, frozen[name]), name  # the base never moves
+    assert all(m.lora_B.abs().sum() > 0 for m in layers.values())
+    # the merged weights (what the engine serves and a HF folder holds) compute the same model
+    merged = dict(lora.engine_weights(policy))
+    assert not any(".lora_" in name for name in merged)
+    base.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_is_the_policy_with_its_adapters_off(tmp_path):
+    """lora.Base(policy), the KL reference of a LoRA run, gives the log-probs of a base model built
+    on its own, after the adapters trained; the policy's own differ."""
+    cfg = tiny_config(tmp_path, *LORA)
+    policy, _ = model.build_policy(cfg, None)
+    with torch.no_grad():
+        for module in lora.adapted(policy).values():
+            module.lora_B.normal_(0, 0.05)  # as after training
+    separate, _ = model.build_policy(tiny_config(tmp_path), None)
+    samples, _ = random_samples(0)
+    batch = update.micro_batches(samples, 16, 0)[0][0]  # (micro-batches, over-long count)
+    with torch.no_grad():
+        reference = update.sequence_logprobs(lora.Base(policy), batch, 1.0)[0]
+        base = update.sequence_logprobs(separate, batch, 1.0)[0]
+        adapted = update.sequence_logprobs(policy, batch, 1.0)[0]
+    torch.testing.assert_close(reference, base, rtol=0, atol=1e-6)
+    assert (adapted - base).abs().max() > 1e-3
+
+
+def test_lora_fields_are_refused_without_lora():
+    for item in ("model.lora_alpha=32", "model.lora_dropout=0.1", "model.lora_targets=[q_proj]"):
+        with pytest.raises(ConfigError, match="read only with model.lora_rank > 0"):
+            load_config("configs/tiny.yaml", [item])
+    load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj]"])
+
+
+def test_a_lora_run_trains_on_the_engine_and_resumes_exactly(engine, tmp_path):
+    """Two steps of the demo with adapters and a KL reference on the shared engine: the engine
+    serves the merged weights (log-prob gap at fp32 level, checksums checked every step), the
+    base stays as built; then a resume from the checkpoint makes the uninterrupted run's update."""
+    sets = [*LORA, "run.val_every=100", "train.kl_coef=0.01", "run.check_weights_every=1"]
+    cfg = tiny_config(tmp_path, "train.steps=2", *sets)
+    run = train.setup(cfg, engine=engine)
+    base = {n: p.detach().clone() for n, p in run.trainer.policy.named_parameters()}
+    train.train(run)
+    logged = scalars(str(tmp_path))
+    assert max(logged["train/logprob_gap"]) < 1e-4  # the engine holds the merged weights
+    for name, parameter in run.trainer.policy.named_parameters():
+        if ".lora_" not in name:
+            assert torch.equal(parameter, base[name]), name  # the base stays as built
+        elif ".lora_B" in name:
+            assert not torch.equal(parameter, base[name]), name
+    # resume from step 2's checkpoint: the same next update on the same samples
+    samples, advantages = rollout_batch(run)
+    train_on(run, samples, advantages)
+    resumed = train.setup(tiny_config(tmp_path, "train.steps=3", *sets), resume=True, engine=engine)
+    train_on(resumed, samples, advantages)
+    for (name, a), (_, b) in zip(
+        run.trainer.policy.named_parameters(), resumed.trainer.policy.named_parameters()
+    ):
+        assert torch.equal(a, b), name
