@@ -202,8 +202,10 @@ def place_models(cfg, policy, compute_dtype, device):
     reference = None
     if cfg.model.lora_rank and parallel.world_size() > 1:
         raise ConfigError("model.lora_rank > 0 trains on one rank for now: set run.nproc=1")
-    if cfg.train.kl_coef > 0 and cfg.model.lora_rank:
-        return policy.to(device), lora.Base(policy)  # the base: the policy, adapters off
+    if cfg.train.kl_coef > 0 and cfg.model.lora_rank and not cfg.model.lora_also_train:
+        # the base is the policy with its adapters off (what lora_also_train names moves: then
+        # the reference is built on its own, below)
+        return policy.to(device), lora.Base(policy)
     if cfg.train.kl_coef > 0:
         chars = vocabulary(cfg, TINY_CHARS)
         reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval()

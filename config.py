@@ -97,6 +97,10 @@ class ModelConfig:
     lora_rank: NonNegativeInt = 0
     lora_alpha: PositiveFloat = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
     lora_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
+    # parameters trained in full beside the adapters, by a part of their name (peft's
+    # modules_to_save): ["norm"] trains every RMSNorm's weight, which a random base needs to sharpen
+    # its logits (configs/tiny_lora.yaml)
+    lora_also_train: list[str] = dataclasses.field(default_factory=list)
     # the linear layers given adapters, by the last part of their name (default: every projection
     # of a decoder layer)
     lora_targets: list[str] = dataclasses.field(

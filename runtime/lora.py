@@ -3,11 +3,11 @@
 Each linear layer named in model.lora_targets keeps its weight W, frozen, and gains two trainable
 matrices, A [r, in] and B [out, r], so it computes x W^T + scale * dropout(x) A^T B^T with scale =
 alpha / r (Hu et al. 2021). B starts at zero, so the adapted model starts as the base. Only the
-adapters train: AdamW keeps state for them alone, and the base sits in the compute dtype (no fp32
-master of a weight that never changes). Written by hand rather than with peft: the whole feature
-is `add_adapters` and one forward, the parameter names of the base do not change (checkpoints,
-the weight sync and the engine read them as before), and `adapters_off` gives the KL reference
-without a second model.
+adapters train (and what model.lora_also_train names, in full): AdamW keeps state for them alone,
+and the base sits in the compute dtype (no fp32 master of a weight that never changes). Written by
+hand rather than with peft: the whole feature is `add_adapters` and one forward, the parameter
+names of the base do not change (checkpoints, the weight sync and the engine read them as before),
+and `adapters_off` gives the KL reference without a second model.
 
 The engine serves merged weights, W + scale * B A per adapted layer (`engine_weights`): every
 weight push sends the whole model, as with full fine-tuning (an adapter-only push is the next
@@ -30,13 +30,16 @@ def adapted(model):
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
 
 
-def add_adapters(model, rank, alpha, dropout, targets, base_dtype):
+def add_adapters(model, rank, alpha, dropout, targets, base_dtype, also_train=()):
     """Give each nn.Linear whose name ends in one of `targets` a rank-`rank` adapter (A random as
     nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
-    hold it in `base_dtype`. Returns the adapted layers' names."""
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-        parameter.data = parameter.data.to(base_dtype)
+    hold it in `base_dtype`, except those whose name holds a part of `also_train` (trained in full,
+    fp32). Returns the adapted layers' names."""
+    for name, parameter in model.named_parameters():
+        trained = any(part in name for part in also_train)
+        parameter.requires_grad_(trained)
+        if not trained:
+            parameter.data = parameter.data.to(base_dtype)
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in targets:

@@ -65,10 +65,18 @@ def check(cfg):
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
     m = cfg.model
     lora_fields = ("model.lora_alpha", "model.lora_dropout", "model.lora_targets")
+    lora_fields += ("model.lora_also_train",)
     refuse_unread(
         cfg,
         {key: (lambda c: c.model.lora_rank > 0, "with model.lora_rank > 0") for key in lora_fields},
     )
+    # adapters live in the decoder layers: the output head is often the embedding itself (tied), and
+    # a merged head would rewrite the embedding too
+    outside = sorted({"lm_head", "embed_tokens"} & set(m.lora_targets)) if m.lora_rank else []
+    if outside:
+        raise ConfigError(
+            f"model.lora_targets: {outside} are not adapted (the decoder layers' are)"
+        )
     # the tiny model's heads split hidden_size evenly, each an even width for rotary embeddings
     # (RoPE rotates pairs of dimensions); otherwise the engine's process dies at its first forward
     if m.path == "tiny" and (m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2):
@@ -133,7 +141,13 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
         torch.manual_seed(seeds.derive(cfg.train.seed, "lora"))
         base_dtype = getattr(torch, m.compute_dtype)
         lora.add_adapters(
-            model, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_targets, base_dtype
+            model,
+            m.lora_rank,
+            m.lora_alpha,
+            m.lora_dropout,
+            m.lora_targets,
+            base_dtype,
+            m.lora_also_train,
         )
     # each decoder layer's activations recomputed in the backward
     if cfg.train.gradient_checkpointing:

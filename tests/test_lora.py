@@ -48,6 +48,18 @@ def test_adapters_start_as_the_base_train_alone_and_merge_exactly(tmp_path):
         torch.testing.assert_close(base(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_lora_also_train_trains_those_parameters_in_full(tmp_path):
+    """model.lora_also_train (peft's modules_to_save): the named parameters train beside the
+    adapters, fp32, and the engine gets them as they are."""
+    cfg = tiny_config(tmp_path, *LORA, "model.lora_also_train=[norm,embed_tokens]")
+    policy, _ = model.build_policy(cfg, None)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    full = {n for n in trainable if ".lora_" not in n}
+    assert full == {n for n, _ in policy.named_parameters() if "norm" in n or "embed_tokens" in n}
+    assert all(p.dtype == torch.float32 for n, p in policy.named_parameters() if n in full)
+    assert full <= dict(lora.engine_weights(policy)).keys()
+
+
 def test_the_reference_is_the_policy_with_its_adapters_off(tmp_path):
     """lora.Base(policy), the KL reference of a LoRA run, gives the log-probs of a base model built
     on its own, after the adapters trained; the policy's own differ."""
@@ -72,6 +84,9 @@ def test_lora_fields_are_refused_without_lora():
         with pytest.raises(ConfigError, match="read only with model.lora_rank > 0"):
             load_config("configs/tiny.yaml", [item])
     load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj]"])
+    # the output head is the embedding itself in the tiny model: a merged head would rewrite both
+    with pytest.raises(ConfigError, match=r"\['lm_head'\] are not adapted"):
+        load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,lm_head]"])
 
 
 def test_a_lora_run_trains_on_the_engine_and_resumes_exactly(engine, tmp_path):
