@@ -4,7 +4,7 @@ Owns the order of the algorithm, on one rank or several (each rank: an FSDP2 sha
 its own engine). Each stage of the step is one call into the module that owns it and hands back
 its own metrics; every feature is switched inside its stage, so none is named here:
 
-    rollout (rollout.py, rewards.py, cancel.py, partial.py) -> advantages (advantages.py)
+    rollout (rollout.py, inflight.py, rewards.py, cancel.py) -> advantages (advantages.py)
     -> training sequences (merge.py) -> update (update.py, loss.py) -> weight sync (memory.py)
     -> metrics (metrics.py)
 

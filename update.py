@@ -649,7 +649,8 @@ def offpolicy_stats(micro_batches, tis_cap):
 def make_minibatches(samples, cfg, pad_id, device):
     """The step's `cfg.num_minibatches` minibatches (`cfg`: TrainConfig), each a list of collated
     micro-batches on `device`: minibatch i is the i-th slice of this rank's samples. Collated
-    once, read by both passes (old log-probs, then the update). Every rank makes the same count
+    once, read by every pass (a pi_old or reference forward where there is one, then the
+    update). Every rank makes the same count
     (clip_grad_norm_ is a collective too). Returns (minibatches, sequences over the budget)."""
     size = max(math.ceil(len(samples) / cfg.num_minibatches), 1)
     out = []
