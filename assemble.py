@@ -116,11 +116,11 @@ def setup(cfg, resume=False, engine=None):
     )
     if resume_dir:
         checkpoint.restore(resume_dir, state, trainer, cfg.train)
-    # a shared engine serves other weights: push these (one we started loaded them from engine_dir)
-    if shared_engine:
-        engine.update_weights(
-            lora.engine_weights(policy), version=start_step, gather=parallel.full_tensor
-        )
+    # a shared engine serves other weights, and a LoRA engine serves the adapter from its pool on
+    # the base: push these (an engine we started loaded them from engine_dir)
+    if shared_engine or cfg.model.lora_rank:
+        bucket = cfg.memory.bucket_mb << 20
+        memory.push_weights(engine, policy, start_step, bucket, everything=True)
     phases = memory.MemoryPhases(
         engine,
         policy,
@@ -229,9 +229,15 @@ def start_engine(cfg, model_dir, start_step):
         gpu_id=parallel.gpu_index(),
         local_rank=parallel.local_rank(),
         trust_remote_code=cfg.model.trust_remote_code,
+        lora=lora_engine(cfg.model),
     )
     engine.weight_version = start_step
     return engine
+
+
+def lora_engine(m):
+    """The engine's LoRA pool for model section `m` (None without LoRA)."""
+    return dict(rank=m.lora_rank, targets=m.lora_targets) if m.lora_rank else None
 
 
 def partial_buffer(cfg, state, multi_turn):

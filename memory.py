@@ -279,6 +279,23 @@ class MemoryPhases:
 
 
 # ---------------------------------------------------------------- stage 5: the weight sync
+def push_weights(engine, policy, version, bucket_bytes, everything=False):
+    """The engine's weights become `policy`'s as `version`: every parameter pushed in buckets, or
+    with LoRA adapters (runtime/lora.py) the adapter alone, into SGLang's adapter pool, and what
+    trains in full beside it; `everything`: the frozen base too (an engine that loaded other
+    weights: a shared one, or a resumed run's merged checkpoint)."""
+    adapter = lora.adapter_tensors(policy)
+    if not adapter:
+        engine.update_weights(
+            policy.named_parameters(), version, bucket_bytes, gather=parallel.full_tensor
+        )
+        return
+    base = list(lora.base_weights(policy, trained_only=not everything))
+    if base:
+        engine.update_weights(base, version, bucket_bytes, gather=parallel.full_tensor)
+    engine.load_adapter(adapter, lora.adapter_config(policy), version)
+
+
 def sync_weights(run, version, logprob_gap=None):
     """The engine samples the next step from the updated policy: the trainer's weights pushed
     in buckets as weight `version` between the train and rollout phases, checked bit for bit on
@@ -289,15 +306,11 @@ def sync_weights(run, version, logprob_gap=None):
 
     def push():
         nonlocal check_s
-        run.engine.update_weights(
-            lora.engine_weights(run.trainer.policy),  # with LoRA: merged (runtime/lora.py)
-            version,
-            run.phases.bucket_bytes,
-            gather=parallel.full_tensor,
-        )
+        push_weights(run.engine, run.trainer.policy, version, run.phases.bucket_bytes)
         if should_check_weights(version - 1, run.cfg.run):
             check_start = time.perf_counter()
-            check_weights(run.engine, lora.engine_weights(run.trainer.policy), parallel.full_tensor)
+            # with LoRA the engine's own weights are the base (the adapter: the log-prob gap)
+            check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
             check_s = time.perf_counter() - check_start
 
     run.phases.to_rollout(push)

@@ -48,13 +48,15 @@ class Engine:
         gpu_id=0,
         local_rank=0,
         trust_remote_code=False,
+        lora=None,
     ):
         self.cfg = cfg
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
+        self.adapter = None  # the LoRA adapter every request is served with (`load_adapter`)
         on_gpu = torch.cuda.is_available()
         self.engine = start_sglang(
-            model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu
+            model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu, lora
         )
         self.tokenizer_manager = self.engine.tokenizer_manager
         # An engine process that dies must end the step with EngineDiedError (and a checkpoint),
@@ -150,7 +152,11 @@ class Engine:
         engine's finish reason, weight version). With `skip_tokenizer_init` the output ids
         include a matched stop token."""
         out = await self.engine.async_generate(
-            input_ids=list(input_ids), sampling_params=sampling, return_logprob=True, rid=rid
+            input_ids=list(input_ids),
+            sampling_params=sampling,
+            return_logprob=True,
+            rid=rid,
+            lora_path=self.adapter,
         )
         meta = out["meta_info"]
         logprobs = [lp for lp, _token, _ in meta["output_token_logprobs"]]
@@ -229,6 +235,51 @@ class Engine:
         self._run(self.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None))
         self.weight_version = version
         return num_buckets
+
+    def load_adapter(self, tensors, config, version):
+        """Serve LoRA adapter `tensors` ({peft name: tensor}, `config` as peft's adapter_config)
+        as weight `version`: loaded into SGLang's adapter pool under a new name, every later
+        request served with it, the previous one unloaded. Megabytes, where a full push moves the
+        whole model; the engine must have been started with `lora` (start_sglang)."""
+        from sglang.srt.managers.io_struct import (
+            LoadLoRAAdapterFromTensorsReqInput,
+            UpdateWeightVersionReqInput,
+        )
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        name, previous = f"policy_v{version}", self.adapter
+        if previous == name:  # the same version again (a resume on this engine): replaced
+            self._unload_adapter(previous)
+            self.adapter = previous = None
+        request = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name,
+            config_dict=config,
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],  # one TP rank
+        )
+        out = self._run(self.tokenizer_manager.load_lora_adapter_from_tensors(request, None))
+        if not out.success:
+            raise RolloutError(f"adapter sync (version {version}) failed: {out.error_message}")
+        self.adapter = name
+        if previous is not None:
+            self._unload_adapter(previous)
+        # the version each request reports (a full push stamps it with its last bucket)
+        self._run(
+            self.tokenizer_manager.update_weight_version(
+                UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+            )
+        )
+        self.weight_version = version
+
+    def _unload_adapter(self, name):
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        out = self._run(
+            self.tokenizer_manager.unload_lora_adapter(
+                UnloadLoRAAdapterReqInput(lora_name=name), None
+            )
+        )
+        if not out.success:
+            raise RolloutError(f"adapter {name} could not be unloaded: {out.error_message}")
 
     def weight_checksums(self):
         """{tensor name: hash} of every weight the engine holds, by SGLang's weight checker
@@ -372,10 +423,13 @@ def trainer_signals(sglang_signal_handler, rollout_engine):
     return TrainerSignals
 
 
-def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu):
+def start_sglang(
+    model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu, lora=None
+):
     """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes)
     for this rank: the environment its processes inherit, its device, its port; returns it.
-    `Engine` then takes it over."""
+    `Engine` then takes it over. `lora` ({"rank", "targets"}): with SGLang's LoRA pool, which
+    `Engine.load_adapter` fills."""
     # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
     # being oversubscribed (measured 70x faster generation than the default thread count).
     os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
@@ -405,6 +459,17 @@ def start_sglang(model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_
         if on_gpu
         else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
     )
+    if lora:
+        # two adapters at once: the new one loads before the old one goes
+        device_args |= dict(
+            enable_lora=True,
+            max_lora_rank=lora["rank"],
+            lora_target_modules=list(lora["targets"]),
+            max_loras_per_batch=2,
+        )
+        if not on_gpu:  # the GPU backends' kernels need CUDA (pinning: cpu_compat/sitecustomize.py)
+            device_args["lora_backend"] = "torch_native"
+
     # SGLang reconfigures the root logger of this process to its own log_level and handler: without
     # the restore below, every trainer warning after engine start (e.g. rollout queueing) was
     # dropped.

@@ -9,9 +9,11 @@ hand rather than with peft: the whole feature is `add_adapters` and one forward,
 names of the base do not change (checkpoints, the weight sync and the engine read them as before),
 and `adapters_off` gives the KL reference without a second model.
 
-The engine serves merged weights, W + scale * B A per adapted layer (`engine_weights`): every
-weight push sends the whole model, as with full fine-tuning (an adapter-only push is the next
-step). Does not own when weights move (memory.py) nor the optimizer (runtime/model.py).
+The engine holds the base and serves the adapter from SGLang's LoRA pool: each weight push sends
+the adapter alone (`adapter_tensors`, in peft's names and `adapter_config`), plus what trains in
+full beside it (`base_weights`); HF folders hold merged weights, W + scale * B A per adapted layer
+(`merged`), which any engine or `from_pretrained` loads. Does not own when weights move
+(memory.py) nor the optimizer (runtime/model.py).
 """
 
 import contextlib
@@ -103,8 +105,43 @@ class Base:
 
 
 def engine_weights(model):
-    """(name, tensor) of what the engine serves: `merged` over the model's parameters."""
+    """(name, tensor) of the model as one set of weights: `merged` over its parameters."""
     return merged(model.named_parameters(), model)
+
+
+def adapter_tensors(model):
+    """{peft name: fp32 tensor} of the adapters (empty without): what SGLang's
+    load_lora_adapter_from_tensors reads, named as peft saves them
+    (base_model.model.<layer>.lora_A.weight)."""
+    return {
+        f"base_model.model.{name}.weight": parameter.detach()
+        for name, parameter in model.named_parameters()
+        if ".lora_" in name
+    }
+
+
+def adapter_config(model):
+    """The adapters' peft adapter_config: rank, alpha, the adapted layers' names."""
+    layers = adapted(model)
+    first = next(iter(layers.values()))
+    rank = first.lora_A.shape[0]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": first.lora_scale * rank,
+        "lora_dropout": 0.0,  # the engine samples: no dropout there
+        "bias": "none",
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
+    }
+
+
+def base_weights(model, trained_only=False):
+    """(name, tensor) of every parameter but the adapters (`trained_only`: those that train in
+    full beside them, model.lora_also_train)."""
+    for name, parameter in model.named_parameters():
+        if ".lora_" not in name and (parameter.requires_grad or not trained_only):
+            yield name, parameter
 
 
 def merged(tensors, model):

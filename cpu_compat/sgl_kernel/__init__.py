@@ -57,24 +57,3 @@ if not torch.cuda.is_available():
 
     torch.get_device_module = _cpu_device_module
 
-
-# Pinned host memory needs a CUDA driver, yet SGLang's LoRA layers and its torch_native LoRA backend
-# pin unconditionally (sglang/srt/lora/layers.py: torch.tensor(..., pin_memory=True);
-# lora/backend/torch_backend.py: .pin_memory()), which raises without one. Pinning only speeds
-# host-to-GPU copies, and a CPU engine makes none: in the engine's own processes (spawned
-# children; the trainer's process is left as it is) it becomes a no-op.
-def _unpinned(factory):
-    @functools.wraps(factory)
-    def call(*args, pin_memory=False, **kwargs):
-        return factory(*args, **kwargs)
-
-    return call
-
-
-if not torch.cuda.is_available():
-    import multiprocessing
-
-    if multiprocessing.parent_process() is not None:
-        for _name in ("tensor", "empty", "zeros"):
-            setattr(torch, _name, _unpinned(getattr(torch, _name)))
-        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
