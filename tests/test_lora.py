@@ -4,6 +4,9 @@ its adapters off (equal to a separately built base, no second model), the fields
 refused without it, and a LoRA run trains on the real engine (the log-prob gap and the weight
 checksums over the merged weights) and resumes exactly."""
 
+import re
+import sys
+
 import pytest
 import torch
 
@@ -124,3 +127,19 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(tmp_path):
             assert torch.equal(a, b), name
     finally:
         run.engine.shutdown()
+
+
+@pytest.mark.background(
+    "lora_sync_bench",
+    [sys.executable, "bench/lora_sync.py", "--hidden", "128", "--layers", "2", "--repeats", "1"],
+)
+def test_the_lora_sync_bench_pushes_fewer_bytes_and_serves_the_adapter(background_runs):
+    """bench/lora_sync.py, small (its own engine, in the background): the adapter moves fewer
+    bytes than the whole model, and the engine serves it (log-prob gap at fp32 level)."""
+    line = background_runs.lines("lora_sync_bench")[-1]
+    match = re.fullmatch(
+        r"lora_sync: full_bytes=(\d+) adapter_bytes=(\d+) full_s=[\d.]+ adapter_s=[\d.]+ "
+        r"bytes_ratio=[\d.]+ time_ratio=[\d.]+ gap=(\S+)",
+        line,
+    )
+    assert match and int(match[1]) > int(match[2]) and float(match[3]) < 1e-4, line
