@@ -74,6 +74,16 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     embedding = vocab * hidden  # the largest tensor; Qwen2.5 <= 3B ties it to the output head
     params = embedding * (1 if tied else 2) + layers * per_layer + hidden
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    # LoRA (runtime/lora.py): the base frozen in the compute dtype; fp32 masters, gradients and
+    # AdamW state for the adapters alone, rank x (in + out) per adapted projection
+    kv = kv_heads * head_dim
+    sides = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    sides |= {"o_proj": (hidden, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+    sides["down_proj"] = (inter, hidden)
+    m = cfg.model
+    lora_rank = m.lora_rank
+    adapters = layers * sum(lora_rank * sum(sides[t]) for t in m.lora_targets if t in sides)
+    trained = adapters if lora_rank else params
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = longest_sequence(cfg)
@@ -104,24 +114,32 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # the weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
     sharded = sharded_over(ranks)
+    trainer_params = "trainer params (fp32, sharded)"
+    if lora_rank:
+        trainer_params = "trainer params (base in compute dtype, fp32 adapters)"
     parts = {
-        "trainer params (fp32, sharded)": params * 4 / ranks,
-        "gradients (fp32, sharded)": params * 4 / ranks,
-        "AdamW state (fp32, sharded)": 2 * params * 4 / ranks,
+        trainer_params: (params * compute + adapters * 4 if lora_rank else params * 4) / ranks,
+        "gradients (fp32, sharded)": trained * 4 / ranks,
+        "AdamW state (fp32, sharded)": 2 * trained * 4 / ranks,
         # FSDP2 during the update: every unit stays gathered in the compute dtype from its first
         # forward to the last micro-batch's backward (parallel.gathered_for_update)
         "FSDP units gathered for the update": params * compute if sharded else 0,
         "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
         # backward
-        "autocast weight copies": params * compute if not sharded and compute < 4 else 0,
+        "autocast weight copies": (
+            params * compute if not sharded and compute < 4 and not lora_rank else 0
+        ),
         f"activations ({batch})": activations,
         # about 4 fp32 [chunk, vocab] tensors alive at once (the logits' fp32 copy, the shifted
         # log-probs, their exp, a product), and the head's fp32 hidden states
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
         # train.kl_coef > 0: the frozen reference, built like the policy (fp32, sharded like it),
         # stays on the GPU through the update
-        "KL reference (fp32, sharded)": params * 4 / ranks if t.kl_coef > 0 else 0,
+        # (LoRA: the policy with its adapters off, nothing more)
+        "KL reference (fp32, sharded)": (
+            params * 4 / ranks if t.kl_coef > 0 and not lora_rank else 0
+        ),
         # top_p < 1 (loss.nucleus), per chunk: probabilities and the masked logits (fp32), the
         # drop mask, and for rows whose top k hold too little a sort's values and int64 indices
         "top-p nucleus (chunked head)": (
@@ -133,7 +151,10 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the
         # largest tensor, all in the engine's dtype (sglang_engine.weight_buckets casts each shard
         # before gathering it)
-        "weight-sync bucket": cfg.memory.bucket_mb * 2**20 + embedding * engine,
+        # (LoRA: the adapter, pushed whole into the engine's pool)
+        "weight-sync bucket": (
+            adapters * 4 if lora_rank else cfg.memory.bucket_mb * 2**20 + embedding * engine
+        ),
         "CUDA contexts (trainer + engine)": contexts,
     }
     trainer_state = sum(
@@ -155,7 +176,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         "train": trainer_state + sum(parts[k] for k in train_extra) + activations + contexts,
         # sync (staged): optimizer offloaded, gradients freed; trainer params + engine weights + one
         # bucket
-        "sync": params * 4 / ranks + weights_engine + parts["weight-sync bucket"] + contexts,
+        "sync": parts[trainer_params] + weights_engine + parts["weight-sync bucket"] + contexts,
     }
     if cfg.memory.mode == "off":  # nothing released: everything at once
         phases = {name: sum(parts.values()) for name in phases}
