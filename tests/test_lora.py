@@ -4,21 +4,21 @@ its adapters off (equal to a separately built base, no second model), the fields
 refused without it, and a LoRA run trains on the real engine (the log-prob gap and the weight
 checksums over the merged weights) and resumes exactly."""
 
+import json
 import re
 import sys
+import tempfile
 
 import pytest
 import torch
 
 import runtime.lora as lora
 import runtime.model as model
-import train
 import update
 from assemble import load_config
 from config import ConfigError
-from conftest import tiny_config, train_on
+from conftest import tiny_config
 from test_packing import random_samples
-from test_train import rollout_batch, scalars
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 
@@ -92,41 +92,22 @@ def test_lora_fields_are_refused_without_lora():
         load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,lm_head]"])
 
 
-def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(tmp_path):
+LORA_RUN = tempfile.mkdtemp(prefix="lora-run-")
+
+
+@pytest.mark.background("lora_run", [sys.executable, "tests/lora_worker.py", LORA_RUN])
+def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs):
     """Two steps of the demo with adapters and a KL reference on an engine with SGLang's LoRA pool
-    (its own: the shared engine has none; ~15-30 s to start): each step's sync loads the adapter
-    alone (the base is pushed once, at start), the engine's log-probs through the adapter match the
-    trainer's (gap at fp32 level), the base's checksums hold every step, the base stays as built;
-    then a resume from the checkpoint makes the uninterrupted run's next update."""
-    sets = [*LORA, "run.val_every=100", "train.kl_coef=0.01", "run.check_weights_every=1"]
-    cfg = tiny_config(tmp_path, "train.steps=2", *sets)
-    run = train.setup(cfg)
-    try:
-        base = {n: p.detach().clone() for n, p in run.trainer.policy.named_parameters()}
-        pushes = []
-        run.engine.update_weights = lambda *a, **k: pushes.append(a)  # no full push from here on
-        train.train(run)
-        assert pushes == [] and run.engine.adapter == "policy_v2"
-        logged = scalars(str(tmp_path))
-        assert max(logged["train/logprob_gap"]) < 1e-4  # the engine serves base + adapter
-        for name, parameter in run.trainer.policy.named_parameters():
-            if ".lora_" not in name:
-                assert torch.equal(parameter, base[name]), name  # the base stays as built
-            elif ".lora_B" in name:
-                assert not torch.equal(parameter, base[name]), name
-        del run.engine.update_weights
-        # resume from step 2's checkpoint: the same next update on the same samples
-        samples, advantages = rollout_batch(run)
-        train_on(run, samples, advantages)
-        resumed_cfg = tiny_config(tmp_path, "train.steps=3", *sets)
-        resumed = train.setup(resumed_cfg, resume=True, engine=run.engine)
-        train_on(resumed, samples, advantages)
-        for (name, a), (_, b) in zip(
-            run.trainer.policy.named_parameters(), resumed.trainer.policy.named_parameters()
-        ):
-            assert torch.equal(a, b), name
-    finally:
-        run.engine.shutdown()
+    (tests/lora_worker.py, its own process: see there why): each step's sync loads the adapter
+    alone (the base is pushed once, at start), the engine's log-probs through the adapter match
+    the trainer's (gap at fp32 level), the base's checksums hold every step, only the adapters
+    move; then a resume from the checkpoint makes the uninterrupted run's next update."""
+    result = json.loads(background_runs.lines("lora_run")[-1])
+    assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
+    assert result["max_gap"] < 1e-4  # the engine serves base + adapter
+    assert all(".lora_" in name for name in result["moved"])  # the base stays as built
+    assert set(result["lora_B"]) <= set(result["moved"])
+    assert result["resume_differs"] == []
 
 
 @pytest.mark.background(

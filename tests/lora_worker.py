@@ -1,0 +1,63 @@
+"""The LoRA run that tests/test_lora.py checks, in a process of its own: it starts an engine with
+SGLang's LoRA pool, and an engine's shutdown kills every child process of its process (SGLang's
+Engine.shutdown: kill_process_tree of the caller), the shared engine's too. Two demo steps with
+adapters and a KL reference, then an exact resume; prints one JSON line of what the test asserts.
+Run: python tests/lora_worker.py OUT_DIR"""
+
+import json
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+os.chdir(REPO)
+
+import train  # noqa: E402
+from conftest import tiny_config, train_on  # noqa: E402
+from test_train import rollout_batch, scalars  # noqa: E402
+
+LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
+
+
+def main(out):
+    sets = [*LORA, "run.val_every=100", "train.kl_coef=0.01", "run.check_weights_every=1"]
+    run = train.setup(tiny_config(out, "train.steps=2", *sets))
+    try:
+        base = {n: p.detach().clone() for n, p in run.trainer.policy.named_parameters()}
+        pushes = []
+        run.engine.update_weights = lambda *a, **k: pushes.append(a)  # no full push from here on
+        train.train(run)
+        del run.engine.update_weights
+        logged = scalars(out)
+        moved = {n for n, p in run.trainer.policy.named_parameters() if not torch.equal(p, base[n])}
+        # resume from step 2's checkpoint: the same next update on the same samples
+        samples, advantages = rollout_batch(run)
+        train_on(run, samples, advantages)
+        resumed = train.setup(
+            tiny_config(out, "train.steps=3", *sets), resume=True, engine=run.engine
+        )
+        train_on(resumed, samples, advantages)
+        differ = [
+            name
+            for (name, a), (_, b) in zip(
+                run.trainer.policy.named_parameters(), resumed.trainer.policy.named_parameters()
+            )
+            if not torch.equal(a, b)
+        ]
+        result = {
+            "full_pushes": len(pushes),
+            "adapter": run.engine.adapter,
+            "max_gap": max(logged["train/logprob_gap"]),
+            "moved": sorted(moved),
+            "lora_B": sorted(n for n, _ in run.trainer.policy.named_parameters() if ".lora_B" in n),
+            "resume_differs": differ,
+        }
+    finally:
+        run.engine.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
