@@ -235,7 +235,7 @@ def save_hf(policy, tokenizer, folder, state_dict=None):
     """A HF folder (safetensors) that `from_pretrained` and the engine load; with LoRA adapters,
     of merged weights (lora.merged)."""
     if state_dict is None:
-        state_dict = dict(lora.engine_weights(policy))
+        state_dict = dict(lora.merged_weights(policy))
     policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 

@@ -104,8 +104,9 @@ class Base:
         return getattr(self.policy, name)
 
 
-def engine_weights(model):
-    """(name, tensor) of the model as one set of weights: `merged` over its parameters."""
+def merged_weights(model):
+    """(name, tensor) of the model as one set of weights, what a HF folder holds: `merged` over
+    its parameters."""
     return merged(model.named_parameters(), model)
 
 

@@ -44,7 +44,7 @@ def test_adapters_start_as_the_base_train_alone_and_merge_exactly(tmp_path):
             assert torch.equal(parameter, frozen[name]), name  # the base never moves
     assert all(m.lora_B.abs().sum() > 0 for m in layers.values())
     # the merged weights (what the engine serves and a HF folder holds) compute the same model
-    merged = dict(lora.engine_weights(policy))
+    merged = dict(lora.merged_weights(policy))
     assert not any(".lora_" in name for name in merged)
     base.load_state_dict(merged, strict=False)
     with torch.no_grad():
@@ -60,7 +60,7 @@ def test_lora_also_train_trains_those_parameters_in_full(tmp_path):
     full = {n for n in trainable if ".lora_" not in n}
     assert full == {n for n, _ in policy.named_parameters() if "norm" in n or "embed_tokens" in n}
     assert all(p.dtype == torch.float32 for n, p in policy.named_parameters() if n in full)
-    assert full <= dict(lora.engine_weights(policy)).keys()
+    assert full <= dict(lora.merged_weights(policy)).keys()
 
 
 def test_the_reference_is_the_policy_with_its_adapters_off(tmp_path):
