@@ -102,7 +102,7 @@ class ModelConfig:
     # its logits (configs/tiny_lora.yaml)
     lora_also_train: list[str] = dataclasses.field(default_factory=list)
     # the linear layers given adapters, by the last part of their name (default: every projection
-    # of a decoder layer)
+    # of a decoder layer, as "LoRA without regret" finds attention-only adapters learn worse in RL)
     lora_targets: list[str] = dataclasses.field(
         default_factory=lambda: [
             "q_proj",

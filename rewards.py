@@ -179,6 +179,15 @@ def overlong_penalty(length, max_length, buffer, factor):
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
+def positionwise(response_text, target):
+    """1 for exactly `target`, else the share of positions where the two agree, over the longer
+    one's length: the partial credit of the tiny tasks (task/tiny.py, tiny_tool.py, reverse.py)."""
+    if response_text == target:
+        return 1.0
+    matches = sum(a == b for a, b in zip(response_text, target))
+    return matches / max(len(response_text), len(target))
+
+
 def parse_number(text):
     """'1,234.50' -> Decimal('1234.50'), exact (a float would make 123456789100 equal
     123456789012 under a relative tolerance, and 400-digit numbers inf); None when the text holds

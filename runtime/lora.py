@@ -22,10 +22,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-# the projections of a Qwen2/Llama decoder layer (all of them: the default, as "LoRA without
-# regret" finds attention-only adapters learn worse in RL)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 def adapted(model):
     """{module name: module} of the linear layers carrying adapters."""

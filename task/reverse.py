@@ -8,6 +8,7 @@ listed in FIELDS; this one reuses data.num_tiny_prompts.
 
 import random
 
+import rewards
 from sample import Prompt
 
 # the config fields it reads beyond data.task, data.reward, data.max_prompt_len and
@@ -34,12 +35,7 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
 def reward(response_text, answer, finished):
     """Positionwise credit against the reversed string: 1 for exactly it, 0 if the sample never
     emitted <eos>."""
-    if not finished:
-        return 0.0
-    if response_text == answer:
-        return 1.0
-    matches = sum(a == b for a, b in zip(response_text, answer))
-    return matches / max(len(response_text), len(answer))
+    return rewards.positionwise(response_text, answer) if finished else 0.0
 
 
 def answer_of(text):

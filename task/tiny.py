@@ -10,6 +10,7 @@ eval votes on (task/reverse.py: the smallest complete one).
 
 import random
 
+import rewards
 from sample import Prompt
 
 # the config fields it reads beyond those every task reads (task/data.py refuses the others)
@@ -39,13 +40,7 @@ def draw(tokenizer, number, max_count, seed):
 
 def reward(response_text, answer, finished):
     """Positionwise credit for N copies of 'a': 1 for exact, 0 if the sample never emitted <eos>."""
-    if not finished:
-        return 0.0
-    target = "a" * int(answer)
-    if response_text == target:
-        return 1.0
-    matches = sum(a == b for a, b in zip(response_text, target))
-    return matches / max(len(response_text), len(target))
+    return rewards.positionwise(response_text, "a" * int(answer)) if finished else 0.0
 
 
 def answer_of(text):

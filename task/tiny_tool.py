@@ -10,6 +10,7 @@ task/tiny.py describes.
 
 import random
 
+import rewards
 from sample import Prompt
 import task.tools as tools
 
@@ -51,8 +52,7 @@ def reward(response_text, answer, finished):
     for exactly the digit. A last turn that is a call ("...?") was never answered: 0."""
     if response_text.endswith("?"):
         return 0.0
-    matches = sum(a == b for a, b in zip(response_text, answer))
-    return matches / max(len(response_text), len(answer))
+    return rewards.positionwise(response_text, answer)
 
 
 def answer_of(text):

@@ -63,6 +63,24 @@ def test_lora_also_train_trains_those_parameters_in_full(tmp_path):
     assert full <= dict(lora.merged_weights(policy)).keys()
 
 
+def test_with_bf16_compute_the_base_is_bf16_and_the_adapters_train_in_fp32(tmp_path):
+    """model.compute_dtype=bfloat16 (the GPU configs'), on CPU: the frozen base is held in bf16
+    (no fp32 master), the adapters in fp32, and an autocast forward and backward reaches them."""
+    cfg = tiny_config(tmp_path, *LORA, "model.compute_dtype=bfloat16")
+    policy, tokenizer = model.build_policy(cfg, None)
+    dtypes = {n: p.dtype for n, p in policy.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if ".lora_" in n)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if ".lora_" not in n)
+    ids = torch.randint(4, len(tokenizer), (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        policy(ids, labels=ids).loss.backward()
+    assert all(
+        p.grad is not None and p.grad.dtype == torch.float32
+        for n, p in policy.named_parameters()
+        if ".lora_A" in n
+    )
+
+
 def test_the_reference_is_the_policy_with_its_adapters_off(tmp_path):
     """lora.Base(policy), the KL reference of a LoRA run, gives the log-probs of a base model built
     on its own, after the adapters trained; the policy's own differ."""
