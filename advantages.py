@@ -82,7 +82,7 @@ def compute(trainer, groups):
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long)
     # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
     rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)
-    is_valid = torch.tensor([not s.is_aborted for s in last_turns], dtype=torch.bool)
+    is_valid = torch.tensor([not s.masked for s in last_turns], dtype=torch.bool)
     metrics = {}
     if cfg.train.kl_in == "reward":
         kl_cost = cfg.train.kl_coef * reference_kl(trainer, trajectories)

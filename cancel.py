@@ -38,38 +38,40 @@ class LaunchPlan:
     # filter: prompts launched at a time while kept + possible groups fall short
     refill_prompts: int = 0
     max_prompts: int = 0  # filter: new prompts a step may launch in all
-    token_budget: int = 0  # tokens one trajectory may hold (RolloutConfig.token_budget)
+    max_trajectory_tokens: int = (
+        0  # tokens one trajectory may hold (RolloutConfig.max_trajectory_tokens)
+    )
 
 
-def plan_launch(cfg, num_prompts):
-    """The LaunchPlan of a rank launching `num_prompts` prompts (`cfg`: RolloutConfig).
+def plan_launch(r, num_prompts):
+    """The LaunchPlan of a rank launching `num_prompts` prompts (`r`: the RolloutConfig).
     `over_sample_rate` launches extra prompts and stops at the batch size; `drop_rate` launches the
     batch and stops once all but its slowest fraction (samples or groups) finished."""
-    batch = num_prompts * cfg.group_size
+    batch = num_prompts * r.group_size
     plan = LaunchPlan(
-        cancel=cfg.cancel,
+        cancel=r.cancel,
         num_prompts=num_prompts,
-        group_size=cfg.group_size,
+        group_size=r.group_size,
         target_samples=batch,
         target_groups=num_prompts,
-        time_quantile=cfg.time_quantile,
-        time_factor=cfg.time_factor,
-        partial=cfg.partial and cfg.max_staleness > 0,
-        token_budget=cfg.token_budget(),
+        time_quantile=r.time_quantile,
+        time_factor=r.time_factor,
+        partial=r.partial and r.max_staleness > 0,
+        max_trajectory_tokens=r.max_trajectory_tokens(),
     )
-    if cfg.filter_groups:
+    if r.filter_groups:
         # the config's counts are for all ranks: this rank launches its share of them
-        share = num_prompts / cfg.prompts_per_step
-        plan.num_prompts = math.ceil(num_prompts * (1 + cfg.over_sample_rate))
+        share = num_prompts / r.prompts_per_step
+        plan.num_prompts = math.ceil(num_prompts * (1 + r.over_sample_rate))
         plan.filter_groups = True
-        refill = cfg.refill_prompts or cfg.prompts_per_step // 4
+        refill = r.refill_prompts or r.prompts_per_step // 4
         plan.refill_prompts = max(math.ceil(refill * share), 1)
-        bound = int((cfg.max_prompts_per_step or 4 * cfg.prompts_per_step) * share)
+        bound = int((r.max_prompts_per_step or 4 * r.prompts_per_step) * share)
         plan.max_prompts = max(bound, plan.num_prompts)
-    elif cfg.cancel != "none" and cfg.over_sample_rate > 0:
-        plan.num_prompts = math.ceil(num_prompts * (1 + cfg.over_sample_rate))
-    elif cfg.cancel != "none":
-        keep = 1 - cfg.drop_rate
+    elif r.cancel != "none" and r.over_sample_rate > 0:
+        plan.num_prompts = math.ceil(num_prompts * (1 + r.over_sample_rate))
+    elif r.cancel != "none":
+        keep = 1 - r.drop_rate
         plan.target_samples = math.ceil(batch * keep)
         plan.target_groups = math.ceil(num_prompts * keep)
     return plan
@@ -95,7 +97,7 @@ class Progress:
         """A trajectory returned (its turns), `elapsed_s` after launch."""
         self.returned_tokens += sum(len(turn.response_ids) for turn in turns)
         last_turn = turns[-1]
-        if last_turn.is_aborted:
+        if last_turn.masked:
             return
         self.finish_times_s.append(elapsed_s)
         group_id = last_turn.group_id
@@ -234,11 +236,11 @@ def decide(plan, progress, timeout_s=0.0):
 
 def drop_other_groups(samples, keep_groups):
     """A Decision's `keep_groups` applied at the end of a rollout: every finished sample of any
-    other group is masked out (`is_aborted`) with finish_reason "dropped": it finished, so it is
+    other group is masked out (`masked`) with finish_reason "dropped": it finished, so it is
     neither counted as aborted (rollout/dropped counts it) nor resumed by partial rollout."""
     for s in samples:
-        if s.group_id not in keep_groups and not s.is_aborted:
-            s.is_aborted = True
+        if s.group_id not in keep_groups and not s.masked:
+            s.masked = True
             s.finish_reason = "dropped"
 
 
@@ -300,7 +302,7 @@ class GroupFilter:
         return max(min(plan.refill_prompts, plan.max_prompts - prompts_launched), 0)
 
 
-def filter_groups(groups, drop=True):
+def informative_groups(groups, drop=True):
     """Dynamic sampling over scored groups (each a list of trajectories, each a list of turns):
     with `drop`, only the informative groups; without, all of them. And the counts: kept groups,
     and zero-variance ones split into all-solved and all-unsolved. A group with no survivor (all
@@ -308,7 +310,7 @@ def filter_groups(groups, drop=True):
     kept = []
     counts = {"kept_groups": 0, "zero_variance_all_correct": 0, "zero_variance_all_wrong": 0}
     for members in groups:
-        rewards = [turns[-1].reward for turns in members if not turns[-1].is_aborted]
+        rewards = [turns[-1].reward for turns in members if not turns[-1].masked]
         if informative(rewards):
             counts["kept_groups"] += 1
             kept.append(members)

@@ -218,12 +218,13 @@ class RolloutConfig:
     # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
     rollout_timeout_s: NonNegativeFloat = 0.0
 
-    def token_budget(self):
-        """Tokens one trajectory may hold after its prompt: `token_budget` of this section."""
-        return token_budget(self.max_new_tokens, self.max_turns, self.max_response_tokens)
+    def max_trajectory_tokens(self):
+        """Tokens one trajectory may hold after its prompt: `max_trajectory_tokens` of this
+        section."""
+        return max_trajectory_tokens(self.max_new_tokens, self.max_turns, self.max_response_tokens)
 
 
-def token_budget(max_new_tokens, max_turns, max_response_tokens=0):
+def max_trajectory_tokens(max_new_tokens, max_turns, max_response_tokens=0):
     """Tokens one trajectory may hold after its prompt (generated + tool observations): the one
     formula every reader of the budget uses (the rollout, DAPO's overlong penalty, Dr. GRPO's
     constant). With tools, max_response_tokens (0: max_new_tokens x max_turns) bounds the whole

@@ -142,7 +142,7 @@ class Rollout:
         # (errors became samples)
         await asyncio.gather(*self.tasks)
         # a request can finish on its own between the decision and the abort: it is kept
-        stats.num_cancelled = sum(t.result()[-1].is_aborted for t in pending)
+        stats.num_cancelled = sum(t.result()[-1].masked for t in pending)
         stats.rollout_s = time.perf_counter() - self.start
         samples = [turn for t in self.tasks for turn in t.result()]
         # a resumed sample's earlier tokens were generated in an earlier step, not now
@@ -177,7 +177,7 @@ class Rollout:
         then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
         tasks."""
         last = turns[-1]
-        self.group_filter.returned(last.group_id, None if last.is_aborted else last.reward)
+        self.group_filter.returned(last.group_id, None if last.masked else last.reward)
         new = set()
         while self.settings.more_prompts is not None:
             count = self.group_filter.wanted(self.settings.plan, self.stats.prompts_launched)
@@ -355,7 +355,7 @@ class Rollout:
             trajectory_id=request.index,
             turn=turn,
             finish_reason=reason,
-            is_aborted=reason in ("abort", "error"),
+            masked=reason in ("abort", "error"),
             weight_version=version,
             latency_s=time.perf_counter() - self.start,
         )
@@ -373,7 +373,7 @@ class Rollout:
             trajectory_id=request.index,
             turn=turn,
             finish_reason=reason,
-            is_aborted=True,
+            masked=True,
             weight_version=self.engine.weight_version,
             latency_s=time.perf_counter() - self.start,
         )
@@ -420,7 +420,7 @@ async def scored(work, reward, stats, generated=None):
     finally:
         if generated is not None:
             generated.set()
-    if reward is not None and not turns[-1].is_aborted:
+    if reward is not None and not turns[-1].masked:
         try:
             value = reward(turns)
             if inspect.isawaitable(value):  # Rewards.scorer's: computed off the loop (rewards.py)
@@ -429,7 +429,7 @@ async def scored(work, reward, stats, generated=None):
             log.error("trajectory %d: %s", turns[-1].trajectory_id, e)
             stats.num_reward_errors += 1
             for turn in turns:
-                turn.is_aborted = True
+                turn.masked = True
                 # not "error": that counts a request the engine failed (check_failures)
                 turn.finish_reason = "reward_error"
             return turns

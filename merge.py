@@ -227,7 +227,7 @@ def training_sequences(trajectories, cfg, max_seq_len):
             # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
             # would still cost the old-log-prob pass, the forward and the backward, and they are
             # the longest rows: they stop here.
-            if s.is_aborted:
+            if s.masked:
                 continue
             num_finished += 1
             if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:

@@ -109,7 +109,7 @@ class PartialBuffer:
         members that finished in earlier steps were scored then (failed ones count nowhere, the
         resumed ones are still aborted here)."""
         return {
-            group_id: [m[-1].reward for m in group.members if not m[-1].is_aborted]
+            group_id: [m[-1].reward for m in group.members if not m[-1].masked]
             for group_id, group in self.resumed.items()
         }
 
@@ -192,7 +192,7 @@ class PartialBuffer:
         self.groups = [
             HeldGroup(
                 Prompt(**g["prompt"]),
-                [[Sample(**turn) for turn in turns] for turns in g["members"]],
+                [[Sample.from_state(turn) for turn in turns] for turns in g["members"]],
             )
             for g in state["groups"]
         ]

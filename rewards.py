@@ -31,7 +31,7 @@ class RewardError(ValueError):
 def check(cfg):
     """DAPO's overlong penalty's limits (assemble.load_config calls this at load)."""
     t = cfg.train
-    budget = cfg.rollout.token_budget()
+    budget = cfg.rollout.max_trajectory_tokens()
     if t.overlong_penalty and cfg.rollout.max_turns > 1:
         raise ConfigError(
             "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool observations "
@@ -64,7 +64,7 @@ class Rewards:
         overlong penalty when on and `overlong` (training's rollouts: validation and eval.py
         score the task's reward alone)."""
         t = self.cfg.train
-        budget = self.cfg.rollout.token_budget()
+        budget = self.cfg.rollout.max_trajectory_tokens()
 
         async def reward(turns):
             value = await self.score(turns, prompts_by_group[turns[-1].group_id].answer)

@@ -13,8 +13,8 @@ API (runtime/engine.py), or the loss.
 
 import torch
 
-from cancel import GroupFilter, filter_groups, plan_launch
-from config import token_budget
+from cancel import GroupFilter, informative_groups, plan_launch
+from config import max_trajectory_tokens
 from inflight import Request, Rollout, Settings, check_launch
 from metrics import length_stats, pass_at_k, slowest, summed, trajectory_texts
 import runtime.parallel as parallel
@@ -30,7 +30,8 @@ def collect(run, step):
     and partial rollout are `rollout.*` settings, switched inside (the step never sees a buffer or
     a refill). Partial rollout: earlier steps' unfinished samples go first and only complete
     groups come back (partial.py). Dynamic sampling: the engine asks for more prompts as it goes
-    (`more_prompts`), and only groups whose rewards differ come back (`cancel.filter_groups`)."""
+    (`more_prompts`), and only groups whose rewards differ come back (`cancel.informative_groups`).
+    """
     r = run.cfg.rollout
     plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
     buffer = run.buffer
@@ -76,7 +77,7 @@ def collect(run, step):
     if buffer is not None:
         metrics |= buffer.metrics()  # its rollout/* counts replace rollout_metrics'
     # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
-    groups, counts = filter_groups(groups, drop=r.filter_groups)
+    groups, counts = informative_groups(groups, drop=r.filter_groups)
     trained = [turns for group in groups for turns in group]
     metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
     return groups, metrics
@@ -138,7 +139,7 @@ class RolloutEngine(Engine):
         settings = Settings(
             sampling=sampling,
             group_size=group_size,
-            budget=token_budget(max_new_tokens, max_turns, max_response_tokens),
+            budget=max_trajectory_tokens(max_new_tokens, max_turns, max_response_tokens),
             max_turns=max_turns,
             tool=tool,
             reward=reward,
@@ -237,13 +238,13 @@ def rollout_metrics(trajectories, stats):
     """
     samples = [turn for turns in trajectories for turn in turns]
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
-    finished = [s for s in launched if not s.is_aborted]
+    finished = [s for s in launched if not s.masked]
     # kept out like an abort, but counted on their own: failures, and finished samples of groups a
     # cancel policy's keep_groups left out (cancel.drop_other_groups)
     failed = ("error", "reward_error", "dropped")
     # turns cut by cancellation
-    aborted = [s for s in samples if s.is_aborted and s.finish_reason not in failed]
-    num_aborted = sum(s.is_aborted and s.finish_reason not in failed for s in launched)
+    aborted = [s for s in samples if s.masked and s.finish_reason not in failed]
+    num_aborted = sum(s.masked and s.finish_reason not in failed for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
     num_tokens = sum(len(s.response_ids) for s in samples)
     out = {
@@ -281,11 +282,11 @@ def rollout_metrics(trajectories, stats):
 
 def filter_metrics(trajectories, counts, stats, target_groups, filtering):
     """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
-    would save). `trajectories`: the trained ones; `counts`: cancel.filter_groups'.
+    would save). `trajectories`: the trained ones; `counts`: cancel.informative_groups'.
     `train/reward_mean` is what was trained on and `train/reward_mean_unfiltered` every finished
     trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
     one)."""
-    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].is_aborted]
+    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].masked]
     return {
         **{f"filter/{name}": summed(value) for name, value in counts.items()},
         "filter/prompts_launched": summed(stats.prompts_launched),

@@ -49,11 +49,10 @@ class Sample:
     # "stop" | "length" | "abort" | "error" (in the engine) | "reward_error" (its reward failed) |
     # "dropped" (finished, in a group a cancel policy's keep_groups left out)
     finish_reason: str = "stop"
-    # masked out of the loss and of reward means (the name is historical: not every such sample was
-    # aborted): cancelled before finishing ("abort"), failed in the engine ("error"), its reward
-    # failed ("reward_error"), or finished but dropped with its group ("dropped"); finish_reason
-    # says which, and rollout/aborted counts only the first
-    is_aborted: bool = False
+    # masked out of the loss and of reward means: cancelled before finishing ("abort"), failed in
+    # the engine ("error"), its reward failed ("reward_error"), or finished but dropped with its
+    # group ("dropped"); finish_reason says which, and rollout/aborted counts only the first
+    masked: bool = False
     weight_version: int = 0  # policy version that generated the tokens
     reward: float = 0.0
     # the trajectory's advantage (advantages.py), carried by every turn and merged sequence
@@ -93,12 +92,21 @@ class Sample:
 
     def to_state(self):
         """Plain lists and values (what `torch.load(weights_only=True)` reads back);
-        `Sample(**state)` inverts it."""
+        `Sample.from_state` inverts it."""
         state = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             state[field.name] = value.tolist() if isinstance(value, array.array) else value
         return state
+
+    @classmethod
+    def from_state(cls, state):
+        """The Sample `to_state` wrote, also one written before `masked` had that name (a partial
+        rollout buffer in an older checkpoint, an older replay dump: resumed, not refused)."""
+        state = dict(state)
+        if "is_aborted" in state:
+            state["masked"] = state.pop("is_aborted")
+        return cls(**state)
 
 
 def trajectories_of(samples: list[Sample]) -> list[list[Sample]]:

@@ -140,7 +140,7 @@ def update_policy(trainer, sequences, version):
     skipped = 0
     # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
     with parallel.gathered_for_update(trainer.policy) as last_micro_batch:
-        old_logprobs(trainer, every_mb, source)
+        logprobs_before_update(trainer, every_mb, source)
         for minibatch in minibatches:
             minibatch_loss, grad_norm = optimizer_step(
                 trainer, minibatch, token_stats, last_micro_batch, pi_old_here=source == "update"
@@ -165,8 +165,9 @@ def update_policy(trainer, sequences, version):
     return stats
 
 
-def old_logprobs(trainer, micro_batches, source):
-    """pi_old from `source` (`pi_old_source`): the engine's log-probs, or a no-grad forward of
+def logprobs_before_update(trainer, micro_batches, source):
+    """What the loss reads from before the first optimizer step: pi_old from `source`
+    (`pi_old_source`; stored as mb["old_logprobs"]): the engine's log-probs, or a no-grad forward of
     every micro-batch ("update": nothing here, optimizer_step takes them from its own forward);
     and the frozen reference's, for the KL term in the loss, always from a forward of its own.
     With "update" (one minibatch, the default) it computes no pi_old: only the reference's, if
@@ -304,7 +305,7 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_h
         mb["loss_mask"],
         clip_eps=clip_low,
         agg_mode=t.loss_agg,
-        norm_length=trainer.cfg.rollout.token_budget(),  # Dr. GRPO's constant
+        norm_length=trainer.cfg.rollout.max_trajectory_tokens(),  # Dr. GRPO's constant
         engine_logprobs=mb["engine_logprobs"] if t.tis_cap else None,
         tis_cap=t.tis_cap,
         clip_eps_high=clip_high,
@@ -359,7 +360,7 @@ def collate(samples, pad_id, rows=None):
         attention_mask[row, : len(ids)] = 1
         first = len(s.prompt_ids) - 1  # logits at the last prompt position predict response token 0
         # aborted rows keep an all-zero mask: they count in no loss or denominator
-        if not s.is_aborted:
+        if not s.masked:
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
@@ -540,7 +541,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0):
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
         mb = collate(
-            [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, is_aborted=True)],
+            [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)],
             pad_id,
             [1] if max_tokens else None,
         )

@@ -30,7 +30,7 @@ import runtime.checkpoint as checkpoint  # noqa: E402
 import runtime.model as model  # noqa: E402
 from assemble import load_config  # noqa: E402
 from partial import PartialBuffer  # noqa: E402
-from cancel import filter_groups, plan_launch  # noqa: E402
+from cancel import informative_groups, plan_launch  # noqa: E402
 from rollout import RolloutEngine  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def run_arm(engine, prompts, args, plan):
     )
     assert engine.num_in_flight() == 0, "a rollout left requests in the engine"
     # wasted: generated, then thrown away (the drop policy does not resume partial samples)
-    return samples, stats, sum(len(s.response_ids) for s in samples if s.is_aborted)
+    return samples, stats, sum(len(s.response_ids) for s in samples if s.masked)
 
 
 def main():
@@ -293,8 +293,8 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
                     trained = [turn for group in complete for turns in group for turn in turns]
                     lost = buffer.counters["wasted_tokens"]
                 else:
-                    trained = [s for s in samples if not s.is_aborted]
-                    lost = sum(len(s.response_ids) for s in samples if s.is_aborted)
+                    trained = [s for s in samples if not s.masked]
+                    lost = sum(len(s.response_ids) for s in samples if s.masked)
                 tokens = sum(len(s.response_ids) for s in trained)
                 line.append(f"{arm} {stats.rollout_s:.3f} s {tokens} useful {lost} wasted")
                 if step > 0:
@@ -409,9 +409,9 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                         args.max_new_tokens,
                         reward=reward(batch),
                     )
-                    kept[arm] += filter_groups(sample.groups_of(sample.trajectories_of(samples)))[
-                        1
-                    ]["kept_groups"]
+                    kept[arm] += informative_groups(
+                        sample.groups_of(sample.trajectories_of(samples))
+                    )[1]["kept_groups"]
                     seconds[arm] += stats.rollout_s
                     rounds += 1
                 line.append(f"rounds {seconds[arm]:.3f} s ({rounds} rounds, {kept[arm]} kept)")
@@ -425,7 +425,7 @@ def filtering(engine, policy, tokenizer, cfg, plan, args):
                     reward=reward(prompts),
                     more_prompts=more_prompts,
                 )
-                counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))[1]
+                counts = informative_groups(sample.groups_of(sample.trajectories_of(samples)))[1]
                 seconds[arm], kept[arm] = stats.rollout_s, counts["kept_groups"]
                 line.append(
                     f"{arm} {stats.rollout_s:.3f} s ({stats.prompts_launched} prompts, "

@@ -84,6 +84,6 @@ def replay(folder):
     if step > 0:  # AdamW's moments and the schedule, as they were
         state = checkpoint.check_resume(before, cfg)
         checkpoint.restore(before, state, trainer, cfg.train)
-    sequences = [Sample(**s) for s in dumped["sequences"]]
+    sequences = [Sample.from_state(s) for s in dumped["sequences"]]
     stats = update.update_policy(trainer, sequences, version=step)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -405,7 +405,7 @@ async def multi_turn(flight, request, settings):
         sample.tool_call = -1 if observation.is_error else 1
         # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
         context = context + sample.response_ids + array.array("i", observation.ids)
-    if any(t.is_aborted or t.finish_reason == "abort" for t in turns):
+    if any(t.masked or t.finish_reason == "abort" for t in turns):
         for t in turns:  # a trajectory is trained whole or not at all
-            t.is_aborted = True
+            t.masked = True
     return turns

@@ -56,7 +56,7 @@ def fixed_batch(num_groups=4, group_size=4, seed=0):
                 4, 25, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g
             ).tolist()
             logprobs = (-torch.rand(len(response), generator=g) * 3).tolist()
-            is_aborted = (group_id + member) % 3 == 0  # a third of the rows, in every group
+            masked = (group_id + member) % 3 == 0  # a third of the rows, in every group
             samples.append(
                 Sample(
                     prompt,
@@ -65,15 +65,15 @@ def fixed_batch(num_groups=4, group_size=4, seed=0):
                     [1] * len(response),
                     group_id,
                     trajectory_id=len(samples),
-                    is_aborted=is_aborted,
-                    finish_reason="abort" if is_aborted else "stop",
+                    masked=masked,
+                    finish_reason="abort" if masked else "stop",
                 )
             )
     rewards = torch.rand(len(samples), generator=g)
     advantages, _ = group_advantages(
         rewards,
         torch.tensor([s.group_id for s in samples]),
-        torch.tensor([not s.is_aborted for s in samples]),
+        torch.tensor([not s.masked for s in samples]),
     )
     return samples, advantages
 

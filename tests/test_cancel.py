@@ -35,7 +35,7 @@ def test_count_stops_at_the_target_of_finished_samples_and_ignores_failures():
     """count: 6 finished samples end the wait; aborted or failed returns do not count."""
     progress = finished((0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0), (2, 1.0))
     assert not decide(plan("count"), progress).stop
-    failed = Sample([1], [], [], [], group_id=3, is_aborted=True, finish_reason="error")
+    failed = Sample([1], [], [], [], group_id=3, masked=True, finish_reason="error")
     progress.returned([failed], elapsed_s=2.0)
     assert not decide(plan("count"), progress).stop
     progress.returned([Sample([1], [2], [0.0], [1], group_id=3)], elapsed_s=2.0)

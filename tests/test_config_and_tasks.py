@@ -287,18 +287,19 @@ def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
     assert lr_factor(500, 101, t) == pytest.approx(0.1)  # never below the floor
 
 
-def test_the_token_budget_is_one_formula():
-    """config.token_budget, which the rollout, DAPO's overlong penalty and Dr. GRPO's constant all
-    read: one turn never exceeds max_new_tokens, even under a larger max_response_tokens (two
-    formulas disagreed there); with tools, max_response_tokens bounds the whole trajectory, tool
-    observations included, and may exceed max_new_tokens x max_turns (the tool demo: 1 x 2 < 4)."""
-    from config import token_budget
+def test_the_trajectory_token_bound_is_one_formula():
+    """config.max_trajectory_tokens, which the rollout, DAPO's overlong penalty and Dr. GRPO's
+    constant all read: one turn never exceeds max_new_tokens, even under a larger
+    max_response_tokens (two formulas disagreed there); with tools, max_response_tokens bounds the
+    whole trajectory, tool observations included, and may exceed max_new_tokens x max_turns (the
+    tool demo: 1 x 2 < 4)."""
+    from config import max_trajectory_tokens
 
-    assert token_budget(48, 1) == 48 and token_budget(48, 1, 100) == 48
-    assert token_budget(48, 1, 20) == 20
-    assert token_budget(1, 2, 4) == 4 and token_budget(10, 3) == 30
+    assert max_trajectory_tokens(48, 1) == 48 and max_trajectory_tokens(48, 1, 100) == 48
+    assert max_trajectory_tokens(48, 1, 20) == 20
+    assert max_trajectory_tokens(1, 2, 4) == 4 and max_trajectory_tokens(10, 3) == 30
     cfg = load_config("configs/tiny_tool.yaml", ["run.out=/tmp/unused"])
-    assert cfg.rollout.token_budget() == 4
+    assert cfg.rollout.max_trajectory_tokens() == 4
 
 
 def test_any_finite_real_number_is_a_reward_and_nothing_else():

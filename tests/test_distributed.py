@@ -42,7 +42,7 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
     update with the loss, gradients and parameters of one padded rank on the combined batch."""
     out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
-    assert any(s.is_aborted for s in samples)
+    assert any(s.masked for s in samples)
     policy, _, stats = dist_worker.update_once(
         dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False
     )

@@ -13,7 +13,7 @@ import sample
 import rollout
 import train
 from metrics import reduce_metrics
-from cancel import GroupFilter, filter_groups, informative, plan_launch
+from cancel import GroupFilter, informative, informative_groups, plan_launch
 from conftest import tiny_config
 from rollout import filter_metrics
 from test_partial import PROMPTS, TAIL_SMOKE, aborted_samples
@@ -91,7 +91,7 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
 ):
     """16 prompts launched for 4 kept groups, every even group zero-variance: the rollout stops
     at 4 kept groups and aborts the rest inside the engine; every finished trajectory was scored,
-    and filter_groups keeps exactly the informative groups, renumbered for the advantages."""
+    and informative_groups keeps exactly the informative groups, renumbered for the advantages."""
     plan = filtering_plan(tmp_path, "rollout.over_sample_rate=3.0")
     assert (plan.num_prompts, plan.target_groups, plan.max_prompts) == (16, 4, 16)
     samples, stats = engine.generate(
@@ -106,28 +106,24 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
     for turns in trajectories:  # scored by the rollout as each finished; cancelled ones never
         last = turns[-1]
         assert last.reward == (
-            0.0 if last.is_aborted else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2
+            0.0 if last.masked else 1.0 if last.group_id % 2 == 0 else last.trajectory_id % 2
         )
-    kept_groups, counts = filter_groups(sample.groups_of(trajectories))
+    kept_groups, counts = informative_groups(sample.groups_of(trajectories))
     kept = [turns for group in kept_groups for turns in group]
     complete = {
-        g
-        for g in range(16)
-        if all(not t[-1].is_aborted for t in trajectories if t[-1].group_id == g)
+        g for g in range(16) if all(not t[-1].masked for t in trajectories if t[-1].group_id == g)
     }
     # the target, plus any that finished before the abort landed
     assert len([g for g in complete if g % 2]) >= 4
     survivors = {}  # group id -> parities of its finished members' trajectory ids
     for turns in trajectories:
-        if not turns[-1].is_aborted:
+        if not turns[-1].masked:
             survivors.setdefault(turns[-1].group_id, set()).add(turns[-1].trajectory_id % 2)
-    informative_groups = {g for g, parities in survivors.items() if g % 2 and parities == {0, 1}}
-    assert {t[-1].group_id for t in kept} == informative_groups and counts["kept_groups"] == len(
-        informative_groups
-    )
+    expected = {g for g, parities in survivors.items() if g % 2 and parities == {0, 1}}
+    assert {t[-1].group_id for t in kept} == expected and counts["kept_groups"] == len(expected)
     # ids are left as the rollout made them (the advantages are aligned with the groups)
     assert all(t[-1].trajectory_id == t[0].trajectory_id for t in kept)
-    assert counts["zero_variance_groups"] == len(survivors) - len(informative_groups)
+    assert counts["zero_variance_groups"] == len(survivors) - len(expected)
 
 
 def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_path):
@@ -171,7 +167,7 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
     )
     assert engine.num_in_flight() == 0
     assert stats.prompts_launched == 6 and stats.kept_groups == 0 and len(samples) == 6 * 4
-    kept, counts = filter_groups(sample.groups_of(sample.trajectories_of(samples)))
+    kept, counts = informative_groups(sample.groups_of(sample.trajectories_of(samples)))
     assert kept == [] and counts["zero_variance_groups"] == 6
     logged = reduce_metrics(filter_metrics(kept, counts, stats, plan.target_groups, filtering=True))
     assert logged["filter/truncated_steps"] == 1 and logged["filter/prompts_launched"] == 6
@@ -197,9 +193,7 @@ def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, p
             prior_rewards={0: prior},
         )
         assert engine.num_in_flight() == 0
-        assert stats.kept_groups == kept and all(
-            not s.is_aborted and s.reward == 1.0 for s in samples
-        )
+        assert stats.kept_groups == kept and all(not s.masked and s.reward == 1.0 for s in samples)
 
 
 def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
@@ -230,7 +224,7 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
         # whole groups only, and the ones dynamic sampling kept have rewards that differ
         assert all(t[-1].finish_reason != "abort" for group in groups for t in group)
         for group in groups:
-            assert informative([t[-1].reward for t in group if not t[-1].is_aborted])
+            assert informative([t[-1].reward for t in group if not t[-1].masked])
         counts = reduce_metrics(metrics)
         assert counts["filter/kept_groups"] == len(groups)
         if resumed:

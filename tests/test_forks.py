@@ -90,7 +90,7 @@ def test_cancel_recipe_tokens(forked, tmp_path):
         group_size=2,
         target_samples=4,
         target_groups=2,
-        token_budget=10,
+        max_trajectory_tokens=10,
     )
     progress = Progress(group_size=2)
     for length, stop in ((8, False), (8, False), (4, True)):
@@ -155,7 +155,7 @@ def test_a_policy_can_cancel_one_group_while_the_rest_go_on(engine, policy, fork
     # aborted right after launch: a member can only have finished first by stopping at once
     assert all(s.finish_reason == "abort" or len(s.response_ids) <= 2 for s in by_group[0])
     assert sum(s.finish_reason == "abort" for s in by_group[0]) >= 2
-    assert not any(s.is_aborted for g in (1, 2) for s in by_group[g])
+    assert not any(s.masked for g in (1, 2) for s in by_group[g])
     assert engine.num_in_flight() == 0
 
 
@@ -182,9 +182,9 @@ def test_keep_groups_drops_finished_groups_without_calling_them_aborted(engine, 
         samples, stats = engine.generate(prompts, 4, 1.0, cfg.rollout.max_new_tokens, plan)
     finally:
         del cancel.POLICIES["keep_first"]
-    assert not any(s.is_aborted for s in samples if s.group_id == 0)
+    assert not any(s.masked for s in samples if s.group_id == 0)
     others = [s for s in samples if s.group_id != 0]
-    assert len(others) == 8 and all(s.is_aborted and s.finish_reason == "dropped" for s in others)
+    assert len(others) == 8 and all(s.masked and s.finish_reason == "dropped" for s in others)
     for s in samples:
         s.reward = 0.0
     metrics = rollout.rollout_metrics(sample.trajectories_of(samples), stats)

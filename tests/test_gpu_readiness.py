@@ -212,7 +212,7 @@ def test_cancelled_rows_never_reach_the_trainer_and_the_update_is_unchanged(tmp_
         s.advantage = advantage  # as advantages.compute writes it
     kept, _ = merge.training_sequences([[s] for s in samples], cfg, max_seq_len=256)
     kept_advantages = torch.tensor([s.advantage for s in kept])
-    assert [s.trajectory_id for s in kept] == [s.trajectory_id for s in samples if not s.is_aborted]
+    assert [s.trajectory_id for s in kept] == [s.trajectory_id for s in samples if not s.masked]
     assert len(kept) < len(samples)
     with_all, _, stats_all = dist_worker.update_once(cfg, samples, advantages, shard=False)
     without, _, stats_kept = dist_worker.update_once(cfg, kept, kept_advantages, shard=False)

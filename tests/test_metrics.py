@@ -10,7 +10,7 @@ from rollout import rollout_metrics
 from sample import Sample, trajectories_of
 
 
-def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop", turn=0):
+def sample(trajectory_id, reward, length, masked=False, finish_reason="stop", turn=0):
     return Sample(
         [1],
         [5] * length,
@@ -20,7 +20,7 @@ def sample(trajectory_id, reward, length, is_aborted=False, finish_reason="stop"
         trajectory_id=trajectory_id,
         turn=turn,
         finish_reason=finish_reason,
-        is_aborted=is_aborted,
+        masked=masked,
         reward=reward,
     )
 
@@ -32,8 +32,8 @@ def test_completed_vs_launched_reward_means():
     samples = [
         sample(0, 1.0, 4),
         sample(1, 0.5, 6),
-        sample(2, 0.0, 30, is_aborted=True, finish_reason="abort"),
-        sample(3, 0.0, 0, is_aborted=True, finish_reason="error"),
+        sample(2, 0.0, 30, masked=True, finish_reason="abort"),
+        sample(3, 0.0, 0, masked=True, finish_reason="error"),
     ]
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=2.0)))
     assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only

@@ -172,7 +172,7 @@ def test_failing_rewards_are_counted_and_kept_out_and_too_many_stop_the_run(engi
     assert stats.num_failed == 0  # the engine failed nothing
     for turns in trajectories:
         failed = turns[-1].trajectory_id < 3
-        assert (turns[-1].is_aborted, turns[-1].finish_reason == "reward_error") == (failed, failed)
+        assert (turns[-1].masked, turns[-1].finish_reason == "reward_error") == (failed, failed)
         assert turns[-1].reward == (0.0 if failed else 1.0)
     with pytest.raises(rewards.RewardError, match="failed on 32/64 trajectories"):
         engine.generate(prompts, 8, 1.0, 8, reward=flaky_reward(lambda i: i % 2 == 0))

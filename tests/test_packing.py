@@ -36,7 +36,7 @@ def random_samples(seed, lengths=None):
                 [1] * num_response,
                 group_id=i // 4,
                 trajectory_id=i,
-                is_aborted=aborted,
+                masked=aborted,
                 finish_reason="abort" if aborted else "stop",
                 versions=[-rng.randint(0, 2) for _ in range(num_response)],
             )
@@ -44,7 +44,7 @@ def random_samples(seed, lengths=None):
     advantages, _ = group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
         torch.tensor([s.group_id for s in samples]),
-        torch.tensor([not s.is_aborted for s in samples]),
+        torch.tensor([not s.masked for s in samples]),
     )
     return samples, advantages
 

@@ -78,7 +78,7 @@ def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
     old_logprobs, batch = trainer_logprobs(policy, partial)  # the cancelled tokens, under version 0
     assert ((old_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
     perturb_and_sync(engine, policy, version=1)
-    resumes = [dataclasses.replace(s, group_id=i, is_aborted=False) for i, s in enumerate(partial)]
+    resumes = [dataclasses.replace(s, group_id=i, masked=False) for i, s in enumerate(partial)]
     resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
     assert engine.num_in_flight() == 0
     assert len(resumed) == len(partial)
@@ -277,6 +277,16 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     assert all(v < 1e-4 for v in values["train/logprob_gap"])  # fresh tokens: engine == trainer
 
 
+def test_a_sample_state_written_before_the_masked_rename_loads():
+    """Checkpoints and replay dumps hold samples as `Sample.to_state` dicts; one written when
+    `masked` was called `is_aborted` loads as the same sample (a resume across the rename)."""
+    s = Sample([1, 5, 12], [3, 4], [-0.5, -0.25], [1, 1], group_id=2, masked=True)
+    state = s.to_state()
+    assert Sample.from_state(state) == s
+    state["is_aborted"] = state.pop("masked")
+    assert Sample.from_state(state) == s
+
+
 def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     """With a tool, a cancelled trajectory is dropped (counted, its tokens wasted), never
     suspended, whether it was cancelled in its first turn or a later one; its group trains on its
@@ -284,7 +294,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
     # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
     turns = [
-        Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, is_aborted=True),
+        Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, masked=True),
         Sample(
             [1, 2, 3, 4],
             [5, 6],
@@ -294,7 +304,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
             trajectory_id=0,
             turn=1,
             finish_reason="abort",
-            is_aborted=True,
+            masked=True,
         ),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
     ]
@@ -302,12 +312,12 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(complete) == 1  # the group trains on its finished member
     out = [turn for group in complete for turns in group for turn in turns]
-    assert [s.is_aborted for s in out] == [True, True, False]
+    assert [s.masked for s in out] == [True, True, False]
     # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
     # refuses it)
     tool_buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
     first_turn = [
-        Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", is_aborted=True),
+        Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", masked=True),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
     ]
     tool_buffer.collect(first_turn, [sample.Prompt([1, 2], "1")])

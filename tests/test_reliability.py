@@ -375,7 +375,7 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits
     # tolerated: failures are counted, not raised
     engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)
     samples, stats = engine.generate(PROMPTS, 8, 1.0, 200)
-    assert stats.num_failed > 0 and all(s.is_aborted for s in samples if s.finish_reason == "error")
+    assert stats.num_failed > 0 and all(s.masked for s in samples if s.finish_reason == "error")
     assert engine.num_in_flight() == 0
 
 
@@ -390,7 +390,7 @@ def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
         and stats.rollout_s < 0.3 + engine.cfg.abort_timeout_s
     )
     # masked like any cancelled sample
-    assert sum(s.is_aborted for s in samples) == stats.num_cancelled
+    assert sum(s.masked for s in samples) == stats.num_cancelled
     assert engine.num_in_flight() == 0
 
 
@@ -409,7 +409,7 @@ def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
     samples, stats = engine.generate(prompts, 8, 1.0, 4, plan)  # 4,096 requests at once
     seconds = time.perf_counter() - start
     assert len(samples) == 4096 and engine.num_in_flight() == 0
-    assert sum(not s.is_aborted for s in samples) >= plan.target_samples
+    assert sum(not s.masked for s in samples) >= plan.target_samples
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"load: 4096 requests in {seconds:.1f} s, {stats.num_cancelled} cancelled, "

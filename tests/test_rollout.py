@@ -32,7 +32,7 @@ def count_complete_groups(samples, group_size):
     """Groups all of whose `group_size` members finished (stopped or hit the length limit)."""
     counts = {}
     for s in samples:
-        if not s.is_aborted:
+        if not s.masked:
             counts[s.group_id] = counts.get(s.group_id, 0) + 1
     return sum(n == group_size for n in counts.values())
 
@@ -60,7 +60,7 @@ def test_generates_from_token_ids_with_matching_logprobs(engine, policy):
         assert 0 < len(s.response_ids) <= 24 and len(s.logprobs) == len(s.response_ids) == len(
             s.loss_mask
         )
-        assert s.finish_reason in ("stop", "length") and not s.is_aborted
+        assert s.finish_reason in ("stop", "length") and not s.masked
         assert s.finish_reason == "length" or s.response_ids[-1] == 2  # stopped on <eos>
     assert max_gap(policy, samples) < 1e-4  # fp32 engine vs HF forward on the same weights
 
@@ -126,23 +126,21 @@ def test_count_cancellation_aborts_the_tail_in_the_engine(engine, policy):
     plan = _long_tail_plan("count", drop_rate=0.25)
     prompts = PROMPTS * 4
     samples, stats = engine.generate(prompts, 4, 1.0, 200, plan)
-    finished = [s for s in samples if not s.is_aborted]
-    aborted = [s for s in samples if s.is_aborted]
+    finished = [s for s in samples if not s.masked]
+    aborted = [s for s in samples if s.masked]
     assert len(finished) >= plan.target_samples == 48 and stats.num_cancelled == len(aborted) > 0
     assert all(s.finish_reason == "abort" for s in aborted)
     assert any(len(s.response_ids) > 0 for s in aborted)  # partial tokens are kept ...
     assert all(len(s.logprobs) == len(s.response_ids) for s in aborted)  # ... with their log-probs
     assert (
-        max_gap(
-            policy, [dataclasses.replace(s, is_aborted=False) for s in aborted if s.response_ids]
-        )
+        max_gap(policy, [dataclasses.replace(s, masked=False) for s in aborted if s.response_ids])
         < 1e-4
     )
     assert 0 < stats.cancel_latency_s < 2.0
     assert engine.num_in_flight() == 0  # aborted inside the engine, not only as tasks
     # the engine is healthy afterwards
     again, _ = engine.generate(PROMPTS, 2, 1.0, 8)
-    assert all(not s.is_aborted for s in again)
+    assert all(not s.masked for s in again)
 
 
 def test_time_cancellation_waits_factor_times_the_quantile_time(engine, policy):
@@ -154,7 +152,7 @@ def test_time_cancellation_waits_factor_times_the_quantile_time(engine, policy):
     # is still running at the deadline.
     plan = _long_tail_plan("time", time_quantile=0.5, time_factor=0.1)
     samples, stats = engine.generate(PROMPTS * 4, 4, 1.0, 200, plan)
-    finished_s = sorted(s.latency_s for s in samples if not s.is_aborted)
+    finished_s = sorted(s.latency_s for s in samples if not s.masked)
     assert len(finished_s) >= 32 and stats.num_cancelled > 0
     # the 32nd sample back sets t (its latency is stamped before the wait sees it)
     assert stats.decision_s >= (1 + plan.time_factor) * finished_s[31]
@@ -167,13 +165,13 @@ def test_group_cancellation_keeps_whole_groups(engine, policy):
     plan = _long_tail_plan("group", over_sample_rate=0.5)
     assert plan.num_prompts == 24 and plan.target_groups == 16
     samples, _ = engine.generate((PROMPTS * 6)[:24], 4, 1.0, 200, plan)
-    kept = {s.group_id for s in samples if not s.is_aborted}
+    kept = {s.group_id for s in samples if not s.masked}
     assert len(kept) == 16
     for group in range(24):
         members = [s for s in samples if s.group_id == group]
         # all kept or all dropped
-        assert len(members) == 4 and len({s.is_aborted for s in members}) == 1
-    assert count_complete_groups([s for s in samples if not s.is_aborted], 4) == 16
+        assert len(members) == 4 and len({s.masked for s in members}) == 1
+    assert count_complete_groups([s for s in samples if not s.masked], 4) == 16
     assert engine.num_in_flight() == 0
 
 
@@ -196,9 +194,7 @@ def test_validation_never_cancels(engine, policy, tmp_path):
         rollout.validate(run, version=0)
     finally:
         del engine.generate
-    assert len(samples_seen) == 2 * len(run.val_prompts) and not any(
-        s.is_aborted for s in samples_seen
-    )
+    assert len(samples_seen) == 2 * len(run.val_prompts) and not any(s.masked for s in samples_seen)
 
 
 def test_failed_requests_are_counted_not_padded(engine, policy):
@@ -211,7 +207,7 @@ def test_failed_requests_are_counted_not_padded(engine, policy):
         engine.cfg = dataclasses.replace(configured, max_failed_ratio=0.5)
         samples, stats = engine.generate(PROMPTS + [too_long], 2, 1.0, 8)
         failed = [s for s in samples if s.finish_reason == "error"]
-        assert stats.num_failed == len(failed) == 2 and all(s.is_aborted for s in failed)
+        assert stats.num_failed == len(failed) == 2 and all(s.masked for s in failed)
         assert all(s.finish_reason != "error" for s in samples if s.prompt_ids.tolist() != too_long)
         engine.cfg = dataclasses.replace(configured, max_failed_ratio=0.0)
         with pytest.raises(RolloutError, match="requests failed inside the engine"):
@@ -291,12 +287,12 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
 
     _, instant = _timed_rollout(engine, off_loop(lambda text, answer, finished: 1.0))
     samples, offloaded = _timed_rollout(engine, off_loop(slow))
-    finished = [s for s in samples if not s.is_aborted]
+    finished = [s for s in samples if not s.masked]
     assert finished and all(s.reward == 0.5 for s in finished)
     margin = max(0.2 * instant.cancel_latency_s, 0.1)  # a blocking reward costs > 0.2 s
     assert offloaded.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, offloaded)
     samples, awaited = _timed_rollout(engine, off_loop(slow_async))
-    assert all(s.reward == 0.25 for s in samples if not s.is_aborted)
+    assert all(s.reward == 0.25 for s in samples if not s.masked)
     assert awaited.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, awaited)
     _, blocking = _timed_rollout(engine, lambda turns: slow("text", "answer", True))
     assert blocking.cancel_latency_s > instant.cancel_latency_s + 0.2, (instant, blocking)

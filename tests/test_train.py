@@ -43,7 +43,7 @@ def test_collate_places_per_token_arrays():
     empty response) an all-zero mask."""
     samples = [
         Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
-        Sample([1], [], [], [], group_id=0, is_aborted=True),
+        Sample([1], [], [], [], group_id=0, masked=True),
     ]
     batch = update.collate(samples, pad_id=0)
     assert batch["input_ids"].dtype == torch.long
@@ -397,7 +397,7 @@ def test_step_statistics_are_token_weighted_over_every_micro_batch(tmp_path):
     sets = ["train.tis_cap=2.0", "train.max_tokens_per_micro_batch=0"]  # padded, 3 rows each
     cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
     samples, advantages = dist_worker.fixed_batch()
-    finished = [i for i, s in enumerate(samples) if not s.is_aborted]
+    finished = [i for i, s in enumerate(samples) if not s.masked]
     samples = [samples[i] for i in finished]
     advantages = advantages[finished]
     assert len(samples) % cfg.train.micro_batch_size != 0  # a short last micro-batch
