@@ -30,7 +30,7 @@ import runtime.estimate as estimate
 import runtime.model as model
 import runtime.parallel as parallel
 import runtime.lora as lora
-from runtime.model import TINY_CHARS, build_policy, check_attention
+from runtime.model import TINY_CHARS, build_policy, build_reference, check_attention
 import task.data as data
 from task.data import PromptStream, build_task, vocabulary
 
@@ -95,10 +95,12 @@ def setup(cfg, resume=False, engine=None):
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
-    policy, tokenizer = build_policy(cfg, resume_dir, vocabulary(cfg, TINY_CHARS))
+    init_dir = checkpoint.init_folder(resume_dir, cfg)
+    policy, tokenizer = build_policy(cfg, init_dir, vocabulary(cfg, TINY_CHARS))
     task = build_task(cfg, tokenizer)
-    # the weights the engine loads (run.out/model: the initial policy), or the checkpoint's
-    engine_dir = resume_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
+    # the weights the engine loads (run.out/model: the initial policy, with LoRA the base), or the
+    # checkpoint's
+    engine_dir = init_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
     shared_engine = engine is not None
     if engine is None:
         # before the trainer takes device memory: the engine sizes its KV cache from what is free
@@ -116,11 +118,11 @@ def setup(cfg, resume=False, engine=None):
     )
     if resume_dir:
         checkpoint.restore(resume_dir, state, trainer, cfg.train)
-    # a shared engine serves other weights, and a LoRA engine serves the adapter from its pool on
-    # the base: push these (an engine we started loaded them from engine_dir)
+    # a shared engine serves other weights: push them all; a LoRA engine holds the base and serves
+    # the adapter from its pool: push it (an engine we started loaded the rest from engine_dir)
     if shared_engine or cfg.model.lora_rank:
         bucket = cfg.memory.bucket_mb << 20
-        memory.push_weights(engine, policy, start_step, bucket, everything=True)
+        memory.push_weights(engine, policy, start_step, bucket, everything=shared_engine)
     phases = memory.MemoryPhases(
         engine,
         policy,
@@ -197,18 +199,13 @@ def size_micro_batches(cfg, policy, device):
 
 
 def place_models(cfg, policy, compute_dtype, device):
-    """(policy, KL reference or None) on `device`, each an FSDP2 shard with several ranks. The
-    reference is the *initial* policy, also after a resume: built again, not copied."""
-    reference = None
+    """(policy, KL reference or None: model.build_reference) on `device`, each an FSDP2 shard with
+    several ranks."""
     if cfg.model.lora_rank and parallel.world_size() > 1:
         raise ConfigError("model.lora_rank > 0 trains on one rank for now: set run.nproc=1")
-    if cfg.train.kl_coef > 0 and cfg.model.lora_rank and not cfg.model.lora_also_train:
-        # the base is the policy with its adapters off (what lora_also_train names moves: then
-        # the reference is built on its own, below)
-        return policy.to(device), lora.Base(policy)
-    if cfg.train.kl_coef > 0:
-        chars = vocabulary(cfg, TINY_CHARS)
-        reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval()
+    reference = build_reference(cfg, policy, vocabulary(cfg, TINY_CHARS))
+    if isinstance(reference, lora.Base):  # the policy's own parameters: nothing more to place
+        return policy.to(device), reference
     models = []
     for module in (policy, reference):
         if module is not None and parallel.world_size() > 1:

@@ -283,7 +283,7 @@ def push_weights(engine, policy, version, bucket_bytes, everything=False):
     """The engine's weights become `policy`'s as `version`: every parameter pushed in buckets, or
     with LoRA adapters (runtime/lora.py) the adapter alone, into SGLang's adapter pool, and what
     trains in full beside it; `everything`: the frozen base too (an engine that loaded other
-    weights: a shared one, or a resumed run's merged checkpoint)."""
+    weights: a shared one)."""
     adapter = lora.adapter_tensors(policy)
     if not adapter:
         engine.update_weights(

@@ -42,6 +42,10 @@ beside bench/estimate_memory.py's train phase for the same config on one rank, l
 contexts it adds (the allocator never sees them). On a GPU it first checks that one update of a
 small fp32 model with FlexAttention's packed rows gives the padded update's gradients (`parity`;
 on CPU, packed sdpa's).
+`--lora R` adds an arm training rank-R adapters on every projection of a bf16 base
+(runtime/lora.py), its peak beside the estimate for model.lora_rank=R; its MFU counts 4 x
+parameters per token, as a frozen weight gets no gradient. For Qwen2.5-7B on one 80 GB card,
+where full fine-tuning does not fit: `--shape qwen2.5-7b --lora 64 --arms lora`.
 It imports nothing from SGLang: `python bench/train_step.py --shape qwen2.5-1.5b` runs where torch
 (>= 2.6) and transformers (>= 4.56) are installed. The last line: train_step_gpu: device=<name>
 shape=<s> padded_tok_s=<f> packed_tok_s=<f> mfu=<f> peak_gib=<f> estimate_gib=<f> (packed: the
@@ -74,6 +78,7 @@ import assemble as setup_run  # noqa: E402
 import task.data as tasks  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402
+import runtime.lora as lora  # noqa: E402
 from assemble import load_config  # noqa: E402
 from sample import Sample  # noqa: E402
 
@@ -411,6 +416,9 @@ def shape_arms(args, device, shipped):
     if args.top_p < 1:
         arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], scope, None, False)
         arms["top_p-peaked"] = arms["top_p"]  # with PEAKED_NORM: see there
+    if args.lora:  # the base frozen in bf16, fp32 adapters on every projection (runtime/lora.py)
+        lora_sets = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"]
+        arms["lora"] = (shipped_attention + lora_sets, scope, None, False)
     if args.fsdp:
         if scope:  # the compile scopes side by side (with --compile false every arm is eager)
             arms["now-parts"] = (shipped_attention, "parts", None, False)
@@ -490,8 +498,9 @@ def shape_main(args):
         args, device, base.model.attn_implementation
     ).items():
         cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
+        adapters = cfg.model.lora_rank > 0
         try:
-            if fsdp or policy is None:
+            if fsdp or adapters or policy is None:  # a fresh model where an arm changes it
                 policy = None
                 gc.collect()
                 if device.type == "cuda":
@@ -499,6 +508,11 @@ def shape_main(args):
                 policy = shape_policy(shape, device)
             for module in policy.model.layers.modules():  # compiled or eager, per arm
                 module.__dict__.pop("forward", None)
+            if adapters:  # after the line above: an adapted layer's forward is its own too
+                m = cfg.model
+                lora.add_adapters(
+                    policy, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_targets, dtype
+                )
             if scope:
                 model.compile_layers(policy, scope)
             policy.set_attn_implementation(cfg.model.attn_implementation)
@@ -532,7 +546,8 @@ def shape_main(args):
             estimate = estimate_memory.estimate(cfg, 1, card_bytes, shape, budget=int(ran))
             estimate = estimate[1]["train"]
             tok_s = sum(tokens) / sum(seconds)
-            mfu = 6 * matmul_params(policy) * tok_s / peak_flops
+            # a frozen weight gets no gradient: 4 FLOPs per parameter and token, not 6
+            mfu = (4 if adapters else 6) * matmul_params(policy) * tok_s / peak_flops
             share, kernels = (
                 gpu_profile(trainer, mixes[-1], advantages, device, pi_old)
                 if device.type == "cuda" and args.profile
@@ -553,6 +568,8 @@ def shape_main(args):
             with torch.no_grad():
                 norm.copy_(saved_norm)
             del trainer
+            if adapters:
+                policy = None
         except Exception as e:  # one arm's failure must not cost the others' figures
             print(
                 f"train_step_gpu: arm={name} failed: {type(e).__name__}: {str(e)[:500]}", flush=True
@@ -560,6 +577,8 @@ def shape_main(args):
             policy = None
     print(f"mfu peak: {peak_source}")
     now = [n for n in figures if n.startswith("now-")]
+    if not now and "lora" in figures:  # --arms lora: that arm's line is the summary
+        return
     if not now:
         raise SystemExit("train_step_gpu: no arm of the shipped path ran")
     best = max(now, key=lambda n: figures[n][1])
@@ -611,6 +630,9 @@ def main():
     )
     parser.add_argument(
         "--fsdp", action="store_true", help="--shape: FSDP2 arms on one rank (each compile scope)"
+    )
+    parser.add_argument(
+        "--lora", type=int, default=0, help="--shape: an arm with LoRA adapters of this rank"
     )
     parser.add_argument(
         "--warmups", type=int, default=1, help="--shape: untimed updates, each a new length mix"

@@ -149,7 +149,8 @@ def eval_line(summary, num_prompts):
 
 # ---------------------------------------------------------------- command line
 def model_folder(args):
-    """(config, the folder the engine loads, its step or 0)."""
+    """(config, the folder the engine loads, its step or 0). A LoRA run's checkpoint holds its
+    adapters alone: its merged export then (checkpoint.merged_export, written once)."""
     if args.model:
         return load_config(args.config, args.set), args.model, 0
     cfg = load_config(os.path.join(args.run, "config.yaml"), args.set)
@@ -161,7 +162,8 @@ def model_folder(args):
         folder = os.path.join(args.run, "checkpoints", f"step_{args.step:06d}")
         if not os.path.isdir(folder):
             raise ConfigError(f"--step {args.step}: no checkpoint {folder}")
-    return cfg, folder, checkpoint.check_resume(folder, cfg)["step"]
+    step = checkpoint.check_resume(folder, cfg)["step"]
+    return cfg, checkpoint.merged_export(folder, cfg, vocabulary(cfg, TINY_CHARS)), step
 
 
 def run_eval(cfg, engine, tokenizer, num_samples, ks, temperature):

@@ -17,7 +17,7 @@ import update
 from config import ConfigError, read_config
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.model import TINY_CHARS, build_policy
+from runtime.model import TINY_CHARS, build_policy, build_reference
 from task.data import vocabulary
 from sample import Sample
 
@@ -54,10 +54,6 @@ def replay(folder):
     # checked by assemble.load_config when the run started (importing that here would put the
     # whole setup under train.py's import of this module)
     cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
-    if cfg.model.lora_rank:  # its HF folders hold merged weights; the adapters are not rebuilt yet
-        raise ConfigError(
-            f"--replay {folder}: a LoRA run (model.lora_rank > 0) is not replayed yet"
-        )
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
@@ -67,17 +63,15 @@ def replay(folder):
             "run.checkpoint_every=1 to replay any step"
         )
     chars = vocabulary(cfg, TINY_CHARS)
-    policy, _ = build_policy(cfg, before if step > 0 else None, chars)
+    policy, _ = build_policy(cfg, checkpoint.init_folder(before, cfg) if step > 0 else None, chars)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     compute = getattr(torch, cfg.model.compute_dtype)
-    reference = None
-    if cfg.train.kl_coef > 0:  # the frozen reference: the initial policy
-        reference = build_policy(cfg, None, chars)[0].requires_grad_(False).eval().to(device)
+    reference = build_reference(cfg, policy, chars)
     trainer = update.Trainer.build(
         cfg,
         policy.to(device),
         device,
-        reference=reference,
+        reference=reference.to(device) if isinstance(reference, torch.nn.Module) else reference,
         autocast_dtype=compute if compute != torch.float32 else None,
         first_step=dumped["start_step"],
     )

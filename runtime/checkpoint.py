@@ -1,5 +1,6 @@
-"""Checkpoints: writing one atomically (sharded model + optimizer state, an HF export, the trainer
-state), finding the latest, and restoring a run from it; and the HF folder the engine starts from.
+"""Checkpoints: writing one atomically (sharded trained parameters + optimizer state, an HF export
+or with LoRA the adapter in peft's format, the trainer state), finding the latest, and restoring a
+run from it; and the HF folders the engine starts from (`export_for_engine`, `merged_export`).
 
 Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves
 and reshards it with torch.distributed.checkpoint), partial rollout's buffer form (partial.py), nor
@@ -22,34 +23,40 @@ from torch.distributed.checkpoint import BytesStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
 import runtime.lora as lora
+import runtime.model as model
 import runtime.parallel as parallel
 
 log = logging.getLogger("checkpoint")
 
 
 def save(out_dir, step, run):
-    """Every rank writes its shard of model + optimizer state (torch.distributed.checkpoint,
-    loadable at any world size); rank 0 writes the HF export (fp32, loadable by `from_pretrained`
-    and SGLang) and the trainer state (step, scheduler, RNG, the partial-rollout buffer, every
-    rank's prompt-stream position, which is the data position; tensors and plain values only,
-    loaded with weights_only=True). Written to a temp dir then renamed: a crash mid-write never
-    leaves a half checkpoint behind."""
+    """Every rank writes its shard of the trained parameters + optimizer state
+    (torch.distributed.checkpoint, loadable at any world size); rank 0 writes the HF export (fp32,
+    loadable by `from_pretrained` and SGLang), or with LoRA the adapter folder alone (lora.
+    save_adapter: a 7B base would cost its 15 GB at every checkpoint, the adapters megabytes;
+    `merged_export` writes the merged model when one is asked for), and the trainer state (step,
+    scheduler, RNG, the partial-rollout buffer, every rank's prompt-stream position, which is the
+    data position; tensors and plain values only, loaded with weights_only=True). Written to a
+    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
     parallel.barrier()
-    trainer = run.trainer
+    trainer, adapters = run.trainer, bool(run.cfg.model.lora_rank)
     parallel.save_state(os.path.join(tmp, "sharded"), trainer.policy, trainer.optimizer)
-    # a collective: gathered one tensor at a time to rank 0
-    full_state = parallel.full_state_dict(trainer.policy)
+    # a collective: gathered one tensor at a time to rank 0 (LoRA runs on one rank)
+    full_state = None if adapters else parallel.full_state_dict(trainer.policy)
     # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or
     # trained twice (partial.PartialBuffer.checkpoint_state, a collective)
     buffer = run.buffer.checkpoint_state() if run.buffer else None
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
-        # with LoRA the folder holds merged weights; the adapters are in the sharded state
-        save_hf(trainer.policy, run.tokenizer, tmp, dict(lora.merged(full_state, trainer.policy)))
+        if adapters:
+            lora.save_adapter(trainer.policy, os.path.join(tmp, ADAPTER))
+            run.tokenizer.save_pretrained(tmp)
+        else:
+            save_hf(trainer.policy, run.tokenizer, tmp, full_state)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:  # what a resume is checked against
             yaml.safe_dump(dataclasses.asdict(run.cfg), f, sort_keys=False)
         torch.save(
@@ -68,6 +75,37 @@ def save(out_dir, step, run):
         os.rename(tmp, final)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
+
+
+ADAPTER = "adapter"  # a LoRA checkpoint's adapter folder, in peft's format
+MERGED = "merged"  # a LoRA checkpoint's merged HF export, written by merged_export when asked
+
+
+def init_folder(folder, cfg):
+    """The HF folder a policy restored from checkpoint `folder` is built from, before `restore`
+    loads the sharded state into it: the checkpoint's own export, or with LoRA None (the base,
+    from model.path: its checkpoints hold what trains alone)."""
+    return None if cfg.model.lora_rank else folder
+
+
+def merged_export(folder, cfg, chars):
+    """The HF folder holding checkpoint `folder`'s model as one set of weights (what the engine,
+    eval and `from_pretrained` load): the checkpoint itself, or for a LoRA run its merged export,
+    built once on the CPU (the base from model.path, the checkpoint's adapters and what trained in
+    full, W + scale x B A) and kept beside them as folder/merged."""
+    if not cfg.model.lora_rank:
+        return folder
+    out = os.path.join(folder, MERGED)
+    if not os.path.isdir(out):
+        policy, tokenizer = model.build_policy(cfg, None, chars)
+        try:
+            parallel.load_state(os.path.join(folder, "sharded"), policy)
+        except CheckpointException as e:
+            raise CheckpointError(f"{folder} cannot be merged: {e}") from None
+        shutil.rmtree(out + ".tmp", ignore_errors=True)
+        save_hf(policy, tokenizer, out + ".tmp")
+        os.rename(out + ".tmp", out)
+    return out
 
 
 def latest(out_dir):
@@ -233,7 +271,7 @@ def apply_optimizer_settings(optimizer, scheduler, t):
 
 def save_hf(policy, tokenizer, folder, state_dict=None):
     """A HF folder (safetensors) that `from_pretrained` and the engine load; with LoRA adapters,
-    of merged weights (lora.merged)."""
+    of merged weights (lora.merged_weights)."""
     if state_dict is None:
         state_dict = dict(lora.merged_weights(policy))
     policy.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)

@@ -17,8 +17,11 @@ full beside it (`base_weights`); HF folders hold merged weights, W + scale * B A
 """
 
 import contextlib
+import json
 import math
+import os
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -131,6 +134,18 @@ def adapter_config(model):
         "bias": "none",
         "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
     }
+
+
+def save_adapter(model, folder):
+    """`folder` as peft writes an adapter (adapter_model.safetensors in `adapter_tensors`' names,
+    adapter_config.json), what peft's PeftModel.from_pretrained and SGLang's --lora-paths read.
+    It holds the adapters alone: what model.lora_also_train trains in full is in the checkpoint's
+    sharded state and in its merged export (checkpoint.merged_export)."""
+    os.makedirs(folder, exist_ok=True)
+    tensors = {name: t.float().contiguous().cpu() for name, t in adapter_tensors(model).items()}
+    safetensors.torch.save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config(model), f, indent=2)
 
 
 def base_weights(model, trained_only=False):

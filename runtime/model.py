@@ -159,6 +159,18 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 
+def build_reference(cfg, policy, chars=TINY_CHARS):
+    """The KL reference (None unless train.kl_coef > 0): the initial policy, frozen. Built again
+    from model.path, also after a resume (never copied from the policy); for a LoRA run whose base
+    stays frozen, the policy itself with its adapters off (lora.Base: no second model). With
+    model.lora_also_train the base moves too, so the reference is built again."""
+    if cfg.train.kl_coef == 0:
+        return None
+    if cfg.model.lora_rank and not cfg.model.lora_also_train:
+        return lora.Base(policy)
+    return build_policy(cfg, None, chars)[0].requires_grad_(False).eval()
+
+
 # what train.compile compiles in each decoder layer: all of it with one rank; under FSDP2 (several
 # ranks) its RMSNorms and MLP, the attention left eager (`compile_layers`)
 COMPILE_SCOPE = {False: "layer", True: "parts"}

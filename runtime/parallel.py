@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -216,23 +217,50 @@ def alone_is_intended():
 
 
 def save_state(path, model, optimizer):
-    """Sharded model + optimizer state under `path` (every rank writes its shard). Loadable at any
-    world size, 1 included: torch.distributed.checkpoint reshards on load."""
+    """Sharded state of the trained parameters + the optimizer under `path` (every rank writes its
+    shard). Loadable at any world size, 1 included: torch.distributed.checkpoint reshards on
+    load."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     with alone_is_intended():
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        dcp.save(
+            {"model": trained_only(model, model_state), "optimizer": optimizer_state},
+            checkpoint_id=path,
+        )
 
 
-def load_state(path, model, optimizer):
-    """Read back what `save_state` wrote, resharded to this world size; nothing in the folder is
-    unpickled beyond tensors, plain values and the checkpoint library's own metadata classes."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # the layout to load into
-    state = {"model": model_state, "optimizer": optimizer_state}
+def load_state(path, model, optimizer=None):
+    """Read back what `save_state` wrote (`optimizer` None: the model's part alone), resharded to
+    this world size; nothing in the folder is unpickled beyond tensors, plain values and the
+    checkpoint library's own metadata classes. Frozen parameters keep the values they were built
+    with (strict=False below: dcp.load already raised on any trained one the folder lacks)."""
+    if optimizer is None:
+        state = {"model": trained_only(model, get_model_state_dict(model))}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": trained_only(model, model_state), "optimizer": optimizer_state}
     with alone_is_intended():
         dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-    )
+    options = StateDictOptions(strict=False)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=options)
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
+
+
+def trained_only(model, state):
+    """A model state dict without its frozen parameters (a LoRA run's base): those are rebuilt
+    from model.path, never saved, so a LoRA checkpoint holds the adapters and their AdamW state
+    alone (megabytes, not the model). Every name of a tied parameter is left out
+    (StateDictOptions(ignore_frozen_params) drops only the first: a tied head stayed)."""
+    names = model.named_parameters(remove_duplicate=False)
+    frozen = {name for name, parameter in names if not parameter.requires_grad}
+    return {name: value for name, value in state.items() if name not in frozen}
 
 
 class MetadataUnpickler(pickle.Unpickler):

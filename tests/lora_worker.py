@@ -1,14 +1,17 @@
 """The LoRA run that tests/test_lora.py checks, in a process of its own: it starts an engine with
 SGLang's LoRA pool, and an engine's shutdown kills every child process of its process (SGLang's
 Engine.shutdown: kill_process_tree of the caller), the shared engine's too. Two demo steps with
-adapters and a KL reference, then an exact resume; prints one JSON line of what the test asserts.
+adapters and a KL reference; then what their checkpoint holds, its merged export (what eval
+loads), a replay of step 1 and an exact resume; prints one JSON line of what the test asserts.
 Run: python tests/lora_worker.py OUT_DIR"""
 
 import json
 import os
 import sys
 
+import safetensors.torch
 import torch
+from transformers import AutoModelForCausalLM
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -17,12 +20,24 @@ os.chdir(REPO)
 import train  # noqa: E402
 from conftest import tiny_config, train_on  # noqa: E402
 from test_train import rollout_batch, scalars  # noqa: E402
+import extras.eval as evaluation  # noqa: E402
+import extras.replay as replay  # noqa: E402
+import runtime.checkpoint as checkpoint  # noqa: E402
+import runtime.lora as lora  # noqa: E402
+import runtime.parallel as parallel  # noqa: E402
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 
 
 def main(out):
-    sets = [*LORA, "run.val_every=100", "train.kl_coef=0.01", "run.check_weights_every=1"]
+    sets = [
+        *LORA,
+        "run.val_every=100",
+        "train.kl_coef=0.01",
+        "run.check_weights_every=1",
+        "run.checkpoint_every=1",
+        "run.dump_rollouts=true",
+    ]
     run = train.setup(tiny_config(out, "train.steps=2", *sets))
     try:
         base = {n: p.detach().clone() for n, p in run.trainer.policy.named_parameters()}
@@ -31,7 +46,22 @@ def main(out):
         train.train(run)
         del run.engine.update_weights
         logged = scalars(out)
-        moved = {n for n, p in run.trainer.policy.named_parameters() if not torch.equal(p, base[n])}
+        policy = run.trainer.policy
+        moved = {n for n, p in policy.named_parameters() if not torch.equal(p, base[n])}
+        # step 2's checkpoint: the adapters and their AdamW state, in peft's folder too
+        folder = checkpoint.latest(out)
+        sharded = parallel.read_metadata(os.path.join(folder, "sharded")).state_dict_metadata
+        saved = safetensors.torch.load_file(
+            os.path.join(folder, "adapter/adapter_model.safetensors")
+        )
+        adapters = {name: t.clone() for name, t in lora.adapter_tensors(policy).items()}
+        # what eval.py --run loads: the merged export, computing what the policy computes
+        _, weights, _ = evaluation.model_folder(evaluation.parse_args(["--run", out]))
+        merged = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        ids = torch.randint(4, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            merged_gap = (merged(ids).logits - policy(ids).logits).abs().max().item()
+        replayed = replay.replay(os.path.join(out, "rollouts", "step_000001"))
         # resume from step 2's checkpoint: the same next update on the same samples
         samples, advantages = rollout_batch(run)
         train_on(run, samples, advantages)
@@ -53,6 +83,13 @@ def main(out):
             "moved": sorted(moved),
             "lora_B": sorted(n for n, _ in run.trainer.policy.named_parameters() if ".lora_B" in n),
             "resume_differs": differ,
+            "files": sorted(os.listdir(folder)),
+            "sharded_model": sorted(k for k in sharded if k.startswith("model.")),
+            "adapter_saved": sorted(saved) == sorted(adapters)
+            and all(torch.equal(saved[n], t) for n, t in adapters.items()),
+            "weights": os.path.relpath(weights, out),
+            "merged_gap": merged_gap,
+            "replay": replayed,
         }
     finally:
         run.engine.shutdown()

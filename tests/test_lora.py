@@ -119,13 +119,24 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     (tests/lora_worker.py, its own process: see there why): each step's sync loads the adapter
     alone (the base is pushed once, at start), the engine's log-probs through the adapter match
     the trainer's (gap at fp32 level), the base's checksums hold every step, only the adapters
-    move; then a resume from the checkpoint makes the uninterrupted run's next update."""
+    move; its checkpoint holds the adapters alone (the merged model, what eval loads, on demand);
+    step 1 replays exactly; a resume from the checkpoint makes the uninterrupted run's next
+    update."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
     assert result["max_gap"] < 1e-4  # the engine serves base + adapter
     assert all(".lora_" in name for name in result["moved"])  # the base stays as built
     assert set(result["lora_B"]) <= set(result["moved"])
     assert result["resume_differs"] == []
+    # the checkpoint holds what trains (the adapters) and their AdamW state, not the base: no
+    # HF export, the adapter in peft's folder (equal to the policy's), the merged model on demand
+    assert not any(name.endswith(".safetensors") for name in result["files"])
+    assert {"adapter", "sharded", "trainer_state.pt", "config.yaml"} <= set(result["files"])
+    assert result["sharded_model"] and all(".lora_" in k for k in result["sharded_model"])
+    assert result["adapter_saved"]
+    assert result["weights"] == "checkpoints/step_000002/merged" and result["merged_gap"] < 1e-5
+    loss, grad_norm, logged_loss, logged_grad_norm = result["replay"]  # bit for bit on CPU
+    assert (loss, grad_norm) == (logged_loss, logged_grad_norm)
 
 
 @pytest.mark.background(

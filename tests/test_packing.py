@@ -269,24 +269,28 @@ def test_train_step_bench_times_both_mixes_and_reports_its_figures(background_ru
         "--compile",
         "false",
         "--fsdp",
+        "--lora",
+        "8",
     ],
 )
 def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs):
     """bench/train_step.py --shape, the command a GPU user runs, at the tiny shape on CPU (eager:
     compiling its arms would cost minutes here): its parity check passes (packed sdpa here,
     FlexAttention on a GPU), FlexAttention is named as not run (no backward on CPU), every arm
-    (the baseline, the path as shipped, top_p on random and on peaked logits, FSDP2 on one rank)
-    trains the same tokens with no recompile after its warm-up and an estimate in GiB, and the
-    last line is the issue's."""
+    (the baseline, the path as shipped, top_p on random and on peaked logits, rank-8 LoRA, FSDP2
+    on one rank) trains the same tokens with no recompile after its warm-up and an estimate in GiB
+    (LoRA's below the full model's), and the last line is the issue's."""
     lines = background_runs.lines("train_step_shape_bench")
     assert lines[0].startswith("parity: packed sdpa vs padded sdpa, one fp32 update"), lines[0]
     assert "packed flex_attention: not run (FlexAttention has no backward on CPU)" in lines
     arms = [line for line in lines if " arm=" in line]
     names = [re.search(r"arm=(\S+)", line)[1] for line in arms]
-    assert names == ["baseline", "now-sdpa", "top_p", "top_p-peaked", "fsdp"], arms
+    assert names == ["baseline", "now-sdpa", "top_p", "top_p-peaked", "lora", "fsdp"], arms
     assert len({re.search(r"tokens=(\d+)", line)[1] for line in arms}) == 1
     assert all(" recompiles=0 " in line for line in arms)
-    assert all(float(re.search(r"estimate_gib=([\d.]+)", line)[1]) > 0 for line in arms)
+    estimates = [float(re.search(r"estimate_gib=([\d.]+)", line)[1]) for line in arms]
+    assert all(gib > 0 for gib in estimates)
+    assert estimates[names.index("lora")] < estimates[names.index("now-sdpa")]  # no fp32 masters
     assert "pi_old=forward" in arms[0] and all("pi_old=update" in line for line in arms[1:])
     summary = re.fullmatch(
         r"train_step_gpu: device=cpu shape=tiny best=now-sdpa baseline_mfu=[\d.]+ mfu=[\d.]+ "
