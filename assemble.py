@@ -201,8 +201,6 @@ def size_micro_batches(cfg, policy, device):
 def place_models(cfg, policy, compute_dtype, device):
     """(policy, KL reference or None: model.build_reference) on `device`, each an FSDP2 shard with
     several ranks."""
-    if cfg.model.lora_rank and parallel.world_size() > 1:
-        raise ConfigError("model.lora_rank > 0 trains on one rank for now: set run.nproc=1")
     reference = build_reference(cfg, policy, vocabulary(cfg, TINY_CHARS))
     if isinstance(reference, lora.Base):  # the policy's own parameters: nothing more to place
         return policy.to(device), reference

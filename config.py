@@ -118,8 +118,9 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # a task module of task/ (task/data.py): tiny | tiny_tool (multi-turn calculator demo) | gsm8k |
-    # chat (your own rows and reward) | reverse (the example of a task module) | your own
+    # a task module of task/, found by name (task/data.py): built in, tiny | tiny_tool (multi-turn
+    # calculator demo) | gsm8k | chat (your own rows and reward) | reverse (a task module's
+    # example); or any module added there
     task: str = "tiny"
     train_path: str = ""  # gsm8k, chat: a .jsonl / .parquet file or a hub name such as openai/gsm8k
     val_path: str = ""  # default: train_path's "test" split (a file: the same rows)

@@ -279,12 +279,13 @@ class MemoryPhases:
 
 
 # ---------------------------------------------------------------- stage 5: the weight sync
-def push_weights(engine, policy, version, bucket_bytes, everything=False):
+def push_weights(engine, policy, version, bucket_bytes, everything=False, check=False):
     """The engine's weights become `policy`'s as `version`: every parameter pushed in buckets, or
     with LoRA adapters (runtime/lora.py) the adapter alone, into SGLang's adapter pool, and what
     trains in full beside it; `everything`: the frozen base too (an engine that loaded other
-    weights: a shared one)."""
-    adapter = lora.adapter_tensors(policy)
+    weights: a shared one). `check`: the engine verifies the adapter's bytes as they arrive
+    (sha256 per tensor; the rest of the model is `check_weights`')."""
+    adapter = lora.adapter_tensors(policy, gather=parallel.full_tensor)
     if not adapter:
         engine.update_weights(
             policy.named_parameters(), version, bucket_bytes, gather=parallel.full_tensor
@@ -293,7 +294,10 @@ def push_weights(engine, policy, version, bucket_bytes, everything=False):
     base = list(lora.base_weights(policy, trained_only=not everything))
     if base:
         engine.update_weights(base, version, bucket_bytes, gather=parallel.full_tensor)
-    engine.load_adapter(adapter, lora.adapter_config(policy), version)
+    from runtime.engine import adapter_checksums
+
+    checksums = adapter_checksums(adapter) if check else None
+    engine.load_adapter(adapter, lora.adapter_config(policy), version, checksums)
 
 
 def sync_weights(run, version, logprob_gap=None):
@@ -306,10 +310,12 @@ def sync_weights(run, version, logprob_gap=None):
 
     def push():
         nonlocal check_s
-        push_weights(run.engine, run.trainer.policy, version, run.phases.bucket_bytes)
-        if should_check_weights(version - 1, run.cfg.run):
+        check = should_check_weights(version - 1, run.cfg.run)
+        push_weights(run.engine, run.trainer.policy, version, run.phases.bucket_bytes, check=check)
+        if check:
             check_start = time.perf_counter()
-            # with LoRA the engine's own weights are the base (the adapter: the log-prob gap)
+            # with LoRA the engine's own weights are the base (the adapter: its checksums on
+            # arrival, and the log-prob gap)
             check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
             check_s = time.perf_counter() - check_start
 

@@ -43,17 +43,21 @@ def save(out_dir, step, run):
     if is_writer:
         shutil.rmtree(tmp, ignore_errors=True)
     parallel.barrier()
-    trainer, adapters = run.trainer, bool(run.cfg.model.lora_rank)
+    trainer, lora_run = run.trainer, bool(run.cfg.model.lora_rank)
     parallel.save_state(os.path.join(tmp, "sharded"), trainer.policy, trainer.optimizer)
-    # a collective: gathered one tensor at a time to rank 0 (LoRA runs on one rank)
-    full_state = None if adapters else parallel.full_state_dict(trainer.policy)
+    # collectives: the model (or the adapters) gathered one tensor at a time
+    if lora_run:
+        adapter = lora.adapter_tensors(trainer.policy, gather=parallel.full_tensor)
+    else:
+        full_state = parallel.full_state_dict(trainer.policy)
     # partial rollout's unfinished samples and held groups, every rank's: resumed, never lost or
     # trained twice (partial.PartialBuffer.checkpoint_state, a collective)
     buffer = run.buffer.checkpoint_state() if run.buffer else None
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
-        if adapters:
-            lora.save_adapter(trainer.policy, os.path.join(tmp, ADAPTER))
+        if lora_run:
+            config = lora.adapter_config(trainer.policy)
+            lora.save_adapter(adapter, config, os.path.join(tmp, ADAPTER))
             run.tokenizer.save_pretrained(tmp)
         else:
             save_hf(trainer.policy, run.tokenizer, tmp, full_state)

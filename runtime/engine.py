@@ -236,11 +236,15 @@ class Engine:
         self.weight_version = version
         return num_buckets
 
-    def load_adapter(self, tensors, config, version):
+    def load_adapter(self, tensors, config, version, checksums=None):
         """Serve LoRA adapter `tensors` ({peft name: tensor}, `config` as peft's adapter_config)
         as weight `version`: loaded into SGLang's adapter pool under a new name, every later
         request served with it, the previous one unloaded. Megabytes, where a full push moves the
-        whole model; the engine must have been started with `lora` (start_sglang)."""
+        whole model; the engine must have been started with `lora` (start_sglang). `checksums`
+        ({name: sha256}, `adapter_checksums` of what was meant to arrive): the engine hashes each
+        tensor as it arrived, before loading it, and raises on any difference, which ends its
+        scheduler (sglang/srt/managers/tp_worker.py, load_lora_adapter_from_tensors:
+        "[LORA-CHECK] ... MISMATCH" in the log) and so this call, with EngineDiedError."""
         from sglang.srt.managers.io_struct import (
             LoadLoRAAdapterFromTensorsReqInput,
             UpdateWeightVersionReqInput,
@@ -255,6 +259,7 @@ class Engine:
             lora_name=name,
             config_dict=config,
             serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],  # one TP rank
+            expected_checksums=checksums,
         )
         out = self._run(self.tokenizer_manager.load_lora_adapter_from_tensors(request, None))
         if not out.success:
@@ -469,6 +474,13 @@ def start_sglang(
         )
         if not on_gpu:  # the GPU backends' kernels need CUDA (pinning: cpu_compat/sitecustomize.py)
             device_args["lora_backend"] = "torch_native"
+        else:
+            # the weight sync pushes the adapter alone, so the base must survive the train phase's
+            # release: the memory saver copies it to host memory and back instead of dropping it
+            # (without this a resumed region's contents are undefined; sglang/srt/model_executor/
+            # model_runner_components/load_model_utils.py, region(..., enable_cpu_backup)). Not
+            # run here: the CPU engine releases nothing.
+            device_args["enable_weights_cpu_backup"] = True
 
     # SGLang reconfigures the root logger of this process to its own log_level and handler: without
     # the restore below, every trainer warning after engine start (e.g. rollout queueing) was
@@ -600,6 +612,20 @@ def tensor_hash(tensor):
     from sglang.srt.managers.mm_utils import tensor_hash as sglang_tensor_hash
 
     return sglang_tensor_hash(tensor)
+
+
+def adapter_checksums(tensors):
+    """{name: sha256 hex} of each tensor's bytes, as SGLang hashes an adapter's tensors on arrival
+    (sglang/srt/managers/tp_worker.py, load_lora_adapter_from_tensors): `Engine.load_adapter`'s
+    `checksums`."""
+    import hashlib
+
+    return {
+        name: hashlib.sha256(
+            t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for name, t in tensors.items()
+    }
 
 
 def pad_vocab_size(vocab_size):

@@ -124,7 +124,12 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # FSDP2 during the update: every unit stays gathered in the compute dtype from its first
         # forward to the last micro-batch's backward (parallel.gathered_for_update)
         "FSDP units gathered for the update": params * compute if sharded else 0,
-        "root gradient, unsharded fp32 (reduce-scatter)": embedding * 4 if sharded else 0,
+        # (LoRA: the embedding has one only where model.lora_also_train trains it)
+        "root gradient, unsharded fp32 (reduce-scatter)": (
+            embedding * 4
+            if sharded and (not lora_rank or "embed_tokens" in m.lora_also_train)
+            else 0
+        ),
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
         # backward
         "autocast weight copies": (

@@ -109,12 +109,14 @@ def merged_weights(model):
     return merged(model.named_parameters(), model)
 
 
-def adapter_tensors(model):
+def adapter_tensors(model, gather=None):
     """{peft name: fp32 tensor} of the adapters (empty without): what SGLang's
     load_lora_adapter_from_tensors reads, named as peft saves them
-    (base_model.model.<layer>.lora_A.weight)."""
+    (base_model.model.<layer>.lora_A.weight). `gather` makes each whole (parallel.full_tensor,
+    a collective, under FSDP2: every rank calls it)."""
+    gather = gather or (lambda tensor: tensor)
     return {
-        f"base_model.model.{name}.weight": parameter.detach()
+        f"base_model.model.{name}.weight": gather(parameter.detach())
         for name, parameter in model.named_parameters()
         if ".lora_" in name
     }
@@ -136,16 +138,17 @@ def adapter_config(model):
     }
 
 
-def save_adapter(model, folder):
-    """`folder` as peft writes an adapter (adapter_model.safetensors in `adapter_tensors`' names,
-    adapter_config.json), what peft's PeftModel.from_pretrained and SGLang's --lora-paths read.
-    It holds the adapters alone: what model.lora_also_train trains in full is in the checkpoint's
-    sharded state and in its merged export (checkpoint.merged_export)."""
+def save_adapter(tensors, config, folder):
+    """`folder` as peft writes an adapter: `tensors` (`adapter_tensors`, whole) in
+    adapter_model.safetensors, `config` (`adapter_config`) in adapter_config.json; what peft's
+    PeftModel.from_pretrained and SGLang's --lora-paths read. It holds the adapters alone: what
+    model.lora_also_train trains in full is in the checkpoint's sharded state and in its merged
+    export (checkpoint.merged_export)."""
     os.makedirs(folder, exist_ok=True)
-    tensors = {name: t.float().contiguous().cpu() for name, t in adapter_tensors(model).items()}
+    tensors = {name: t.float().contiguous().cpu() for name, t in tensors.items()}
     safetensors.torch.save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(adapter_config(model), f, indent=2)
+        json.dump(config, f, indent=2)
 
 
 def base_weights(model, trained_only=False):

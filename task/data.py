@@ -1,6 +1,7 @@
 """Tasks: what a run trains and validates on, each a module of task/ that data.task names
-(task/tiny.py, the CPU demo; tiny_tool.py, its calculator demo; gsm8k.py; chat.py, your own rows
-and reward; reverse.py, the smallest complete example), and the prompt stream each rank reads.
+(built in: task/tiny.py, the CPU demo; tiny_tool.py, its calculator demo; gsm8k.py; chat.py, your
+own rows and reward; reverse.py, the smallest complete example; any module added to task/ is found
+by its name, `task_names`), and the prompt stream each rank reads.
 
 A task module has `FIELDS` (the config fields it reads beyond data.task, data.reward,
 data.max_prompt_len and data.num_val_prompts), `prompts(cfg, tokenizer, split, seed, tool)` ("train"

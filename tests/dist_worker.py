@@ -29,7 +29,9 @@ import train  # noqa: E402
 from conftest import train_on  # noqa: E402
 import rollout  # noqa: E402
 import runtime.model as model  # noqa: E402
+import runtime.lora as lora  # noqa: E402
 from assemble import load_config  # noqa: E402
+from task.data import PromptStream  # noqa: E402
 from sample import Sample  # noqa: E402
 
 MODES = losses.LOSS_AGG_MODES
@@ -40,6 +42,7 @@ PARITY_RUNS = [(mode, False) for mode in MODES] + [
     ("seq-mean-token-mean", True),
 ]
 PACKED = "train.max_tokens_per_micro_batch=20"
+LORA = ("model.lora_rank=4", "model.lora_alpha=8")
 
 
 def fixed_batch(num_groups=4, group_size=4, seed=0):
@@ -144,6 +147,8 @@ def check_ranks(out_dir):
                 },
                 os.path.join(out_dir, parity_file(mode, packed)),
             )
+
+    lora_under_fsdp(out_dir, mine, my_advantages, results)
 
     # precision: bf16 compute over fp32 master weights and fp32 AdamW state, an update at lr 1e-6
     # lands
@@ -252,6 +257,48 @@ def check_ranks(out_dir):
     finally:
         run.engine.shutdown()
     parallel.close()
+
+
+def lora_under_fsdp(out_dir, mine, my_advantages, results):
+    """LoRA on 2 ranks: the adapters sharded like every parameter, the base frozen. One update on
+    this rank's share (fp32), its checkpoint (the adapters and their AdamW state, written by both
+    ranks; rank 0 writes the adapter folder, gathered), the whole adapters and their gradients for
+    the test to compare with one rank; then the dtypes of a bf16 run (a bf16 base beside fp32
+    adapters in one FSDP2 unit)."""
+    cfg = parity_config(out_dir, "token-mean", *LORA)
+    policy, tokenizer = model.build_policy(cfg, None)
+    policy = parallel.shard(policy, torch.float32)
+    trainer = setup_run.trainer_only(cfg, policy)
+    stats = train_on(trainer, mine, my_advantages)
+    adapter = lora.adapter_tensors(policy, gather=parallel.full_tensor)
+    grads = {
+        name: parallel.full_tensor(p.grad).clone()
+        for name, p in policy.named_parameters()
+        if p.grad is not None
+    }
+    stream = PromptStream.for_rank([], 0, parallel.rank(), parallel.world_size())
+    run = setup_run.Run(cfg=cfg, trainer=trainer, tokenizer=tokenizer, stream=stream)
+    folder = checkpoint.save(os.path.join(out_dir, "lora_run"), 1, run)
+    if parallel.rank() == 0:
+        torch.save(
+            {
+                "adapter": adapter,
+                "grads": grads,
+                "loss": stats["train/loss"],
+                "grad_norm": stats["train/grad_norm"],
+                "checkpoint": folder,
+            },
+            os.path.join(out_dir, "lora_parity.pt"),
+        )
+    cfg = parity_config(out_dir, "token-mean", *LORA, "model.compute_dtype=bfloat16")
+    policy, optimizer, _ = update_once(cfg, mine, my_advantages, shard=True)
+    results["lora_bf16_dtypes"] = sorted(
+        {
+            f"{'adapter' if '.lora_' in n else 'base'} {p.to_local().dtype}"
+            for n, p in policy.named_parameters()
+        }
+    )
+    results["lora_bf16_trained"] = sorted({str(p.requires_grad) for p in policy.parameters()})
 
 
 def rejected_tensor(engine, name):

@@ -2,7 +2,8 @@
 SGLang's LoRA pool, and an engine's shutdown kills every child process of its process (SGLang's
 Engine.shutdown: kill_process_tree of the caller), the shared engine's too. Two demo steps with
 adapters and a KL reference; then what their checkpoint holds, its merged export (what eval
-loads), a replay of step 1 and an exact resume; prints one JSON line of what the test asserts.
+loads), a replay of step 1, an exact resume, and a corrupted adapter push refused by the engine;
+prints one JSON line of what the test asserts.
 Run: python tests/lora_worker.py OUT_DIR"""
 
 import json
@@ -25,6 +26,7 @@ import extras.replay as replay  # noqa: E402
 import runtime.checkpoint as checkpoint  # noqa: E402
 import runtime.lora as lora  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
+from runtime.engine import EngineDiedError, adapter_checksums  # noqa: E402
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 
@@ -91,6 +93,16 @@ def main(out):
             "merged_gap": merged_gap,
             "replay": replayed,
         }
+        # last (it ends the engine): what arrives differs from what was hashed before the push;
+        # the engine's own check on arrival refuses it
+        wrong = {name: t.clone() for name, t in lora.adapter_tensors(policy).items()}
+        checksums = adapter_checksums(wrong)
+        next(iter(wrong.values())).add_(1.0)
+        try:
+            run.engine.load_adapter(wrong, lora.adapter_config(policy), 99, checksums)
+            result["mismatch"] = "accepted"
+        except EngineDiedError as e:
+            result["mismatch"] = f"{type(e).__name__}: {e}"
     finally:
         run.engine.shutdown()
     print(json.dumps(result))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -19,6 +20,7 @@ import dist_worker
 import runtime.parallel as parallel
 import train
 import runtime.model as model
+import runtime.lora as lora
 from conftest import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,6 +63,38 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(two_ranks, tmp_p
         torch.testing.assert_close(sharded["params"][name], expected, atol=1e-5, rtol=0, msg=name)
         moved += int((expected != start).sum())
     assert moved > 0.9 * sum(p.numel() for p in policy.parameters())  # the update really happened
+
+
+def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_ranks, tmp_path):
+    """LoRA under FSDP2 (dist_worker.lora_under_fsdp): two ranks with uneven shares end one update
+    with the adapters, gradients and loss of one rank on the combined batch; the checkpoint both
+    ranks wrote holds the adapters alone (the base is frozen: no gradient, never saved), its peft
+    folder holds them whole, and it loads on one rank; a bf16 base and fp32 adapters share the
+    FSDP2 units."""
+    out, results, _ = two_ranks
+    sharded = torch.load(out / "lora_parity.pt", weights_only=True)
+    samples, advantages = dist_worker.fixed_batch()
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *dist_worker.LORA)
+    policy, _, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
+    assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
+    assert sharded["grad_norm"] == pytest.approx(stats["train/grad_norm"], rel=1e-5)
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    assert sorted(sharded["grads"]) == sorted(grads) and all(".lora_" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(sharded["grads"][name], grad, atol=1e-7, rtol=1e-4, msg=name)
+    adapter = lora.adapter_tensors(policy)
+    for name, tensor in adapter.items():
+        torch.testing.assert_close(sharded["adapter"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    folder = sharded["checkpoint"]
+    saved = safetensors.torch.load_file(os.path.join(folder, "adapter/adapter_model.safetensors"))
+    assert all(torch.equal(saved[n], t) for n, t in sharded["adapter"].items())
+    metadata = parallel.read_metadata(os.path.join(folder, "sharded")).state_dict_metadata
+    assert all(".lora_" in k for k in metadata if k.startswith("model."))
+    one, _ = model.build_policy(cfg, None)  # the 2-rank checkpoint, resharded onto one rank
+    parallel.load_state(os.path.join(folder, "sharded"), one)
+    assert all(torch.equal(lora.adapter_tensors(one)[n], t) for n, t in sharded["adapter"].items())
+    assert results[0]["lora_bf16_dtypes"] == ["adapter torch.float32", "base torch.bfloat16"]
+    assert results[0]["lora_bf16_trained"] == ["False", "True"]
 
 
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):

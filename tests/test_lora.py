@@ -117,11 +117,11 @@ LORA_RUN = tempfile.mkdtemp(prefix="lora-run-")
 def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs):
     """Two steps of the demo with adapters and a KL reference on an engine with SGLang's LoRA pool
     (tests/lora_worker.py, its own process: see there why): each step's sync loads the adapter
-    alone (the base is pushed once, at start), the engine's log-probs through the adapter match
-    the trainer's (gap at fp32 level), the base's checksums hold every step, only the adapters
-    move; its checkpoint holds the adapters alone (the merged model, what eval loads, on demand);
-    step 1 replays exactly; a resume from the checkpoint makes the uninterrupted run's next
-    update."""
+    alone (the engine loaded the base from its folder), the engine's log-probs through the
+    adapter match the trainer's (gap at fp32 level), the base's checksums and the adapter's (on
+    arrival, in the engine) hold every step, only the adapters move; its checkpoint holds the
+    adapters alone (the merged model, what eval loads, on demand); step 1 replays exactly; a
+    resume from the checkpoint makes the uninterrupted run's next update."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
     assert result["max_gap"] < 1e-4  # the engine serves base + adapter
@@ -137,6 +137,11 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     assert result["weights"] == "checkpoints/step_000002/merged" and result["merged_gap"] < 1e-5
     loss, grad_norm, logged_loss, logged_grad_norm = result["replay"]  # bit for bit on CPU
     assert (loss, grad_norm) == (logged_loss, logged_grad_norm)
+    # every push carried the adapter's checksums (run.check_weights_every=1) and passed; one whose
+    # bytes differ from their checksums ends the engine with a named error
+    assert result["mismatch"].startswith("EngineDiedError"), result["mismatch"]
+    stderr = background_runs.result("lora_run").stderr
+    assert "[LORA-CHECK] rank0 adapter sync MISMATCH of 28 expected: 1 value-diff" in stderr
 
 
 @pytest.mark.background(
