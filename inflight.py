@@ -158,7 +158,7 @@ class Rollout:
         new = set()
         for request in requests:
             if request.resumed is not None:
-                work = self.resume(request)
+                work = self.continue_partial(request)
             else:
                 work = self.trajectory(request)
             self.generated[request.index] = asyncio.Event()  # set before its reward is computed
@@ -295,7 +295,7 @@ class Rollout:
         self.stats.tool_errors[observation.tool] += observation.is_error
         return observation
 
-    async def resume(self, request):
+    async def continue_partial(self, request):
         """Continue an unfinished single-turn sample: its prompt + partial response go in as
         token ids, `max_new_tokens` is what is left of the budget, and the result holds every
         token of both."""

@@ -3,9 +3,9 @@
 Which of engine weights, KV cache, trainer parameters, gradients and optimizer state are resident
 on the accelerator, when, and the peak of each phase: rollout (engine weights + KV cache; trainer
 offloaded) -> train (engine released; trainer onloaded) -> weight sync, staged as in SGLang RFC
-7009: offload the optimizer (its blocks go back to the device at once), resume engine weights,
-push weights in buckets, offload trainer parameters (blocks returned again), and only then resume
-the KV cache. `all_at_once` resumes weights and KV cache together, for comparison.
+7009: offload the optimizer (its blocks go back to the device at once), wake engine weights,
+push weights in buckets, offload trainer parameters (blocks returned again), and only then wake
+the KV cache. `all_at_once` wakes weights and KV cache together, for comparison.
 
 The weight sync also owns the run's health checks (the other trainers' most reported silent
 failure is an engine that samples from other weights or computes another model than the
@@ -42,7 +42,7 @@ def check(cfg):
 
 
 class PhaseError(RuntimeError):
-    """An illegal memory transition (e.g. resuming a tag that was never released)."""
+    """An illegal memory transition (e.g. waking a tag that was never released)."""
 
 
 def tensor_bytes(tensors):
@@ -151,7 +151,7 @@ class MemoryPhases:
 
     def to_rollout(self, push):
         """train -> rollout, the new weights pushed to the engine in between: `push()` runs once
-        the engine's weights are resumed and while the trainer's weights are still on its device
+        the engine's weights are awake and while the trainer's weights are still on its device
         (the weight check hashes them there, as the engine hashes its own). Returns what `push`
         returns."""
         self._expect("train", "to_rollout")
@@ -163,13 +163,13 @@ class MemoryPhases:
         self._move_trainer(onload=False, params=False, optimizer=True)
         # staged: wake only the weights, so the KV cache is not resident while two model copies are
         if self.mode != "off":
-            self._resume(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
+            self._wake(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
         pushed = push()
         self._move_trainer(onload=False, params=True, optimizer=False)
         if self.mode == "staged":
             # KV cache (+ CUDA graphs)
-            self._resume([tag for tag in self.engine.memory_tags if tag != "weights"])
+            self._wake([tag for tag in self.engine.memory_tags if tag != "weights"])
         self._enter("rollout")
         self._note()
         return pushed
@@ -199,13 +199,14 @@ class MemoryPhases:
         self.resident -= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
 
-    def _resume(self, tags):
-        # SGLang answers a resume of a tag it never released with a bare KeyError from a set removal
+    def _wake(self, tags):
+        # SGLang answers a wake (resume_memory_occupation) of a tag it never released with a bare
+        # KeyError from a set removal
         missing = set(tags) - self.engine_released
         if missing:
-            raise PhaseError(f"cannot resume engine memory {sorted(missing)}: it was not released")
-        self.engine.resume(tags)
-        self.events.append(f"resume {' '.join(tags)}")
+            raise PhaseError(f"cannot wake engine memory {sorted(missing)}: it was not released")
+        self.engine.wake(tags)
+        self.events.append(f"wake {' '.join(tags)}")
         self.engine_released -= set(tags)
         self.resident |= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
@@ -214,7 +215,7 @@ class MemoryPhases:
         """Move trainer parameters (and the KL reference) and/or optimizer state onto the
         accelerator or off it to the CPU. After an offload the freed blocks go back to the device
         at once: PyTorch's caching allocator would otherwise keep them, and the engine (another
-        process) could not resume into them."""
+        process) could not wake into them."""
         if self.mode == "off":
             return  # both stay resident
         # on a CPU machine the move is a no-op

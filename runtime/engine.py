@@ -2,7 +2,7 @@
 
 Owns starting the in-process engine (its environment, ports, device), watching its processes, the
 process's signal handling (SGLang's handlers replaced; the trainer's StopSignal), single requests
-and aborts, weight pushes, and memory release/resume. Does not own what is generated or when it is
+and aborts, weight pushes, and memory release/wake. Does not own what is generated or when it is
 cancelled (rollout.py, inflight.py), nor when memory moves (memory.py).
 """
 
@@ -95,7 +95,7 @@ class Engine:
         # that came while training was never seen.
         self._run(self._create_request_loop())
         self.weight_shapes = tensor_shapes(model_path)
-        # what release/resume free by tag; CUDA graphs are captured (and hold memory) only on GPU
+        # what release/wake free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = (
             ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
         )
@@ -331,7 +331,9 @@ class Engine:
                 )
             time.sleep(poll_s)
 
-    def resume(self, tags):
+    def wake(self, tags):
+        """Take back the engine memory `release` freed, by tag (SGLang's
+        resume_memory_occupation)."""
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
         self._run(

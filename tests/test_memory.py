@@ -85,7 +85,7 @@ def test_illegal_transitions_raise_named_errors(run):
     with pytest.raises(PhaseError, match="to_rollout\\(\\) needs phase 'train'"):
         phases.to_rollout(push(run, phases, 1))
     with pytest.raises(PhaseError, match="not released"):
-        phases._resume(["kv_cache"])  # SGLang itself would raise a bare KeyError here
+        phases._wake(["kv_cache"])  # SGLang itself would raise a bare KeyError here
     phases.to_train()
     with pytest.raises(PhaseError, match="to_train\\(\\) needs phase 'rollout'"):
         phases.to_train()
@@ -182,10 +182,10 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     assert events == [
         "offload optimizer",
         "empty cache",
-        "resume weights",
+        "wake weights",
         "offload params",
         "empty cache",
-        "resume kv_cache",
+        "wake kv_cache",
     ]
     assert "reference_params" not in phases.resident
 
