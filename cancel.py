@@ -38,9 +38,8 @@ class LaunchPlan:
     # filter: prompts launched at a time while kept + possible groups fall short
     refill_prompts: int = 0
     max_prompts: int = 0  # filter: new prompts a step may launch in all
-    max_trajectory_tokens: int = (
-        0  # tokens one trajectory may hold (RolloutConfig.max_trajectory_tokens)
-    )
+    # tokens one trajectory may hold (RolloutConfig.max_trajectory_tokens)
+    max_trajectory_tokens: int = 0
 
 
 def plan_launch(r, num_prompts):
