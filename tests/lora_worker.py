@@ -39,6 +39,12 @@ def main(out):
         "run.check_weights_every=1",
         "run.checkpoint_every=1",
         "run.dump_rollouts=true",
+        # what a run does beside LoRA: top-p (the engine's nucleus scored), a cancelled tail
+        # suspended and resumed (partial rollout, its buffer checkpointed)
+        "rollout.top_p=0.9",
+        "rollout.cancel=count",
+        "rollout.drop_rate=0.25",
+        "rollout.partial=true",
     ]
     run = train.setup(tiny_config(out, "train.steps=2", *sets))
     try:
@@ -82,6 +88,7 @@ def main(out):
             "full_pushes": len(pushes),
             "adapter": run.engine.adapter,
             "max_gap": max(logged["train/logprob_gap"]),
+            "suspended": logged["partial/suspended"],
             "moved": sorted(moved),
             "lora_B": sorted(n for n, _ in run.trainer.policy.named_parameters() if ".lora_B" in n),
             "resume_differs": differ,
