@@ -13,6 +13,7 @@ re-import the main module). README.md has the map.
 """
 
 import argparse
+import dataclasses
 import glob
 import logging
 import os
@@ -22,6 +23,7 @@ import time
 
 import torch
 import tqdm
+import yaml
 
 import advantages
 import memory
@@ -173,6 +175,11 @@ def parse_args(argv=None):
         help="continue from the latest checkpoint in the run directory",
     )
     parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print every setting as this run would use it (YAML, a valid --config) and exit",
+    )
+    parser.add_argument(
         "--replay",
         metavar="RUN/rollouts/step_N",
         help="re-run that dumped step's update without the engine (run.dump_rollouts; "
@@ -224,6 +231,9 @@ def main(argv=None):
         )
         return None
     cfg = config_of(args)
+    if args.print_config:  # defaults, the file and --set resolved: what the run would read
+        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+        return None
     nproc = cfg.run.nproc or parallel.default_nproc()
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():
         raise ConfigError(

@@ -586,3 +586,21 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             assert is_read(cfg), key
             with pytest.raises(ConfigError, match=f"{key}=.* is read only "):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), off)
+
+
+def test_print_config_shows_every_setting_and_loads_back(tmp_path, capsys):
+    """`train.py --print-config` prints the run's whole config (config.py's defaults <- the file
+    <- --set), starts nothing, and its output is a config that loads back to the same values."""
+    import dataclasses
+
+    import train
+
+    args = ["--config", "configs/tiny_tool.yaml", "--set", "train.lr=0.5", "--print-config"]
+    assert train.main(args) is None
+    printed = capsys.readouterr().out
+    path = tmp_path / "printed.yaml"
+    path.write_text(printed)
+    expected = load_config("configs/tiny_tool.yaml", ["train.lr=0.5"])
+    again = load_config(str(path))
+    assert again.train.lr == 0.5 and again.rollout.max_turns == expected.rollout.max_turns > 1
+    assert dataclasses.asdict(again) == dataclasses.asdict(expected)
