@@ -419,24 +419,58 @@ def flex_mask(model, batch):
     return batch["block_mask"]
 
 
+# FlexAttention's block: the mask is kept per (query block, key block) of this many tokens
+# (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)
+MASK_BLOCK = 128
+
+
 def document_mask(position_ids):
     """Causal attention within each packed sequence of `position_ids` [B, T], as a BlockMask. A
     sequence starts where the position does not go on by one: transformers' own rule
-    (masking_utils.find_packed_sequence_indices), so the mask allows what its would. Built
-    uncompiled (transformers compiles its own), once per micro-batch, as a dense [B, 1, T, T] of
-    booleans first: 16 M at 4,096 tokens, 2.2 G at the 47,104 that `auto` gives Qwen2.5-1.5B on
-    an H200 (its time there not measured apart from the update's)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    (masking_utils.find_packed_sequence_indices), so the mask allows what its would.
+
+    Built from each block's first and last sequence, never as tokens x tokens: torch's
+    create_block_mask (uncompiled) evaluates the mask at every pair first, 2.2 G booleans at the
+    47,104 tokens `auto` gives Qwen2.5-1.5B on an H200, where this reads [T / 128]^2 block pairs
+    (135 k there). Sequences are contiguous and their ids rise along a row, so a key block j may
+    hold a query block i's sequence only if their id ranges overlap; j < i, and both whole blocks
+    of one sequence: every pair allowed (a "full" block, no mask_mod call); j == i, or ranges that
+    overlap otherwise: some pairs (a partial block, `causal_in_document` decides per token).
+    Equal to create_block_mask's, block for block (tests/test_packing.py)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     batch_size, width = position_ids.shape
     previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    document = (position_ids - previous != 1).cumsum(-1)  # [B, T]
+    document = (position_ids - previous != 1).cumsum(-1)  # [B, T], rising along each row
 
     def causal_in_document(b, h, q, kv):
         return (document[b, q] == document[b, kv]) & (q >= kv)
 
-    return create_block_mask(
-        causal_in_document, batch_size, None, width, width, device=position_ids.device
+    blocks = -(-width // MASK_BLOCK)
+    # past the last token: -1, below every id, so a block's max is its last real token's
+    padded = torch.nn.functional.pad(document, (0, blocks * MASK_BLOCK - width), value=-1)
+    padded = padded.view(batch_size, blocks, MASK_BLOCK)
+    first, last = padded[..., 0], padded.max(-1).values  # [B, blocks]
+    index = torch.arange(blocks, device=position_ids.device)
+    whole = (index + 1) * MASK_BLOCK <= width  # the last block may be cut short: never full
+    q_first, q_last = first[:, :, None], last[:, :, None]
+    kv_first, kv_last = first[:, None, :], last[:, None, :]
+    overlap = (index[None, :] <= index[:, None]) & (kv_last >= q_first) & (kv_first <= q_last)
+    one_sequence = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
+    full = one_sequence & (index[None, :] < index[:, None]) & whole[:, None] & whole[None, :]
+    partial = overlap & ~full
+
+    def ordered(dense):  # [B, Q blocks, KV blocks] -> counts and indices, allowed ones first
+        dense = dense[:, None].to(torch.int32)  # one mask for every head
+        indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+        return dense.sum(-1, dtype=torch.int32), indices.to(torch.int32)
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=MASK_BLOCK,
+        mask_mod=causal_in_document,
+        seq_lengths=(width, width),
     )
 
 

@@ -6,6 +6,7 @@ import functools
 import random
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -112,6 +113,59 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
     assert (got[~real] == 0).all()
+
+
+def packed_positions(seed, rows, width):
+    """position_ids of `rows` packed rows: sequences of 1 to 300 tokens (within, across and
+    filling 128-token blocks), odd rows ending in padding (position 0 repeated)."""
+    rng = random.Random(seed)
+    position_ids = torch.zeros(rows, width, dtype=torch.long)
+    for row in range(rows):
+        start = 0
+        while start < width - (row % 2) * 40:  # odd rows: 40 pad tokens at the end
+            # row 0 opens with 300 tokens: two whole blocks of one sequence (a full block)
+            n = 300 if row == start == 0 else rng.choice([1, 5, 60, 127, 128, 129, 256, 300])
+            n = min(n, width - start)
+            position_ids[row, start : start + n] = torch.arange(n)
+            start += n
+    return position_ids
+
+
+@pytest.mark.parametrize("rows, width", [(1, 77), (2, 128), (3, 300), (2, 1024), (4, 1000)])
+def test_the_document_mask_is_create_block_masks_block_for_block(rows, width):
+    """update.document_mask, built from each block's first and last sequence, is the BlockMask
+    torch's create_block_mask makes by evaluating every token pair: the same partial and full
+    blocks on the key and the query side, in the same order; and FlexAttention (forward, CPU)
+    gives the same output under both."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    position_ids = packed_positions(width, rows, width)
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    document = (position_ids - previous != 1).cumsum(-1)
+
+    def causal_in_document(b, h, q, kv):
+        return (document[b, q] == document[b, kv]) & (q >= kv)
+
+    expected = create_block_mask(causal_in_document, rows, None, width, width, device="cpu")
+    got = update.document_mask(position_ids)
+    assert got.seq_lengths == expected.seq_lengths == (width, width)
+    for side in ("kv", "full_kv", "q", "full_q"):
+        counts = getattr(got, f"{side}_num_blocks")
+        assert torch.equal(counts, getattr(expected, f"{side}_num_blocks").to(counts.dtype)), side
+        for index in torch.cartesian_prod(*[torch.arange(n) for n in counts.shape]):
+            n, at = int(counts[tuple(index)]), tuple(index)
+            want = getattr(expected, f"{side}_indices")[at][:n]
+            assert torch.equal(getattr(got, f"{side}_indices")[at][:n], want.to(torch.int32))
+    assert int(got.full_kv_num_blocks.sum()) > 0 or width < 256  # full blocks were tested
+    x = torch.randn(rows, 2, width, 16, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(
+            flex_attention(x, x, x, block_mask=got),
+            flex_attention(x, x, x, block_mask=expected),
+            rtol=0,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("minibatches, forwards", [(1, 1), (2, 2)])
