@@ -14,3 +14,7 @@ timeout "${SECONDS_1_5B:-420}" python3 bench/train_step.py --shape qwen2.5-1.5b 
     --profile 2>&1 | grep -v -e Warning -e warn | tee "$OUT/shape-1.5b.log"
 timeout "${SECONDS_3B:-200}" python3 bench/train_step.py --shape qwen2.5-3b --repeats 1 --top-p 1 --fsdp \
     --arms now-sdpa,now-flex_attention,fsdp 2>&1 | grep -v -e Warning -e warn | tee "$OUT/shape-3b.log"
+# the packed update's FlexAttention mask, built both ways (update.document_mask against torch's
+# create_block_mask over every token pair), up to the 47,104-token auto budget
+timeout "${SECONDS_MASK:-120}" python3 bench/block_mask.py 2>&1 | grep -v -e Warning -e warn \
+    | tee "$OUT/block-mask.log"

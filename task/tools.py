@@ -401,6 +401,11 @@ async def multi_turn(flight, request, settings):
             # a call with no turn left to read the result: truncated, not an answer
             sample.finish_reason = "length"
             break
+        if request.index in flight.cancelled:
+            # cancelled while this turn returned: no tool starts (the abort, which counts this
+            # trajectory as generating until it reaches a tool or ends, would wait the tool out)
+            sample.finish_reason = "abort"
+            break
         observation = await flight.run_tool(request, sample)
         sample.tool_call = -1 if observation.is_error else 1
         # a new array, not +=: the turn just generated keeps `context` as its prompt_ids

@@ -3,8 +3,10 @@ log-probs, entropies and updates as the padded path, in every loss mode, and seq
 together never see each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
 
 import functools
+import os
 import random
 import re
+import runpy
 import sys
 import warnings
 
@@ -166,6 +168,17 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width):
             rtol=0,
             atol=0,
         )
+
+
+def test_the_block_mask_bench_checks_both_masks_and_times_them():
+    """bench/block_mask.py, small: it builds the mask both ways on packed GSM8K-like rows, finds
+    them equal block for block, and prints both times and their ratio."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "block_mask.py")
+    bench = runpy.run_path(path, run_name="bench_block_mask")  # not "__main__": nothing runs yet
+    line = bench["main"](["--widths", "300,1000", "--repeats", "1"])
+    assert re.fullmatch(
+        r"block_mask: device=cpu width=1000 dense_s=[\d.]+ blocks_s=[\d.]+ speedup=[\d.]+", line
+    ), line
 
 
 @pytest.mark.parametrize("minibatches, forwards", [(1, 1), (2, 2)])
