@@ -48,9 +48,13 @@ def forked(monkeypatch, tmp_path):
     return run
 
 
-def test_advantage_recipe_rloo(forked, tmp_path):
+def test_advantage_recipe_rloo(forked, tmp_path, monkeypatch):
     """RLOO by hand: group [1, 0, 1, 0] -> 1 - 1/3, 0 - 2/3; a failed member gets 0 and is left
-    out of its group's baseline; `train.advantage=rloo` is a known choice only after the fork."""
+    out of its group's baseline; `train.advantage=rloo` is a known choice only after the fork
+    (also in a fork where the recipe is already pasted: the check starts from a copy without
+    it)."""
+    unforked = {k: v for k, v in advantages.ESTIMATORS.items() if k != "rloo"}
+    monkeypatch.setattr(advantages, "ESTIMATORS", unforked)
     with pytest.raises(ConfigError, match="train.advantage"):
         load_config("configs/tiny.yaml", ["train.advantage=rloo", f"run.out={tmp_path}"])
     forked(advantages, "advantage", "ESTIMATORS")
