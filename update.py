@@ -424,10 +424,27 @@ def flex_mask(model, batch):
 MASK_BLOCK = 128
 
 
+def document_ids(position_ids):
+    """[B, T]: which packed sequence each token belongs to, rising along each row. A sequence
+    starts where the position does not go on by one (transformers' rule,
+    masking_utils.find_packed_sequence_indices)."""
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    return (position_ids - previous != 1).cumsum(-1)
+
+
+def causal_in_document(document):
+    """FlexAttention's mask_mod for `document_ids`: a query sees the keys of its own sequence up
+    to itself."""
+
+    def mask_mod(b, h, q, kv):
+        return (document[b, q] == document[b, kv]) & (q >= kv)
+
+    return mask_mod
+
+
 def document_mask(position_ids):
-    """Causal attention within each packed sequence of `position_ids` [B, T], as a BlockMask. A
-    sequence starts where the position does not go on by one: transformers' own rule
-    (masking_utils.find_packed_sequence_indices), so the mask allows what its would.
+    """Causal attention within each packed sequence of `position_ids` [B, T] (`document_ids`), as a
+    BlockMask: what transformers' own packed mask allows.
 
     Built from each block's first and last sequence, never as tokens x tokens: torch's
     create_block_mask (uncompiled) evaluates the mask at every pair first, 2.2 G booleans at the
@@ -440,12 +457,7 @@ def document_mask(position_ids):
     from torch.nn.attention.flex_attention import BlockMask
 
     batch_size, width = position_ids.shape
-    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    document = (position_ids - previous != 1).cumsum(-1)  # [B, T], rising along each row
-
-    def causal_in_document(b, h, q, kv):
-        return (document[b, q] == document[b, kv]) & (q >= kv)
-
+    document = document_ids(position_ids)
     blocks = -(-width // MASK_BLOCK)
     # past the last token: -1, below every id, so a block's max is its last real token's
     padded = torch.nn.functional.pad(document, (0, blocks * MASK_BLOCK - width), value=-1)
@@ -469,7 +481,7 @@ def document_mask(position_ids):
         *ordered(partial),
         *ordered(full),
         BLOCK_SIZE=MASK_BLOCK,
-        mask_mod=causal_in_document,
+        mask_mod=causal_in_document(document),
         seq_lengths=(width, width),
     )
 

@@ -43,15 +43,8 @@ def dense_mask(position_ids):
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch_size, width = position_ids.shape
-    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    document = (position_ids - previous != 1).cumsum(-1)
-
-    def causal_in_document(b, h, q, kv):
-        return (document[b, q] == document[b, kv]) & (q >= kv)
-
-    return create_block_mask(
-        causal_in_document, batch_size, None, width, width, device=position_ids.device
-    )
+    mask_mod = update.causal_in_document(update.document_ids(position_ids))
+    return create_block_mask(mask_mod, batch_size, None, width, width, device=position_ids.device)
 
 
 def timed(fn, position_ids, repeats):

@@ -7,6 +7,7 @@ cancelled (rollout.py, inflight.py), nor when memory moves (memory.py).
 """
 
 import asyncio
+import hashlib
 import logging
 import os
 import re
@@ -458,31 +459,7 @@ def start_sglang(
     prepare_engine_environment(on_gpu)
     import sglang
 
-    # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL
-    # port from its local rank's own window: SGLang would pick it with the `random` module, which
-    # ranks started with one seed draw identically (verl issue 3977).
-    device_args = (
-        dict(base_gpu_id=gpu_id)
-        if on_gpu
-        else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
-    )
-    if lora:
-        # two adapters at once: the new one loads before the old one goes
-        device_args |= dict(
-            enable_lora=True,
-            max_lora_rank=lora["rank"],
-            lora_target_modules=list(lora["targets"]),
-            max_loras_per_batch=2,
-        )
-        if not on_gpu:  # the GPU backends' kernels need CUDA (pinning: cpu_compat/sitecustomize.py)
-            device_args["lora_backend"] = "torch_native"
-        else:
-            # the weight sync pushes the adapter alone, so the base must survive the train phase's
-            # release: the memory saver copies it to host memory and back instead of dropping it
-            # (without this a resumed region's contents are undefined; sglang/srt/model_executor/
-            # model_runner_components/load_model_utils.py, region(..., enable_cpu_backup)). Not
-            # run here: the CPU engine releases nothing.
-            device_args["enable_weights_cpu_backup"] = True
+    device_args = engine_device_args(on_gpu, gpu_id, lora)
 
     # SGLang reconfigures the root logger of this process to its own log_level and handler: without
     # the restore below, every trainer warning after engine start (e.g. rollout queueing) was
@@ -522,6 +499,36 @@ def start_sglang(
     root_logger.setLevel(root_level)
     root_logger.handlers[:] = root_handlers
     return engine
+
+
+def engine_device_args(on_gpu, gpu_id, lora):
+    """SGLang's arguments for the device and for LoRA (`lora`: {rank, targets} or None)."""
+    # One engine per rank, each on its rank's GPU (`gpu_id`, parallel.gpu_index), each with an NCCL
+    # port from its local rank's own window: SGLang would pick it with the `random` module, which
+    # ranks started with one seed draw identically (verl issue 3977).
+    device_args = (
+        dict(base_gpu_id=gpu_id)
+        if on_gpu
+        else dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True)
+    )
+    if lora:
+        # two adapters at once: the new one loads before the old one goes
+        device_args |= dict(
+            enable_lora=True,
+            max_lora_rank=lora["rank"],
+            lora_target_modules=list(lora["targets"]),
+            max_loras_per_batch=2,
+        )
+        if not on_gpu:  # the GPU backends' kernels need CUDA (pinning: cpu_compat/sitecustomize.py)
+            device_args["lora_backend"] = "torch_native"
+        else:
+            # the weight sync pushes the adapter alone, so the base must survive the train phase's
+            # release: the memory saver copies it to host memory and back instead of dropping it
+            # (without this a resumed region's contents are undefined; sglang/srt/model_executor/
+            # model_runner_components/load_model_utils.py, region(..., enable_cpu_backup)). Not
+            # run here: the CPU engine releases nothing.
+            device_args["enable_weights_cpu_backup"] = True
+    return device_args
 
 
 # the allocator settings' names: the newer one first (torch/include/c10/core/AllocatorConfig.h)
@@ -620,8 +627,6 @@ def adapter_checksums(tensors):
     """{name: sha256 hex} of each tensor's bytes, as SGLang hashes an adapter's tensors on arrival
     (sglang/srt/managers/tp_worker.py, load_lora_adapter_from_tensors): `Engine.load_adapter`'s
     `checksums`."""
-    import hashlib
-
     return {
         name: hashlib.sha256(
             t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()

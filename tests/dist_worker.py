@@ -291,7 +291,7 @@ def lora_under_fsdp(out_dir, mine, my_advantages, results):
             os.path.join(out_dir, "lora_parity.pt"),
         )
     cfg = parity_config(out_dir, "token-mean", *LORA, "model.compute_dtype=bfloat16")
-    policy, optimizer, _ = update_once(cfg, mine, my_advantages, shard=True)
+    policy, _, _ = update_once(cfg, mine, my_advantages, shard=True)
     results["lora_bf16_dtypes"] = sorted(
         {
             f"{'adapter' if '.lora_' in n else 'base'} {p.to_local().dtype}"

@@ -110,6 +110,28 @@ def test_lora_fields_are_refused_without_lora():
         load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,lm_head]"])
 
 
+def test_the_engine_arguments_for_lora_on_each_device():
+    """What start_sglang passes SGLang with LoRA (the GPU branch is not run here, its arguments
+    are): on a GPU, the base backed up to host memory across a release (the sync pushes only the
+    adapter) and SGLang's own LoRA backend; on CPU the torch_native backend. Without LoRA,
+    neither."""
+    from runtime.engine import engine_device_args
+
+    pool = {"rank": 8, "targets": ("q_proj", "v_proj")}
+    gpu, cpu = engine_device_args(True, 3, pool), engine_device_args(False, 0, pool)
+    assert (
+        gpu["enable_weights_cpu_backup"] and "lora_backend" not in gpu and gpu["base_gpu_id"] == 3
+    )
+    assert cpu["lora_backend"] == "torch_native" and "enable_weights_cpu_backup" not in cpu
+    for args in (gpu, cpu):
+        assert (
+            args["enable_lora"] and args["max_lora_rank"] == 8 and args["max_loras_per_batch"] == 2
+        )
+        assert args["lora_target_modules"] == ["q_proj", "v_proj"]
+    plain = engine_device_args(True, 0, None)
+    assert "enable_lora" not in plain and "enable_weights_cpu_backup" not in plain
+
+
 LORA_RUN = tempfile.mkdtemp(prefix="lora-run-")
 
 

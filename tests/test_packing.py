@@ -142,13 +142,8 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     position_ids = packed_positions(width, rows, width)
-    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    document = (position_ids - previous != 1).cumsum(-1)
-
-    def causal_in_document(b, h, q, kv):
-        return (document[b, q] == document[b, kv]) & (q >= kv)
-
-    expected = create_block_mask(causal_in_document, rows, None, width, width, device="cpu")
+    mask_mod = update.causal_in_document(update.document_ids(position_ids))
+    expected = create_block_mask(mask_mod, rows, None, width, width, device="cpu")
     got = update.document_mask(position_ids)
     assert got.seq_lengths == expected.seq_lengths == (width, width)
     for side in ("kv", "full_kv", "q", "full_q"):
