@@ -1,5 +1,5 @@
 """A rollout in flight on the engine, the machinery under stage 1 (rollout.py): every request an
-asyncio task (`Rollout`), each trajectory scored as it returns (`scored`); after each return
+asyncio task (`Rollout`), each trajectory scored as it returns (`with_reward`); after each return
 cancel.decide is asked whether enough have finished (`wait_for_enough`), dynamic sampling launches
 refills as it goes (`Rollout.filter_and_refill`), and at the decision what still runs is aborted
 inside the engine and awaited (`Rollout.abort`), so no request outlives the rollout. A single-turn
@@ -163,7 +163,7 @@ class Rollout:
                 work = self.trajectory(request)
             self.generated[request.index] = asyncio.Event()  # set before its reward is computed
             task = asyncio.create_task(
-                scored(work, self.settings.reward, self.stats, self.generated[request.index])
+                with_reward(work, self.settings.reward, self.stats, self.generated[request.index])
             )
             self.tasks[task] = request.index
             self.group_of[request.index] = request.group_id
@@ -411,7 +411,7 @@ async def wait_for_enough(
                 pending |= on_return(turns)
 
 
-async def scored(work, reward, stats, generated=None):
+async def with_reward(work, reward, stats, generated=None):
     """A trajectory's turns, each given the trajectory's reward once it finished (aborted,
     failed: none); `generated` is set when the turns are back, before the reward. A reward function
     that fails on it fails the trajectory: logged, counted, kept out like an abort."""
@@ -423,7 +423,9 @@ async def scored(work, reward, stats, generated=None):
     if reward is not None and not turns[-1].masked:
         try:
             value = reward(turns)
-            if inspect.isawaitable(value):  # Rewards.scorer's: computed off the loop (rewards.py)
+            if inspect.isawaitable(
+                value
+            ):  # Rewards.for_rollout's: computed off the loop (rewards.py)
                 value = await value
         except RewardError as e:
             log.error("trajectory %d: %s", turns[-1].trajectory_id, e)

@@ -301,18 +301,19 @@ def push_weights(engine, policy, version, bucket_bytes, everything=False, check=
     engine.load_adapter(adapter, lora.adapter_config(policy), version, checksums)
 
 
-def sync_weights(run, version, logprob_gap=None):
-    """The engine samples the next step from the updated policy: the trainer's weights pushed
-    in buckets as weight `version` between the train and rollout phases, checked bit for bit on
-    the steps `should_check_weights` picks, and the update's `logprob_gap` (None when it
-    measured none) read by the run's GapWatch. Returns the stage's metrics."""
+def sync_weights(run, step, logprob_gap=None):
+    """The engine samples the next step from the updated policy: the trainer's weights, which
+    step `step` made, pushed in buckets as weight version step + 1 between the train and rollout
+    phases, checked bit for bit on the steps `should_check_weights` picks, and the update's
+    `logprob_gap` (None when it measured none) read by the run's GapWatch. Returns the stage's
+    metrics."""
     start = time.perf_counter()
     check_s = 0.0
 
     def push():
         nonlocal check_s
-        check = should_check_weights(version - 1, run.cfg.run)
-        push_weights(run.engine, run.trainer.policy, version, run.phases.bucket_bytes, check=check)
+        check = should_check_weights(step, run.cfg.run)
+        push_weights(run.engine, run.trainer.policy, step + 1, run.phases.bucket_bytes, check=check)
         if check:
             check_start = time.perf_counter()
             # with LoRA the engine's own weights are the base (the adapter: its checksums on
@@ -322,7 +323,7 @@ def sync_weights(run, version, logprob_gap=None):
 
     run.phases.to_rollout(push)
     if logprob_gap is not None:
-        run.gap_watch.observe(version - 1, logprob_gap)
+        run.gap_watch.observe(step, logprob_gap)
     metrics = run.phases.metrics()
     metrics["timing/weight_sync_s"] = slowest(time.perf_counter() - start - check_s)
     if check_s:

@@ -1,12 +1,12 @@
 """Rewards: GSM8K's reward, loading your own (`data.reward`), calling one safely, DAPO's overlong
-penalty, and `Rewards.scorer`, the one place a trajectory's text becomes a reward.
+penalty, and `Rewards.for_rollout`, the one place a trajectory's text becomes a reward.
 
 Owns what a reward function is called with and what it may return (a finite number; anything else
 is a RewardError, counted by the rollout), and that it runs off the rollout's event loop: an
 `async def` reward is awaited, a plain one runs in a thread pool of its own
 (`rollout.reward_workers`), so a slow reward (a parser, a sandbox, a judge) never delays the other
 requests or the cancel decision. Does not own prompts, data or a task's own reward (task/), nor
-when a trajectory is scored (inflight.scored scores each one as it finishes).
+when a trajectory is scored (inflight.with_reward scores each one as it finishes).
 """
 
 import asyncio
@@ -58,7 +58,7 @@ class Rewards:
             cfg.rollout.reward_workers, thread_name_prefix="reward"
         )
 
-    def scorer(self, prompts_by_group, overlong=True):
+    def for_rollout(self, prompts_by_group, overlong=True):
         """The reward step, as the rollout calls it on each finished trajectory (its turns): its
         score against the answer of its prompt, `prompts_by_group[group id]`, plus DAPO's
         overlong penalty when on and `overlong` (training's rollouts: validation and eval.py
@@ -67,7 +67,7 @@ class Rewards:
         budget = self.cfg.rollout.max_trajectory_tokens()
 
         async def reward(turns):
-            value = await self.score(turns, prompts_by_group[turns[-1].group_id].answer)
+            value = await self.task_reward(turns, prompts_by_group[turns[-1].group_id].answer)
             if overlong and t.overlong_penalty:  # DAPO: long responses earn less, before the cut
                 length = len(turns[-1].response_ids)  # single-turn (`check` refuses more turns)
                 value += overlong_penalty(length, budget, t.overlong_buffer, t.overlong_penalty)
@@ -75,7 +75,7 @@ class Rewards:
 
         return reward
 
-    async def score(self, turns, answer):
+    async def task_reward(self, turns, answer):
         """A finished trajectory's reward, from its last turn's response against the prompt's
         `answer`, computed off the event loop (`call_reward_off_loop`)."""
         last = turns[-1]

@@ -64,7 +64,7 @@ def collect(run, step):
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
         resumes=resumes,
-        reward=run.rewards.scorer(prompts_by_group),
+        reward=run.rewards.for_rollout(prompts_by_group),
         more_prompts=more_prompts,
         prior_rewards=prior_rewards,
         seed=rollout_seed(run.cfg.train.seed, step),
@@ -173,7 +173,7 @@ def generate_scored(run, prompts, group_size, temperature, seed=None):
         tool=run.tool,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
-        reward=run.rewards.scorer(prompts, overlong=False),
+        reward=run.rewards.for_rollout(prompts, overlong=False),
         seed=seed,
     )
 

@@ -60,13 +60,14 @@ def train_step(run, step):
     max_seq_len = run.trainer.policy.config.max_position_embeddings
     sequences, sequence_metrics = merge.training_sequences(trajectories, run.cfg, max_seq_len)
     # 4. the policy update: train.num_minibatches clipped-ratio optimizer steps
-    update_metrics = update.update_policy(run.trainer, sequences, version=step)
+    # (the engine sampled this step with weight version `step`; the update makes version step + 1)
+    update_metrics = update.update_policy(run.trainer, sequences, step)
     run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
     train_s = time.perf_counter() - train_start
     # 5. weight sync: the engine samples the next step from the updated policy
     # the engine-vs-trainer gap the update measured (None where pi_old came from the engine)
     gap = update_metrics.get("train/logprob_gap")
-    sync_metrics = memory.sync_weights(run, version=step + 1, logprob_gap=gap)
+    sync_metrics = memory.sync_weights(run, step, logprob_gap=gap)
     # 6. metrics, each reduced over ranks as its stage declared
     metrics |= advantage_metrics | sequence_metrics | update_metrics | sync_metrics
     metrics["timing/train_s"] = slowest(train_s)

@@ -4,8 +4,9 @@ optimizer steps out, with the stage's metrics.
 Owns the trainer's half of a run (`Trainer`: policy, reference, optimizer, schedule), the tensor
 layout the loss reads ([B, T-1]: targets, loss mask, advantages, engine log-probs, token versions),
 the packed layout the model computes on (rows of whole sequences, padding only at row ends),
-micro-batching (by rows, or by a token budget; every rank runs the same count), pi_old (recomputed
-by the trainer, or the engine's with `train.old_logprobs: engine`), the staleness mask of partial
+micro-batching (by rows, or by a token budget; every rank runs the same count), pi_old (the
+trainer's, detached from the update's forward or recomputed, or the engine's: `pi_old_source`),
+the staleness mask of partial
 rollout's older tokens and their off-policy statistics, gradient accumulation exact over
 micro-batches and ranks, and skipping non-finite updates. Does not own the loss math (loss.py),
 the advantages (advantages.py) or the weight push that follows (memory.py).
@@ -93,34 +94,35 @@ def check(cfg):
             )
 
 
-def pi_old_source(trainer, version):
-    """Where this step's pi_old comes from: the log-probs, as the trainer scores them, of the
-    weights as they are at the start of this step (the ones that sampled, but for partial
-    rollout's older tokens, which TIS or the staleness mask handle):
-    - "engine": the engine's sampling log-probs (train.old_logprobs=engine), except at this
-      process's first step, where the log-prob gap check needs the trainer's own;
-    - "update": the update's own forward, detached. With one minibatch (train.num_minibatches=1,
-      every shipped config) no optimizer step comes between pi_old's forward and the update's, on
-      the same weights and inputs with no dropout (Qwen2's is 0): the two give the same numbers in
-      exact arithmetic, so the update's own, detached, are pi_old and the ratio is 1 (TRL does the
+def pi_old_source(trainer, step):
+    """How this step gets pi_old, the log-probs (as the trainer scores them) of the weights that
+    sampled: the weights as they are at the start of step `step` (but for partial rollout's older
+    tokens, which TIS or the staleness mask handle). `train.old_logprobs: trainer` is "detached"
+    with one minibatch and "recomputed" with several; `engine` is "engine":
+    - "detached": the update's own forward's log-probs, detached. With one minibatch
+      (train.num_minibatches=1, every shipped config) no optimizer step comes between pi_old and
+      the update, on the same weights and inputs with no dropout (Qwen2's is 0): the two would give
+      the same numbers, so the update's own, detached, are pi_old and the ratio is 1 (TRL does the
       same: trl/trainer/grpo_trainer.py, old_per_token_logps = per_token_logps.detach() with one
-      iteration). In floating point the two-forward path differed by its kernels' rounding (a
-      no-grad and a grad variant); this path has none. Equal to the two-forward path's loss and
-      gradients to 1e-6 on CPU (tests/test_update_passes.py). No forward of its own;
-    - "forward": a no-grad forward of every micro-batch before the first optimizer step. With
-      several minibatches the later ones need the weights from before the first step.
+      iteration). Equal to "recomputed"'s loss and gradients to 1e-6 on CPU
+      (tests/test_update_passes.py), with one forward fewer;
+    - "recomputed": a no-grad forward of every micro-batch before the first optimizer step. With
+      several minibatches the later ones need the weights from before the first step;
+    - "engine": the engine's sampling log-probs, no forward, except at this process's first step,
+      where the log-prob gap check needs the trainer's own.
     The KL reference (train.kl_coef with kl_in=loss) keeps its own forward whatever the source."""
     t = trainer.cfg.train
-    if t.old_logprobs == "engine" and version != trainer.first_step:
+    if t.old_logprobs == "engine" and step != trainer.first_step:
         return "engine"
-    return "update" if t.num_minibatches == 1 else "forward"
+    return "detached" if t.num_minibatches == 1 else "recomputed"
 
 
 # ---------------------------------------------------------------- the stage
-def update_policy(trainer, sequences, version):
+def update_policy(trainer, sequences, step):
     """pi_old for every trained token, then `num_minibatches` clipped-ratio optimizer steps on
-    `sequences` (each carrying its trajectory's advantage). `version` is the weight version being
-    trained: tokens an older one sampled (partial rollout) are stale.
+    `sequences` (each carrying its trajectory's advantage). The weights being trained are version
+    `step` (the engine sampled this step with them): tokens an older one sampled (partial rollout)
+    are stale.
 
     With several ranks each holds its own sequences (whole GRPO groups, so advantages were
     computed locally). Each rank's loss is divided by the *global* count of trained tokens (or
@@ -130,10 +132,10 @@ def update_policy(trainer, sequences, version):
     t = trainer.cfg.train
     minibatches, over_budget = make_minibatches(sequences, t, trainer.pad_id, trainer.device)
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
-    stats = mask_stale_tokens(every_mb, version, t.max_token_staleness)
+    stats = mask_stale_tokens(every_mb, step, t.max_token_staleness)
     stats |= layout_stats(every_mb)
     stats["train/over_budget_sequences"] = summed(over_budget)
-    source = pi_old_source(trainer, version)
+    source = pi_old_source(trainer, step)
     token_stats = TokenMeans()
     losses = []
     grad_norms = []
@@ -143,7 +145,11 @@ def update_policy(trainer, sequences, version):
         logprobs_before_update(trainer, every_mb, source)
         for minibatch in minibatches:
             minibatch_loss, grad_norm = optimizer_step(
-                trainer, minibatch, token_stats, last_micro_batch, pi_old_here=source == "update"
+                trainer,
+                minibatch,
+                token_stats,
+                last_micro_batch,
+                pi_old_detached=source == "detached",
             )
             losses.append(minibatch_loss)
             grad_norms.append(grad_norm)
@@ -160,18 +166,17 @@ def update_policy(trainer, sequences, version):
     if trainer.bad_steps >= t.max_bad_updates:
         raise NonFiniteError(
             f"{trainer.bad_steps} steps in a row had a non-finite loss or gradient "
-            f"(step {version})"
+            f"(step {step})"
         )
     return stats
 
 
 def logprobs_before_update(trainer, micro_batches, source):
     """What the loss reads from before the first optimizer step: pi_old from `source`
-    (`pi_old_source`; stored as mb["old_logprobs"]): the engine's log-probs, or a no-grad forward of
-    every micro-batch ("update": nothing here, optimizer_step takes them from its own forward);
-    and the frozen reference's, for the KL term in the loss, always from a forward of its own.
-    With "update" (one minibatch, the default) it computes no pi_old: only the reference's, if
-    any."""
+    (`pi_old_source`; stored as mb["old_logprobs"]): the engine's log-probs ("engine") or a
+    no-grad forward of every micro-batch ("recomputed"); and the frozen reference's, for the KL
+    term in the loss, always from a forward of its own. With "detached" (one minibatch, the
+    default) it computes no pi_old: optimizer_step takes it from its own forward."""
     temperature = trainer.cfg.rollout.temperature
     top_p = trainer.cfg.rollout.top_p
     compiled = trainer.cfg.train.compile
@@ -179,7 +184,7 @@ def logprobs_before_update(trainer, micro_batches, source):
         for mb in micro_batches:
             if source == "engine":
                 mb["old_logprobs"] = mb["engine_logprobs"]
-            elif source == "forward":
+            elif source == "recomputed":
                 logprobs, _, full = sequence_logprobs(
                     trainer.policy,
                     mb,
@@ -244,12 +249,12 @@ def compute_precision(trainer):
     )
 
 
-def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_here=False):
+def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_detached=False):
     """One clipped-ratio optimizer step over a minibatch's micro-batches (gradient accumulation),
     skipped when the loss or the gradient norm is not finite. Adds each micro-batch's statistics
     to `token_stats`, kept on the device: the host reads the loss, the norm and the statistics
-    once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_here`
-    (`pi_old_source` "update"): each micro-batch's pi_old is this forward's log-probs, detached.
+    once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_detached`
+    (`pi_old_source` "detached"): each micro-batch's pi_old is this forward's log-probs, detached.
     `last_micro_batch(flag)` (parallel.gathered_for_update) is told which micro-batch is the last.
     With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus).
     Returns (the minibatch's loss, its gradient norm), both global over ranks."""
@@ -264,7 +269,7 @@ def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_her
         for i, (mb, count) in enumerate(zip(minibatch, counts)):
             last_micro_batch(i == len(minibatch) - 1)
             losses.append(
-                micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_here)
+                micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_detached)
             )
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), t.grad_clip)
     grad_norm = parallel.full_tensor(grad_norm).item()  # the minibatch's one read of the queue
@@ -280,7 +285,7 @@ def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_her
     return minibatch_loss, grad_norm
 
 
-def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_here):
+def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_detached):
     """The forward and backward of one micro-batch, its loss weighted by its share of the
     minibatch's denominator (`count` of `total`: accumulation == one big batch). Returns the
     weighted loss (a detached device scalar); adds its token statistics to `token_stats`."""
@@ -296,7 +301,7 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_h
         full=True,
         compiled_head=t.compile,
     )
-    if pi_old_here:
+    if pi_old_detached:
         take_pi_old(mb, logprobs.detach(), full_logprobs)
     mb_loss, loss_stats = loss.policy_loss(
         logprobs,

@@ -168,7 +168,7 @@ def train_on(trainer, samples, advantages, from_engine=False):
         sample.advantage = advantage
     trainer.cfg.train.old_logprobs = "engine" if from_engine else "trainer"
     trainer.first_step = -1 if from_engine else 0
-    return local_values(update_policy(trainer, samples, version=0))
+    return local_values(update_policy(trainer, samples, step=0))
 
 
 def largest_padded_micro_batch(samples, size):
@@ -318,13 +318,13 @@ def timed_update(trainer, samples, advantages, device, pi_old=None):
         sample.advantage = advantage
     forced = update_stage.pi_old_source
     if pi_old:
-        update_stage.pi_old_source = lambda trainer, version: pi_old
+        update_stage.pi_old_source = lambda trainer, step: pi_old
     try:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        stats = local_values(update_policy(trainer, samples, version=0))
+        stats = local_values(update_policy(trainer, samples, step=0))
         if device.type == "cuda":
             torch.cuda.synchronize()
             return time.perf_counter() - start, stats, torch.cuda.max_memory_allocated(device)
@@ -407,7 +407,7 @@ def shape_arms(args, device, shipped):
         "baseline": (
             shipped_attention + ["train.max_tokens_per_micro_batch=4096"],
             None,
-            "forward",
+            "recomputed",
             False,
         )
     }

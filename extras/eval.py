@@ -7,10 +7,10 @@ greedy accuracy and mean reward, each with a 95% bootstrap interval over prompts
 
 Owns the evaluation metrics and the command. Only the engine runs (no trainer, no optimizer): it
 samples `--samples` responses per prompt at the training temperature, plus one greedy, and each is
-scored by the task's own reward (rewards.Rewards.score, as in training). A sample is correct when
-its reward is >= 1. Every sample and its reward go to eval.jsonl beside the checkpoint. Training's
-validation uses the same estimator (metrics.pass_at_k), logging val/pass@k when `run.val_samples` >
-1.
+scored by the task's own reward (rewards.Rewards.task_reward, as in training). A sample is
+correct when its reward is >= 1. Every sample and its reward go to eval.jsonl beside the
+checkpoint. Training's validation uses the same estimator (metrics.pass_at_k), logging val/pass@k
+when `run.val_samples` > 1.
 """
 
 import argparse
@@ -97,7 +97,7 @@ def sample_prompts(run, prompts, num_samples, temperature):
 
             async def counted(turns):  # the task's reward alone, as validation's
                 bar.update(1)
-                return await run.rewards.score(turns, prompts[turns[-1].group_id].answer)
+                return await run.rewards.task_reward(turns, prompts[turns[-1].group_id].answer)
 
             r = run.cfg.rollout
             # each request its own sampling_seed, as in training: with rollout.deterministic one

@@ -79,5 +79,5 @@ def replay(folder):
         state = checkpoint.check_resume(before, cfg)
         checkpoint.restore(before, state, trainer, cfg.train)
     sequences = [Sample.from_state(s) for s in dumped["sequences"]]
-    stats = update.update_policy(trainer, sequences, version=step)
+    stats = update.update_policy(trainer, sequences, step=step)
     return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]

@@ -37,7 +37,7 @@ def tiny_config(out_dir, *sets):
     )
 
 
-def train_on(run, samples, advantages, version=0):
+def train_on(run, samples, advantages, step=0):
     """update.update_policy on `samples` given their advantages as a tensor (the step writes them
     on the samples in advantages.compute), its metrics as this rank's plain numbers. `run`: a Run
     or an update.Trainer."""
@@ -47,7 +47,7 @@ def train_on(run, samples, advantages, version=0):
     for sample, advantage in zip(samples, advantages.tolist()):
         sample.advantage = advantage
     trainer = getattr(run, "trainer", None) or run
-    return local_values(update.update_policy(trainer, samples, version))
+    return local_values(update.update_policy(trainer, samples, step))
 
 
 @pytest.fixture(scope="session")

@@ -201,7 +201,7 @@ def test_every_forward_of_a_micro_batch_reads_the_same_dict(
         "sequence_logprobs",
         lambda m, batch, *a, **k: read.append(id(batch)) or forward(m, batch, *a, **k),
     )
-    stats = local_values(update.update_policy(trainer, samples, version=0))
+    stats = local_values(update.update_policy(trainer, samples, step=0))
     assert stats["train/micro_batches"] == len(set(read)) > 1
     assert all(read.count(batch) == forwards for batch in set(read))  # pi_old, then the update
 

@@ -617,7 +617,8 @@ def test_sigkill_while_writing_checkpoints_leaves_the_last_complete_one_loadable
 
 def runs_our_code(task):
     """Whether an asyncio task runs a coroutine defined in one of the trainer's own modules (the
-    rollout's tasks run `inflight.scored`, and `asyncio.wait_for` wraps `Engine.request` in one)."""
+    rollout's tasks run `inflight.with_reward`, and `asyncio.wait_for` wraps `Engine.request` in
+    one)."""
     code = getattr(task.get_coro(), "cr_code", None)
     if code is None:  # not a Python coroutine
         return False

@@ -263,8 +263,8 @@ def _timed_rollout(engine, reward):
 
 def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     """A reward that takes 200 ms (a parser, a sandbox, a judge), run in the reward threads as
-    Rewards.scorer runs it: the cancellation lands about as fast as with an instant reward (within
-    20%, or 100 ms on this noisy machine: 50 ms failed once under load), and every finished
+    Rewards.for_rollout runs it: the cancellation lands about as fast as with an instant reward
+    (within 20%, or 100 ms on this noisy machine: 50 ms failed once under load), and every finished
     trajectory gets its value; an `async def` reward is awaited as well. The same slow reward run
     on the event loop itself (as before rewards went off it) delays the cancellation by whole
     rewards: the check has teeth."""
@@ -321,10 +321,10 @@ def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
             asyncio.run(rewards.call_reward_off_loop(fn, "text", "answer", True, pool, timeout_s))
 
 
-def test_overlong_penalty_hand_computed_and_added_by_the_scorer(tmp_path):
+def test_overlong_penalty_hand_computed_and_added_by_the_rollouts_reward(tmp_path):
     """DAPO's soft overlong punishment: 0 up to budget - buffer, then linear to -factor at the
-    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); Rewards.scorer adds it
-    to the task's reward (the demo's 48-token budget, buffer 16: 40 tokens -> 1 - 0.5); a buffer
+    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); Rewards.for_rollout adds
+    it to the task's reward (the demo's 48-token budget, buffer 16: 40 tokens -> 1 - 0.5); a buffer
     larger than the budget is a ConfigError."""
     assert rewards.overlong_penalty(700, 1024, 256, 1.0) == 0.0
     assert rewards.overlong_penalty(896, 1024, 256, 1.0) == -0.5
@@ -333,7 +333,7 @@ def test_overlong_penalty_hand_computed_and_added_by_the_scorer(tmp_path):
     judge = rewards.Rewards(lambda text, answer, finished: 1.0, model.build_char_tokenizer(), cfg)
     turns = [Sample([1, 5], [4] * 40, [0.0] * 40, [1] * 40, group_id=0)]
     prompts = [sample.Prompt(prompt_ids=[1, 5], answer="3")]
-    assert asyncio.run(judge.scorer(prompts)(turns)) == 0.5
-    assert asyncio.run(judge.scorer(prompts, overlong=False)(turns)) == 1.0
+    assert asyncio.run(judge.for_rollout(prompts)(turns)) == 0.5
+    assert asyncio.run(judge.for_rollout(prompts, overlong=False)(turns)) == 1.0
     with pytest.raises(ConfigError, match="overlong_buffer <= 48"):
         tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=64")

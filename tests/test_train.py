@@ -308,11 +308,11 @@ def test_golden_first_steps(engine, tmp_path):
                 )
         trajectories = sample.trajectories_of(samples)
         for turns in trajectories:
-            turns[-1].reward = asyncio.run(run.rewards.scorer(prompts)(turns))
+            turns[-1].reward = asyncio.run(run.rewards.for_rollout(prompts)(turns))
         groups = sample.groups_of(trajectories)  # samples were made group by group: same order
         compute_advantages(run.trainer, groups)  # the stage: written on each sample
         rewards.append(round(sum(s.reward for s in samples) / len(samples), 4))
-        stats = update.update_policy(run.trainer, samples, version=0)
+        stats = update.update_policy(run.trainer, samples, step=0)
         losses.append(round(stats["train/loss"], 4))
     assert rewards == GOLDEN_REWARDS
     assert losses == pytest.approx(GOLDEN_LOSSES, abs=2e-4)

@@ -58,7 +58,7 @@ def one_update(tmp_path, sets, source=None, monkeypatch=None):
         reference = model.build_policy(cfg, None)[0].requires_grad_(False).eval()
     trainer = setup_run.trainer_only(cfg, policy, reference=reference)
     if source:
-        monkeypatch.setattr(update, "pi_old_source", lambda trainer, version: source)
+        monkeypatch.setattr(update, "pi_old_source", lambda trainer, step: source)
     return update_with_gradients(trainer, *random_samples(3))
 
 
@@ -73,9 +73,9 @@ def test_pi_old_from_the_update_forward_equals_a_forward_of_its_own(
     sets = PATHS[path] + EXTRAS[extra]
     cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
-    assert update.pi_old_source(trainer, version=0) == "update"
+    assert update.pi_old_source(trainer, step=0) == "detached"
     one, one_grads = one_update(tmp_path, sets)
-    two, two_grads = one_update(tmp_path, sets, source="forward", monkeypatch=monkeypatch)
+    two, two_grads = one_update(tmp_path, sets, source="recomputed", monkeypatch=monkeypatch)
     assert one.keys() == two.keys() and "train/logprob_gap" in one
     for key in one:
         assert one[key] == pytest.approx(two[key], rel=1e-6, abs=1e-9), key
@@ -88,11 +88,11 @@ def test_several_minibatches_keep_a_forward_for_pi_old(tmp_path):
     from before the first step), the engine's with old_logprobs=engine past the first step."""
     cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.num_minibatches=2")
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
-    assert update.pi_old_source(trainer, version=0) == "forward"
+    assert update.pi_old_source(trainer, step=0) == "recomputed"
     cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.old_logprobs=engine")
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
-    assert update.pi_old_source(trainer, version=0) == "update"  # the first step checks the gap
-    assert update.pi_old_source(trainer, version=1) == "engine"
+    assert update.pi_old_source(trainer, step=0) == "detached"  # the first step checks the gap
+    assert update.pi_old_source(trainer, step=1) == "engine"
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
