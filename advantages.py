@@ -15,7 +15,7 @@ import torch
 
 import loss
 import update
-from config import ConfigError
+from config import ConfigError, refuse_unread
 from metrics import masked_mean, summed
 
 
@@ -62,13 +62,21 @@ def grpo(rewards, group_ids, is_valid, cfg):
 # train.advantage -> (rewards [N], group_ids [N], is_valid [N], cfg) -> advantages [N]
 ESTIMATORS = {"grpo": grpo}
 
+# config.refuse_unread's table: the fields only some estimators read (an estimator of yours that
+# reads one adds its name here)
+READ_WHEN = {
+    "train.scale_by_std": (lambda cfg: cfg.train.advantage in ("grpo",), "by train.advantage=grpo"),
+}
+
 
 def check(cfg):
-    """train.advantage's choice (assemble.load_config calls this at load)."""
+    """train.advantage's choice, and no field set that only another estimator reads
+    (assemble.load_config calls this at load)."""
     if cfg.train.advantage not in ESTIMATORS:
         raise ConfigError(
             f"train.advantage={cfg.train.advantage!r}: expected one of {tuple(ESTIMATORS)}"
         )
+    refuse_unread(cfg, READ_WHEN)
 
 
 def compute(trainer, groups):

@@ -162,7 +162,7 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     tokens that could never be sampled. The entropy is a statistic, computed without a graph so it
     keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it). With
     `full`, a third value: the targets' log-probs under the full softmax (no graph), which the
-    engine reports with top_p < 1 (update.take_pi_old), from the same pass.
+    engine reports with top_p < 1 (update.engine_logprobs_on_nucleus), from the same pass.
 
     One pass over the vocabulary as far as eager kernels allow: one log-sum-exp (two with top_p),
     one shifted copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).

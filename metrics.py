@@ -4,6 +4,10 @@ console line per step, config.yaml in the run directory).
 Owns how a metric is reduced over ranks (`summed`, `slowest`, else averaged: declared where the
 metric is made), masked means, pass@k, and the logger. Each stage computes its own metrics (the
 rollout's in rollout.py, the update's in update.py, ...); none of the training math is here.
+A metric's prefix says what it measures, not which stage made it: train/ the batch trained on (its
+rewards, from stage 1; its loss, from stage 4), val/ validation, rollout/ the engine's work
+(launched, aborted, lengths), timing/, perf/, memory/, and one per feature (partial/, staleness/,
+filter/, merge/, tools/).
 """
 
 import dataclasses

@@ -33,8 +33,10 @@ def collect(run, step):
     (`more_prompts`), and only groups whose rewards differ come back (`cancel.informative_groups`).
     """
     r = run.cfg.rollout
+    # what to launch and when to stop waiting (cancel.py); with rollout.cancel none, the default:
+    # this rank's share of prompts_per_step, group_size requests each, every one awaited
     plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
-    buffer = run.buffer
+    buffer = run.buffer  # partial rollout's suspended samples (partial.py); None when off
     resumes = []
     held_prompts = []
     prior_rewards = None

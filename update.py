@@ -194,7 +194,8 @@ def logprobs_before_update(trainer, micro_batches, source):
                     full=True,
                     compiled_head=compiled,
                 )
-                take_pi_old(mb, logprobs, full)
+                mb["old_logprobs"] = logprobs
+                engine_logprobs_on_nucleus(mb, logprobs, full)
             if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = sequence_logprobs(
                     trainer.reference,
@@ -206,19 +207,19 @@ def logprobs_before_update(trainer, micro_batches, source):
                 )[0]
 
 
-def take_pi_old(mb, logprobs, full_logprobs):
-    """Store pi_old's log-probs [B, T-1] (no graph) in the micro-batch, and with top-p
-    (`full_logprobs` not None: the same forward's log-probs of the full softmax) move the
-    engine's onto the nucleus it sampled from. SGLang returns log-probs of the full softmax at the
-    temperature, taken before its top-p filter (sglang/srt/layers/sampler.py: `logprobs =
-    torch.log(probs)`, the filter works on a sorted copy); the trainer scores the nucleus
+def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
+    """With top-p (`full_logprobs` not None: the log-probs of the full softmax from the same
+    forward as `logprobs`, pi_old's [B, T-1]) move the micro-batch's engine log-probs onto the
+    nucleus the engine sampled from, so that they compare with pi_old; without, nothing.
+    SGLang returns log-probs of the full softmax at the temperature, taken before its top-p
+    filter (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a
+    sorted copy); the trainer scores the nucleus
     (loss.nucleus). Each trained token's engine log-prob is lowered by the log of the nucleus's
     mass as the trainer measures it, taking the engine's nucleus to hold the same mass: the gap
     check and TIS then compare exactly what the full softmaxes of engine and trainer compare.
     Positions out of the loss keep the engine's value. The head computes both from one pass over
     the vocabulary (loss.head_logprobs); SGLang's own `return_sampling_mask` needs a finite top_k
     <= 4096, no use at a 152k vocabulary."""
-    mb["old_logprobs"] = logprobs
     if full_logprobs is not None:
         mb["engine_logprobs"] = mb["engine_logprobs"] + (logprobs - full_logprobs) * mb["loss_mask"]
 
@@ -302,7 +303,8 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
         compiled_head=t.compile,
     )
     if pi_old_detached:
-        take_pi_old(mb, logprobs.detach(), full_logprobs)
+        mb["old_logprobs"] = logprobs.detach()
+        engine_logprobs_on_nucleus(mb, mb["old_logprobs"], full_logprobs)
     mb_loss, loss_stats = loss.policy_loss(
         logprobs,
         mb["old_logprobs"],

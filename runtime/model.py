@@ -52,6 +52,14 @@ def build_char_tokenizer(chars=TINY_CHARS):
     )
 
 
+# config.refuse_unread's table: the LoRA fields, read only with adapters
+LORA_FIELDS = ("model.lora_alpha", "model.lora_dropout", "model.lora_targets")
+READ_WHEN = {
+    key: (lambda cfg: cfg.model.lora_rank > 0, "with model.lora_rank > 0")
+    for key in LORA_FIELDS + ("model.lora_also_train",)
+}
+
+
 def check(cfg):
     """The model section's and the schedule's choices (assemble.load_config calls this)."""
     choices = {
@@ -64,12 +72,7 @@ def check(cfg):
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
     m = cfg.model
-    lora_fields = ("model.lora_alpha", "model.lora_dropout", "model.lora_targets")
-    lora_fields += ("model.lora_also_train",)
-    refuse_unread(
-        cfg,
-        {key: (lambda c: c.model.lora_rank > 0, "with model.lora_rank > 0") for key in lora_fields},
-    )
+    refuse_unread(cfg, READ_WHEN)
     # adapters live in the decoder layers: the output head is often the embedding itself (tied), and
     # a merged head would rewrite the embedding too
     outside = sorted({"lm_head", "embed_tokens"} & set(m.lora_targets)) if m.lora_rank else []

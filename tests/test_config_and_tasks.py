@@ -16,6 +16,7 @@ import task.chat as chat
 import task.tiny as tiny
 import task.tiny_tool as tiny_tool
 import task.tools as tools
+import advantages
 import rewards
 from config import ConfigError, read_config
 from assemble import load_config
@@ -535,10 +536,11 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
     assert built.reward_fn is rewards.gsm8k_reward
 
 
-@pytest.mark.parametrize("module", ["cancel", "loss", "task.data"])
+@pytest.mark.parametrize("module", ["cancel", "loss", "advantages", "runtime.model"])
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
-    with the mode off, is a ConfigError naming it; with the mode on it is accepted."""
+    with the mode off, is a ConfigError naming it; with the mode on it is accepted. (task.data's
+    table: test_a_task_field_the_task_never_reads_is_refused, above.)"""
     import importlib
 
     import config as config_module
@@ -566,9 +568,16 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.cispo_eps_low": ["train.ratio_level=cispo"],
         "train.cispo_eps_high": ["train.ratio_level=cispo"],
         "train.kl_estimator": ["train.kl_coef=0.1"],
+        "train.scale_by_std": [],
+        **{key: ["model.lora_rank=4"] for key in model.READ_WHEN},
     }
     other = {
         "train.kl_estimator": "k1",
+        "train.scale_by_std": "false",
+        "model.lora_alpha": "8",
+        "model.lora_dropout": "0.1",
+        "model.lora_targets": "[q_proj]",
+        "model.lora_also_train": "[lm_head]",
         "rollout.refill_prompts": "64",
         "rollout.time_quantile": "0.5",
         "rollout.drop_rate": "0.25",
@@ -581,11 +590,17 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         off = ["run.out=/tmp/unused", f"{key}={value}"]
         if key.startswith("train.clip_eps"):
             off += ["train.ratio_level=cispo"]
-        if key in turn_on:
+        if key == "train.scale_by_std":  # read by grpo: off with any other estimator
+            advantages.ESTIMATORS["other"] = advantages.grpo
+            off += ["train.advantage=other"]
+        try:
+            assert key in turn_on, f"{key}: add a mode in which it is read to turn_on"
             cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), off[:2] + turn_on[key])
             assert is_read(cfg), key
             with pytest.raises(ConfigError, match=f"{key}=.* is read only "):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), off)
+        finally:
+            advantages.ESTIMATORS.pop("other", None)
 
 
 def test_print_config_shows_every_setting_and_loads_back(tmp_path, capsys):

@@ -4,6 +4,7 @@ that module, then the recipe; the dict it extends is restored afterwards), then 
 hand-computed values. A recipe that stops working fails
 here. Also a policy that decides for one group, on the real engine."""
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -83,25 +84,37 @@ def _trainer_stub(cfg):
     return stub
 
 
-def test_cancel_recipe_tokens(forked, tmp_path):
-    """The token-budget policy stops exactly when the returned trajectories reach half the batch's
-    budget (4 samples x 10 tokens / 2 = 20), scripted with no engine."""
+def test_cancel_recipe_halves(forked, tmp_path):
+    """The README's policy stops exactly when `target_groups` groups each have half their members
+    finished (2 groups of 4: the stop comes with group 1's second member, not with group 0's
+    fourth; a failed return counts nowhere), scripted with no engine."""
     forked(cancel, "cancel", "POLICIES")
-    load_config("configs/tiny.yaml", ["rollout.cancel=tokens", f"run.out={tmp_path}"])
-    plan = LaunchPlan(
-        cancel="tokens",
-        num_prompts=2,
-        group_size=2,
-        target_samples=4,
-        target_groups=2,
-        max_trajectory_tokens=10,
-    )
-    progress = Progress(group_size=2)
-    for length, stop in ((8, False), (8, False), (4, True)):
-        progress.returned(
-            [Sample([1], [3] * length, [0.0] * length, [1] * length, group_id=0)], 1.0
-        )
-        assert cancel.decide(plan, progress).stop is stop
+    load_config("configs/tiny.yaml", ["rollout.cancel=halves", f"run.out={tmp_path}"])
+    plan = cancel.plan_launch(load_config("configs/tiny.yaml").rollout, 2)
+    plan = dataclasses.replace(plan, cancel="halves", group_size=4, target_groups=2)
+    progress = Progress(group_size=4)
+    returns = [(0, False), (0, False), (1, False), (1, True), (0, False), (0, False)]
+    for group_id, failed in returns:
+        turn = Sample([1], [3, 3], [0.0, 0.0], [1, 1], group_id=group_id, masked=failed)
+        progress.returned([turn], 1.0)
+        assert cancel.decide(plan, progress).stop is False
+    progress.returned([Sample([1], [3], [0.0], [1], group_id=1)], 1.0)
+    assert cancel.decide(plan, progress).stop is True
+
+
+def test_cancel_recipe_fires_on_the_cpu_demo(forked, tmp_path):
+    """On configs/tiny.yaml's launch (32 groups of 8) the policy stops before every sample is
+    back: once each group has 4, whatever the other 4 are doing."""
+    forked(cancel, "cancel", "POLICIES")
+    cfg = load_config("configs/tiny.yaml", ["rollout.cancel=halves", f"run.out={tmp_path}"])
+    plan = cancel.plan_launch(cfg.rollout, cfg.rollout.prompts_per_step)
+    progress = Progress(group_size=plan.group_size)
+    stops = []
+    for member in range(plan.group_size):
+        for group_id in range(plan.num_prompts):
+            progress.returned([Sample([1], [3], [0.0], [1], group_id=group_id)], 1.0)
+            stops.append(cancel.decide(plan, progress).stop)
+    assert stops.index(True) < len(stops) - 1  # it fires before the last return
 
 
 def test_loss_recipe_length_penalty(forked):

@@ -353,7 +353,7 @@ def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs)
     estimates = [float(re.search(r"estimate_gib=([\d.]+)", line)[1]) for line in arms]
     assert all(gib > 0 for gib in estimates)
     assert estimates[names.index("lora")] < estimates[names.index("now-sdpa")]  # no fp32 masters
-    assert "pi_old=forward" in arms[0] and all("pi_old=update" in line for line in arms[1:])
+    assert "pi_old=recomputed" in arms[0] and all("pi_old=detached" in line for line in arms[1:])
     summary = re.fullmatch(
         r"train_step_gpu: device=cpu shape=tiny best=now-sdpa baseline_mfu=[\d.]+ mfu=[\d.]+ "
         r"fsdp_mfu=[\d.]+ tok_s=[\d.]+ peak_gib=[\d.]+ estimate_gib=[\d.]+",

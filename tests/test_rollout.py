@@ -71,8 +71,8 @@ def test_top_p_samples_come_from_the_nucleus_the_trainer_scores(
     """The engine sampling at top_p 0.5: every sampled token is inside the nucleus (SGLang's rule,
     rebuilt here position by position from the HF model's softmax), the trainer's log-prob of it
     is log(p / nucleus mass), and the engine's own log-probs, of the full softmax, moved onto the
-    nucleus (update.take_pi_old, from the full softmax's log-probs of the same head pass) agree
-    with the trainer's to 1e-4."""
+    nucleus (update.engine_logprobs_on_nucleus, from the full softmax's log-probs of the same head
+    pass) agree with the trainer's to 1e-4."""
     monkeypatch.setattr(engine.cfg, "top_p", 0.5)
     samples, _ = engine.generate(PROMPTS, group_size=8, temperature=1.0, max_new_tokens=16)
     batch = update.collate(samples, pad_id=0)
@@ -92,7 +92,7 @@ def test_top_p_samples_come_from_the_nucleus_the_trainer_scores(
         full, _ = update.sequence_logprobs(policy, batch, 1.0)
     torch.testing.assert_close(one_pass, full)  # the nucleus's pass gives the full softmax's too
     assert ((full - batch["engine_logprobs"]).abs() * mask).max() < 1e-4  # SGLang: full softmax
-    update.take_pi_old(batch, nucleus, one_pass)  # moves batch["engine_logprobs"] onto the nucleus
+    update.engine_logprobs_on_nucleus(batch, nucleus, one_pass)  # batch["engine_logprobs"] moved
     assert ((batch["engine_logprobs"] - nucleus).abs() * mask).max() < 1e-4
 
 
