@@ -18,6 +18,7 @@ import cancel
 import config
 import loss
 import memory
+import merge
 import rewards
 import runtime.seeds as seeds
 import update
@@ -37,7 +38,7 @@ from task.data import PromptStream, build_task, vocabulary
 log = logging.getLogger("setup")
 
 # every module with choices or combinations of its own to check at load (each its `check(cfg)`)
-CHECKED_BY = (cancel, advantages, loss, update, rewards, memory, model, data)
+CHECKED_BY = (cancel, advantages, merge, loss, update, rewards, memory, model, data)
 
 
 def load_config(path=None, sets=()):

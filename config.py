@@ -130,7 +130,7 @@ class DataConfig:
     # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
     reward: str = ""
     hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")
-    max_prompt_len: PositiveInt = 512  # longer prompts are counted and skipped at load time
+    max_prompt_len: PositiveInt = 512  # longer prompts are counted and skipped (every task)
     tiny_max_count: PositiveInt = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
     # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
     tiny_operand_digits: Annotated[

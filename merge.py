@@ -14,6 +14,7 @@ import array
 import dataclasses
 import warnings
 
+from config import refuse_unread
 from metrics import summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
@@ -21,6 +22,18 @@ from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 LAST_TURN_FIELDS = tuple(
     f.name for f in dataclasses.fields(Sample) if f.name not in PER_TOKEN_TYPECODES
 )
+
+# config.refuse_unread's table: merging has turns to merge only with tools' turns
+READ_WHEN = {
+    "rollout.merge_turns": (lambda cfg: cfg.rollout.max_turns > 1, "with rollout.max_turns > 1"),
+}
+
+
+def check(cfg):
+    """rollout.merge_turns set where a trajectory is one turn is refused (assemble.load_config
+    calls this at load)."""
+    refuse_unread(cfg, READ_WHEN)
+
 
 # one observation token's entries: not sampled by the policy, not trained
 NO_LOGPROB = array.array("f", [0.0])

@@ -154,16 +154,19 @@ def load_reward(spec):
     finished) -> float. One that cannot take those three arguments is a ConfigError here, before
     the engine starts."""
     fn = load_function(spec, "data.reward")
-    name = spec.rpartition(":")[2]
+    check_signature(fn, f"data.reward={spec!r}: {spec.rpartition(':')[2]}")
+    return fn
+
+
+def check_signature(fn, named):
+    """A ConfigError (`named` says which function) unless `fn` can be called as a reward is:
+    fn(response_text, answer, finished=...)."""
     try:
         inspect.signature(fn).bind("response", "answer", finished=True)
     except TypeError as e:
-        raise ConfigError(
-            f"data.reward={spec!r}: {name} must take (response_text, answer, finished): {e}"
-        ) from None
+        raise ConfigError(f"{named} must take (response_text, answer, finished): {e}") from None
     except ValueError:  # a builtin without a signature: called as is
         pass
-    return fn
 
 
 def overlong_penalty(length, max_length, buffer, factor):

@@ -17,6 +17,7 @@ the run's `Task`, and owns `PromptStream`. Does not own the rewards (rewards.py)
 import dataclasses
 import functools
 import importlib
+import logging
 import math
 import os
 import pkgutil
@@ -37,6 +38,8 @@ TOOL_FIELDS = {
     "rollout.max_observation_chars",
 }
 TASK_FIELDS = {f"data.{f.name}" for f in dataclasses.fields(DataConfig)} - COMMON_FIELDS
+
+log = logging.getLogger("task")
 
 
 class DataError(ValueError):
@@ -74,15 +77,47 @@ READ_WHEN = {
 
 
 def check(cfg):
-    """data.task's choice, what it needs (the task's own `check`), and no task-specific field set
-    that the task or its turns do not read (assemble.load_config calls this at load)."""
+    """data.task's choice, its module (`check_module`), tools' turns only with a task that has a
+    tool, what the task needs (its own `check`), and no task-specific field set that the task or
+    its turns do not read (assemble.load_config calls this at load)."""
     names = task_names()
-    if cfg.data.task not in names:
-        raise ConfigError(f"data.task={cfg.data.task!r}: expected one of {names} (task/*.py)")
+    name = cfg.data.task
+    if name not in names:
+        raise ConfigError(f"data.task={name!r}: expected one of {names} (task/*.py)")
+    module = task_module(name)
+    check_module(name, module)
+    if cfg.rollout.max_turns > 1 and not hasattr(module, "tool"):
+        with_tool = [n for n in names if hasattr(task_module(n), "tool")]
+        raise ConfigError(
+            f"rollout.max_turns={cfg.rollout.max_turns}: task/{name}.py has no tool, so every "
+            f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
+        )
     refuse_unread(cfg, READ_WHEN)
-    module = task_module(cfg.data.task)
     if hasattr(module, "check"):
         module.check(cfg)
+
+
+def check_module(name, module):
+    """A task module as the docstring above describes it, or a ConfigError naming what is
+    missing or wrong: FIELDS (a set of task and tool fields), and `reward`, None or callable as
+    a reward is (rewards.check_signature)."""
+    where = f"data.task={name!r} (task/{name}.py)"
+    fields = getattr(module, "FIELDS", None)
+    if not isinstance(fields, (set, frozenset)):
+        raise ConfigError(
+            f"{where} needs FIELDS, the set of config fields it reads beyond "
+            f"{sorted(COMMON_FIELDS)} (set() for none)"
+        )
+    unknown = sorted(fields - TASK_FIELDS - TOOL_FIELDS)
+    if unknown:
+        raise ConfigError(
+            f"{where}: FIELDS lists {unknown}, not task or tool fields; a setting a task needs "
+            "is a field of config.DataConfig"
+        )
+    if not hasattr(module, "reward"):
+        raise ConfigError(f"{where} needs `reward` (None: data.reward must name one)")
+    if module.reward is not None:
+        rewards.check_signature(module.reward, f"{where}: reward")
 
 
 def vocabulary(cfg, base):
@@ -116,9 +151,30 @@ def build_task(cfg, tokenizer):
     tool = module.tool(cfg, tokenizer) if with_tool else None
     train_seed = seeds.derive(cfg.train.seed, "prompts", "train")
     val_seed = seeds.derive(cfg.train.seed, "prompts", "val")
-    train = module.prompts(cfg, tokenizer, "train", train_seed, tool)
-    val = module.prompts(cfg, tokenizer, "val", val_seed, tool)
+    train = within_length(module.prompts(cfg, tokenizer, "train", train_seed, tool), d, "train")
+    val = within_length(module.prompts(cfg, tokenizer, "val", val_seed, tool), d, "val")
     return Task(train, val[: d.num_val_prompts], reward_fn, tool)
+
+
+def within_length(prompts, d, split):
+    """The prompts of at most data.max_prompt_len tokens, whatever the task (gsm8k and chat
+    already skip longer rows as they read them); the others counted and logged, and none left a
+    DataError."""
+    kept = [p for p in prompts if len(p.prompt_ids) <= d.max_prompt_len]
+    if len(kept) < len(prompts):
+        log.warning(
+            "data.task=%s %s: skipped %d prompts longer than data.max_prompt_len=%d tokens",
+            d.task,
+            split,
+            len(prompts) - len(kept),
+            d.max_prompt_len,
+        )
+    if not kept:
+        raise DataError(
+            f"data.task={d.task} {split}: every prompt is longer than "
+            f"data.max_prompt_len={d.max_prompt_len} tokens"
+        )
+    return kept
 
 
 def task_reward(d, default):

@@ -481,6 +481,10 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
     everywhere else (the CPU demo once trained on its own reward with data.reward set)."""
     assert set(FIELD_VALUES) == tasks.TASK_FIELDS | tasks.TOOL_FIELDS
     base = [f"run.out=/tmp/unused", f"rollout.max_turns={turns}", *task_sets(task)]
+    if turns > 1 and not hasattr(tasks.task_module(task), "tool"):  # nothing reads the turns
+        with pytest.raises(ConfigError, match=f"rollout.max_turns=2: task/{task}.py has no tool"):
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), base)
+        return
     read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
     for key, value in FIELD_VALUES.items():
         sets = [*base, f"{key}={value}"]
@@ -494,6 +498,47 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         os.path.join(ROOT, "configs/tiny.yaml"), [*base, "data.reward=rewards:gsm8k_reward"]
     )
     assert cfg.data.reward == "rewards:gsm8k_reward"
+
+
+def test_a_task_module_missing_what_a_task_needs_is_a_config_error():
+    """task/data.check_module names what a task module lacks or gets wrong, at load, instead of
+    an AttributeError later: FIELDS (missing, or naming a field that is not a task's), `reward`
+    (missing, or not callable as fn(response_text, answer, finished))."""
+    import types
+
+    def module(**attributes):
+        return types.SimpleNamespace(prompts=lambda *a: [], **attributes)
+
+    good = module(FIELDS={"data.num_tiny_prompts"}, reward=tiny.reward)
+    tasks.check_module("mine", good)
+    tasks.check_module("mine", module(FIELDS=set(), reward=None))  # data.reward names one
+    cases = {
+        "needs FIELDS": module(reward=tiny.reward),
+        r"FIELDS lists \['train.lr'\]": module(FIELDS={"train.lr"}, reward=tiny.reward),
+        "needs `reward`": module(FIELDS=set()),
+        "reward must take": module(FIELDS=set(), reward=lambda text, answer, done: 1.0),
+    }
+    for message, bad in cases.items():
+        with pytest.raises(ConfigError, match=rf"data.task='mine' \(task/mine.py\).*{message}"):
+            tasks.check_module("mine", bad)
+
+
+def test_every_task_skips_prompts_over_max_prompt_len(tmp_path):
+    """data.max_prompt_len holds for every task, the demo's too: longer prompts are skipped
+    (counted in the log), and none left is a DataError. The demo's "<bos>N:" is 3 tokens for N
+    < 10 and 4 above."""
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={tmp_path}"])
+    tokenizer = model.build_char_tokenizer(tasks.vocabulary(cfg, model.TINY_CHARS))
+    full = tasks.build_task(cfg, tokenizer)
+    assert {len(p.prompt_ids) for p in full.train_prompts} == {3, 4}
+    sets = [f"run.out={tmp_path}", "data.max_prompt_len=3"]
+    short = tasks.build_task(load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets), tokenizer)
+    assert short.train_prompts and all(int(p.answer) < 10 for p in short.train_prompts)
+    expected = [p for p in full.train_prompts if len(p.prompt_ids) <= 3]
+    assert [p.answer for p in short.train_prompts] == [p.answer for p in expected]
+    sets = [f"run.out={tmp_path}", "data.max_prompt_len=2"]
+    with pytest.raises(tasks.DataError, match="every prompt is longer than"):
+        tasks.build_task(load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets), tokenizer)
 
 
 class Recorder:
@@ -536,7 +581,7 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
     assert built.reward_fn is rewards.gsm8k_reward
 
 
-@pytest.mark.parametrize("module", ["cancel", "loss", "advantages", "runtime.model"])
+@pytest.mark.parametrize("module", ["cancel", "loss", "advantages", "merge", "runtime.model"])
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
     with the mode off, is a ConfigError naming it; with the mode on it is accepted. (task.data's
@@ -569,11 +614,13 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.cispo_eps_high": ["train.ratio_level=cispo"],
         "train.kl_estimator": ["train.kl_coef=0.1"],
         "train.scale_by_std": [],
+        "rollout.merge_turns": ["rollout.max_turns=2", "data.task=tiny_tool"],
         **{key: ["model.lora_rank=4"] for key in model.READ_WHEN},
     }
     other = {
         "train.kl_estimator": "k1",
         "train.scale_by_std": "false",
+        "rollout.merge_turns": "false",
         "model.lora_alpha": "8",
         "model.lora_dropout": "0.1",
         "model.lora_targets": "[q_proj]",
