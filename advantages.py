@@ -87,6 +87,8 @@ def compute(trainer, groups):
     cfg = trainer.cfg
     trajectories = [turns for group in groups for turns in group]
     last_turns = [turns[-1] for turns in trajectories]
+    # each trajectory's group as its position in `groups`, 0..G-1 (Sample.group_id numbers the
+    # launch, which may have gaps: filtered or held groups)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long)
     # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
     rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)

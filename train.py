@@ -59,7 +59,8 @@ def train_step(run, step):
     # 3. the sequences to train on: prefix-sharing turns merged, each with its advantage
     max_seq_len = run.trainer.policy.config.max_position_embeddings
     sequences, sequence_metrics = merge.training_sequences(trajectories, run.cfg, max_seq_len)
-    # 4. the policy update: train.num_minibatches clipped-ratio optimizer steps
+    # 4. the policy update: train.num_minibatches optimizer steps on the clipped-ratio loss (one
+    # by default, whose pi_old is the policy itself: ratio 1, no clipping)
     # (the engine sampled this step with weight version `step`; the update makes version step + 1)
     update_metrics = update.update_policy(run.trainer, sequences, step)
     run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1

@@ -122,7 +122,8 @@ def update_policy(trainer, sequences, step):
     """pi_old for every trained token, then `num_minibatches` clipped-ratio optimizer steps on
     `sequences` (each carrying its trajectory's advantage). The weights being trained are version
     `step` (the engine sampled this step with them): tokens an older one sampled (partial rollout)
-    are stale.
+    are stale. At the default (train.old_logprobs: trainer, one minibatch) nothing is computed
+    before the step: `micro_batch_backward` takes pi_old from its own forward, detached.
 
     With several ranks each holds its own sequences (whole GRPO groups, so advantages were
     computed locally). Each rank's loss is divided by the *global* count of trained tokens (or
@@ -136,6 +137,7 @@ def update_policy(trainer, sequences, step):
     stats |= layout_stats(every_mb)
     stats["train/over_budget_sequences"] = summed(over_budget)
     source = pi_old_source(trainer, step)
+    lr = trainer.scheduler.get_last_lr()[0]  # this step's (its first optimizer step's with several)
     token_stats = TokenMeans()
     losses = []
     grad_norms = []
@@ -161,7 +163,7 @@ def update_policy(trainer, sequences, step):
     stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
     stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     stats |= token_stats.means()
-    stats["train/lr"] = trainer.scheduler.get_last_lr()[0]
+    stats["train/lr"] = lr
     trainer.bad_steps = trainer.bad_steps + 1 if skipped else 0
     if trainer.bad_steps >= t.max_bad_updates:
         raise NonFiniteError(
@@ -195,7 +197,8 @@ def logprobs_before_update(trainer, micro_batches, source):
                     compiled_head=compiled,
                 )
                 mb["old_logprobs"] = logprobs
-                engine_logprobs_on_nucleus(mb, logprobs, full)
+                if full is not None:  # top_p < 1
+                    engine_logprobs_on_nucleus(mb, logprobs, full)
             if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
                 mb["ref_logprobs"] = sequence_logprobs(
                     trainer.reference,
@@ -208,9 +211,9 @@ def logprobs_before_update(trainer, micro_batches, source):
 
 
 def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
-    """With top-p (`full_logprobs` not None: the log-probs of the full softmax from the same
-    forward as `logprobs`, pi_old's [B, T-1]) move the micro-batch's engine log-probs onto the
-    nucleus the engine sampled from, so that they compare with pi_old; without, nothing.
+    """With top_p < 1, move the micro-batch's engine log-probs onto the nucleus the engine sampled
+    from, so that they compare with pi_old's, `logprobs` [B, T-1]; `full_logprobs`: the same
+    forward's log-probs of the full softmax.
     SGLang returns log-probs of the full softmax at the temperature, taken before its top-p
     filter (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a
     sorted copy); the trainer scores the nucleus
@@ -220,8 +223,7 @@ def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
     Positions out of the loss keep the engine's value. The head computes both from one pass over
     the vocabulary (loss.head_logprobs); SGLang's own `return_sampling_mask` needs a finite top_k
     <= 4096, no use at a 152k vocabulary."""
-    if full_logprobs is not None:
-        mb["engine_logprobs"] = mb["engine_logprobs"] + (logprobs - full_logprobs) * mb["loss_mask"]
+    mb["engine_logprobs"] = mb["engine_logprobs"] + (logprobs - full_logprobs) * mb["loss_mask"]
 
 
 def logprob_gap(micro_batches):
@@ -304,7 +306,8 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
     )
     if pi_old_detached:
         mb["old_logprobs"] = logprobs.detach()
-        engine_logprobs_on_nucleus(mb, mb["old_logprobs"], full_logprobs)
+        if full_logprobs is not None:  # top_p < 1
+            engine_logprobs_on_nucleus(mb, mb["old_logprobs"], full_logprobs)
     mb_loss, loss_stats = loss.policy_loss(
         logprobs,
         mb["old_logprobs"],

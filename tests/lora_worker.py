@@ -45,6 +45,10 @@ def main(out):
         "rollout.cancel=count",
         "rollout.drop_rate=0.25",
         "rollout.partial=true",
+        # a KV pool for ~20 requests at once: they run in waves, so the last wave is still running
+        # or queued when 3/4 have finished (at top_p 0.9 the untrained model seldom samples its end
+        # token: every request of one wave finishes at the same step, too late for an abort)
+        "rollout.max_total_tokens=1024",
     ]
     run = train.setup(tiny_config(out, "train.steps=2", *sets))
     try:

@@ -128,9 +128,15 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
     tools_unread = r"read only by the tasks whose FIELDS list it \(task/\*.py; tool fields with"
     with pytest.raises(ConfigError, match=tools_unread):
         load_config("configs/tiny.yaml", ["rollout.tools=[task.tools:calculator]"])
-    for config in ("configs/tiny_tool.yaml", "configs/tiny.yaml"):
-        with pytest.raises(ConfigError, match=tools_unread):
-            load_config(config, ["rollout.max_turns=2", "rollout.tools=[task.tools:calculator]"])
+    with pytest.raises(ConfigError, match=tools_unread):  # its own tool, not the calculator list
+        load_config(
+            "configs/tiny_tool.yaml",
+            ["rollout.max_turns=2", "rollout.tools=[task.tools:calculator]"],
+        )
+    with pytest.raises(ConfigError, match="rollout.max_turns=2: task/tiny.py has no tool"):
+        load_config(
+            "configs/tiny.yaml", ["rollout.max_turns=2", "rollout.tools=[task.tools:calculator]"]
+        )
     with pytest.raises(ConfigError, match="rollout.tool_timeout_s=0"):
         load_config("configs/tiny_tool.yaml", ["rollout.tool_timeout_s=0"])
     with pytest.raises(ConfigError, match="expected a list of str"):

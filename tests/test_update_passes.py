@@ -200,3 +200,17 @@ def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_
         assert compiled.keys() == eager.keys()  # the same parameter names
         assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_the_logged_lr_is_the_one_the_update_used(tmp_path):
+    """train/lr is the learning rate of the step's optimizer step, read before the scheduler
+    moves on (it was the next step's): with warmup, 1/4 of lr at the first of 4 warmup steps,
+    the optimizer's lr then."""
+    sets = ["train.warmup_steps=4", "train.lr=1e-3", "train.lr_schedule=constant"]
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    used = trainer.optimizer.param_groups[0]["lr"]
+    stats = train_on(trainer, *random_samples(3))
+    assert used == pytest.approx(1e-3 / 4) and stats["train/lr"] == pytest.approx(used)
+    stats = train_on(trainer, *random_samples(3), step=1)
+    assert stats["train/lr"] == pytest.approx(2e-3 / 4)

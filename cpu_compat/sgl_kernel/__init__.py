@@ -56,4 +56,3 @@ if not torch.cuda.is_available():
         return torch.cpu if device is None else _get_device_module(device)
 
     torch.get_device_module = _cpu_device_module
-
