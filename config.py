@@ -280,10 +280,11 @@ class TrainConfig:
     # the advantage estimator: grpo (advantages.ESTIMATORS; a fork adds its own there)
     advantage: str = "grpo"
     scale_by_std: bool = True  # grpo: False = Dr. GRPO advantages (no std division)
-    # pi_old, the sampling policy's log-probs in the ratio (update.pi_old_source): trainer (with
-    # one minibatch the update's own forward's, detached; with several a forward before the first
-    # step) | engine (the engine's own, as it sampled; only with one minibatch, no partial rollout,
-    # TIS off and top_p 1, where the two are the same policy).
+    # pi_old in the ratio: the log-probs of the weights that sampled (update.pi_old_source).
+    # trainer: as the trainer computes them (one minibatch: the update's own forward, detached, so
+    # the ratio is 1; several: a forward before the first step) | engine: the engine's own, as it
+    # sampled (only with one minibatch, no partial rollout, TIS off and top_p 1, where the two are
+    # the same policy).
     # engine measures the log-prob gap at a process's first step only: after it, the weight
     # checksums alone watch the engine (run.max_logprob_gap has nothing to read)
     old_logprobs: str = "trainer"
