@@ -73,6 +73,10 @@ def check(cfg):
     unknown = sorted(set(t.loss_terms) - set(TERMS))
     if unknown:
         raise ConfigError(f"train.loss_terms: no term {unknown[0]!r}; loss.TERMS has {list(TERMS)}")
+    # the built-in terms have their own switches: the KL needs the reference that kl_coef keeps
+    owned = {"kl": "train.kl_coef (with train.kl_in=loss)", "entropy": "train.entropy_coef"}
+    for name in sorted(set(t.loss_terms) & set(owned)):
+        raise ConfigError(f"train.loss_terms: {name!r} is set by {owned[name]}, not here")
     if t.ratio_level == "sequence" and t.loss_agg != SEQUENCE_RATIO_AGG:
         raise ConfigError(
             "train.ratio_level=sequence (GSPO) averages each sequence's objective over sequences: "

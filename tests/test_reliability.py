@@ -131,6 +131,13 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
             "train.ratio_level=cispo normalises over every token",
         ),
         (
+            [
+                "train.loss_terms={kl: 0.1}"
+            ],  # passed the load, then found no reference at the update
+            "train.loss_terms: 'kl' is set by train.kl_coef (with train.kl_in=loss), not here",
+        ),
+        (["train.loss_terms={entropy: 0.1}"], "'entropy' is set by train.entropy_coef"),
+        (
             ["train.old_logprobs=engine", "train.num_minibatches=2", "train.tis_cap=2"],
             "turn off: train.num_minibatches > 1 (later minibatches need pi_old, not the weights "
             "now); train.tis_cap",
