@@ -162,6 +162,10 @@ def _tail_cut_by_count(cfg):
     return r.cancel != "none" and not r.filter_groups and not r.over_sample_rate
 
 
+def _time_decides(cfg):
+    return cfg.rollout.cancel == "time" and not cfg.rollout.filter_groups
+
+
 # config.refuse_unread's table: the rollout fields only some policies and modes read (plan_launch)
 READ_WHEN = {
     "rollout.drop_rate": (_tail_cut_by_count, "with a cancel policy, no over-sampling or filter"),
@@ -169,8 +173,12 @@ READ_WHEN = {
         lambda cfg: cfg.rollout.cancel != "none" or cfg.rollout.filter_groups,
         "with a cancel policy or rollout.filter_groups",
     ),
-    "rollout.time_quantile": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
-    "rollout.time_factor": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
+    # dynamic sampling's kept groups decide the stop in place of any policy's (`decide`)
+    "rollout.time_quantile": (
+        _time_decides,
+        "by rollout.cancel=time without rollout.filter_groups",
+    ),
+    "rollout.time_factor": (_time_decides, "by rollout.cancel=time without rollout.filter_groups"),
     "rollout.max_staleness": (lambda cfg: cfg.rollout.partial, "with rollout.partial"),
     "rollout.refill_prompts": (lambda cfg: cfg.rollout.filter_groups, "with rollout.filter_groups"),
     "rollout.max_prompts_per_step": (

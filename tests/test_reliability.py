@@ -138,6 +138,11 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
         ),
         (["train.loss_terms={entropy: 0.1}"], "'entropy' is set by train.entropy_coef"),
         (
+            ["rollout.cancel=time", "rollout.filter_groups=true", "rollout.time_quantile=0.5"],
+            "rollout.time_quantile=0.5 is read only by rollout.cancel=time without "
+            "rollout.filter_groups",  # the kept groups decide the stop
+        ),
+        (
             ["train.old_logprobs=engine", "train.num_minibatches=2", "train.tis_cap=2"],
             "turn off: train.num_minibatches > 1 (later minibatches need pi_old, not the weights "
             "now); train.tis_cap",
