@@ -130,7 +130,7 @@ class MemoryPhases:
         rollout comes first."""
         self._expect("setup", "start")
         self._enter("rollout")
-        self._move_trainer(onload=False, params=True, optimizer=True)
+        self._offload("params", "optimizer")
 
     # ------------------------------------------------------------------ transitions
     def to_train(self):
@@ -144,7 +144,7 @@ class MemoryPhases:
         self._enter("train")
         if self.mode != "off":
             self._release(list(self.engine.memory_tags))
-        self._move_trainer(onload=True, params=True, optimizer=True)
+        self._onload("params", "optimizer")
         # the update allocates them (activations are not modelled)
         self.resident.add("trainer_grads")
         self._note()
@@ -160,13 +160,13 @@ class MemoryPhases:
         self._enter("sync")
         self.optimizer.zero_grad(set_to_none=True)
         self.resident.discard("trainer_grads")
-        self._move_trainer(onload=False, params=False, optimizer=True)
+        self._offload("optimizer")
         # staged: wake only the weights, so the KV cache is not resident while two model copies are
         if self.mode != "off":
             self._wake(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
         pushed = push()
-        self._move_trainer(onload=False, params=True, optimizer=False)
+        self._offload("params")
         if self.mode == "staged":
             # KV cache (+ CUDA graphs)
             self._wake([tag for tag in self.engine.memory_tags if tag != "weights"])
@@ -210,6 +210,15 @@ class MemoryPhases:
         self.engine_released -= set(tags)
         self.resident |= {LEDGER_NAME[t] for t in tags if t in LEDGER_NAME}
         self._note()
+
+    def _onload(self, *parts):
+        """The trainer's `parts` ("params": its parameters and the KL reference's; "optimizer":
+        AdamW's state) onto the accelerator."""
+        self._move_trainer(True, "params" in parts, "optimizer" in parts)
+
+    def _offload(self, *parts):
+        """The trainer's `parts` (as `_onload`) off the accelerator to the CPU."""
+        self._move_trainer(False, "params" in parts, "optimizer" in parts)
 
     def _move_trainer(self, onload, params, optimizer):
         """Move trainer parameters (and the KL reference) and/or optimizer state onto the

@@ -143,14 +143,17 @@ def update_policy(trainer, sequences, step):
     grad_norms = []
     skipped = 0
     # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
-    with parallel.gathered_for_update(trainer.policy) as last_micro_batch:
+    # (mark_last tells it which micro-batch's backward reshards; one rank: a no-op)
+    with parallel.gathered_for_update(trainer.policy) as mark_last:
+        # pi_old and the KL reference's log-probs where they need a pass of their own (at the
+        # default, none: pi_old comes detached from the update's forward)
         logprobs_before_update(trainer, every_mb, source)
         for minibatch in minibatches:
             minibatch_loss, grad_norm = optimizer_step(
                 trainer,
                 minibatch,
                 token_stats,
-                last_micro_batch,
+                mark_last,
                 pi_old_detached=source == "detached",
             )
             losses.append(minibatch_loss)
@@ -252,13 +255,14 @@ def compute_precision(trainer):
     )
 
 
-def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_detached=False):
+def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=False):
     """One clipped-ratio optimizer step over a minibatch's micro-batches (gradient accumulation),
     skipped when the loss or the gradient norm is not finite. Adds each micro-batch's statistics
     to `token_stats`, kept on the device: the host reads the loss, the norm and the statistics
     once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_detached`
     (`pi_old_source` "detached"): each micro-batch's pi_old is this forward's log-probs, detached.
-    `last_micro_batch(flag)` (parallel.gathered_for_update) is told which micro-batch is the last.
+    `mark_last(flag)` (a function from parallel.gathered_for_update) is told whether the coming
+    micro-batch is the minibatch's last.
     With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus).
     Returns (the minibatch's loss, its gradient norm), both global over ranks."""
     t = trainer.cfg.train
@@ -270,7 +274,7 @@ def optimizer_step(trainer, minibatch, token_stats, last_micro_batch, pi_old_det
     losses = []
     with compute_precision(trainer):
         for i, (mb, count) in enumerate(zip(minibatch, counts)):
-            last_micro_batch(i == len(minibatch) - 1)
+            mark_last(i == len(minibatch) - 1)
             losses.append(
                 micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_detached)
             )
