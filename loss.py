@@ -75,7 +75,9 @@ def check(cfg):
         raise ConfigError(f"train.loss_terms: no term {unknown[0]!r}; loss.TERMS has {list(TERMS)}")
     # the built-in terms have their own switches: the KL needs the reference that kl_coef keeps
     owned = {"kl": "train.kl_coef (with train.kl_in=loss)", "entropy": "train.entropy_coef"}
-    for name in sorted(set(t.loss_terms) & set(owned)):
+    builtin = sorted(set(t.loss_terms) & set(owned))
+    if builtin:
+        name = builtin[0]
         raise ConfigError(f"train.loss_terms: {name!r} is set by {owned[name]}, not here")
     if t.ratio_level == "sequence" and t.loss_agg != SEQUENCE_RATIO_AGG:
         raise ConfigError(
