@@ -5,6 +5,8 @@ refills as it goes (`Rollout.filter_and_refill`), and at the decision what still
 inside the engine and awaited (`Rollout.abort`), so no request outlives the rollout. A single-turn
 trajectory is generated here; a multi-turn one runs task/tools.py's loop through this rollout.
 Does not own the stop rules (cancel.py), the rewards (rewards.py) or what the stage launches.
+`Rollout` reads top-down: one request's path first (run, launch, trajectory, generate_one), then
+what the features add.
 """
 
 import array
@@ -172,6 +174,91 @@ class Rollout:
                 self.group_filter.launched(request.group_id)
         return new
 
+    async def trajectory(self, request):
+        """One trajectory from its prompt: a single turn, or with a tool the multi-turn loop of
+        task/tools.py (`multi_turn`), which sends each turn and each call through this rollout
+        (`generate_one`, `run_tool`), so both are cancelled alike."""
+        settings = self.settings
+        if settings.tool is not None:
+            return await multi_turn(self, request, settings)
+        if request.index in self.cancelled:  # cancelled before its request was sent
+            return [self.failed(request, reason="abort")]
+        max_new_tokens = min(settings.sampling["max_new_tokens"], settings.budget)
+        sampling = {**settings.sampling, "max_new_tokens": max_new_tokens}
+        return [await self.generate_one(request, array.array("i", request.prompt_ids), sampling)]
+
+    async def generate_one(self, request, prompt_ids, sampling, turn=0):
+        """One request of `request`'s trajectory; an engine exception becomes a sample marked
+        "error" (counted, logged, dropped)."""
+        if self.settings.seed is not None:
+            seed = request_seed(self.settings.seed, request.index, turn)
+            sampling = {**sampling, "sampling_seed": seed}
+        # uuid: SGLang aborts by rid *prefix*
+        rid = uuid.uuid4().hex
+        self.current_rid[request.index] = rid
+        timeout_s = self.cfg.request_timeout_s or None
+        try:
+            output_ids, logprobs, reason, detail, version = await asyncio.wait_for(
+                self.engine.request(rid, prompt_ids, sampling), timeout=timeout_s
+            )
+        except asyncio.TimeoutError:
+            # abort it inside the engine too, and wait until the engine let it go
+            await self.engine.abort_and_wait(rid, self.cfg.abort_timeout_s)
+            log.error("request %s timed out after rollout.request_timeout_s=%s", rid, timeout_s)
+            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
+        except Exception as e:  # noqa: BLE001 - counted and logged, never silently padding
+            log.error("request %s failed inside the engine: %r", rid, e)
+            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
+        if reason == "abort" and rid not in self.cancelling:
+            # the engine aborted it by itself (e.g. context overflow): a failure, not our
+            # cancellation
+            log.error("request %s aborted by the engine: %s", rid, detail)
+            reason = "error"
+        response_ids = array.array("i", output_ids)
+        if reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
+            # the abort came after its last token: complete (and a resume would have no budget)
+            reason = "length"
+        logprobs = array.array("f", logprobs)
+        if len(logprobs) != len(response_ids):
+            raise RolloutError(
+                f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
+            )
+        return Sample(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            loss_mask=array.array("B", [1]) * len(response_ids),
+            group_id=request.group_id,
+            trajectory_id=request.index,
+            turn=turn,
+            finish_reason=reason,
+            masked=reason in ("abort", "error"),
+            weight_version=version,
+            latency_s=time.perf_counter() - self.start,
+        )
+
+    def failed(self, request, reason="error", prompt_ids=None, turn=0):
+        """The sample of a request that failed or timed out ("error": counted), or was cancelled
+        before it was sent ("abort"): no tokens, masked out. `prompt_ids`: the failed turn's
+        (default: the trajectory's prompt)."""
+        return Sample(
+            prompt_ids=request.prompt_ids if prompt_ids is None else prompt_ids,
+            response_ids=[],
+            logprobs=[],
+            loss_mask=[],
+            group_id=request.group_id,
+            trajectory_id=request.index,
+            turn=turn,
+            finish_reason=reason,
+            masked=True,
+            weight_version=self.engine.weight_version,
+            latency_s=time.perf_counter() - self.start,
+        )
+
+    # ------------------------------------------------------------------ what features add
+    # (dynamic sampling's refills, a cancel policy's aborts, tools' turns, partial rollout: the
+    # default config uses none of them)
+
     def filter_and_refill(self, turns):
         """Dynamic sampling, on every return before the decision: tally the trajectory's group,
         then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
@@ -266,19 +353,6 @@ class Rollout:
                 f"(rids {rids[:3]}...)"
             )
 
-    async def trajectory(self, request):
-        """One trajectory from its prompt: a single turn, or with a tool the multi-turn loop of
-        task/tools.py (`multi_turn`), which sends each turn and each call through this rollout
-        (`generate_one`, `run_tool`), so both are cancelled alike."""
-        settings = self.settings
-        if settings.tool is not None:
-            return await multi_turn(self, request, settings)
-        if request.index in self.cancelled:  # cancelled before its request was sent
-            return [self.failed(request, reason="abort")]
-        max_new_tokens = min(settings.sampling["max_new_tokens"], settings.budget)
-        sampling = {**settings.sampling, "max_new_tokens": max_new_tokens}
-        return [await self.generate_one(request, array.array("i", request.prompt_ids), sampling)]
-
     async def run_tool(self, request, sample):
         """The tool on `sample`, a turn ending in a call: its Observation, counted. Awaited, so
         the loop serves the other requests and the cancel decision meanwhile (a plain tool runs
@@ -309,74 +383,6 @@ class Rollout:
         sampling = {**settings.sampling, "max_new_tokens": remaining}
         more = await self.generate_one(request, partial.prompt_ids + partial.response_ids, sampling)
         return [partial.continued_by(more)]
-
-    async def generate_one(self, request, prompt_ids, sampling, turn=0):
-        """One request of `request`'s trajectory; an engine exception becomes a sample marked
-        "error" (counted, logged, dropped)."""
-        if self.settings.seed is not None:
-            seed = request_seed(self.settings.seed, request.index, turn)
-            sampling = {**sampling, "sampling_seed": seed}
-        # uuid: SGLang aborts by rid *prefix*
-        rid = uuid.uuid4().hex
-        self.current_rid[request.index] = rid
-        timeout_s = self.cfg.request_timeout_s or None
-        try:
-            output_ids, logprobs, reason, detail, version = await asyncio.wait_for(
-                self.engine.request(rid, prompt_ids, sampling), timeout=timeout_s
-            )
-        except asyncio.TimeoutError:
-            # abort it inside the engine too, and wait until the engine let it go
-            await self.engine.abort_and_wait(rid, self.cfg.abort_timeout_s)
-            log.error("request %s timed out after rollout.request_timeout_s=%s", rid, timeout_s)
-            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
-        except Exception as e:  # noqa: BLE001 - counted and logged, never silently padding
-            log.error("request %s failed inside the engine: %r", rid, e)
-            return self.failed(request, prompt_ids=prompt_ids, turn=turn)
-        if reason == "abort" and rid not in self.cancelling:
-            # the engine aborted it by itself (e.g. context overflow): a failure, not our
-            # cancellation
-            log.error("request %s aborted by the engine: %s", rid, detail)
-            reason = "error"
-        response_ids = array.array("i", output_ids)
-        if reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
-            # the abort came after its last token: complete (and a resume would have no budget)
-            reason = "length"
-        logprobs = array.array("f", logprobs)
-        if len(logprobs) != len(response_ids):
-            raise RolloutError(
-                f"rid {rid}: {len(logprobs)} log-probs for {len(response_ids)} tokens"
-            )
-        return Sample(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            logprobs=logprobs,
-            loss_mask=array.array("B", [1]) * len(response_ids),
-            group_id=request.group_id,
-            trajectory_id=request.index,
-            turn=turn,
-            finish_reason=reason,
-            masked=reason in ("abort", "error"),
-            weight_version=version,
-            latency_s=time.perf_counter() - self.start,
-        )
-
-    def failed(self, request, reason="error", prompt_ids=None, turn=0):
-        """The sample of a request that failed or timed out ("error": counted), or was cancelled
-        before it was sent ("abort"): no tokens, masked out. `prompt_ids`: the failed turn's
-        (default: the trajectory's prompt)."""
-        return Sample(
-            prompt_ids=request.prompt_ids if prompt_ids is None else prompt_ids,
-            response_ids=[],
-            logprobs=[],
-            loss_mask=[],
-            group_id=request.group_id,
-            trajectory_id=request.index,
-            turn=turn,
-            finish_reason=reason,
-            masked=True,
-            weight_version=self.engine.weight_version,
-            latency_s=time.perf_counter() - self.start,
-        )
 
 
 async def wait_for_enough(
