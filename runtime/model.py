@@ -53,10 +53,14 @@ def build_char_tokenizer(chars=TINY_CHARS):
 
 
 # config.refuse_unread's table: the LoRA fields, read only with adapters
-LORA_FIELDS = ("model.lora_alpha", "model.lora_dropout", "model.lora_targets")
 READ_WHEN = {
     key: (lambda cfg: cfg.model.lora_rank > 0, "with model.lora_rank > 0")
-    for key in LORA_FIELDS + ("model.lora_also_train",)
+    for key in (
+        "model.lora_alpha",
+        "model.lora_dropout",
+        "model.lora_targets",
+        "model.lora_also_train",
+    )
 }
 
 
