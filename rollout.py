@@ -30,7 +30,7 @@ def collect(run, step):
     and partial rollout are `rollout.*` settings, switched inside (the step never sees a buffer or
     a refill). Partial rollout: earlier steps' unfinished samples go first and only complete
     groups come back (partial.py). Dynamic sampling: the engine asks for more prompts as it goes
-    (`more_prompts`), and only groups whose rewards differ come back (`cancel.informative_groups`).
+    (`refills`), and only groups whose rewards differ come back (`cancel.informative_groups`).
     """
     r = run.cfg.rollout
     # what to launch and when to stop waiting (cancel.py); with rollout.cancel none, the default:
@@ -48,14 +48,6 @@ def collect(run, step):
         prior_rewards = buffer.prior_rewards()
     # indexed by group id: the new prompts' (0..), the held groups', then refills' (partial.py)
     prompts_by_group = new_prompts + held_prompts
-
-    def more_prompts(count, first_group_id):
-        """Dynamic sampling's refills from this rank's stream, numbered on after every group id
-        so far."""
-        assert first_group_id == len(prompts_by_group)
-        prompts_by_group.extend(run.stream.take(count))
-        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
-
     samples, stats = run.engine.generate(
         [p.prompt_ids for p in new_prompts],
         r.group_size,
@@ -67,7 +59,7 @@ def collect(run, step):
         max_response_tokens=r.max_response_tokens,
         resumes=resumes,
         reward=run.rewards.for_rollout(prompts_by_group),
-        more_prompts=more_prompts,
+        more_prompts=refills(run.stream, prompts_by_group) if r.filter_groups else None,
         prior_rewards=prior_rewards,
         seed=rollout_seed(run.cfg.train.seed, step),
     )
@@ -83,6 +75,19 @@ def collect(run, step):
     trained = [turns for group in groups for turns in group]
     metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
     return groups, metrics
+
+
+def refills(stream, prompts_by_group):
+    """Dynamic sampling's source of more prompts (`more_prompts(count, first_group_id)`): this
+    rank's `stream`, each refill appended to `prompts_by_group`, numbered on after every group id
+    so far."""
+
+    def more_prompts(count, first_group_id):
+        assert first_group_id == len(prompts_by_group)
+        prompts_by_group.extend(stream.take(count))
+        return [p.prompt_ids for p in prompts_by_group[first_group_id:]]
+
+    return more_prompts
 
 
 def rollout_seed(run_seed, step, purpose="train"):
