@@ -469,25 +469,23 @@ TASK_SETS = {
 }  # any other task (task/reverse.py, yours): data.task=<its name> alone (`task_sets`)
 
 
-def field_values():
-    """FIELD_VALUES, and for a task or tool field it lacks (a new task's own setting) a value
-    other than its default: a number or a flag is derived, any other type needs an entry."""
+def other_value(key, listed):
+    """A value for `key` other than its default, as a --set string: `listed`'s, or for a flag its
+    negation, for a number twice the default (1 or 0.5 for a zero); any other type needs an entry
+    in `listed`."""
     import config as config_module
 
-    defaults = config_module.Config()
-    values = {}
-    for key in sorted(tasks.TASK_FIELDS | tasks.TOOL_FIELDS):
-        section, name = key.split(".")
-        default = getattr(getattr(defaults, section), name)
-        if key in FIELD_VALUES:
-            values[key] = FIELD_VALUES[key]
-        elif isinstance(default, bool):
-            values[key] = str(not default).lower()
-        elif isinstance(default, (int, float)):
-            values[key] = str(default + 1)
-        else:
-            raise AssertionError(f"{key}: add a value other than its default to FIELD_VALUES")
-    return values
+    section, name = key.split(".")
+    default = getattr(getattr(config_module.Config(), section), name)
+    if key in listed:
+        return listed[key]
+    if isinstance(default, bool):
+        return str(not default).lower()
+    if isinstance(default, int):
+        return str(default * 2 or 1)
+    if isinstance(default, float):
+        return str(default * 2 or 0.5)
+    raise AssertionError(f"{key}: add a value other than its default to FIELD_VALUES")
 
 
 def task_sets(task):
@@ -506,7 +504,8 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), base)
         return
     read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
-    for key, value in field_values().items():
+    for key in sorted(tasks.TASK_FIELDS | tasks.TOOL_FIELDS):  # a new task's own field too
+        value = other_value(key, FIELD_VALUES)
         sets = [*base, f"{key}={value}"]
         if key in read:
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
@@ -605,13 +604,10 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
     with the mode off, is a ConfigError naming it; with the mode on it is accepted. (task.data's
-    table: test_a_task_field_the_task_never_reads_is_refused, above.)"""
+    table: test_a_field_the_task_does_not_read_is_refused_when_set, above.)"""
     import importlib
 
-    import config as config_module
-
     owner = importlib.import_module(module)
-    defaults = config_module.Config()
     turn_on = {  # a mode in which each field is read
         "rollout.drop_rate": ["rollout.cancel=count"],
         "rollout.over_sample_rate": ["rollout.cancel=count"],
@@ -651,9 +647,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "rollout.max_prompts_per_step": "256",
     }
     for key, (is_read, _) in owner.READ_WHEN.items():
-        section, name = key.split(".")
-        default = getattr(getattr(defaults, section), name)
-        value = other.get(key) or FIELD_VALUES.get(key) or str(default * 2 if default else 0.5)
+        value = other_value(key, other | FIELD_VALUES)
         off = ["run.out=/tmp/unused", f"{key}={value}"]
         if key.startswith("train.clip_eps"):
             off += ["train.ratio_level=cispo"]
