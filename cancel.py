@@ -162,10 +162,6 @@ def _tail_cut_by_count(cfg):
     return r.cancel != "none" and not r.filter_groups and not r.over_sample_rate
 
 
-def _time_decides(cfg):
-    return cfg.rollout.cancel == "time" and not cfg.rollout.filter_groups
-
-
 # config.refuse_unread's table: the rollout fields only some policies and modes read (plan_launch)
 READ_WHEN = {
     "rollout.drop_rate": (_tail_cut_by_count, "with a cancel policy, no over-sampling or filter"),
@@ -173,12 +169,8 @@ READ_WHEN = {
         lambda cfg: cfg.rollout.cancel != "none" or cfg.rollout.filter_groups,
         "with a cancel policy or rollout.filter_groups",
     ),
-    # dynamic sampling's kept groups decide the stop in place of any policy's (`decide`)
-    "rollout.time_quantile": (
-        _time_decides,
-        "by rollout.cancel=time without rollout.filter_groups",
-    ),
-    "rollout.time_factor": (_time_decides, "by rollout.cancel=time without rollout.filter_groups"),
+    "rollout.time_quantile": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
+    "rollout.time_factor": (lambda cfg: cfg.rollout.cancel == "time", "by rollout.cancel=time"),
     "rollout.max_staleness": (lambda cfg: cfg.rollout.partial, "with rollout.partial"),
     "rollout.refill_prompts": (lambda cfg: cfg.rollout.filter_groups, "with rollout.filter_groups"),
     "rollout.max_prompts_per_step": (
@@ -186,6 +178,11 @@ READ_WHEN = {
         "with rollout.filter_groups",
     ),
 }
+
+
+# the policies that mean something under dynamic sampling, whose kept groups decide the stop:
+# none waits for every request; of the others only a keep_groups is read (`decide`)
+FILTER_POLICIES = ("none", "count", "group")
 
 
 def check(cfg):
@@ -201,6 +198,12 @@ def check(cfg):
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
             f"nothing: choose a cancel policy ({', '.join(p for p in POLICIES if p != 'none')})"
         )
+    if r.filter_groups and r.cancel not in FILTER_POLICIES:
+        raise ConfigError(
+            f"rollout.cancel={r.cancel!r} with rollout.filter_groups: there the kept groups decide "
+            "the stop (`decide`), so a policy's own stop is never read; choose one of "
+            f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
+        )
     refuse_unread(cfg, READ_WHEN)
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
@@ -214,8 +217,9 @@ def decide(plan, progress, timeout_s=0.0):
     the policy's Decision, with what every policy shares.
 
     - no plan (validation): wait for every request;
-    - dynamic sampling (any policy but none): stop at `target_groups` kept groups (the group
-      policy then keeps every complete group: the filter judges each);
+    - dynamic sampling (any policy but none; `check` allows count and group): stop at
+      `target_groups` kept groups (the group policy then keeps every complete group: the filter
+      judges each);
     - partial rollout: nothing is dropped (the finished members of an incomplete group wait);
     - any: stop at `timeout_s` after launch (rollout.rollout_timeout_s; 0 = never).
     """

@@ -87,9 +87,12 @@ def _trainer_stub(cfg):
 def test_cancel_recipe_halves(forked, tmp_path):
     """The README's policy stops exactly when `target_groups` groups each have half their members
     finished (2 groups of 4: the stop comes with group 1's second member, not with group 0's
-    fourth; a failed return counts nowhere), scripted with no engine."""
+    fourth; a failed return counts nowhere), scripted with no engine. With dynamic sampling its
+    stop would never be read (the kept groups decide): refused at load, as the README says."""
     forked(cancel, "cancel", "POLICIES")
     load_config("configs/tiny.yaml", ["rollout.cancel=halves", f"run.out={tmp_path}"])
+    with pytest.raises(ConfigError, match="rollout.cancel='halves' with rollout.filter_groups"):
+        load_config("configs/tiny.yaml", ["rollout.cancel=halves", "rollout.filter_groups=true"])
     plan = cancel.plan_launch(load_config("configs/tiny.yaml").rollout, 2)
     plan = dataclasses.replace(plan, cancel="halves", group_size=4, target_groups=2)
     progress = Progress(group_size=4)

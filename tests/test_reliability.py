@@ -138,9 +138,13 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
         ),
         (["train.loss_terms={entropy: 0.1}"], "'entropy' is set by train.entropy_coef"),
         (
-            ["rollout.cancel=time", "rollout.filter_groups=true", "rollout.time_quantile=0.5"],
-            "rollout.time_quantile=0.5 is read only by rollout.cancel=time without "
-            "rollout.filter_groups",  # the kept groups decide the stop
+            ["rollout.cancel=time", "rollout.filter_groups=true"],
+            "rollout.cancel='time' with rollout.filter_groups: there the kept groups decide the "
+            "stop",  # time would run as count, its own fields unread
+        ),
+        (
+            ["rollout.cancel=count", "rollout.time_quantile=0.5"],
+            "rollout.time_quantile=0.5 is read only by rollout.cancel=time",
         ),
         (
             ["train.old_logprobs=engine", "train.num_minibatches=2", "train.tis_cap=2"],
