@@ -179,7 +179,8 @@ def build_reference(cfg, policy, chars=TINY_CHARS):
 
 
 # what train.compile compiles in each decoder layer: all of it with one rank; under FSDP2 (several
-# ranks) its RMSNorms and MLP, the attention left eager (`compile_layers`)
+# ranks) its RMSNorms and MLP, the attention left eager, until the whole layer is measured there
+# (`compile_layers`)
 COMPILE_SCOPE = {False: "layer", True: "parts"}
 
 
@@ -194,14 +195,14 @@ def compile_layers(model, scope="layer"):
     torch._dynamo.config.inline_inbuilt_nn_modules, on by default).
 
     Why two scopes (COMPILE_SCOPE picks by FSDP2; measured on an H200, torch 2.11,
-    docs/RESULTS.md): a whole layer compiled under FSDP2 fails Inductor's flex_attention
-    lowering. Dynamo treats an FSDP2-managed module's Python ints (self_attn.head_dim) as
-    symbolic under dynamic=True, as it specializes only other modules' ints
-    (torch/_dynamo/utils.py, is_int_specialization_case), and a symbolic head count is what the
-    lowering cannot take. Specializing every int instead (torch._dynamo.config.specialize_int)
-    also fixed the BlockMask's sequence lengths: a recompile per length mix, 14 s an update. The
-    parts hold no head count and most of a layer's elementwise kernels: under FSDP2 they took
-    MFU from 0.295 (eager) to 0.39-0.40, near the whole layer's 0.41-0.42 on one rank.
+    docs/RESULTS.md): a whole layer compiled under FSDP2 failed Inductor's flex_attention
+    lowering, on a head count Dynamo read as a symbol (FSDP2 marks the modules it manages for
+    Dynamo, whose Python ints are then symbolic under dynamic=True). The parts hold no head count
+    and most of a layer's elementwise kernels: under FSDP2 they took MFU from 0.295 (eager) to
+    0.39-0.40, near the whole layer's 0.41-0.42 on one rank. parallel.as_plain_modules now removes
+    that mark, so the whole layer traces under FSDP2 with constant ints (tested on CPU); whether
+    it lowers and runs faster on a GPU is not measured yet (`bench/gpu_update.sh`, arm
+    fsdp-layer), so FSDP2 ranks still compile the parts.
     """
     if scope not in ("layer", "parts"):
         raise ValueError(f"compile_layers: unknown scope {scope!r}; expected 'layer' or 'parts'")

@@ -125,7 +125,8 @@ def shard(model, compute_dtype):
     forward/backward all-gather them cast to `compute_dtype`, gradients reduce in fp32. Gradients
     are *summed* over ranks (no division): train.py normalises the loss by global counts, and
     FSDP's averaging is silently wrong on gloo (pytorch issue 162338). The divide factor is per
-    FSDP module, so set it on each."""
+    FSDP module, so set it on each. The decoder layers are then handed back to Dynamo as plain
+    modules (`as_plain_modules`)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -136,7 +137,25 @@ def shard(model, compute_dtype):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    as_plain_modules(model.model.layers)
     return model
+
+
+def as_plain_modules(layers):
+    """Undo the mark fully_shard leaves on every module it manages "For Dynamo"
+    (`_is_fsdp_managed_module`, torch/distributed/fsdp/_fully_shard/_fully_shard.py), so that a
+    compiled decoder layer (runtime/model.py, compile_layers) is traced as any module is. Marked,
+    Dynamo skips guards on the module and, under dynamic=True, reads its Python ints as symbols
+    (torch/_dynamo/utils.py, is_int_specialization_case specializes other modules' ints only):
+    `self_attn.head_dim` became a symbol, and so did the head count, on which Inductor's
+    flex_attention lowering failed (an H200, docs/RESULTS.md). Unmarked, its ints are constants
+    and its attributes guarded (LoRA's `lora_on` flip recompiles); its parameters stay the
+    graph's inputs, and FSDP2's hooks run around `forward`, outside the compiled code. Only
+    Dynamo reads the mark. Tested: tests/test_update_passes.py."""
+    for layer in layers:
+        for module in layer.modules():
+            module.__dict__.pop("_is_fsdp_managed_module", None)
+            module.__dict__.pop("_fsdp_use_orig_params", None)
 
 
 @contextlib.contextmanager

@@ -202,6 +202,65 @@ def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
 
 
+def test_a_layer_compiled_whole_under_fsdp2_has_a_constant_head_count(tmp_path):
+    """Under FSDP2 (one gloo rank, in this process) a decoder layer compiled whole with dynamic
+    shapes is traced with `self_attn.head_dim` as the constant it is (parallel.as_plain_modules:
+    FSDP2's mark for Dynamo made it a symbol, and Inductor's flex_attention lowering failed on the
+    symbolic head count on an H200); the layers share their graphs, three more length mixes
+    compile nothing, and the update equals eager FSDP2's. The backend is aot_eager (Dynamo and AOTAutograd, no
+    Inductor: the tracing is what the mark changed), and it records each graph."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch._dynamo.backends.registry import lookup_backend
+
+    import runtime.parallel as parallel
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        rendezvous = f"file://{tempfile.mkdtemp(dir=tmp_path)}/rendezvous"
+        dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+    graphs = []
+
+    def recording(graph, example_inputs):
+        """Each graph's symbolic inputs and its first reshapes, read before AOTAutograd takes it."""
+        inputs = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        symbols = [n.name for n in inputs if isinstance(n.meta.get("example_value"), torch.SymInt)]
+        shapes = [n.args[1] for n in graph.graph.nodes if n.target == "view"]
+        graphs.append((symbols, shapes[:3]))
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    try:
+        results = {}
+        for compiled in (False, True):
+            cfg = dist_worker.parity_config(tmp_path, "token-mean", *PATHS["packed"])
+            policy, _ = model.build_policy(cfg, None)
+            if compiled:  # compile_layers' call, with the recording backend
+                for layer in policy.model.layers:
+                    layer.forward = torch.compile(layer.forward, dynamic=True, backend=recording)
+            trainer = setup_run.trainer_only(cfg, parallel.shard(policy, torch.float32))
+            stats, grads = update_with_gradients(trainer, *random_samples(3))
+            results[compiled] = (
+                stats["train/loss"],
+                {n: g.full_tensor() for n, g in grads.items()},
+            )
+            if compiled:
+                first = len(graphs)  # a variant per mask layout the micro-batches have
+                for seed in (4, 5, 6):
+                    train_on(trainer, *random_samples(seed))
+        head_dim = policy.model.layers[0].self_attn.head_dim
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    assert len(graphs) == first  # shared by every layer; no new length mix compiles
+    for symbols, shapes in graphs:
+        assert not [name for name in symbols if name.startswith("l_self_")], symbols
+        assert shapes and all(shape[-1] == head_dim for shape in shapes), shapes
+    (eager_loss, eager), (compiled_loss, compiled) = results[False], results[True]
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-6)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-7)
+
+
 def test_the_logged_lr_is_the_one_the_update_used(tmp_path):
     """train/lr is the learning rate of the step's optimizer step, read before the scheduler
     moves on (it was the next step's): with warmup, 1/4 of lr at the first of 4 warmup steps,
