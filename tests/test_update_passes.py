@@ -207,8 +207,8 @@ def test_a_layer_compiled_whole_under_fsdp2_has_a_constant_head_count(tmp_path):
     shapes is traced with `self_attn.head_dim` as the constant it is (parallel.as_plain_modules:
     FSDP2's mark for Dynamo made it a symbol, and Inductor's flex_attention lowering failed on the
     symbolic head count on an H200); the layers share their graphs, three more length mixes
-    compile nothing, and the update equals eager FSDP2's. The backend is aot_eager (Dynamo and AOTAutograd, no
-    Inductor: the tracing is what the mark changed), and it records each graph."""
+    compile nothing, and the update equals eager FSDP2's. The backend is aot_eager (Dynamo and
+    AOTAutograd, no Inductor: the tracing is what the mark changed), and it records each graph."""
     import tempfile
 
     import torch.distributed as dist
