@@ -90,7 +90,8 @@ class Ledger:
 
 class MemoryPhases:
     """The per-step phase machine: `start()` once before the first rollout, then each step
-    `to_train()` after the rollout and `to_rollout(push)` after the update (the weight sync)."""
+    `to_train()` after the rollout, and around the weight push (`sync_weights`) `to_sync()` after
+    the update and `to_rollout()` after the push."""
 
     def __init__(
         self,
@@ -149,12 +150,11 @@ class MemoryPhases:
         self.resident.add("trainer_grads")
         self._note()
 
-    def to_rollout(self, push):
-        """train -> rollout, the new weights pushed to the engine in between: `push()` runs once
-        the engine's weights are awake and while the trainer's weights are still on its device
-        (the weight check hashes them there, as the engine hashes its own). Returns what `push`
-        returns."""
-        self._expect("train", "to_rollout")
+    def to_sync(self):
+        """train -> sync, after the update: the optimizer's state offloaded and the engine's weights
+        awake, the trainer's weights still on its device (the weight check hashes them there, as
+        the engine hashes its own), for the push."""
+        self._expect("train", "to_sync")
         # the train phase's peak, noted after the update (activations included, on GPU)
         self._note()
         self._enter("sync")
@@ -165,14 +165,17 @@ class MemoryPhases:
         if self.mode != "off":
             self._wake(["weights"] if self.mode == "staged" else list(self.engine.memory_tags))
         self._note(extra=min(self.bucket_bytes, self.ledger.trainer_params))  # one bucket in flight
-        pushed = push()
+
+    def to_rollout(self):
+        """sync -> rollout, after the push: the trainer's weights offloaded, then (staged) the
+        engine's KV cache awake."""
+        self._expect("sync", "to_rollout")
         self._offload("params")
         if self.mode == "staged":
             # KV cache (+ CUDA graphs)
             self._wake([tag for tag in self.engine.memory_tags if tag != "weights"])
         self._enter("rollout")
         self._note()
-        return pushed
 
     # ------------------------------------------------------------------ bookkeeping
     def _expect(self, phase, action):
@@ -317,20 +320,17 @@ def sync_weights(run, step, logprob_gap=None):
     `logprob_gap` (None when it measured none) read by the run's GapWatch. Returns the stage's
     metrics."""
     start = time.perf_counter()
+    run.phases.to_sync()  # the engine's weights awake; the trainer's still on its device
+    check = should_check_weights(step, run.cfg.run)
+    push_weights(run.engine, run.trainer.policy, step + 1, run.phases.bucket_bytes, check=check)
     check_s = 0.0
-
-    def push():
-        nonlocal check_s
-        check = should_check_weights(step, run.cfg.run)
-        push_weights(run.engine, run.trainer.policy, step + 1, run.phases.bucket_bytes, check=check)
-        if check:
-            check_start = time.perf_counter()
-            # with LoRA the engine's own weights are the base (the adapter: its checksums on
-            # arrival, and the log-prob gap)
-            check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
-            check_s = time.perf_counter() - check_start
-
-    run.phases.to_rollout(push)
+    if check:  # before the trainer's weights leave the device: hashed where the engine's are
+        check_start = time.perf_counter()
+        # with LoRA the engine's own weights are the base (the adapter: its checksums on arrival,
+        # and the log-prob gap)
+        check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
+        check_s = time.perf_counter() - check_start
+    run.phases.to_rollout()  # the trainer's weights offloaded, the engine's KV cache awake
     if logprob_gap is not None:
         run.gap_watch.observe(step, logprob_gap)
     metrics = run.phases.metrics()

@@ -35,13 +35,11 @@ def one_step(run, phases, step):
         torch.ones(len(samples), dtype=torch.bool),
     )
     phases.to_train()
-    train_on(run, samples, advantages)
+    train_on(run.trainer, samples, advantages)
+    phases.to_sync()
     policy = run.trainer.policy
-    phases.to_rollout(
-        push=lambda: run.engine.update_weights(
-            policy.named_parameters(), step + 1, phases.bucket_bytes
-        )
-    )
+    run.engine.update_weights(policy.named_parameters(), step + 1, phases.bucket_bytes)
+    phases.to_rollout()
     return {phase: peak[phases.source] for phase, peak in phases.peaks.items()}
 
 

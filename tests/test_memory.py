@@ -33,12 +33,14 @@ def started(*args, **kwargs):
     return phases
 
 
-def push(run, phases, version):
-    """The weight push a sync runs between the train and rollout phases."""
+def sync(run, phases, version):
+    """A weight sync's phases around a plain push (memory.sync_weights adds the checks): train ->
+    sync -> rollout. Returns the push's bucket count."""
+    phases.to_sync()
     policy = run.trainer.policy
-    return lambda: run.engine.update_weights(
-        policy.named_parameters(), version, phases.bucket_bytes
-    )
+    num_buckets = run.engine.update_weights(policy.named_parameters(), version, phases.bucket_bytes)
+    phases.to_rollout()
+    return num_buckets
 
 
 def greedy(engine):
@@ -57,7 +59,7 @@ def test_phase_cycle_release_resume_and_parity(run):
     for step in range(2):  # the sequence runs every step
         phases.to_train()
         assert phases.phase == "train" and phases.engine_released == {"weights", "kv_cache"}
-        phases.to_rollout(push(run, phases, step + 1))
+        sync(run, phases, step + 1)
         assert phases.phase == "rollout" and phases.engine_released == set()
     ids_after, logprobs_after = greedy(run.engine)  # same weights pushed back: same generation
     assert ids_after == ids_before
@@ -68,7 +70,7 @@ def test_phase_cycle_release_resume_and_parity(run):
     with torch.no_grad():
         for p in run.trainer.policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # stands in for an update
-    num_buckets = phases.to_rollout(push(run, phases, 3))
+    num_buckets = sync(run, phases, 3)
     assert num_buckets > 1  # staged push, several buckets
     samples, _ = run.engine.generate(PROMPTS, 2, 1.0, 16)
     batch = update.collate(samples, pad_id=0)
@@ -77,13 +79,31 @@ def test_phase_cycle_release_resume_and_parity(run):
     assert ((logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
 
 
+def test_the_memory_benchmark_steps_on_the_shared_engine(run, monkeypatch):
+    """bench/memory.py's step (a rollout, an update, the sync's phases around a push) runs as the
+    stages now call each other (it had rotted once, unnoticed: no test ran it), and its modelled
+    sync peak is lower staged than all at once, by at least the engine's weights."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
+    spec = importlib.util.spec_from_file_location("bench_memory", f"{REPO}/bench/memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    peaks = {}
+    for mode in ("staged", "all_at_once"):
+        phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode=mode)
+        peaks[mode] = bench.one_step(run, phases, 0)
+        assert phases.phase == "rollout" and set(peaks[mode]) == {"rollout", "train", "sync"}
+    assert peaks["all_at_once"]["sync"] - peaks["staged"]["sync"] >= phases.ledger.engine_weights
+
+
 def test_illegal_transitions_raise_named_errors(run):
     """Out-of-order transitions (sync before to_train, to_train twice, resuming what was not
     released, releasing twice, releasing while a request runs) raise a PhaseError naming the
     problem."""
     phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
-    with pytest.raises(PhaseError, match="to_rollout\\(\\) needs phase 'train'"):
-        phases.to_rollout(push(run, phases, 1))
+    with pytest.raises(PhaseError, match="to_sync\\(\\) needs phase 'train'"):
+        phases.to_sync()
     with pytest.raises(PhaseError, match="not released"):
         phases._wake(["kv_cache"])  # SGLang itself would raise a bare KeyError here
     phases.to_train()
@@ -91,7 +111,9 @@ def test_illegal_transitions_raise_named_errors(run):
         phases.to_train()
     with pytest.raises(PhaseError, match="already released"):
         phases._release(["weights"])
-    phases.to_rollout(push(run, phases, 1))
+    with pytest.raises(PhaseError, match="to_rollout\\(\\) needs phase 'sync'"):
+        phases.to_rollout()  # before the push's phase
+    sync(run, phases, 1)
 
     async def release_while_generating():
         request = asyncio.ensure_future(
@@ -146,7 +168,7 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
     for mode in ("staged", "all_at_once"):
         phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode=mode)
         phases.to_train()
-        phases.to_rollout(push(run, phases, 1))
+        sync(run, phases, 1)
         peaks[mode] = phases.peaks["sync"]["modelled"]
     ledger = phases.ledger
     assert peaks[
@@ -175,7 +197,7 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     note = phases._note
     phases._note = lambda extra=0: (noted_in.append(phases.phase), note(extra))
     start = len(phases.events)
-    phases.to_rollout(push(run, phases, 1))
+    sync(run, phases, 1)
     # the train phase's peak is taken after the update, before sync begins
     assert noted_in[0] == "train"
     events = phases.events[start:]
@@ -210,7 +232,7 @@ def test_release_waits_for_an_idle_engine(run):
         del run.engine.flush_cache
     assert flushes and flushes[-1].success  # the release waited for an idle engine
     assert phases.engine_released == set(run.engine.memory_tags)
-    phases.to_rollout(push(run, phases, 1))
+    sync(run, phases, 1)
     assert phases.engine_released == set()
 
 
@@ -231,33 +253,28 @@ def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
 
 
 def test_the_weight_check_runs_before_the_trainer_weights_leave_the_device(run, monkeypatch):
-    """to_rollout(push) runs the push and the check right after the push and before the trainer's
-    parameters are offloaded: on a GPU the engine hashes its weights there with SGLang's CUDA hash,
-    and the trainer's must be hashed on the same device (a CPU copy hashes differently)."""
-    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged")
+    """memory.sync_weights pushes and checks the weights after to_sync and before to_rollout
+    offloads the trainer's parameters: on a GPU the engine hashes its weights there with SGLang's
+    CUDA hash, and the trainer's must be hashed on the same device (a CPU copy hashes
+    differently)."""
+    phases = run.phases
     events = []
-    move = phases._move_trainer
+    offload, check = phases._offload, health.check_weights
 
-    def recording_move(onload, params, optimizer):
-        events.append(("offload params" if params and not onload else "move"))
-        return move(onload=onload, params=params, optimizer=optimizer)
+    def recording_offload(*parts):
+        events.append("offload " + " ".join(parts))
+        return offload(*parts)
 
-    monkeypatch.setattr(phases, "_move_trainer", recording_move)
+    def recording_check(*args):
+        events.append("check")
+        return check(*args)
+
+    monkeypatch.setattr(phases, "_offload", recording_offload)
+    monkeypatch.setattr(health, "check_weights", recording_check)
     phases.to_train()
-    events.clear()
-
-    def push_and_check():
-        push(run, phases, 1)()
-        events.append(
-            ("check", health.check_weights(run.engine, run.trainer.policy.named_parameters()))
-        )
-
-    phases.to_rollout(push_and_check)
-    assert [e if isinstance(e, str) else e[0] for e in events] == [
-        "move",
-        "check",
-        "offload params",
-    ]
+    assert health.should_check_weights(0, run.cfg.run)  # the first step's push is checked
+    health.sync_weights(run, 0)
+    assert events == ["offload optimizer", "check", "offload params"]
 
 
 @pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
