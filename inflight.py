@@ -98,21 +98,23 @@ class Rollout:
         self.engine = engine
         self.cfg = engine.cfg  # RolloutConfig: timeouts, failure ratio
         self.settings = settings
-        self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.stats = RolloutStats()
-        for name in settings.tool.names if settings.tool is not None else ():
-            self.stats.tool_calls[name] = self.stats.tool_errors[name] = 0
         self.start = time.perf_counter()
+        # every request's path: its task, its rid in the engine, and the abort at the decision
         self.tasks = {}  # asyncio task -> its request's index
         self.generated = {}  # request index -> Event: its turns are back (its reward may still run)
         self.current_rid = {}  # request index -> rid of its request in the engine now
         self.cancelled = set()  # request indices cancelled: no new turn starts
-        # request indices running a tool: nothing of theirs in the engine to abort or wait for
-        self.in_tool = set()
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
-        self.next_group = 0  # the group id a refill gets next
         self.group_of = {}  # request index -> its group id
-        self.cancelled_groups = set()  # groups a Decision cancelled while the rollout went on
+        # what features add (each empty, or unused, with the feature off)
+        self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
+        self.next_group = 0  # dynamic sampling: the group id a refill gets next
+        self.cancelled_groups = set()  # groups a policy's Decision cancelled (the rest went on)
+        # tools: request indices running one (nothing of theirs in the engine to abort or wait for)
+        self.in_tool = set()
+        for name in settings.tool.names if settings.tool is not None else ():
+            self.stats.tool_calls[name] = self.stats.tool_errors[name] = 0
 
     async def run(self, requests):
         """Launch every request, wait until cancel.decide stops the rollout (or all returned),
