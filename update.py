@@ -145,9 +145,12 @@ def update_policy(trainer, sequences, step):
     # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
     # (mark_last tells it which micro-batch's backward reshards; one rank: a no-op)
     with parallel.gathered_for_update(trainer.policy) as mark_last:
-        # pi_old and the KL reference's log-probs where they need a pass of their own (at the
-        # default, none: pi_old comes detached from the update's forward)
-        logprobs_before_update(trainer, every_mb, source)
+        # a pass before the first optimizer step only where one is needed (at the default, none:
+        # pi_old comes detached from the update's own forward, in micro_batch_backward)
+        if source != "detached":
+            pi_old_before_update(trainer, every_mb, source)
+        if trainer.reference is not None and t.kl_in == "loss":
+            reference_logprobs(trainer, every_mb)
         for minibatch in minibatches:
             minibatch_loss, grad_norm = optimizer_step(
                 trainer,
@@ -176,41 +179,46 @@ def update_policy(trainer, sequences, step):
     return stats
 
 
-def logprobs_before_update(trainer, micro_batches, source):
-    """What the loss reads from before the first optimizer step: pi_old from `source`
-    (`pi_old_source`; stored as mb["old_logprobs"]): the engine's log-probs ("engine") or a
-    no-grad forward of every micro-batch ("recomputed"); and the frozen reference's, for the KL
-    term in the loss, always from a forward of its own. With "detached" (one minibatch, the
-    default) it computes no pi_old: optimizer_step takes it from its own forward."""
-    temperature = trainer.cfg.rollout.temperature
-    top_p = trainer.cfg.rollout.top_p
-    compiled = trainer.cfg.train.compile
+def pi_old_before_update(trainer, micro_batches, source):
+    """pi_old of every trained token before the first optimizer step (stored as
+    mb["old_logprobs"]), from `source` (`pi_old_source`): the engine's log-probs ("engine"), or a
+    no-grad forward of every micro-batch ("recomputed": several minibatches, whose later ones need
+    the weights from before the first step)."""
+    if source == "engine":
+        for mb in micro_batches:
+            mb["old_logprobs"] = mb["engine_logprobs"]
+        return
+    t = trainer.cfg
     with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
-            if source == "engine":
-                mb["old_logprobs"] = mb["engine_logprobs"]
-            elif source == "recomputed":
-                logprobs, _, full = sequence_logprobs(
-                    trainer.policy,
-                    mb,
-                    temperature,
-                    trainer.autocast_dtype,
-                    top_p=top_p,
-                    full=True,
-                    compiled_head=compiled,
-                )
-                mb["old_logprobs"] = logprobs
-                if full is not None:  # top_p < 1
-                    engine_logprobs_on_nucleus(mb, logprobs, full)
-            if trainer.reference is not None and trainer.cfg.train.kl_in == "loss":
-                mb["ref_logprobs"] = sequence_logprobs(
-                    trainer.reference,
-                    mb,
-                    temperature,
-                    trainer.autocast_dtype,
-                    top_p=top_p,
-                    compiled_head=compiled,
-                )[0]
+            logprobs, _, full = sequence_logprobs(
+                trainer.policy,
+                mb,
+                t.rollout.temperature,
+                trainer.autocast_dtype,
+                top_p=t.rollout.top_p,
+                full=True,
+                compiled_head=t.train.compile,
+            )
+            mb["old_logprobs"] = logprobs
+            if full is not None:  # top_p < 1
+                engine_logprobs_on_nucleus(mb, logprobs, full)
+
+
+def reference_logprobs(trainer, micro_batches):
+    """The frozen KL reference's log-probs of every trained token (mb["ref_logprobs"]), for the
+    KL term in the loss (train.kl_coef with kl_in=loss): always a no-grad forward of its own."""
+    t = trainer.cfg
+    with torch.no_grad(), compute_precision(trainer):
+        for mb in micro_batches:
+            mb["ref_logprobs"] = sequence_logprobs(
+                trainer.reference,
+                mb,
+                t.rollout.temperature,
+                trainer.autocast_dtype,
+                top_p=t.rollout.top_p,
+                compiled_head=t.train.compile,
+            )[0]
 
 
 def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
@@ -563,6 +571,8 @@ def sequence_logprobs(
             dtype=autocast_dtype or torch.float32,
             enabled=autocast_dtype is not None,
         ):
+            # named logits, but logprobs_head's output: (log-prob, entropy, full log-prob) per
+            # position
             out = model(input_ids=input_ids, use_cache=False, **inputs).logits
     finally:
         del head.forward
