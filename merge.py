@@ -223,8 +223,9 @@ def training_sequences(trajectories, cfg, max_seq_len):
     trajectories, each carrying its *trajectory's* advantage (set on every turn by
     advantages.compute). Over-long ones are dropped and counted, and with
     `train.mask_truncated` (DAPO's overlong filtering) the ones cut at the budget. Without
-    `rollout.merge_turns` every turn is its own sequence. Returns (sequences, metrics)."""
-    merge_turns = cfg.rollout.merge_turns
+    `rollout.merge_turns`, or with one-turn trajectories (`rollout.max_turns` 1, the default:
+    nothing to merge), every turn is its own sequence. Returns (sequences, metrics)."""
+    merge_turns = cfg.rollout.merge_turns and cfg.rollout.max_turns > 1  # as READ_WHEN says
     mask_truncated = cfg.train.mask_truncated
     if merge_turns:
         per_trajectory, stats = merge_each(trajectories, max_seq_len)
