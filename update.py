@@ -188,17 +188,17 @@ def pi_old_before_update(trainer, micro_batches, source):
         for mb in micro_batches:
             mb["old_logprobs"] = mb["engine_logprobs"]
         return
-    t = trainer.cfg
+    cfg = trainer.cfg
     with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
             logprobs, _, full = sequence_logprobs(
                 trainer.policy,
                 mb,
-                t.rollout.temperature,
+                cfg.rollout.temperature,
                 trainer.autocast_dtype,
-                top_p=t.rollout.top_p,
+                top_p=cfg.rollout.top_p,
                 full=True,
-                compiled_head=t.train.compile,
+                compiled_head=cfg.train.compile,
             )
             mb["old_logprobs"] = logprobs
             if full is not None:  # top_p < 1
@@ -208,16 +208,16 @@ def pi_old_before_update(trainer, micro_batches, source):
 def reference_logprobs(trainer, micro_batches):
     """The frozen KL reference's log-probs of every trained token (mb["ref_logprobs"]), for the
     KL term in the loss (train.kl_coef with kl_in=loss): always a no-grad forward of its own."""
-    t = trainer.cfg
+    cfg = trainer.cfg
     with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
             mb["ref_logprobs"] = sequence_logprobs(
                 trainer.reference,
                 mb,
-                t.rollout.temperature,
+                cfg.rollout.temperature,
                 trainer.autocast_dtype,
-                top_p=t.rollout.top_p,
-                compiled_head=t.train.compile,
+                top_p=cfg.rollout.top_p,
+                compiled_head=cfg.train.compile,
             )[0]
 
 
