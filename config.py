@@ -187,10 +187,13 @@ class RolloutConfig:
     mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] = 0.6
     # KV cache capacity in tokens (0 = engine decides from memory)
     max_total_tokens: NonNegativeInt = 16384
-    cancel: str = "none"  # tail cancellation: none | count | time | group
-    # count/time/group: launch the batch, stop once (1 - drop_rate) of it finished
+    # tail cancellation: none | count | time | group, or a policy added to cancel.POLICIES
+    cancel: str = "none"
+    # any policy but none, without dynamic sampling: launch the batch, stop once (1 - drop_rate)
+    # of it finished
     drop_rate: Annotated[float, Range(ge=0, lt=1)] = 0.0
-    # count/group: launch (1 + rate) x batch, stop once the batch finished
+    # any policy but none: launch (1 + rate) x the batch, stop once the batch finished; dynamic
+    # sampling: launch (1 + rate) x its prompts first (its kept groups decide the stop)
     over_sample_rate: Annotated[
         float, Range(ge=0, le=10, why="each launches (1 + rate) x the batch")
     ] = 0.0
@@ -511,9 +514,14 @@ def read_config(path=None, sets=()):
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         *sections, leaf = key.split(".")
         try:
-            nested = {leaf: yaml.safe_load(text)}
+            value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not a valid YAML scalar") from None
+        owner = mapping_owner(config, sections)
+        if owner is not None:  # one entry of a mapping (train.loss_terms.x=0.1): the others stay
+            value = {**getattr(owner, sections[-1]), leaf: value}
+            *sections, leaf = sections
+        nested = {leaf: value}
         for section in reversed(sections):
             nested = {section: nested}
         apply(config, nested)
@@ -521,18 +529,40 @@ def read_config(path=None, sets=()):
     return config
 
 
-def load_function(spec, key):
-    """The function a config string names: "path/to/file.py:function" or "module:function"
-    (importable from the working directory). A missing file, module or function is a ConfigError
-    naming `key`, before the engine starts."""
+def mapping_owner(config, sections):
+    """The section holding the mapping field that `sections` ends in (["train", "loss_terms"]: the
+    train section), or None: where a --set names one entry of a mapping, which then joins the
+    mapping's other entries (a whole mapping given as the value replaces them)."""
+    owner = config
+    for section in sections[:-1]:
+        owner = getattr(owner, section, None)
+        if not dataclasses.is_dataclass(owner):
+            return None
+    if sections and isinstance(getattr(owner, sections[-1], None), dict):
+        return owner
+    return None
+
+
+def check_function_spec(spec, key):
+    """A config string naming a function, checked without running anything (at load, so that
+    --print-config catches it too): its form, "path/to/file.py:function" or "module:function",
+    and a .py file's existence. Returns (where, function name)."""
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ConfigError(
             f"{key}={spec!r}: expected 'path/to/file.py:function' or 'module:function'"
         )
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise ConfigError(f"{key}={spec!r}: no file {where}")
+    return where, name
+
+
+def load_function(spec, key):
+    """The function a config string names: "path/to/file.py:function" or "module:function"
+    (importable from the working directory). A missing file, module or function is a ConfigError
+    naming `key`, before the engine starts."""
+    where, name = check_function_spec(spec, key)
     if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ConfigError(f"{key}={spec!r}: no file {where}")
         module_spec = importlib.util.spec_from_file_location(
             f"user_{os.path.basename(where)[:-3]}", where
         )

@@ -45,8 +45,10 @@ def check(cfg):
 
 
 class Rewards:
-    """A run's reward step: the task's `reward_fn` (response_text, answer, finished) -> float, run
-    in a thread pool of its own, and DAPO's overlong penalty when on (`train.overlong_penalty`)."""
+    """A run's reward step: its `reward_fn` (response_text, answer, finished) -> float, the one
+    `data.reward` names or else the task's own (task.data.task_reward), run in a thread pool of
+    its own, and DAPO's overlong penalty when on (`train.overlong_penalty`). `task_reward` is that
+    function's value alone, the penalty left out."""
 
     def __init__(self, reward_fn, tokenizer, cfg):
         self.reward_fn = reward_fn

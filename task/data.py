@@ -25,7 +25,7 @@ import random
 
 import rewards
 import runtime.seeds as seeds
-from config import ConfigError, DataConfig, refuse_unread
+from config import ConfigError, DataConfig, check_function_spec, refuse_unread
 
 # the fields any task may read (never refused); the rest of the data section is read by the tasks
 # that list it in their FIELDS, and the tool fields only with tools' turns (rollout.max_turns > 1).
@@ -93,6 +93,8 @@ def check(cfg):
             f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
         )
     refuse_unread(cfg, READ_WHEN)
+    if cfg.data.reward:  # its file now; its function when setup loads it (task_reward)
+        check_function_spec(cfg.data.reward, "data.reward")
     if hasattr(module, "check"):
         module.check(cfg)
 

@@ -4,6 +4,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import runpy
 import sys
 
@@ -37,6 +38,17 @@ def test_yaml_and_set_overrides_are_typed():
     )
     assert cfg.train.lr == 1e-3 and cfg.rollout.group_size == 4 and cfg.train.scale_by_std is False
     assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
+
+
+def test_a_set_naming_one_entry_of_a_mapping_keeps_the_others():
+    """`--set train.loss_terms.b=2` adds one entry to the mapping (a second term does not drop
+    the first: it did, silently); a whole mapping as the value replaces the entries before it."""
+    cfg = read_config(None, ["train.loss_terms={a: 1}", "train.loss_terms.b=2"])
+    assert cfg.train.loss_terms == {"a": 1.0, "b": 2.0}
+    cfg = read_config(None, ["train.loss_terms.b=2", "train.loss_terms={a: 1}"])
+    assert cfg.train.loss_terms == {"a": 1.0}
+    with pytest.raises(ConfigError, match=re.escape("train.loss_terms={'b': 'many'}: expected")):
+        read_config(None, ["train.loss_terms.b=many"])  # each entry still type-checked
 
 
 @pytest.mark.parametrize("name", ["gsm8k.yaml", "gsm8k_tool.yaml", "gsm8k_dapo.yaml"])

@@ -143,6 +143,10 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
             "stop",  # time would run as count, its own fields unread
         ),
         (
+            ["data.reward=nowhere.py:score"],  # was found only by setup, after --print-config
+            "data.reward='nowhere.py:score': no file nowhere.py",
+        ),
+        (
             ["rollout.cancel=count", "rollout.time_quantile=0.5"],
             "rollout.time_quantile=0.5 is read only by rollout.cancel=time",
         ),
