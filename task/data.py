@@ -93,8 +93,11 @@ def check(cfg):
             f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
         )
     refuse_unread(cfg, READ_WHEN)
-    if cfg.data.reward:  # its file now; its function when setup loads it (task_reward)
-        check_function_spec(cfg.data.reward, "data.reward")
+    # the files the functions are in, now; the functions when setup loads them
+    for spec in [cfg.data.reward] if cfg.data.reward else []:
+        check_function_spec(spec, "data.reward")
+    for spec in cfg.rollout.tools:
+        check_function_spec(spec, "rollout.tools")
     if hasattr(module, "check"):
         module.check(cfg)
 

@@ -147,6 +147,10 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
             "data.reward='nowhere.py:score': no file nowhere.py",
         ),
         (
+            ["data.task=chat", "rollout.max_turns=2", "rollout.tools=[nowhere.py:add]"],
+            "rollout.tools='nowhere.py:add': no file nowhere.py",
+        ),
+        (
             ["rollout.cancel=count", "rollout.time_quantile=0.5"],
             "rollout.time_quantile=0.5 is read only by rollout.cancel=time",
         ),
