@@ -119,11 +119,12 @@ def pi_old_source(trainer, step):
 
 # ---------------------------------------------------------------- the stage
 def update_policy(trainer, sequences, step):
-    """pi_old for every trained token, then `num_minibatches` clipped-ratio optimizer steps on
-    `sequences` (each carrying its trajectory's advantage). The weights being trained are version
-    `step` (the engine sampled this step with them): tokens an older one sampled (partial rollout)
-    are stale. At the default (train.old_logprobs: trainer, one minibatch) nothing is computed
-    before the step: `micro_batch_backward` takes pi_old from its own forward, detached.
+    """`num_minibatches` clipped-ratio optimizer steps on `sequences` (each carrying its
+    trajectory's advantage), against pi_old from `pi_old_source`: at the default
+    (train.old_logprobs: trainer, one minibatch) each micro-batch's own forward, detached
+    (`micro_batch_backward`), so nothing is computed before the first step; else
+    pi_old_before_update's. The weights being trained are version `step` (the engine sampled this
+    step with them): tokens an older one sampled (partial rollout) are stale.
 
     With several ranks each holds its own sequences (whole GRPO groups, so advantages were
     computed locally). Each rank's loss is divided by the *global* count of trained tokens (or
