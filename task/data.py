@@ -94,8 +94,8 @@ def check(cfg):
         )
     refuse_unread(cfg, READ_WHEN)
     # the files the functions are in, now; the functions when setup loads them
-    for spec in [cfg.data.reward] if cfg.data.reward else []:
-        check_function_spec(spec, "data.reward")
+    if cfg.data.reward:
+        check_function_spec(cfg.data.reward, "data.reward")
     for spec in cfg.rollout.tools:
         check_function_spec(spec, "rollout.tools")
     if hasattr(module, "check"):
