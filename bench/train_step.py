@@ -426,7 +426,12 @@ def shape_arms(args, device, shipped):
         if scope:
             arms["fsdp-eager"] = (shipped_attention, None, None, True)
             arms["fsdp-layer"] = (shipped_attention, "layer", None, True)
-    return {name: arm for name, arm in arms.items() if not args.arms or name in args.arms}
+    if not args.arms:
+        return arms
+    unknown = [name for name in args.arms if name not in arms]
+    if unknown:  # a misspelt arm would otherwise be skipped in silence
+        raise SystemExit(f"train_step: no arm {unknown} here; these run: {list(arms)}")
+    return {name: arms[name] for name in args.arms}  # in the order asked: first what matters most
 
 
 # Random weights give near-uniform next-token distributions (logits' std ~0.8 over 151,936 tokens),
@@ -568,7 +573,7 @@ def shape_main(args):
             with torch.no_grad():
                 norm.copy_(saved_norm)
             del trainer
-            if adapters:
+            if adapters or fsdp:  # not the plain model the next arm starts from
                 policy = None
         except Exception as e:  # one arm's failure must not cost the others' figures
             print(
@@ -641,7 +646,7 @@ def main():
         "--arms",
         type=lambda text: text.split(","),
         default=None,
-        help="--shape: only these arms (comma-separated names, as printed)",
+        help="--shape: only these arms, in this order (comma-separated names, as printed)",
     )
     parser.add_argument(
         "--profile", action="store_true", help="--shape: matmul share and kernels (GPU)"
