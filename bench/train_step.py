@@ -348,7 +348,13 @@ def gpu_profile(trainer, samples, advantages, device, pi_old=None):
         if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
     )
     kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA")
-    return matmul / max(total, 1), kernels
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:PROFILE_TOP]
+    # where the rest of the time goes: the ops with the most device time, ms in this update
+    ops = " ".join(f"{e.key}={e.self_device_time_total / 1e3:.1f}" for e in top)
+    return matmul / max(total, 1), kernels, f"device_ms={total / 1e3:.1f} {ops}"
+
+
+PROFILE_TOP = 8  # ops printed per arm with --profile
 
 
 def parity(device, attention):
@@ -553,10 +559,10 @@ def shape_main(args):
             tok_s = sum(tokens) / sum(seconds)
             # a frozen weight gets no gradient: 4 FLOPs per parameter and token, not 6
             mfu = (4 if adapters else 6) * matmul_params(policy) * tok_s / peak_flops
-            share, kernels = (
+            share, kernels, ops = (
                 gpu_profile(trainer, mixes[-1], advantages, device, pi_old)
                 if device.type == "cuda" and args.profile
-                else (float("nan"), 0)
+                else (float("nan"), 0, "")
             )
             figures[name] = (tok_s, mfu, sum(seconds) / len(seconds), peak, estimate - contexts)
             print(
@@ -570,9 +576,13 @@ def shape_main(args):
                 f"tokens={sum(tokens) // len(tokens)}",
                 flush=True,
             )
+            if ops:
+                print(f"profile: arm={name} {ops}", flush=True)
             with torch.no_grad():
                 norm.copy_(saved_norm)
-            del trainer
+            # nothing of this arm's model may outlive it: FSDP2's stayed alive through these names
+            # into the next arm, and counted in its peak (12 GiB at 1.5B on an H200)
+            del trainer, module, norm
             if adapters or fsdp:  # not the plain model the next arm starts from
                 policy = None
         except Exception as e:  # one arm's failure must not cost the others' figures
