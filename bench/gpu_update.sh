@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The trainer half on one GPU, as issues 42 and 44 measure it: bench/train_step.py --shape at
-# Qwen2.5-1.5B (FSDP2 on one rank with whole layers compiled (parallel.as_plain_modules) and with
-# the parts compiled as shipped, the one-rank path as shipped, top_p 0.9 on peaked logits), rank-64
-# LoRA at Qwen2.5-7B, and Qwen2.5-3B (FSDP2 with whole layers, the shipped path). Arms run in the
-# order named, the most wanted first, so a timeout cuts the least. Run from the repo root on a
-# machine with torch >= 2.6 and transformers >= 4.56 (no SGLang needed); logs go to $OUT.
-# SHAPES=tiny runs every line at the tiny shape (the dry run on a CPU).
+# Qwen2.5-1.5B (FSDP2 on one rank, the one-rank path, top_p 0.9 on peaked logits; with the
+# profiler's matmul share and top ops), rank-64 LoRA at Qwen2.5-7B, and Qwen2.5-3B (FSDP2, the
+# one-rank path). Arms run in the order named, the most wanted first, so a timeout cuts the least.
+# Run from the repo root on a machine with torch >= 2.6 and transformers >= 4.56 (no SGLang
+# needed); logs go to $OUT. SHAPES=tiny ATTENTION=sdpa runs every line at the tiny shape (the dry
+# run on a CPU).
 set -u
 OUT=${OUT:-runs/gpu-update}
 mkdir -p "$OUT"
@@ -19,11 +19,11 @@ bench() {  # seconds, log name, then train_step.py's arguments
         | grep -v -e Warning -e warn | tee "$OUT/$log.log"
 }
 tiny=${SHAPES:-}
-bench "${SECONDS_1_5B:-280}" shape-1.5b --shape "${tiny:-qwen2.5-1.5b}" --fsdp \
-    --arms "fsdp-layer,fsdp,now-${ATTENTION:-flex_attention},top_p-peaked"
+bench "${SECONDS_1_5B:-280}" shape-1.5b --shape "${tiny:-qwen2.5-1.5b}" --fsdp --profile \
+    --arms "now-${ATTENTION:-flex_attention},top_p-peaked,fsdp"
 bench "${SECONDS_7B:-130}" lora-7b --shape "${tiny:-qwen2.5-7b}" --lora 64 --arms lora
 bench "${SECONDS_3B:-90}" shape-3b --shape "${tiny:-qwen2.5-3b}" --top-p 1 --fsdp \
-    --arms "fsdp-layer,now-${ATTENTION:-flex_attention}"
+    --arms "fsdp,now-${ATTENTION:-flex_attention}"
 # the packed update's FlexAttention mask, built both ways (update.document_mask against torch's
 # create_block_mask over every token pair), up to the 47,104-token auto budget
 timeout "${SECONDS_MASK:-30}" python3 bench/block_mask.py 2>&1 | grep -v -e Warning -e warn \

@@ -334,24 +334,30 @@ def timed_update(trainer, samples, advantages, device, pi_old=None):
 
 
 def gpu_profile(trainer, samples, advantages, device, pi_old=None):
-    """(share of the GPU's kernel time in matmuls, kernel launches) of one update, from
-    torch.profiler: the self device time of aten::mm/addmm/bmm/_scaled_mm over every op's."""
+    """(share of the GPU's kernel time in matmuls, kernel launches, the ops with the most kernel
+    time) of one update, from torch.profiler. Its table has a row per kernel and a row per op that
+    counts the kernels the op launched (torch/autograd/profiler_util.py,
+    FunctionEvent.self_device_time_total): the total is the kernel rows' alone, the matmuls' the
+    aten::mm/addmm/bmm/_scaled_mm rows', the top list the op rows'. Until 2026-11-27 the total
+    summed both kinds of row, counting most kernels twice: the shares printed before are about
+    half the true ones."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_update(trainer, samples, advantages, device, pi_old)
     events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events)
+    ops = [e for e in events if e.device_type.name == "CPU"]
+    total = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     matmul = sum(
         e.self_device_time_total
-        for e in events
+        for e in ops
         if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
     )
     kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA")
-    top = sorted(events, key=lambda e: -e.self_device_time_total)[:PROFILE_TOP]
-    # where the rest of the time goes: the ops with the most device time, ms in this update
-    ops = " ".join(f"{e.key}={e.self_device_time_total / 1e3:.1f}" for e in top)
-    return matmul / max(total, 1), kernels, f"device_ms={total / 1e3:.1f} {ops}"
+    top = sorted(ops, key=lambda e: -e.self_device_time_total)[:PROFILE_TOP]
+    # where the rest of the time goes: kernel ms in this update, in all and under each op
+    listed = " ".join(f"{e.key}={e.self_device_time_total / 1e3:.1f}" for e in top)
+    return matmul / max(total, 1), kernels, f"kernel_ms={total / 1e3:.1f} {listed}"
 
 
 PROFILE_TOP = 8  # ops printed per arm with --profile
@@ -398,40 +404,40 @@ def shape_config(sets):
 
 
 def shape_arms(args, device, shipped):
-    """{arm name: (config overrides, compile scope or None for eager, pi_old source or None,
-    FSDP2)}. `baseline` is the update as shipped before issue 42 as near as this code runs it:
-    configs/gsm8k.yaml's attention at its 4,096-token budget, eager, pi_old from a forward of its
-    own. The others run the config as shipped now (max_tokens_per_micro_batch auto, train.compile)
-    with each attention, with top_p 0.9, and as FSDP2 on one rank (what each of N ranks computes),
-    whose compile scope (model.COMPILE_SCOPE) is also timed eager, as a whole layer, and, on one
-    rank, beside the whole layer (`now-parts`)."""
-    scope = model.COMPILE_SCOPE[False] if args.compile == "true" else None
-    fsdp_scope = model.COMPILE_SCOPE[True] if args.compile == "true" else None
+    """{arm name: (config overrides, compiled layers, pi_old source or None, FSDP2)}. `baseline` is
+    the update as shipped before issue 42 as near as this code runs it: configs/gsm8k.yaml's
+    attention at its 4,096-token budget, eager, pi_old from a forward of its own. The others run
+    the config as shipped now (max_tokens_per_micro_batch auto, train.compile) with each
+    attention, with top_p 0.9, and as FSDP2 on one rank (what each of N ranks computes), also
+    eager there (`fsdp-eager`)."""
+    compiled = args.compile == "true"
     attentions = ["sdpa", "flex_attention"] if device.type == "cuda" else ["sdpa"]
     shipped_attention = [f"model.attn_implementation={shipped}"]
     arms = {
         "baseline": (
             shipped_attention + ["train.max_tokens_per_micro_batch=4096"],
-            None,
+            False,
             "recomputed",
             False,
         )
     }
     for attention in attentions:
-        arms[f"now-{attention}"] = ([f"model.attn_implementation={attention}"], scope, None, False)
+        arms[f"now-{attention}"] = (
+            [f"model.attn_implementation={attention}"],
+            compiled,
+            None,
+            False,
+        )
     if args.top_p < 1:
-        arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], scope, None, False)
+        arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], compiled, None, False)
         arms["top_p-peaked"] = arms["top_p"]  # with PEAKED_NORM: see there
     if args.lora:  # the base frozen in bf16, fp32 adapters on every projection (runtime/lora.py)
         lora_sets = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"]
-        arms["lora"] = (shipped_attention + lora_sets, scope, None, False)
+        arms["lora"] = (shipped_attention + lora_sets, compiled, None, False)
     if args.fsdp:
-        if scope:  # the compile scopes side by side (with --compile false every arm is eager)
-            arms["now-parts"] = (shipped_attention, "parts", None, False)
-        arms["fsdp"] = (shipped_attention, fsdp_scope, None, True)
-        if scope:
-            arms["fsdp-eager"] = (shipped_attention, None, None, True)
-            arms["fsdp-layer"] = (shipped_attention, "layer", None, True)
+        arms["fsdp"] = (shipped_attention, compiled, None, True)
+        if compiled:  # with --compile false every arm is eager
+            arms["fsdp-eager"] = (shipped_attention, False, None, True)
     if not args.arms:
         return arms
     unknown = [name for name in args.arms if name not in arms]
@@ -505,7 +511,7 @@ def shape_main(args):
     peak_flops, peak_source = bf16_peak(device, dtype, args.peak_tflops)
     policy = None
     figures = {}
-    for name, (sets, scope, pi_old, fsdp) in shape_arms(
+    for name, (sets, compiled, pi_old, fsdp) in shape_arms(
         args, device, base.model.attn_implementation
     ).items():
         cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
@@ -524,13 +530,13 @@ def shape_main(args):
                 lora.add_adapters(
                     policy, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_targets, dtype
                 )
-            if scope:
-                model.compile_layers(policy, scope)
+            if compiled:
+                model.compile_layers(policy)
             policy.set_attn_implementation(cfg.model.attn_implementation)
             if fsdp:
                 fsdp_one_rank(device)
                 policy = parallel.shard(policy, dtype)
-            cfg.train.compile = scope is not None
+            cfg.train.compile = compiled
             norm = policy.model.norm.weight
             saved_norm = norm.detach().clone()
             if name.endswith("peaked"):
@@ -567,7 +573,7 @@ def shape_main(args):
             figures[name] = (tok_s, mfu, sum(seconds) / len(seconds), peak, estimate - contexts)
             print(
                 f"train_step_gpu: device={device_name} shape={args.shape} arm={name} "
-                f"attention={cfg.model.attn_implementation} budget={budget} compile={scope} "
+                f"attention={cfg.model.attn_implementation} budget={budget} compile={compiled} "
                 f"pi_old={pi_old or update_stage.pi_old_source(trainer, 0)} "
                 f"top_p={cfg.rollout.top_p} "
                 f"tok_s={tok_s:.1f} mfu={mfu:.3f} update_s={figures[name][2]:.3f} "
@@ -644,7 +650,7 @@ def main():
         "--top-p", type=float, default=0.9, help="--shape: an arm at this top_p (1: none)"
     )
     parser.add_argument(
-        "--fsdp", action="store_true", help="--shape: FSDP2 arms on one rank (each compile scope)"
+        "--fsdp", action="store_true", help="--shape: FSDP2 arms on one rank (compiled and eager)"
     )
     parser.add_argument(
         "--lora", type=int, default=0, help="--shape: an arm with LoRA adapters of this rank"

@@ -160,9 +160,7 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.train.compile:
-        import runtime.parallel as parallel  # lazily: the trainer's only distributed state
-
-        compile_layers(model, COMPILE_SCOPE[parallel.world_size() > 1])
+        compile_layers(model)
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
 
 
@@ -178,42 +176,22 @@ def build_reference(cfg, policy, chars=TINY_CHARS):
     return build_policy(cfg, None, chars)[0].requires_grad_(False).eval()
 
 
-# what train.compile compiles in each decoder layer: all of it with one rank; under FSDP2 (several
-# ranks) its RMSNorms and MLP, the attention left eager, until the whole layer is measured there
-# (`compile_layers`)
-COMPILE_SCOPE = {False: "layer", True: "parts"}
-
-
-def compile_layers(model, scope="layer"):
+def compile_layers(model):
     """train.compile: torch.compile with dynamic shapes (every micro-batch has its own token count:
-    one graph serves them all) of each decoder layer's forward (`scope` "layer"), or of its two
-    RMSNorms' and its MLP's only ("parts": the attention, FlexAttention included, stays eager).
+    one graph serves them all) of each decoder layer's forward, on one rank and under FSDP2 alike.
     Only `forward` is replaced, on each module instance, so parameter names (checkpoints, the
     weight sync) do not change and FSDP2's hooks, which run around a layer's forward in
     Module.__call__, stay outside the compiled code. The layers share one class's code, so
     Dynamo compiles it once, not once per layer (modules are inlined as inputs:
     torch._dynamo.config.inline_inbuilt_nn_modules, on by default).
 
-    Why two scopes (COMPILE_SCOPE picks by FSDP2; measured on an H200, torch 2.11,
-    docs/RESULTS.md): a whole layer compiled under FSDP2 failed Inductor's flex_attention
-    lowering, on a head count Dynamo read as a symbol (FSDP2 marks the modules it manages for
-    Dynamo, whose Python ints are then symbolic under dynamic=True). The parts hold no head count
-    and most of a layer's elementwise kernels: under FSDP2 they took MFU from 0.295 (eager) to
-    0.39-0.40, near the whole layer's 0.41-0.42 on one rank. parallel.as_plain_modules now removes
-    that mark, so the whole layer traces under FSDP2 with constant ints (tested on CPU); whether
-    it lowers and runs faster on a GPU is not measured yet (`bench/gpu_update.sh`, arm
-    fsdp-layer), so FSDP2 ranks still compile the parts.
+    Under FSDP2 this needs parallel.as_plain_modules (called by parallel.shard): FSDP2's mark for
+    Dynamo made a layer's head count a symbol, on which Inductor's flex_attention lowering failed.
+    With it, on an H200 (torch 2.11, docs/RESULTS.md), FSDP2 on one rank reached MFU 0.43-0.44 at
+    Qwen2.5-1.5B, against 0.40 with only each layer's norms and MLP compiled (the earlier way).
     """
-    if scope not in ("layer", "parts"):
-        raise ValueError(f"compile_layers: unknown scope {scope!r}; expected 'layer' or 'parts'")
     for layer in model.model.layers:
-        parts = (
-            [layer]
-            if scope == "layer"
-            else [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
-        )
-        for module in parts:
-            module.forward = torch.compile(module.forward, dynamic=True)
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def load_tokenizer(cfg, path, chars=TINY_CHARS):

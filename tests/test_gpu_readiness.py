@@ -143,8 +143,8 @@ ESTIMATE_TABLE = {
     "FSDP units gathered for the update": 2.88,
     "root gradient, unsharded fp32 (reduce-scatter)": 0.87,
     "autocast weight copies": 0.0,
-    # 4,096 x 28 layers x (10 x 1,536 + 4 x 8,960) x 2 bytes = 10.94, x 0.70 (train.compile: under
-    # FSDP2 each layer's norms and MLP compiled, as measured on an H200: estimate.ACTIVATION_FACTOR)
+    # 4,096 x 28 layers x (10 x 1,536 + 4 x 8,960) x 2 bytes = 10.94, x 0.70 (train.compile: the
+    # layers compiled, as measured on an H200 under FSDP2: estimate.ACTIVATION_FACTOR)
     "activations (4096 tokens, packed)": 7.66,
     "log-prob path (chunked head)": 2.34,
     "top-p nucleus (chunked head)": 0.0,  # top_p 1

@@ -174,40 +174,36 @@ def test_one_rank_bf16_casts_each_weight_once_per_optimizer_step(tmp_path, monke
 def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_path):
     """train.compile: the update of compiled decoder layers and head equals the eager one (fp32,
     to kernel rounding), the parameter names are unchanged, and after the first update three new
-    length mixes compile nothing more (dynamic shapes). The same for the scope FSDP2 ranks
-    compile (model.COMPILE_SCOPE: each layer's norms and MLP), here on one rank. Costs ~60-90 s
-    on 2 cores: Inductor compiles a layer's, its parts' and the head's forward and backward once."""
+    length mixes compile nothing more (dynamic shapes). Costs ~60 s on 2 cores: Inductor compiles
+    a layer's and the head's forward and backward once."""
     from torch._dynamo.utils import counters
 
     results = {}
-    for scope in (None, "layer", model.COMPILE_SCOPE[True]):
-        sets = PATHS["packed"] + [f"train.compile={scope == 'layer'}"]
+    for compiled in (False, True):
+        sets = PATHS["packed"] + [f"train.compile={compiled}"]
         cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
-        policy, _ = model.build_policy(cfg, None)
-        if scope == "parts":
-            model.compile_layers(policy, scope)
-        trainer = setup_run.trainer_only(cfg, policy)
+        trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
         stats, grads = update_with_gradients(trainer, *random_samples(3))
-        results[scope] = (stats["train/loss"], grads)
-        if scope:
+        results[compiled] = (stats["train/loss"], grads)
+        if compiled:
             graphs = counters["stats"]["unique_graphs"]
             for seed in (4, 5, 6):
                 train_on(trainer, *random_samples(seed))
-            assert counters["stats"]["unique_graphs"] == graphs, scope
-    eager_loss, eager = results.pop(None)
+            assert counters["stats"]["unique_graphs"] == graphs
+    (eager_loss, eager), (compiled_loss, compiled) = results[False], results[True]
     scale = max(g.abs().max() for g in eager.values())
-    for compiled_loss, compiled in results.values():
-        assert compiled.keys() == eager.keys()  # the same parameter names
-        assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
+    assert compiled.keys() == eager.keys()  # the same parameter names
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_a_layer_compiled_whole_under_fsdp2_has_a_constant_head_count(tmp_path):
     """Under FSDP2 (one gloo rank, in this process) a decoder layer compiled whole with dynamic
-    shapes is traced with `self_attn.head_dim` as the constant it is (parallel.as_plain_modules:
-    FSDP2's mark for Dynamo made it a symbol, and Inductor's flex_attention lowering failed on the
-    symbolic head count on an H200); the layers share their graphs, three more length mixes
-    compile nothing, and the update equals eager FSDP2's. The backend is aot_eager (Dynamo and
+    shapes, as train.compile does on each of N ranks, is traced with `self_attn.head_dim` as the
+    constant it is (parallel.as_plain_modules: FSDP2's mark for Dynamo made it a symbol, and
+    Inductor's flex_attention lowering failed on the symbolic head count on an H200); the layers
+    share their graphs, three more length mixes compile nothing, and the update equals eager
+    FSDP2's. The backend is aot_eager (Dynamo and
     AOTAutograd, no Inductor: the tracing is what the mark changed), and it records each graph."""
     import tempfile
 
