@@ -180,7 +180,7 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     lse = scaled.logsumexp(-1)
     full_logprobs = target - lse
     if top_p < 1:
-        scaled = nucleus(scaled, target_ids, top_p, lse)
+        scaled = nucleus(scaled, target_ids, top_p, lse, ranked=logits)
         lse = scaled.logsumexp(-1)
     logprobs = target - lse
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
@@ -199,7 +199,7 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
 NUCLEUS_TOP_K = 256
 
 
-def nucleus(scaled, target_ids, top_p, lse=None):
+def nucleus(scaled, target_ids, top_p, lse=None, ranked=None):
     """`scaled` logits [B, T, V] with every token outside the top-p nucleus at -inf: the
     distribution the engine samples from. SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
@@ -211,18 +211,27 @@ def nucleus(scaled, target_ids, top_p, lse=None):
     Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k, not a
     sort of the vocabulary), which holds it wherever they weigh more than top_p, as a trained
     model's do nearly everywhere; only the positions where they do not (a near-uniform
-    distribution) sort their whole row (one host read per call decides). `lse`: the rows'
-    log-sum-exp, if already known."""
+    distribution) sort their whole row (one host read per call decides). The top-k reads
+    `ranked` where given: the logits `scaled` was made of, in their compute dtype (bf16: half the
+    bytes), whose order it keeps (a cast and a division by a positive temperature never reorder),
+    so the same values rank first. No probability is kept for the whole vocabulary: the edge is
+    computed without a graph (no gradient passes through which tokens drop), and each token's
+    probability is recomputed where it is compared. `lse`: the rows' log-sum-exp, if known."""
     lse = scaled.logsumexp(-1) if lse is None else lse
-    probs = (scaled - lse.unsqueeze(-1)).exp()
-    flat = probs.flatten(0, -2)  # [N, V]
-    top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).values  # descending
-    edge, mass = nucleus_edge(top, top_p)
-    wide = (mass <= top_p).nonzero().squeeze(-1)  # the top k hold too little: the edge is beyond
-    if len(wide):
-        edge[wide] = nucleus_edge(flat[wide].sort(-1, descending=True).values, top_p)[0]
-    dropped = probs < edge.view(probs.shape[:-1]).unsqueeze(-1)
-    dropped.scatter_(-1, target_ids.unsqueeze(-1), False)
+    flat, flat_lse = scaled.flatten(0, -2), lse.reshape(-1, 1)  # [N, V], [N, 1]
+    with torch.no_grad():
+        ranks = flat if ranked is None else ranked.flatten(0, -2)
+        index = ranks.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).indices
+        top = (flat.gather(-1, index) - flat_lse).exp()  # the top-k's probabilities, descending
+        edge, mass = nucleus_edge(top, top_p)
+        wide = (
+            (mass <= top_p).nonzero().squeeze(-1)
+        )  # the top k hold too little: the edge is beyond
+        if len(wide):
+            row = (flat[wide] - flat_lse[wide]).exp()
+            edge[wide] = nucleus_edge(row.sort(-1, descending=True).values, top_p)[0]
+        dropped = (scaled - lse.unsqueeze(-1)).exp() < edge.view(scaled.shape[:-1]).unsqueeze(-1)
+        dropped.scatter_(-1, target_ids.unsqueeze(-1), False)
     return scaled.masked_fill(dropped, float("-inf"))
 
 

@@ -121,6 +121,37 @@ def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypat
     torch.testing.assert_close(full, logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0])
 
 
+def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monkeypatch):
+    """token_logprobs at top_p < 1 on bf16 logits (ties among them: bf16 has few values) and a
+    temperature: the nucleus, whose top-k ranks the bf16 logits (`ranked`), is the sorted
+    vocabulary's over the scaled fp32 ones (every token tied with the last one kept stays), and
+    the log-probs and their gradient are those of the sorted nucleus's log-softmax, on peaked and
+    flat rows, with the top-k and the sort alike."""
+    torch.manual_seed(1)
+    vocab, temperature, top_p = 512, 0.7, 0.9
+    rows = torch.cat([torch.randn(4, 6, vocab) * 4, torch.randn(4, 6, vocab) * 0.1])
+    logits = rows.round(decimals=1).bfloat16().requires_grad_()  # many equal values
+    targets = torch.randint(0, vocab, (8, 6))
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 16)
+    scaled = logits.detach().float() / temperature
+    probs = (scaled - scaled.logsumexp(-1, keepdim=True)).exp()
+    ordered = probs.sort(-1, descending=True).values
+    kept = ((ordered.cumsum(-1) - ordered) <= top_p).sum(-1, keepdim=True)
+    dropped = probs < ordered.gather(-1, kept - 1)  # tokens tied with the last one kept all stay
+    dropped.scatter_(-1, targets.unsqueeze(-1), False)
+    reference = logits.float() / temperature
+    want = reference.masked_fill(dropped, float("-inf")).log_softmax(-1)
+    want = want.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (want_grad,) = torch.autograd.grad(want.sum(), logits)
+    logprobs, _ = losses.token_logprobs(logits, targets, temperature, top_p=top_p)
+    (grad,) = torch.autograd.grad(logprobs.sum(), logits)
+    assert 0 < dropped.float().mean() < 1
+    cut = losses.nucleus(scaled, targets, top_p, ranked=logits.detach())
+    assert torch.equal(cut.isinf(), dropped)
+    torch.testing.assert_close(logprobs, want)  # to rounding: log_softmax against target - lse
+    torch.testing.assert_close(grad, want_grad)
+
+
 class CastCounter(TorchDispatchMode):
     """Counts the casts of each parameter (by storage) to bfloat16."""
 
