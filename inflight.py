@@ -192,7 +192,7 @@ class Rollout:
     async def generate_one(self, request, prompt_ids, sampling, turn=0):
         """One request of `request`'s trajectory; an engine exception becomes a sample marked
         "error" (counted, logged, dropped)."""
-        if self.settings.seed is not None:
+        if self.settings.seed is not None:  # read by the engine only with rollout.deterministic
             seed = request_seed(self.settings.seed, request.index, turn)
             sampling = {**sampling, "sampling_seed": seed}
         # uuid: SGLang aborts by rid *prefix*

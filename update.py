@@ -389,7 +389,7 @@ def collate(samples, pad_id, rows=None):
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
     batch = dict(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=attention_mask,  # the padded model's mask; packed, only a token count
         targets=input_ids[:, 1:],
         loss_mask=loss_mask,
         engine_logprobs=engine_logprobs,
@@ -428,6 +428,83 @@ def collate(samples, pad_id, rows=None):
             gathered=gathered,
         )
     return batch
+
+
+def sequence_logprobs(
+    model,
+    batch,
+    temperature,
+    autocast_dtype=None,
+    entropy_grad=False,
+    top_p=1.0,
+    full=False,
+    compiled_head=False,
+):
+    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
+
+    For this call the model's output head returns log-probs (loss.head_logprobs, chunked over
+    positions) instead of [B, T, V] logits: it still runs inside the model's forward, where FSDP2
+    has gathered the head's weight as for the usual logits, but the full logits never exist. With
+    one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
+    mixed precision policy does that, and autocast stays off). The entropies carry their graph
+    only with `entropy_grad` (an entropy bonus in the loss). With `top_p` < 1, of the nucleus the
+    engine sampled from (loss.nucleus). With `full`, a third value: the log-probs of the full
+    softmax (no graph; what the engine reports with top_p < 1), None at top_p 1, where they are
+    the first. `compiled_head` (train.compile): the head's chunks compiled (loss.chunk_function).
+    """
+    head = model.get_output_embeddings()
+    packed = "packed_ids" in batch
+    input_ids = batch["packed_ids"] if packed else batch["input_ids"]
+    # packed: only the positions that predict a response token (the next one in the row is its
+    # target); padded: position t predicts target t (= input t + 1)
+    index = batch["head_index"] if packed else None
+    targets = input_ids.flatten()[index + 1] if packed else input_ids[:, 1:]
+
+    def logprobs_head(hidden):  # hidden: [B, T, H]
+        values = loss.head_logprobs(
+            hidden if packed else hidden[:, :-1],
+            head.weight,
+            head.bias,
+            targets,
+            temperature,
+            index=index,
+            entropy_grad=entropy_grad,
+            top_p=top_p,
+            full=True,
+            compiled=compiled_head,
+        )
+        # [B, T-1, 3] (packed: [N, 3]), where the logits would be
+        return torch.stack(values, -1)
+
+    head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
+    try:
+        # use_cache=False: the config's default (True for Qwen2.5) would build a DynamicCache that
+        # keeps every layer's K/V alive through the no-grad pass (transformers utils/generic.py),
+        # and packing needs it off
+        inputs = (
+            dict(position_ids=batch["position_ids"], attention_mask=flex_mask(model, batch))
+            if packed
+            else dict(attention_mask=batch["attention_mask"])
+        )
+        # for callers outside the update; inside compute_precision's context this nested one
+        # keeps its cast cache (only the outermost exit clears it)
+        with torch.autocast(
+            input_ids.device.type,
+            dtype=autocast_dtype or torch.float32,
+            enabled=autocast_dtype is not None,
+        ):
+            # named logits, but logprobs_head's output: (log-prob, entropy, full log-prob) per
+            # position
+            out = model(input_ids=input_ids, use_cache=False, **inputs).logits
+    finally:
+        del head.forward
+    if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
+        out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
+    logprobs = out[..., 0]
+    entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
+    if not full:
+        return logprobs, entropy
+    return logprobs, entropy, out[..., 2].detach() if top_p < 1 else None
 
 
 def flex_mask(model, batch):
@@ -507,83 +584,6 @@ def document_mask(position_ids):
         mask_mod=causal_in_document(document),
         seq_lengths=(width, width),
     )
-
-
-def sequence_logprobs(
-    model,
-    batch,
-    temperature,
-    autocast_dtype=None,
-    entropy_grad=False,
-    top_p=1.0,
-    full=False,
-    compiled_head=False,
-):
-    """Per-token log-probs and entropies [B, T-1] of `batch['targets']` under `model`, in fp32.
-
-    For this call the model's output head returns log-probs (loss.head_logprobs, chunked over
-    positions) instead of [B, T, V] logits: it still runs inside the model's forward, where FSDP2
-    has gathered the head's weight as for the usual logits, but the full logits never exist. With
-    one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
-    mixed precision policy does that, and autocast stays off). The entropies carry their graph
-    only with `entropy_grad` (an entropy bonus in the loss). With `top_p` < 1, of the nucleus the
-    engine sampled from (loss.nucleus). With `full`, a third value: the log-probs of the full
-    softmax (no graph; what the engine reports with top_p < 1), None at top_p 1, where they are
-    the first. `compiled_head` (train.compile): the head's chunks compiled (loss.chunk_function).
-    """
-    head = model.get_output_embeddings()
-    packed = "packed_ids" in batch
-    input_ids = batch["packed_ids"] if packed else batch["input_ids"]
-    # packed: only the positions that predict a response token (the next one in the row is its
-    # target); padded: position t predicts target t (= input t + 1)
-    index = batch["head_index"] if packed else None
-    targets = input_ids.flatten()[index + 1] if packed else input_ids[:, 1:]
-
-    def logprobs_head(hidden):  # hidden: [B, T, H]
-        values = loss.head_logprobs(
-            hidden if packed else hidden[:, :-1],
-            head.weight,
-            head.bias,
-            targets,
-            temperature,
-            index=index,
-            entropy_grad=entropy_grad,
-            top_p=top_p,
-            full=True,
-            compiled=compiled_head,
-        )
-        # [B, T-1, 3] (packed: [N, 3]), where the logits would be
-        return torch.stack(values, -1)
-
-    head.forward = logprobs_head  # an instance attribute: shadows nn.Linear.forward until deleted
-    try:
-        # use_cache=False: the config's default (True for Qwen2.5) would build a DynamicCache that
-        # keeps every layer's K/V alive through the no-grad pass (transformers utils/generic.py),
-        # and packing needs it off
-        inputs = (
-            dict(position_ids=batch["position_ids"], attention_mask=flex_mask(model, batch))
-            if packed
-            else dict(attention_mask=batch["attention_mask"])
-        )
-        # for callers outside the update; inside compute_precision's context this nested one
-        # keeps its cast cache (only the outermost exit clears it)
-        with torch.autocast(
-            input_ids.device.type,
-            dtype=autocast_dtype or torch.float32,
-            enabled=autocast_dtype is not None,
-        ):
-            # named logits, but logprobs_head's output: (log-prob, entropy, full log-prob) per
-            # position
-            out = model(input_ids=input_ids, use_cache=False, **inputs).logits
-    finally:
-        del head.forward
-    if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
-        out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
-    logprobs = out[..., 0]
-    entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
-    if not full:
-        return logprobs, entropy
-    return logprobs, entropy, out[..., 2].detach() if top_p < 1 else None
 
 
 def micro_batches(samples, size, pad_id, max_tokens=0):
