@@ -338,14 +338,15 @@ def gpu_profile(trainer, samples, advantages, device, pi_old=None):
     time) of one update, from torch.profiler. Its table has a row per kernel and a row per op that
     counts the kernels the op launched (torch/autograd/profiler_util.py,
     FunctionEvent.self_device_time_total): the total is the kernel rows' alone, the matmuls' the
-    aten::mm/addmm/bmm/_scaled_mm rows', the top list the op rows'. Until 2026-11-27 the total
-    summed both kinds of row, counting most kernels twice: the shares printed before are about
-    half the true ones."""
+    aten::mm/addmm/bmm/_scaled_mm rows', the top list the op rows' (CUPTI's overhead records,
+    listed with a device time, left out everywhere). Until 2026-11-27 the total summed both kinds
+    of row, counting most kernels twice: the shares printed before are about half the true ones."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_update(trainer, samples, advantages, device, pi_old)
     events = prof.key_averages()
+    events = [e for e in events if e.key not in CUPTI_OVERHEADS]
     ops = [e for e in events if e.device_type.name == "CPU"]
     total = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     matmul = sum(
@@ -353,7 +354,7 @@ def gpu_profile(trainer, samples, advantages, device, pi_old=None):
         for e in ops
         if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm")
     )
-    kernels = sum(e.count for e in prof.events() if e.device_type.name == "CUDA")
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
     top = sorted(ops, key=lambda e: -e.self_device_time_total)[:PROFILE_TOP]
     # where the rest of the time goes: kernel ms in this update, in all and under each op
     listed = " ".join(f"{e.key}={e.self_device_time_total / 1e3:.1f}" for e in top)
@@ -361,6 +362,19 @@ def gpu_profile(trainer, samples, advantages, device, pi_old=None):
 
 
 PROFILE_TOP = 8  # ops printed per arm with --profile
+# CUPTI's overhead records (CUpti_ActivityOverheadKind, cupti_activity.h), which the profiler lists
+# beside the kernels with a device time: no kernel ran (run 11 counted 70-134 ms of "Command
+# Buffer Full", the launch queue full)
+CUPTI_OVERHEADS = {
+    "Buffer Flush",
+    "Instrumentation",
+    "Resource",
+    "Runtime Triggered Module Loading",
+    "Lazy Function Loading",
+    "Command Buffer Full",
+    "Activity Buffer Request",
+    "UVM Activity Init",
+}
 
 
 def parity(device, attention):
