@@ -224,9 +224,8 @@ def nucleus(scaled, target_ids, top_p, lse=None, ranked=None):
         index = ranks.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).indices
         top = (flat.gather(-1, index) - flat_lse).exp()  # the top-k's probabilities, descending
         edge, mass = nucleus_edge(top, top_p)
-        wide = (
-            (mass <= top_p).nonzero().squeeze(-1)
-        )  # the top k hold too little: the edge is beyond
+        # the rows whose top k hold too little: their edge is beyond
+        wide = (mass <= top_p).nonzero().squeeze(-1)
         if len(wide):
             row = (flat[wide] - flat_lse[wide]).exp()
             edge[wide] = nucleus_edge(row.sort(-1, descending=True).values, top_p)[0]
