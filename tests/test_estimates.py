@@ -40,14 +40,21 @@ def test_gpu_configs_leave_15_percent_headroom_on_80_gb(config):
 
 
 def test_gradient_checkpointing_lowers_the_train_estimate():
-    """Turning train.gradient_checkpointing on lowers the estimated train-phase memory."""
+    """Turning train.gradient_checkpointing on lowers the estimated train-phase memory (in this
+    process: the bench's command line runs in the test above)."""
+    from assemble import load_config
+    from runtime.estimate import H100_80GB_GIB, estimate
 
-    def train_gib(*sets):
-        budget = ("--set", "train.max_tokens_per_micro_batch=4096")  # auto would fill the card
-        line = run_bench("bench/estimate_memory.py", "--ranks", "1", *budget, *sets)[-1]
-        return float(re.search(r"train_gib=(\S+)", line).group(1))
+    def train_bytes(checkpointing):
+        sets = [
+            "data.train_path=unused",
+            "train.max_tokens_per_micro_batch=4096",  # auto would fill the card
+            f"train.gradient_checkpointing={checkpointing}",
+        ]
+        cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
+        return estimate(cfg, 1, H100_80GB_GIB * 2**30)[1]["train"]
 
-    assert train_gib("--set", "train.gradient_checkpointing=true") < train_gib()
+    assert train_bytes(True) < train_bytes(False)
 
 
 # a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and
