@@ -128,7 +128,9 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
     the log-probs and their gradient are those of the sorted nucleus's log-softmax, on peaked and
     flat rows, with the top-k and the sort alike."""
     torch.manual_seed(1)
-    vocab, temperature, top_p = 512, 0.7, 0.9
+    vocab = 512
+    temperature = 0.7  # scaled = logits / temperature: the top-k still ranks the bf16 logits
+    top_p = 0.9
     rows = torch.cat([torch.randn(4, 6, vocab) * 4, torch.randn(4, 6, vocab) * 0.1])
     logits = rows.round(decimals=1).bfloat16().requires_grad_()  # many equal values
     targets = torch.randint(0, vocab, (8, 6))
