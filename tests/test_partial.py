@@ -260,6 +260,11 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
         "train.tis_cap=2",
         "run.val_every=100",
         "run.checkpoint_every=0",
+        # a KV pool of about ten requests: the tail queues behind the first ones and is still in
+        # the engine at the count. With the default pool all 64 ran at once, and on a loaded
+        # machine (the suite's background runs) the engine once finished them all before the
+        # trainer's decision reached it: nothing suspended (1 of 5 runs under 4 busy processes)
+        "rollout.max_total_tokens=512",
     ]
     run = train.setup(tiny_config(tmp_path, "train.steps=2", *sets), engine=engine)
     train.train(run)
