@@ -323,7 +323,7 @@ def gsm8k_run(qwen_tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gsm8k")
     # A KV pool of about two requests (the longest prompt, 221 tokens, plus 32 fits): the
     # over-sampled fifth group queues behind the first four and is still queued or running at the
-    # count (8 of 8 suspended in 3 runs beside 4 busy processes). With the 16,384-token pool all
+    # count (7-8 suspended a step in 3 runs beside 4 busy processes). With the 16,384-token pool all
     # 40 ran at once and ended within a token of each other (this model answers in 4-8): whether
     # one was still running at the count was a race, and CI once saw none.
     return out, *rehearse(
