@@ -16,7 +16,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from config import ConfigError, refuse_unread
 
@@ -258,6 +258,24 @@ def _linear_token_logprobs(
     )
 
 
+# with top_p < 1 a checkpointed head chunk keeps these ops' outputs from its forward for the
+# backward's recompute (`keep_nucleus_search`): the nucleus's top-k (NUCLEUS_TOP_K indices and
+# values a token, kept for the whole micro-batch: runtime/estimate.py counts them) and the rows it
+# sends to a full sort (a nonzero, read on the host)
+NUCLEUS_SEARCH = [torch.ops.aten.topk.default, torch.ops.aten.nonzero.default]
+
+
+def keep_nucleus_search():
+    """Selective checkpointing's two contexts for a head chunk at top_p < 1
+    (torch/utils/checkpoint.py, `create_selective_checkpoint_contexts`; its dispatch modes let
+    torch.compile'd code run under them): the forward saves the outputs of the NUCLEUS_SEARCH ops,
+    the backward's recompute reads them back instead of running them, and recomputes every other
+    op as plain checkpointing does, so the result is the same bit for bit. Why: on an H200 the
+    top-k was about half of what top_p adds to the update's kernel time, run twice (RESULTS, run
+    11), and the recompute's nonzero stopped the host in the middle of the backward."""
+    return create_selective_checkpoint_contexts(NUCLEUS_SEARCH)
+
+
 @functools.cache
 def compiled_chunk():
     """`head_logprobs(compiled=True)`'s chunk: `_linear_token_logprobs` as one torch.compile'd
@@ -296,8 +314,9 @@ def head_logprobs(
     freed after the forward and recomputed in the backward. Peak memory is then a few chunks of
     [chunk_tokens, V], not several full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6
     GB per fp32 copy of 1,024 tokens, against 2.5 GB per copy of a micro-batch of 4 x 1,024). The
-    cost: the projection runs twice. `compiled` (train.compile): each chunk's work is one
-    torch.compile'd function (`chunk_function`).
+    cost: the projection runs twice (the top-p nucleus's search does not: keep_nucleus_search).
+    `compiled` (train.compile): each chunk's work is one torch.compile'd function
+    (`chunk_function`).
     """
     # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
     if index is not None:
@@ -313,11 +332,13 @@ def head_logprobs(
             for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))
         ]
     function = chunk_function(compiled)
+    # top_p < 1: the recompute takes the nucleus's search from the forward (keep_nucleus_search)
+    kept = {"context_fn": keep_nucleus_search} if top_p < 1 else {}
     outputs = []
     for h, i, targets in chunks:
         args = (h, weight, bias, targets, temperature, i, entropy_grad, top_p)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            outputs.append(checkpoint(function, *args, use_reentrant=False))
+            outputs.append(checkpoint(function, *args, use_reentrant=False, **kept))
         else:
             outputs.append(function(*args))
     logprobs, entropies, full_logprobs = (torch.cat(parts, dim) for parts in zip(*outputs))

@@ -33,6 +33,7 @@ ACTIVATION_FACTOR = {False: 1.13, True: 0.70}
 # cause not measured; eager layers with adapters not measured (taken as eager's).
 LORA_COMPILED_FACTOR = 0.84
 CHUNK_TOKENS = 1024  # loss.head_logprobs' chunk_tokens default (a stage: not imported here)
+NUCLEUS_TOP_K = 256  # loss.NUCLEUS_TOP_K (the same; not imported either)
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 
@@ -150,9 +151,13 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
             params * 4 / ranks if t.kl_coef > 0 and not lora_rank else 0
         ),
         # top_p < 1 (loss.nucleus), per chunk: probabilities and the masked logits (fp32), the
-        # drop mask, and for rows whose top k hold too little a sort's values and int64 indices
+        # drop mask, and for rows whose top k hold too little a sort's values and int64 indices;
+        # per token, its top k's values (compute dtype) and int64 indices, which the forward
+        # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (
-            CHUNK_TOKENS * vocab * (4 + 4 + 1 + 12) if r.top_p < 1 else 0
+            CHUNK_TOKENS * vocab * (4 + 4 + 1 + 12) + tokens * NUCLEUS_TOP_K * (compute + 8)
+            if r.top_p < 1
+            else 0
         ),
         "engine weights": weights_engine,
         "engine KV cache": kv_cache,

@@ -57,6 +57,31 @@ def test_gradient_checkpointing_lowers_the_train_estimate():
     assert train_bytes(True) < train_bytes(False)
 
 
+def test_the_top_p_term_counts_the_kept_top_k_of_every_token_with_the_losss_constants():
+    """The estimate's copies of loss.py's constants (runtime/ imports no stage) are loss.py's, and
+    with top_p < 1 its nucleus term grows by each token's kept top-k (loss.keep_nucleus_search:
+    NUCLEUS_TOP_K bf16 values and int64 indices) as the micro-batch grows."""
+    import inspect
+
+    import loss
+    from assemble import load_config
+    import runtime.estimate as estimate
+
+    assert estimate.NUCLEUS_TOP_K == loss.NUCLEUS_TOP_K
+    head = inspect.signature(loss.head_logprobs).parameters
+    assert estimate.CHUNK_TOKENS == head["chunk_tokens"].default
+
+    def nucleus_bytes(tokens, top_p):
+        sets = ["data.train_path=unused", f"rollout.top_p={top_p}"]
+        cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
+        parts, _ = estimate.estimate(cfg, 1, estimate.H100_80GB_GIB * 2**30, budget=tokens)
+        return parts["top-p nucleus (chunked head)"]
+
+    assert nucleus_bytes(4096, 1.0) == 0
+    per_token = estimate.NUCLEUS_TOP_K * (2 + 8)  # gsm8k.yaml computes in bf16
+    assert nucleus_bytes(8192, 0.9) - nucleus_bytes(4096, 0.9) == 4096 * per_token
+
+
 # a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and
 # micro-batch
 @pytest.mark.background(

@@ -154,6 +154,74 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
     torch.testing.assert_close(grad, want_grad)
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the ops of `names` that run: an op a selective checkpoint reads back from its
+    forward never reaches this mode. Lets torch.compile'd code run under it (as SAC's own modes
+    do), whose extern kernels (topk, nonzero) dispatch through it."""
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.ops = ops
+        self.calls = dict.fromkeys(ops, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.calls:
+            self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(compiled, monkeypatch):
+    """At top_p < 1 each checkpointed head chunk runs the nucleus's top-k and nonzero once, in the
+    forward, not again in the backward's recompute (loss.keep_nucleus_search), eager and compiled
+    (train.compile); its log-probs, entropies and gradients are bit for bit those of plain
+    checkpointing, on peaked rows and flat ones (which sort their row); compiled, two more chunk
+    lengths compile nothing. The compiled case costs ~10 s on 2 cores: Inductor compiles the
+    chunk's forward and backward."""
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import noop_context_fn
+
+    torch.manual_seed(2)
+    vocab, dim, tokens = 700, 16, 150
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 32)
+    # the first 100 positions peaked, the last 50 near-uniform (the top 32 hold too little)
+    scale = torch.cat([torch.full((1, 100, 1), 4.0), torch.full((1, 50, 1), 0.02)], 1)
+    hidden = torch.randn(1, tokens, dim) * scale
+    weight = torch.randn(vocab, dim)
+    index = torch.randperm(tokens)[:120]  # packed: the trained positions, in 3 chunks of 50
+    targets = torch.randint(0, vocab, (120,))
+    topk, nonzero = torch.ops.aten.topk.default, torch.ops.aten.nonzero.default
+    head = dict(temperature=0.8, chunk_tokens=50, top_p=0.9, compiled=compiled)
+    results = {}
+    for kept in (True, False):
+        if not kept:  # plain checkpointing: the recompute runs the whole chunk again
+            monkeypatch.setattr(losses, "keep_nucleus_search", noop_context_fn)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        graphs = counters["stats"]["unique_graphs"]
+        with OpCounter(topk, nonzero) as ops:
+            logprobs, entropy = losses.head_logprobs(h, w, None, targets, index=index, **head)
+            (logprobs.sum() + entropy.sum()).backward()
+        assert (counters["stats"]["unique_graphs"] > graphs) == (compiled and kept)
+        results[kept] = (ops.calls, logprobs, entropy, h.grad, w.grad)
+        if compiled and kept:  # other chunk lengths compile nothing more (dynamic shapes)
+            graphs = counters["stats"]["unique_graphs"]
+            for n in (77, 31):
+                h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                out = losses.head_logprobs(h, w, None, targets[:n], index=index[:n], **head)
+                out[0].sum().backward()
+            assert counters["stats"]["unique_graphs"] == graphs
+    (calls, *values), (plain_calls, *plain_values) = results[True], results[False]
+    assert plain_calls == {topk: 6, nonzero: 6}  # 3 chunks, each in the forward and recompute
+    assert calls == {topk: 3, nonzero: 3}
+    assert values[0].isfinite().all() and (values[3] != 0).any()
+    for value, plain in zip(values, plain_values):
+        assert torch.equal(value, plain)
+
+
 class CastCounter(TorchDispatchMode):
     """Counts the casts of each parameter (by storage) to bfloat16."""
 
