@@ -211,7 +211,8 @@ def nucleus(scaled, target_ids, top_p, lse=None, ranked=None):
     Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k, not a
     sort of the vocabulary), which holds it wherever they weigh more than top_p, as a trained
     model's do nearly everywhere; only the positions where they do not (a near-uniform
-    distribution) sort their whole row (one host read per call decides). The top-k reads
+    distribution) sort their whole row (one host read per call decides; a checkpointed head's
+    recompute reuses the forward's: keep_nucleus_search). The top-k reads
     `ranked` where given: the logits `scaled` was made of, in their compute dtype (bf16: half the
     bytes), whose order it keeps (a cast and a division by a positive temperature never reorder),
     so the same values rank first. No probability is kept for the whole vocabulary: the edge is
@@ -266,13 +267,18 @@ NUCLEUS_SEARCH = [torch.ops.aten.topk.default, torch.ops.aten.nonzero.default]
 
 
 def keep_nucleus_search():
-    """Selective checkpointing's two contexts for a head chunk at top_p < 1
+    """Selective checkpointing's (forward, recompute) contexts for a head chunk at top_p < 1
     (torch/utils/checkpoint.py, `create_selective_checkpoint_contexts`; its dispatch modes let
     torch.compile'd code run under them): the forward saves the outputs of the NUCLEUS_SEARCH ops,
     the backward's recompute reads them back instead of running them, and recomputes every other
     op as plain checkpointing does, so the result is the same bit for bit. Why: on an H200 the
     top-k was about half of what top_p adds to the update's kernel time, run twice (RESULTS, run
-    11), and the recompute's nonzero stopped the host in the middle of the backward."""
+    11), and the recompute's nonzero stopped the host in the middle of the backward.
+
+    Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus` calls
+    each op once, its one branch decided by the saved nonzero: the recompute makes the same calls
+    in the same order. A second topk or nonzero (a boolean index, torch.where(mask)) in a chunk
+    must keep that order; an extra call in the recompute is torch's error, not a wrong value."""
     return create_selective_checkpoint_contexts(NUCLEUS_SEARCH)
 
 
@@ -314,7 +320,9 @@ def head_logprobs(
     freed after the forward and recomputed in the backward. Peak memory is then a few chunks of
     [chunk_tokens, V], not several full [B, T, V] fp32 tensors (at Qwen's vocabulary 151,936: 0.6
     GB per fp32 copy of 1,024 tokens, against 2.5 GB per copy of a micro-batch of 4 x 1,024). The
-    cost: the projection runs twice (the top-p nucleus's search does not: keep_nucleus_search).
+    cost: the projection and the chunk's other ops run twice; with top_p < 1 the nucleus's top-k
+    and nonzero do not, their outputs kept for the backward (keep_nucleus_search: NUCLEUS_TOP_K
+    values and int64 indices a position, ~2.5 KB in bf16, until the micro-batch's backward).
     `compiled` (train.compile): each chunk's work is one torch.compile'd function
     (`chunk_function`).
     """

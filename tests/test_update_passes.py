@@ -155,9 +155,9 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ops of `names` that run: an op a selective checkpoint reads back from its
-    forward never reaches this mode. Lets torch.compile'd code run under it (as SAC's own modes
-    do), whose extern kernels (topk, nonzero) dispatch through it."""
+    """Counts the calls of `ops` (overload packets) that run: an op a selective checkpoint reads
+    back from its forward never reaches this mode. Lets torch.compile'd code run under it (as
+    SAC's own modes do), whose extern kernels (topk, nonzero, sort) dispatch through it."""
 
     @classmethod
     def ignore_compile_internals(cls):
@@ -169,16 +169,18 @@ class OpCounter(TorchDispatchMode):
         self.calls = dict.fromkeys(ops, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in self.calls:
-            self.calls[func] += 1
+        if func.overloadpacket in self.calls:  # any overload (sort.default, sort.stable)
+            self.calls[func.overloadpacket] += 1
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(compiled, monkeypatch):
+@pytest.mark.parametrize("compiled, entropy_grad", [(False, False), (False, True), (True, False)])
+def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
+    compiled, entropy_grad, monkeypatch
+):
     """At top_p < 1 each checkpointed head chunk runs the nucleus's top-k and nonzero once, in the
-    forward, not again in the backward's recompute (loss.keep_nucleus_search), eager and compiled
-    (train.compile); its log-probs, entropies and gradients are bit for bit those of plain
+    forward, not again in the backward's recompute (loss.keep_nucleus_search), eager (with and
+    without an entropy bonus's graph) and compiled (train.compile); its log-probs, entropies and gradients are bit for bit those of plain
     checkpointing, on peaked rows and flat ones (which sort their row); compiled, two more chunk
     lengths compile nothing. The compiled case costs ~10 s on 2 cores: Inductor compiles the
     chunk's forward and backward."""
@@ -194,17 +196,21 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(compiled, 
     weight = torch.randn(vocab, dim)
     index = torch.randperm(tokens)[:120]  # packed: the trained positions, in 3 chunks of 50
     targets = torch.randint(0, vocab, (120,))
-    topk, nonzero = torch.ops.aten.topk.default, torch.ops.aten.nonzero.default
-    head = dict(temperature=0.8, chunk_tokens=50, top_p=0.9, compiled=compiled)
+    topk, nonzero = torch.ops.aten.topk, torch.ops.aten.nonzero
+    sort = torch.ops.aten.sort  # the flat rows' (not kept: recomputed)
+    head = dict(
+        temperature=0.8, chunk_tokens=50, top_p=0.9, compiled=compiled, entropy_grad=entropy_grad
+    )
     results = {}
     for kept in (True, False):
         if not kept:  # plain checkpointing: the recompute runs the whole chunk again
             monkeypatch.setattr(losses, "keep_nucleus_search", noop_context_fn)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         graphs = counters["stats"]["unique_graphs"]
-        with OpCounter(topk, nonzero) as ops:
+        with OpCounter(topk, nonzero, sort) as ops:
             logprobs, entropy = losses.head_logprobs(h, w, None, targets, index=index, **head)
             (logprobs.sum() + entropy.sum()).backward()
+        # compiled here first (no other test compiles the chunk at NUCLEUS_TOP_K 32), under SAC
         assert (counters["stats"]["unique_graphs"] > graphs) == (compiled and kept)
         results[kept] = (ops.calls, logprobs, entropy, h.grad, w.grad)
         if compiled and kept:  # other chunk lengths compile nothing more (dynamic shapes)
@@ -215,8 +221,9 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(compiled, 
                 out[0].sum().backward()
             assert counters["stats"]["unique_graphs"] == graphs
     (calls, *values), (plain_calls, *plain_values) = results[True], results[False]
-    assert plain_calls == {topk: 6, nonzero: 6}  # 3 chunks, each in the forward and recompute
-    assert calls == {topk: 3, nonzero: 3}
+    # 3 chunks, each in the forward and the recompute, each with flat rows to sort
+    assert plain_calls == {topk: 6, nonzero: 6, sort: 6}
+    assert calls == {topk: 3, nonzero: 3, sort: 6}
     assert values[0].isfinite().all() and (values[3] != 0).any()
     for value, plain in zip(values, plain_values):
         assert torch.equal(value, plain)
