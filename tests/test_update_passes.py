@@ -180,10 +180,10 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
 ):
     """At top_p < 1 each checkpointed head chunk runs the nucleus's top-k and nonzero once, in the
     forward, not again in the backward's recompute (loss.keep_nucleus_search), eager (with and
-    without an entropy bonus's graph) and compiled (train.compile); its log-probs, entropies and gradients are bit for bit those of plain
-    checkpointing, on peaked rows and flat ones (which sort their row); compiled, two more chunk
-    lengths compile nothing. The compiled case costs ~10 s on 2 cores: Inductor compiles the
-    chunk's forward and backward."""
+    without an entropy bonus's graph) and compiled (train.compile); its log-probs, entropies and
+    gradients are bit for bit those of plain checkpointing, on peaked rows and flat ones (which
+    sort their row, in the recompute too); compiled, two more chunk lengths compile nothing. The
+    compiled case costs ~10 s on 2 cores: Inductor compiles the chunk's forward and backward."""
     from torch._dynamo.utils import counters
     from torch.utils.checkpoint import noop_context_fn
 
