@@ -278,7 +278,11 @@ def keep_nucleus_search():
     Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus` calls
     each op once, its one branch decided by the saved nonzero: the recompute makes the same calls
     in the same order. A second topk or nonzero (a boolean index, torch.where(mask)) in a chunk
-    must keep that order; an extra call in the recompute is torch's error, not a wrong value."""
+    must keep that order; an extra call in the recompute is torch's error, not a wrong value.
+    Under autocast, so must the weight's cast: the backward runs inside the forward's autocast
+    context (update.compute_precision spans both), whose cache still holds the cast weight.
+    Outside it, a later chunk's recompute would cast it where its forward found it cached, and
+    torch 2.14 refuses that extra call (tests/test_update_passes.py)."""
     return create_selective_checkpoint_contexts(NUCLEUS_SEARCH)
 
 

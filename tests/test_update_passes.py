@@ -229,6 +229,37 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
         assert torch.equal(value, plain)
 
 
+def test_one_rank_bf16_update_at_top_p_keeps_the_nucleus_search_exactly(tmp_path, monkeypatch):
+    """The one-rank bf16 update (autocast over fp32 masters) at top_p < 1, packed: the same loss
+    and gradients, bit for bit, with the nucleus's search kept for the recompute as without. The
+    backward runs inside the update's autocast context (update.compute_precision), whose cast
+    cache the recompute finds filled: run outside it, the recompute of a later chunk casts the
+    head's weight where its forward did not, and torch 2.14's selective checkpoint refuses the
+    extra call ("invocation index ... not found in storage")."""
+    from torch.utils.checkpoint import noop_context_fn
+
+    sets = PATHS["packed"] + ["model.compute_dtype=bfloat16", "rollout.top_p=0.8"]
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    head_logprobs = losses.head_logprobs  # in chunks of 8 positions: several per micro-batch
+    monkeypatch.setattr(
+        losses, "head_logprobs", lambda *a, **k: head_logprobs(*a, **k, chunk_tokens=8)
+    )
+    results = []
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(losses, "keep_nucleus_search", noop_context_fn)
+        policy, _ = model.build_policy(cfg, None)
+        trainer = setup_run.trainer_only(cfg, policy, autocast_dtype=torch.bfloat16)
+        with OpCounter(torch.ops.aten.topk) as ops:
+            results.append(update_with_gradients(trainer, *random_samples(3)))
+        results[-1] += (ops.calls[torch.ops.aten.topk],)
+    (stats, grads, topk), (plain_stats, plain_grads, plain_topk) = results
+    assert stats["train/micro_batches"] >= 3 and stats == plain_stats
+    assert plain_topk == 2 * topk > 2 * stats["train/micro_batches"]  # several chunks each
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[name], plain_grads[name]) for name in grads)
+
+
 class CastCounter(TorchDispatchMode):
     """Counts the casts of each parameter (by storage) to bfloat16."""
 
