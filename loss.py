@@ -163,24 +163,26 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
 
     logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
     autograd). The engine samples from softmax(logits / temperature), cut to its top-p nucleus
-    when top_p < 1 (`nucleus`), so the trainer scores that same distribution; otherwise the ratio
-    and the engine/trainer gap would compare different policies, and the gradient would push on
-    tokens that could never be sampled. The entropy is a statistic, computed without a graph so it
-    keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it). With
+    when top_p < 1 (`nucleus_edge`), so the trainer scores that same distribution; otherwise the
+    ratio and the engine/trainer gap would compare different policies, and the gradient would push
+    on tokens that could never be sampled. The entropy is a statistic, computed without a graph so
+    it keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it). With
     `full`, a third value: the targets' log-probs under the full softmax (no graph), which the
     engine reports with top_p < 1 (update.engine_logprobs_on_nucleus), from the same pass.
 
     One pass over the vocabulary as far as eager kernels allow: one log-sum-exp (two with top_p),
     one shifted copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).
     """
-    scaled = logits.float()
-    if temperature != 1.0:  # x / 1.0 is x: a vocabulary-wide pass saved
-        scaled = scaled / temperature
+    # top_p < 1: the nucleus's edge first, from the logits alone. Compiled, its search breaks the
+    # graph (a nonzero read on the host), and what lives across a break is written to memory:
+    # here the logits, which the projection wrote anyway, and no fp32 copy of them (RESULTS)
+    edge, lse = nucleus_edge(logits, temperature, top_p) if top_p < 1 else (None, None)
+    scaled = scaled_logits(logits, temperature)
     target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    lse = scaled.logsumexp(-1)
+    lse = scaled.logsumexp(-1) if lse is None else lse  # the full softmax's (top_p: no graph)
     full_logprobs = target - lse
-    if top_p < 1:
-        scaled = nucleus(scaled, target_ids, top_p, lse, ranked=logits)
+    if top_p < 1:  # the nucleus: every token outside it at -inf
+        scaled = scaled.masked_fill(outside_nucleus(scaled, lse, edge, target_ids), float("-inf"))
         lse = scaled.logsumexp(-1)
     logprobs = target - lse
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
@@ -195,53 +197,70 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     return logprobs, entropy
 
 
-# the nucleus is looked for among each position's this many likeliest tokens first (`nucleus`)
+def scaled_logits(logits, temperature):
+    """logits / temperature in fp32: the engine's sampling logits (a division by 1.0 skipped: it
+    would be a vocabulary-wide pass that changes nothing)."""
+    scaled = logits.float()
+    return scaled / temperature if temperature != 1.0 else scaled
+
+
+# `nucleus_edge` looks for the edge among each position's this many likeliest tokens first
 NUCLEUS_TOP_K = 256
 
 
-def nucleus(scaled, target_ids, top_p, lse=None, ranked=None):
-    """`scaled` logits [B, T, V] with every token outside the top-p nucleus at -inf: the
-    distribution the engine samples from. SGLang's rule (sglang/srt/layers/sampler.py,
+def nucleus_edge(logits, temperature, top_p):
+    """(edge, lse), each [B, T] fp32 without a graph, from logits [B, T, V]: the least probability
+    the engine's top-p nucleus keeps at each position, and the log-sum-exp of the scaled logits
+    (the full softmax's). SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
     same nucleus up to ties, not read here): in descending probability, a token stays while the
     mass before it is <= top_p. So the nucleus is every token at least as likely as the least
-    likely one kept (tokens tied with it all stay). The sampled token (`target_ids` [B, T]) always
-    stays: the engine drew it, and a bf16 engine may draw the nucleus's edge a hair differently.
+    likely one kept, the edge (tokens tied with it all stay: `outside_nucleus`).
 
     Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k, not a
     sort of the vocabulary), which holds it wherever they weigh more than top_p, as a trained
     model's do nearly everywhere; only the positions where they do not (a near-uniform
     distribution) sort their whole row (one host read per call decides; a checkpointed head's
-    recompute reuses the forward's: keep_nucleus_search). The top-k reads
-    `ranked` where given: the logits `scaled` was made of, in their compute dtype (bf16: half the
-    bytes), whose order it keeps (a cast and a division by a positive temperature never reorder),
-    so the same values rank first. No probability is kept for the whole vocabulary: the edge is
-    computed without a graph (no gradient passes through which tokens drop), and each token's
-    probability is recomputed where it is compared. `lse`: the rows' log-sum-exp, if known."""
-    lse = scaled.logsumexp(-1) if lse is None else lse
-    flat, flat_lse = scaled.flatten(0, -2), lse.reshape(-1, 1)  # [N, V], [N, 1]
+    recompute reuses the forward's: keep_nucleus_search). The top-k ranks the logits in their
+    compute dtype (bf16: half the bytes), whose order the scaled fp32 ones keep (a cast and a
+    division by a positive temperature never reorder), so the same values rank first. Only the
+    logits are read: each probability is recomputed from them where it is needed, and no
+    vocabulary-wide tensor outlives the call (compiled, nothing of [B, T, V] crosses its graph
+    break but the logits, already in memory)."""
     with torch.no_grad():
-        ranks = flat if ranked is None else ranked.flatten(0, -2)
-        index = ranks.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).indices
-        top = (flat.gather(-1, index) - flat_lse).exp()  # the top-k's probabilities, descending
-        edge, mass = nucleus_edge(top, top_p)
+        flat = logits.flatten(0, -2)  # [N, V], in the compute dtype
+        lse = scaled_logits(flat, temperature).logsumexp(-1, keepdim=True)  # [N, 1]
+        index = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).indices
+        # the top k's probabilities, descending
+        top = (scaled_logits(flat.gather(-1, index), temperature) - lse).exp()
+        edge, mass = nucleus_cut(top, top_p)
         # the rows whose top k hold too little: their edge is beyond
         wide = (mass <= top_p).nonzero().squeeze(-1)
         if len(wide):
-            row = (flat[wide] - flat_lse[wide]).exp()
-            edge[wide] = nucleus_edge(row.sort(-1, descending=True).values, top_p)[0]
-        dropped = (scaled - lse.unsqueeze(-1)).exp() < edge.view(scaled.shape[:-1]).unsqueeze(-1)
-        dropped.scatter_(-1, target_ids.unsqueeze(-1), False)
-    return scaled.masked_fill(dropped, float("-inf"))
+            row = (scaled_logits(flat[wide], temperature) - lse[wide]).exp()
+            edge[wide] = nucleus_cut(row.sort(-1, descending=True).values, top_p)[0]
+    return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1])
 
 
-def nucleus_edge(sorted_probs, top_p):
+def nucleus_cut(sorted_probs, top_p):
     """(the least probability kept, the mass of all K) per row of `sorted_probs` [N, K]
     (descending): position j stays while the mass before it, cumsum - p, is <= top_p (the first
     always does)."""
     mass = sorted_probs.cumsum(-1)
     kept = ((mass - sorted_probs) <= top_p).sum(-1, keepdim=True)
     return sorted_probs.gather(-1, kept.clamp(min=1) - 1).squeeze(-1), mass[:, -1]
+
+
+def outside_nucleus(scaled, lse, edge, target_ids):
+    """[B, T, V] bool, no graph: True for each token less likely than its position's `edge`
+    (nucleus_edge) under softmax(scaled) (log-sum-exp `lse`), but never for the sampled token
+    (`target_ids`): the engine drew it, and a bf16 engine may draw the nucleus's edge a hair
+    differently. Elementwise only (the target found by comparing indices, not scattered), so a
+    compiled head folds it into the reductions that read it instead of writing it out."""
+    with torch.no_grad():
+        vocab = torch.arange(scaled.shape[-1], device=scaled.device)
+        less = (scaled - lse.unsqueeze(-1)).exp() < edge.unsqueeze(-1)
+        return less & (vocab != target_ids.unsqueeze(-1))
 
 
 def _linear_token_logprobs(
@@ -275,7 +294,7 @@ def keep_nucleus_search():
     top-k was about half of what top_p adds to the update's kernel time, run twice (RESULTS, run
     11), and the recompute's nonzero stopped the host in the middle of the backward.
 
-    Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus` calls
+    Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus_edge` calls
     each op once, its one branch decided by the saved nonzero: the recompute makes the same calls
     in the same order. A second topk or nonzero (a boolean index, torch.where(mask)) in a chunk
     must keep that order; an extra call in the recompute is torch's error, not a wrong value.

@@ -229,7 +229,7 @@ def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
     SGLang returns log-probs of the full softmax at the temperature, taken before its top-p
     filter (sglang/srt/layers/sampler.py: `logprobs = torch.log(probs)`, the filter works on a
     sorted copy); the trainer scores the nucleus
-    (loss.nucleus). Each trained token's engine log-prob is lowered by the log of the nucleus's
+    (loss.nucleus_edge). Each trained token's engine log-prob is lowered by the log of the nucleus's
     mass as the trainer measures it, taking the engine's nucleus to hold the same mass: the gap
     check and TIS then compare exactly what the full softmaxes of engine and trainer compare.
     Positions out of the loss keep the engine's value. The head computes both from one pass over
@@ -272,7 +272,7 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
     (`pi_old_source` "detached"): each micro-batch's pi_old is this forward's log-probs, detached.
     `mark_last(flag)` (a function from parallel.gathered_for_update) is told whether the coming
     micro-batch is the minibatch's last.
-    With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus).
+    With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus_edge).
     Returns (the minibatch's loss, its gradient norm), both global over ranks."""
     t = trainer.cfg.train
     terms = loss.term_coefficients(t)
@@ -448,7 +448,7 @@ def sequence_logprobs(
     one rank, `autocast_dtype` runs the matmuls in bf16 over the fp32 parameters (with FSDP2 its
     mixed precision policy does that, and autocast stays off). The entropies carry their graph
     only with `entropy_grad` (an entropy bonus in the loss). With `top_p` < 1, of the nucleus the
-    engine sampled from (loss.nucleus). With `full`, a third value: the log-probs of the full
+    engine sampled from (loss.nucleus_edge). With `full`, a third value: the log-probs of the full
     softmax (no graph; what the engine reports with top_p < 1), None at top_p 1, where they are
     the first. `compiled_head` (train.compile): the head's chunks compiled (loss.chunk_function).
     """

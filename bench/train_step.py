@@ -461,7 +461,7 @@ def shape_arms(args, device, shipped):
 
 
 # Random weights give near-uniform next-token distributions (logits' std ~0.8 over 151,936 tokens),
-# whose top-p nucleus is most of the vocabulary: loss.nucleus must sort every row, the worst case.
+# whose top-p nucleus is most of the vocabulary: loss.nucleus_edge sorts every row, the worst case.
 # The `top_p-peaked` arm sets the final norm's weight to this, so the logits' std is ~6: the top
 # 256 tokens then hold the nucleus at every position (mean top-1 probability ~0.4), as a trained
 # model's do nearly everywhere; it times the nucleus's common case. The matmuls are unchanged.

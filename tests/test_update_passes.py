@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dist_worker
@@ -97,8 +98,8 @@ def test_several_minibatches_keep_a_forward_for_pi_old(tmp_path):
 
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
 def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypatch):
-    """loss.nucleus finds the edge among the NUCLEUS_TOP_K likeliest tokens where they hold more
-    than top_p, else by sorting the row: both give the nucleus of the whole sorted vocabulary
+    """loss.nucleus_edge finds the edge among the NUCLEUS_TOP_K likeliest tokens where they hold
+    more than top_p, else by sorting the row: both give the nucleus of the whole sorted vocabulary
     (SGLang's rule), on peaked and flat rows alike; the full softmax's log-probs come from the
     same pass."""
     torch.manual_seed(0)
@@ -114,7 +115,8 @@ def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypat
     )
     dropped.scatter_(-1, targets.unsqueeze(-1), False)
     expected = logits.masked_fill(dropped, float("-inf"))
-    assert torch.equal(losses.nucleus(logits, targets, top_p).isinf(), expected.isinf())
+    edge, lse = losses.nucleus_edge(logits, 1.0, top_p)
+    assert torch.equal(losses.outside_nucleus(logits, lse, edge, targets), dropped)
     logprobs, _, full = losses.token_logprobs(logits, targets, top_p=top_p, full=True)
     want = expected.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs, want)
@@ -123,7 +125,7 @@ def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypat
 
 def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monkeypatch):
     """token_logprobs at top_p < 1 on bf16 logits (ties among them: bf16 has few values) and a
-    temperature: the nucleus, whose top-k ranks the bf16 logits (`ranked`), is the sorted
+    temperature: the nucleus, whose top-k ranks the bf16 logits (`nucleus_edge`), is the sorted
     vocabulary's over the scaled fp32 ones (every token tied with the last one kept stays), and
     the log-probs and their gradient are those of the sorted nucleus's log-softmax, on peaked and
     flat rows, with the top-k and the sort alike."""
@@ -148,8 +150,8 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
     logprobs, _ = losses.token_logprobs(logits, targets, temperature, top_p=top_p)
     (grad,) = torch.autograd.grad(logprobs.sum(), logits)
     assert 0 < dropped.float().mean() < 1
-    cut = losses.nucleus(scaled, targets, top_p, ranked=logits.detach())
-    assert torch.equal(cut.isinf(), dropped)
+    edge, lse = losses.nucleus_edge(logits.detach(), temperature, top_p)
+    assert torch.equal(losses.outside_nucleus(scaled, lse, edge, targets), dropped)
     torch.testing.assert_close(logprobs, want)  # to rounding: log_softmax against target - lse
     torch.testing.assert_close(grad, want_grad)
 
@@ -227,6 +229,55 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
     assert values[0].isfinite().all() and (values[3] != 0).any()
     for value, plain in zip(values, plain_values):
         assert torch.equal(value, plain)
+
+
+def test_compiled_at_top_p_the_head_writes_out_no_copy_of_the_logits(monkeypatch):
+    """Compiled (train.compile), the nucleus's search breaks the head chunk's graph (its nonzero
+    is read on the host), and what is alive across a break is written to memory. At top_p < 1 the
+    one vocabulary-wide tensor that crosses a break is the logits, which the projection writes
+    anyway (loss.token_logprobs finds the nucleus's edge before it makes their fp32 copy); top_p
+    1 has no break. Inductor's head then gives the eager log-probs, entropies and gradients to
+    rounding. Costs ~15 s on 2 cores: Inductor compiles the chunk's pieces."""
+    torch.manual_seed(3)
+    vocab, dim, tokens = 701, 16, 60
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 24)  # a constant no other test compiles with
+    scale = torch.cat([torch.full((1, 40, 1), 4.0), torch.full((1, 20, 1), 0.02)], 1)
+    hidden, weight = torch.randn(1, tokens, dim) * scale, torch.randn(vocab, dim)
+    targets = torch.randint(0, vocab, (1, tokens))
+    crossing = []  # per graph dynamo hands a backend: its vocabulary-wide outputs
+
+    def record(graph_module, example_inputs):
+        """A backend that notes each graph's [..., vocab] outputs that are written out: not
+        views of one of its inputs (which cross a break without a copy)."""
+        graph = graph_module.graph
+        inputs = [n.meta["example_value"] for n in graph.find_nodes(op="placeholder")]
+        read = {StorageWeakRef(v.untyped_storage()) for v in inputs}
+        outputs = [n.meta["example_value"] for n in graph.find_nodes(op="output")[0].args[0]]
+        written = [v for v in outputs if StorageWeakRef(v.untyped_storage()) not in read]
+        crossing.append([v.shape for v in written if v.shape[-1:] == (vocab,)])
+        return graph_module.forward
+
+    for top_p in (1.0, 0.9):
+        crossing.clear()
+        chunk = torch.compile(losses._linear_token_logprobs, backend=record, dynamic=False)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        chunk(h, w, None, targets, 0.8, None, False, top_p)
+        torch._dynamo.reset()
+        crossed = [shape for graph in crossing for shape in graph]
+        if top_p == 1:
+            assert len(crossing) == 1 and crossed == []
+        else:  # the projection's output, and nothing else of [tokens, vocab]
+            assert len(crossing) > 1 and crossed == [(1, tokens, vocab)]
+    results = {}
+    for compiled in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = losses.head_logprobs(
+            h, w, None, targets, 0.8, chunk_tokens=25, top_p=0.9, compiled=compiled
+        )
+        (out[0].sum() + out[1].sum()).backward()
+        results[compiled] = (*out, h.grad, w.grad)
+    assert results[False][0].isfinite().all()
+    torch.testing.assert_close(results[True], results[False], rtol=1e-4, atol=1e-5)
 
 
 def test_one_rank_bf16_update_at_top_p_keeps_the_nucleus_search_exactly(tmp_path, monkeypatch):
