@@ -177,12 +177,14 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     # graph (a nonzero read on the host), and what lives across a break is written to memory:
     # here the logits, which the projection wrote anyway, and no fp32 copy of them (RESULTS)
     edge, lse = nucleus_edge(logits, temperature, top_p) if top_p < 1 else (None, None)
-    scaled = scaled_logits(logits, temperature)
+    scaled = logits.float()
+    if temperature != 1.0:  # x / 1.0 is x: a vocabulary-wide pass saved
+        scaled = scaled / temperature
     target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     lse = scaled.logsumexp(-1) if lse is None else lse  # the full softmax's (top_p: no graph)
     full_logprobs = target - lse
     if top_p < 1:  # the nucleus: every token outside it at -inf
-        scaled = scaled.masked_fill(outside_nucleus(scaled, lse, edge, target_ids), float("-inf"))
+        scaled = scaled.masked_fill(outside_nucleus(logits, edge, target_ids), float("-inf"))
         lse = scaled.logsumexp(-1)
     logprobs = target - lse
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
@@ -197,70 +199,66 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     return logprobs, entropy
 
 
-def scaled_logits(logits, temperature):
-    """logits / temperature in fp32: the engine's sampling logits (a division by 1.0 skipped: it
-    would be a vocabulary-wide pass that changes nothing)."""
-    scaled = logits.float()
-    return scaled / temperature if temperature != 1.0 else scaled
-
-
 # `nucleus_edge` looks for the edge among each position's this many likeliest tokens first
 NUCLEUS_TOP_K = 256
 
 
 def nucleus_edge(logits, temperature, top_p):
-    """(edge, lse), each [B, T] fp32 without a graph, from logits [B, T, V]: the least probability
-    the engine's top-p nucleus keeps at each position, and the log-sum-exp of the scaled logits
-    (the full softmax's). SGLang's rule (sglang/srt/layers/sampler.py,
+    """(edge, lse) from logits [..., V], each [...] without a graph: the least logit the engine's
+    top-p nucleus keeps at each position (in the logits' dtype), and the log-sum-exp of the
+    scaled logits (the full softmax's, fp32). SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
     same nucleus up to ties, not read here): in descending probability, a token stays while the
-    mass before it is <= top_p. So the nucleus is every token at least as likely as the least
-    likely one kept, the edge (tokens tied with it all stay: `outside_nucleus`).
+    mass before it is <= top_p. So the nucleus is every token whose logit is at least the edge
+    (`outside_nucleus`; tokens tied with the last one kept all stay). A logit, not a probability:
+    the mask is then a comparison of stored values, exact wherever it is computed (a compiled
+    head's two graphs agree bit for bit), with no exp over the vocabulary.
 
-    Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k, not a
-    sort of the vocabulary), which holds it wherever they weigh more than top_p, as a trained
-    model's do nearly everywhere; only the positions where they do not (a near-uniform
-    distribution) sort their whole row (one host read per call decides; a checkpointed head's
-    recompute reuses the forward's: keep_nucleus_search). The top-k ranks the logits in their
-    compute dtype (bf16: half the bytes), whose order the scaled fp32 ones keep (a cast and a
-    division by a positive temperature never reorder), so the same values rank first. Only the
-    logits are read: each probability is recomputed from them where it is needed, and no
-    vocabulary-wide tensor outlives the call (compiled, nothing of [B, T, V] crosses its graph
-    break but the logits, already in memory)."""
+    Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k of the
+    logits in their compute dtype, bf16: half the bytes, and the order of the probabilities),
+    which holds it wherever they weigh more than top_p, as a trained model's do nearly
+    everywhere; only the positions where they do not (a near-uniform distribution) sort their
+    whole row (one host read per call decides; a checkpointed head's recompute reuses the
+    forward's: keep_nucleus_search). Only the logits are read, and no vocabulary-wide tensor
+    outlives the call (compiled, nothing of [..., V] crosses its graph break but the logits)."""
     with torch.no_grad():
         flat = logits.flatten(0, -2)  # [N, V], in the compute dtype
         lse = scaled_logits(flat, temperature).logsumexp(-1, keepdim=True)  # [N, 1]
-        index = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).indices
-        # the top k's probabilities, descending
-        top = (scaled_logits(flat.gather(-1, index), temperature) - lse).exp()
-        edge, mass = nucleus_cut(top, top_p)
+        top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).values  # descending
+        edge, mass = nucleus_cut(top, lse, temperature, top_p)
         # the rows whose top k hold too little: their edge is beyond
         wide = (mass <= top_p).nonzero().squeeze(-1)
         if len(wide):
-            row = (scaled_logits(flat[wide], temperature) - lse[wide]).exp()
-            edge[wide] = nucleus_cut(row.sort(-1, descending=True).values, top_p)[0]
+            ordered = flat[wide].sort(-1, descending=True).values
+            edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
     return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1])
 
 
-def nucleus_cut(sorted_probs, top_p):
-    """(the least probability kept, the mass of all K) per row of `sorted_probs` [N, K]
-    (descending): position j stays while the mass before it, cumsum - p, is <= top_p (the first
-    always does)."""
-    mass = sorted_probs.cumsum(-1)
-    kept = ((mass - sorted_probs) <= top_p).sum(-1, keepdim=True)
-    return sorted_probs.gather(-1, kept.clamp(min=1) - 1).squeeze(-1), mass[:, -1]
+def scaled_logits(logits, temperature):
+    """logits / temperature in fp32, as token_logprobs scales them."""
+    scaled = logits.float()
+    return scaled / temperature if temperature != 1.0 else scaled
 
 
-def outside_nucleus(scaled, lse, edge, target_ids):
-    """[B, T, V] bool, no graph: True for each token less likely than its position's `edge`
-    (nucleus_edge) under softmax(scaled) (log-sum-exp `lse`), but never for the sampled token
-    (`target_ids`): the engine drew it, and a bf16 engine may draw the nucleus's edge a hair
-    differently. Elementwise only (the target found by comparing indices, not scattered), so a
-    compiled head folds it into the reductions that read it instead of writing it out."""
+def nucleus_cut(ordered, lse, temperature, top_p):
+    """(the least logit kept, the probability mass of all K) per row of `ordered` [N, K], logits
+    in descending order (`lse` [N, 1]: their rows' log-sum-exp): the j-th stays while the mass
+    before it, cumsum - p, is <= top_p (the first always does)."""
+    probs = (scaled_logits(ordered, temperature) - lse).exp()
+    mass = probs.cumsum(-1)
+    kept = ((mass - probs) <= top_p).sum(-1, keepdim=True)
+    return ordered.gather(-1, kept.clamp(min=1) - 1).squeeze(-1), mass[:, -1]
+
+
+def outside_nucleus(logits, edge, target_ids):
+    """[..., V] bool, no graph: True for each token whose logit is below its position's `edge`
+    (nucleus_edge), but never for the sampled token (`target_ids`): the engine drew it, and a
+    bf16 engine may draw the nucleus's edge a hair differently. Elementwise only (the target
+    found by comparing indices, not scattered into the mask), so a compiled head computes it
+    inside the kernels that read it (the backward keeps it, one byte a token and entry)."""
     with torch.no_grad():
-        vocab = torch.arange(scaled.shape[-1], device=scaled.device)
-        less = (scaled - lse.unsqueeze(-1)).exp() < edge.unsqueeze(-1)
-        return less & (vocab != target_ids.unsqueeze(-1))
+        vocab = torch.arange(logits.shape[-1], device=logits.device)
+        return (logits < edge.unsqueeze(-1)) & (vocab != target_ids.unsqueeze(-1))
 
 
 def _linear_token_logprobs(

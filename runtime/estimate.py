@@ -150,8 +150,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         "KL reference (fp32, sharded)": (
             params * 4 / ranks if t.kl_coef > 0 and not lora_rank else 0
         ),
-        # top_p < 1 (loss.nucleus_edge), per chunk: probabilities and the masked logits (fp32), the
-        # drop mask, and for rows whose top k hold too little a sort's values and int64 indices;
+        # top_p < 1 (loss.nucleus_edge, loss.outside_nucleus), eager, per chunk: the search's fp32
+        # copy, the masked logits (fp32), the drop mask, and for rows whose top k hold too little
+        # a sort's values and int64 indices;
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (

@@ -115,8 +115,8 @@ def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypat
     )
     dropped.scatter_(-1, targets.unsqueeze(-1), False)
     expected = logits.masked_fill(dropped, float("-inf"))
-    edge, lse = losses.nucleus_edge(logits, 1.0, top_p)
-    assert torch.equal(losses.outside_nucleus(logits, lse, edge, targets), dropped)
+    edge, _ = losses.nucleus_edge(logits, 1.0, top_p)
+    assert torch.equal(losses.outside_nucleus(logits, edge, targets), dropped)
     logprobs, _, full = losses.token_logprobs(logits, targets, top_p=top_p, full=True)
     want = expected.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs, want)
@@ -150,8 +150,8 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
     logprobs, _ = losses.token_logprobs(logits, targets, temperature, top_p=top_p)
     (grad,) = torch.autograd.grad(logprobs.sum(), logits)
     assert 0 < dropped.float().mean() < 1
-    edge, lse = losses.nucleus_edge(logits.detach(), temperature, top_p)
-    assert torch.equal(losses.outside_nucleus(scaled, lse, edge, targets), dropped)
+    edge, _ = losses.nucleus_edge(logits.detach(), temperature, top_p)
+    assert torch.equal(losses.outside_nucleus(logits.detach(), edge, targets), dropped)
     torch.testing.assert_close(logprobs, want)  # to rounding: log_softmax against target - lse
     torch.testing.assert_close(grad, want_grad)
 
@@ -231,29 +231,38 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
         assert torch.equal(value, plain)
 
 
-def test_compiled_at_top_p_the_head_writes_out_no_copy_of_the_logits(monkeypatch):
+def test_compiled_at_top_p_only_the_logits_cross_the_nucleus_graph_break(monkeypatch):
     """Compiled (train.compile), the nucleus's search breaks the head chunk's graph (its nonzero
     is read on the host), and what is alive across a break is written to memory. At top_p < 1 the
-    one vocabulary-wide tensor that crosses a break is the logits, which the projection writes
-    anyway (loss.token_logprobs finds the nucleus's edge before it makes their fp32 copy); top_p
-    1 has no break. Inductor's head then gives the eager log-probs, entropies and gradients to
-    rounding. Costs ~15 s on 2 cores: Inductor compiles the chunk's pieces."""
+    one vocabulary-wide tensor that crosses a break in the forward is the logits, which the
+    projection writes anyway (loss.token_logprobs finds the nucleus's edge before it makes their
+    fp32 copy); top_p 1 has no break. Inductor's head then gives the eager log-probs, entropies
+    and gradients to rounding. Costs ~15 s on 2 cores: Inductor compiles the chunk's pieces."""
     torch.manual_seed(3)
     vocab, dim, tokens = 701, 16, 60
-    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 24)  # a constant no other test compiles with
+    # dynamo guards this global: a compile of its own, apart from the recompute test's at 32
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", 24)
     scale = torch.cat([torch.full((1, 40, 1), 4.0), torch.full((1, 20, 1), 0.02)], 1)
     hidden, weight = torch.randn(1, tokens, dim) * scale, torch.randn(vocab, dim)
     targets = torch.randint(0, vocab, (1, tokens))
+    # temperature 0.8: the fp32 copy is a new tensor (fp32 logits at 1 would be their own copy)
+    temperature = 0.8
     crossing = []  # per graph dynamo hands a backend: its vocabulary-wide outputs
+
+    def example_tensors(nodes):
+        """The tensors among the fake values dynamo traced `nodes` with (not sizes or None)."""
+        values = [node.meta.get("example_value") for node in nodes if hasattr(node, "meta")]
+        return [value for value in values if isinstance(value, torch.Tensor)]
 
     def record(graph_module, example_inputs):
         """A backend that notes each graph's [..., vocab] outputs that are written out: not
-        views of one of its inputs (which cross a break without a copy)."""
+        views of one of its inputs (which cross a break without a copy). Compiled with static
+        shapes, so each size is a number (dynamic ones would also hand it SymInts)."""
         graph = graph_module.graph
-        inputs = [n.meta["example_value"] for n in graph.find_nodes(op="placeholder")]
-        read = {StorageWeakRef(v.untyped_storage()) for v in inputs}
-        outputs = [n.meta["example_value"] for n in graph.find_nodes(op="output")[0].args[0]]
-        written = [v for v in outputs if StorageWeakRef(v.untyped_storage()) not in read]
+        storage = lambda value: StorageWeakRef(value.untyped_storage())
+        read = {storage(v) for v in example_tensors(graph.find_nodes(op="placeholder"))}
+        outputs = example_tensors(graph.find_nodes(op="output")[0].args[0])
+        written = [v for v in outputs if storage(v) not in read]
         crossing.append([v.shape for v in written if v.shape[-1:] == (vocab,)])
         return graph_module.forward
 
@@ -261,18 +270,21 @@ def test_compiled_at_top_p_the_head_writes_out_no_copy_of_the_logits(monkeypatch
         crossing.clear()
         chunk = torch.compile(losses._linear_token_logprobs, backend=record, dynamic=False)
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        chunk(h, w, None, targets, 0.8, None, False, top_p)
-        torch._dynamo.reset()
+        try:
+            chunk(h, w, None, targets, temperature, None, False, top_p)
+        finally:
+            torch._dynamo.reset()  # nothing compiled for `record` outlives the test
         crossed = [shape for graph in crossing for shape in graph]
         if top_p == 1:
             assert len(crossing) == 1 and crossed == []
         else:  # the projection's output, and nothing else of [tokens, vocab]
-            assert len(crossing) > 1 and crossed == [(1, tokens, vocab)]
+            assert len(crossing) > 1, "no graph break at top_p < 1: nothing crosses one"
+            assert crossed == [(1, tokens, vocab)]
     results = {}
     for compiled in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         out = losses.head_logprobs(
-            h, w, None, targets, 0.8, chunk_tokens=25, top_p=0.9, compiled=compiled
+            h, w, None, targets, temperature, chunk_tokens=25, top_p=0.9, compiled=compiled
         )
         (out[0].sum() + out[1].sum()).backward()
         results[compiled] = (*out, h.grad, w.grad)
