@@ -177,9 +177,7 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     # graph (a nonzero read on the host), and what lives across a break is written to memory:
     # here the logits, which the projection wrote anyway, and no fp32 copy of them (RESULTS)
     edge, lse = nucleus_edge(logits, temperature, top_p) if top_p < 1 else (None, None)
-    scaled = logits.float()
-    if temperature != 1.0:  # x / 1.0 is x: a vocabulary-wide pass saved
-        scaled = scaled / temperature
+    scaled = scaled_logits(logits, temperature)
     target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     lse = scaled.logsumexp(-1) if lse is None else lse  # the full softmax's (top_p: no graph)
     full_logprobs = target - lse
@@ -197,6 +195,13 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     if full:
         return logprobs, entropy, full_logprobs.detach()
     return logprobs, entropy
+
+
+def scaled_logits(logits, temperature):
+    """logits / temperature in fp32: the logits the engine samples from (x / 1.0 is x: at
+    temperature 1 a vocabulary-wide pass saved)."""
+    scaled = logits.float()
+    return scaled / temperature if temperature != 1.0 else scaled
 
 
 # `nucleus_edge` looks for the edge among each position's this many likeliest tokens first
@@ -232,12 +237,6 @@ def nucleus_edge(logits, temperature, top_p):
             ordered = flat[wide].sort(-1, descending=True).values
             edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
     return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1])
-
-
-def scaled_logits(logits, temperature):
-    """logits / temperature in fp32, as token_logprobs scales them."""
-    scaled = logits.float()
-    return scaled / temperature if temperature != 1.0 else scaled
 
 
 def nucleus_cut(ordered, lse, temperature, top_p):
