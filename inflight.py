@@ -217,7 +217,13 @@ class Rollout:
             log.error("request %s aborted by the engine: %s", rid, detail)
             reason = "error"
         response_ids = array.array("i", output_ids)
-        if reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
+        if reason == "abort" and response_ids and response_ids[-1] in self.engine.stop_ids:
+            # SGLang lets an aborted request decode one more token, then ends it "abort" without
+            # looking at that token (managers/schedule_batch.py, update_finish_state: `to_finish`
+            # before the EOS check): ended by its EOS, it finished, and resumed it would go on
+            # past its end
+            reason = "stop"
+        elif reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
             # the abort came after its last token: complete (and a resume would have no budget)
             reason = "length"
         logprobs = array.array("f", logprobs)

@@ -87,6 +87,8 @@ class PartialBuffer:
             if sample.versions and version - min(sample.versions) > self.max_staleness:
                 self.counters["restarts"] += 1
                 self.counters["wasted_tokens"] += len(sample.response_ids)
+                # unfinished, like the sample it replaces: should the rollout cancel it before
+                # it is sent, it stays suspended, never an empty response taken as finished
                 sample = Sample(
                     sample.prompt_ids,
                     [],
@@ -94,6 +96,8 @@ class PartialBuffer:
                     [],
                     sample.group_id,
                     times_resumed=sample.times_resumed,
+                    finish_reason="abort",
+                    masked=True,
                 )
             else:
                 self.counters["resumed"] += 1

@@ -17,6 +17,7 @@ import dataclasses
 import glob
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -90,10 +91,12 @@ def train(run, stop=None):
     if own_stop:
         stop = StopSignal(run.engine)
     steps = range(run.start_step, cfg.train.steps)
+    before = data_before_step(run)
     try:
         for step in tqdm.tqdm(
             steps, initial=run.start_step, total=cfg.train.steps, disable=not logger
         ):
+            before = data_before_step(run)  # what an engine death before the update puts back
             # the weights the engine holds before this step, every run.val_every steps
             scalars, texts = validation(run) if step % cfg.run.val_every == 0 else ({}, {})
             metrics, sequences = train_step(run, step)
@@ -120,7 +123,7 @@ def train(run, stop=None):
     except EngineDiedError as e:
         if parallel.world_size() > 1:
             raise  # the other ranks wait in collectives: the last periodic checkpoint stands
-        raise save_after_engine_death(run, e) from None
+        raise save_after_engine_death(run, e, before) from None
     finally:
         if own_stop:
             stop.restore()
@@ -137,9 +140,28 @@ def validation(run):
     return scalars, texts
 
 
-def save_after_engine_death(run, error):
+def data_before_step(run):
+    """What a step consumes before its update, as it stands when the step begins: the prompt
+    stream's position, partial rollout's buffer (its suspended samples) and the RNGs."""
+    return {
+        "updates_done": run.updates_done,
+        "position": run.stream.position,
+        "buffer": run.buffer.state_dict() if run.buffer else None,
+        "rng": (torch.get_rng_state(), random.getstate()),
+    }
+
+
+def save_after_engine_death(run, error, before):
     """The trainer's own state is intact when its engine dies: checkpoint it, and return the
-    error to raise, saying where it is."""
+    error to raise, saying where it is. Dead before the step's update, the step's prompts and
+    resumed samples were taken and never trained: they are put back (`before`, from
+    data_before_step), so --resume runs that step from them, as the run would have."""
+    if run.updates_done == before["updates_done"]:
+        run.stream.position = before["position"]
+        if run.buffer:
+            run.buffer.load_state_dict(before["buffer"])
+        torch.set_rng_state(before["rng"][0])
+        random.setstate(before["rng"][1])
     path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
     return EngineDiedError(
         f"{error}. The trainer's state after {run.updates_done} updates is saved in {path}; "

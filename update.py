@@ -266,9 +266,11 @@ def compute_precision(trainer):
 
 def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=False):
     """One clipped-ratio optimizer step over a minibatch's micro-batches (gradient accumulation),
-    skipped when the loss or the gradient norm is not finite. Adds each micro-batch's statistics
-    to `token_stats`, kept on the device: the host reads the loss, the norm and the statistics
-    once per minibatch, not per micro-batch (a read drains the GPU's queue). `pi_old_detached`
+    skipped when the loss or the gradient norm is not finite, or when no rank trains a token in
+    it (its step would still move the weights: AdamW's momentum and decay). Adds each
+    micro-batch's statistics to `token_stats`, kept on the device: the host reads the loss, the
+    norm and the statistics once per minibatch, not per micro-batch (a read drains the GPU's
+    queue). `pi_old_detached`
     (`pi_old_source` "detached"): each micro-batch's pi_old is this forward's log-probs, detached.
     `mark_last(flag)` (a function from parallel.gathered_for_update) is told whether the coming
     micro-batch is the minibatch's last.
@@ -279,7 +281,8 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
     trainer.optimizer.zero_grad(set_to_none=True)
     counts = torch.stack([loss.aggregation_count(mb["loss_mask"], t.loss_agg) for mb in minibatch])
     counts = counts.tolist()  # one host read, before this minibatch's forwards are queued
-    total = max(parallel.all_reduce([sum(counts)])[0], 1)  # the loss denominator of all ranks
+    trained = parallel.all_reduce([sum(counts)])[0]  # the loss denominator of all ranks
+    total = max(trained, 1)
     losses = []
     with compute_precision(trainer):
         for i, (mb, count) in enumerate(zip(minibatch, counts)):
@@ -290,7 +293,12 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), t.grad_clip)
     grad_norm = parallel.full_tensor(grad_norm).item()  # the minibatch's one read of the queue
     minibatch_loss = parallel.all_reduce([sum(torch.stack(losses).tolist())])[0]
-    if math.isfinite(minibatch_loss) and math.isfinite(grad_norm):
+    if not trained:
+        # nothing to learn from (every sample masked, or more minibatches than sequences): the
+        # gradient is 0, yet AdamW's step would move every weight by its momentum and decay
+        log.info("no trained token in this minibatch: optimizer step skipped")
+        trainer.optimizer.zero_grad(set_to_none=True)
+    elif math.isfinite(minibatch_loss) and math.isfinite(grad_norm):
         trainer.optimizer.step()
         trainer.scheduler.step()
     else:

@@ -96,6 +96,7 @@ class Engine:
         # that came while training was never seen.
         self._run(self._create_request_loop())
         self.weight_shapes = tensor_shapes(model_path)
+        self.stop_ids = stop_token_ids(self.tokenizer_manager)
         # what release/wake free by tag; CUDA graphs are captured (and hold memory) only on GPU
         self.memory_tags = (
             ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
@@ -393,6 +394,19 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self.engine.on_sigterm = None
+
+
+def stop_token_ids(tokenizer_manager):
+    """The token ids that end every request inside the engine (a request's own stop_token_ids
+    come on top): the model's EOS ids, from its config and generation config
+    (configs/model_config.py, `_get_hf_eos_token_id`), and its tokenizer's EOS and additional stop
+    ids (managers/schedule_batch.py, `Req._check_token_based_finish`)."""
+    ids = set(tokenizer_manager.model_config.hf_eos_token_id or ())
+    tokenizer = tokenizer_manager.tokenizer
+    if tokenizer is not None:
+        ids |= {tokenizer.eos_token_id} - {None}
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return frozenset(ids)
 
 
 def weight_buckets(named_params, dtype, bucket_bytes, gather):

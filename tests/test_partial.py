@@ -16,8 +16,11 @@ import torch
 import update
 import loss as losses
 import merge
+import rollout
+import runtime.checkpoint as checkpoint
 import train
 from partial import PartialBuffer
+from runtime.engine import EngineDiedError
 from conftest import tiny_config
 from cancel import plan_launch
 from sample import NOT_GENERATED, Sample
@@ -180,12 +183,15 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
     buffer.load_state_dict(state)  # as if not launched then: 3 versions old now
     resumes, _, _ = buffer.launch(Handout([]), 0, version=3)
     assert [len(s.response_ids) for s in resumes] == [0] * len(partial)  # restarted from the prompt
+    # unfinished until the engine continues them (cancelled before being sent, they stay so)
+    assert all(s.finish_reason == "abort" and s.masked for s in resumes)
     assert buffer.counters["restarts"] == len(partial)
     assert buffer.counters["wasted_tokens"] == sum(len(s.response_ids) for s in partial)
     perturb_and_sync(engine, policy, version=3)
     restarted, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
     assert engine.num_in_flight() == 0
     assert all(set(s.versions) == {3} for s in restarted)  # only tokens of the current policy
+    assert all(not s.masked and s.finish_reason != "abort" for s in restarted)
     assert all(s.prompt_ids == p.prompt_ids for s, p in zip(restarted, partial))
     # max_staleness 0 is plain dropping: no buffer
     cfg = tiny_config(
@@ -252,7 +258,8 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
 
 def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     """A partial-rollout run's checkpoint holds its suspended samples; the resumed run restores
-    the buffer, continues exactly those samples first, and trains tokens that version 1 sampled."""
+    the buffer, continues exactly those samples first, and trains tokens that version 1 sampled.
+    An engine death in a step's rollout leaves a checkpoint of the step's start."""
     sets = [
         "rollout.cancel=count",
         "rollout.drop_rate=0.3",
@@ -273,7 +280,17 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     assert saved["waiting"], "nothing was suspended: the test would prove nothing"
     resumed = train.setup(tiny_config(tmp_path, "train.steps=3", *sets), resume=True, engine=engine)
     assert resumed.start_step == 2 and resumed.buffer.state_dict() == saved
-    train.train(resumed)
+    # an engine death after step 2's rollout, before its update: the checkpoint it leaves holds
+    # the suspended samples and the prompt position as step 2 found them, not as its rollout left
+    # them (waiting emptied, prompts taken)
+    before = train.data_before_step(resumed)
+    rollout.collect(resumed, 2)
+    assert resumed.buffer.state_dict() != saved
+    train.save_after_engine_death(resumed, EngineDiedError("the engine died"), before)
+    state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
+    assert state["step"] == 2 and state["buffer"] == saved
+    assert state["prompt_positions"] == [before["position"]]
+    train.train(resumed)  # and step 2 runs from them
     values = scalars(tmp_path)
     assert len(values["train/loss"]) == 3
     # step 2 continued exactly the suspended samples of the checkpoint, first

@@ -534,7 +534,7 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
     """`python train.py` whose scheduler is SIGKILLed in step 3 (its own engine: it dies; run in
     the background by a small script that drives it, as a user's terminal would) exits 2 within
     60 s with an EngineDiedError naming the scheduler, no traceback, and a loadable checkpoint of
-    step 3 or later."""
+    step 3 or later, at the data position of the steps it trained."""
     done = background_runs.result("dead_engine")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -547,6 +547,8 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
     saved = checkpoint.latest(DEAD_ENGINE_OUT)
     state = checkpoint.read_trainer_state(saved)  # loadable: the trainer state and the model folder
     assert state["step"] >= 3 and f"saved in {saved}" in err
+    # dead before its update, the step put back the 32 prompts it took: --resume runs it again
+    assert state["prompt_positions"] == [32 * state["step"]], state["prompt_positions"]
     AutoModelForCausalLM.from_pretrained(saved)
     shutil.rmtree(DEAD_ENGINE_OUT)
 

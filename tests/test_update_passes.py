@@ -5,6 +5,8 @@ pass; autocast casting each weight once per optimizer step; train.compile agains
 with the tiny Qwen2 (no engine)."""
 
 import contextlib
+import dataclasses
+import logging
 
 import pytest
 import torch
@@ -94,6 +96,30 @@ def test_several_minibatches_keep_a_forward_for_pi_old(tmp_path):
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
     assert update.pi_old_source(trainer, step=0) == "detached"  # the first step checks the gap
     assert update.pi_old_source(trainer, step=1) == "engine"
+
+
+def test_a_minibatch_with_no_trained_token_leaves_the_weights_alone(tmp_path, caplog):
+    """After a real update (AdamW holds momentum), an update whose samples are all masked, and
+    minibatches beyond the sequences (4 minibatches of 2 sequences), take no optimizer step: their
+    gradient is 0, yet AdamW's step would move every weight by its momentum and decay."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.weight_decay=0.1")
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    samples, advantages = random_samples(3)
+    train_on(trainer, samples, advantages)
+    weights = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    masked = [dataclasses.replace(s, masked=True) for s in samples]
+    with caplog.at_level(logging.INFO, logger="update"):
+        stats = train_on(trainer, masked, advantages)
+    assert stats["train/loss"] == 0 and stats["train/skipped_updates"] == 0
+    for name, p in trainer.policy.named_parameters():
+        assert torch.equal(weights[name], p), name
+    assert "optimizer step skipped" in caplog.text
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.num_minibatches=4")
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    steps = []
+    trainer.optimizer.register_step_post_hook(lambda *args: steps.append(1))
+    train_on(trainer, samples[:2], advantages[:2])
+    assert len(steps) == 2  # one per minibatch that holds a sequence
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
