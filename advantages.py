@@ -16,7 +16,7 @@ import torch
 import loss
 import update
 from config import ConfigError, refuse_unread
-from metrics import masked_mean, summed
+from metrics import ratio, summed
 
 
 def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
@@ -96,7 +96,7 @@ def compute(trainer, groups):
     metrics = {}
     if cfg.train.kl_in == "reward":
         kl_cost = cfg.train.kl_coef * reference_kl(trainer, trajectories)
-        metrics["train/reward_kl_cost"] = masked_mean(kl_cost, is_valid).item()
+        metrics["train/reward_kl_cost"] = ratio((kl_cost * is_valid).sum(), is_valid.sum())
         rewards = rewards - kl_cost
     advantages = ESTIMATORS[cfg.train.advantage](rewards, group_ids, is_valid, cfg)
     for turns, advantage in zip(trajectories, advantages.tolist()):

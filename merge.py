@@ -15,7 +15,7 @@ import dataclasses
 import warnings
 
 from config import refuse_unread
-from metrics import summed
+from metrics import ratio, summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
 # What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
@@ -257,6 +257,6 @@ def training_sequences(trajectories, cfg, max_seq_len):
         "merge/prefix_breaks": summed(stats.prefix_breaks),
         "train/truncated_masked": summed(num_fitting - len(sequences)),
         "merge/over_length_dropped": summed(num_finished - num_fitting),
-        "rollout/turns_per_trajectory": stats.turns / max(len(trajectories), 1),
+        "rollout/turns_per_trajectory": ratio(stats.turns, len(trajectories)),
     }
     return sequences, metrics

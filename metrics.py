@@ -1,9 +1,10 @@
 """Stage 6 of the step: metrics reduced over ranks, and where they go (TensorBoard events, one
 console line per step, config.yaml in the run directory).
 
-Owns how a metric is reduced over ranks (`summed`, `slowest`, else averaged: declared where the
-metric is made), masked means, pass@k, and the logger. Each stage computes its own metrics (the
-rollout's in rollout.py, the update's in update.py, ...); none of the training math is here.
+Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, else averaged: declared
+where the metric is made), masked means, pass@k, and the logger. Each stage computes its own
+metrics (the rollout's in rollout.py, the update's in update.py, ...); none of the training math
+is here.
 A metric's prefix says what it measures, not which stage made it: train/ the batch trained on (its
 rewards, from stage 1; its loss, from stage 4), val/ validation, rollout/ the engine's work
 (launched, aborted, lengths), timing/, perf/, memory/, and one per feature (partial/, staleness/,
@@ -26,7 +27,8 @@ class Summed:
     """A metric summed over ranks (a count, or a throughput), made by `summed(value)` where the
     metric is produced. Deliberately not a number: `summed(3) + summed(4)` raises, so arithmetic
     can never drop the rule; `reduce_metrics` turns it into a plain number. A plain number is
-    averaged over the ranks that logged it (rates, losses, means)."""
+    averaged over the ranks that logged it (losses and rates that every rank measures alike); a
+    mean over items is a `Ratio`."""
 
     value: float
 
@@ -39,6 +41,22 @@ class Slowest:
     value: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A mean over items the ranks hold in different numbers (samples, trajectories, tokens),
+    made by `ratio(total, count)`: reduced as the totals summed over the counts summed, so every
+    item weighs alike wherever it ran (each rank's mean averaged would weigh a rank with one
+    finished sample like one with eight). Not a number, as Summed."""
+
+    total: float
+    count: float
+
+    @property
+    def value(self):
+        """This rank's own mean (0 with no items)."""
+        return self.total / self.count if self.count else 0.0
+
+
 def summed(value):
     """`value` (a number, or a one-element tensor), marked to be summed over ranks."""
     return Summed(value.item() if torch.is_tensor(value) else value)
@@ -49,10 +67,17 @@ def slowest(value):
     return Slowest(value.item() if torch.is_tensor(value) else value)
 
 
+def ratio(total, count):
+    """The mean `total / count`, marked to be reduced over ranks as a Ratio (0 with no items)."""
+    total, count = (v.item() if torch.is_tensor(v) else v for v in (total, count))
+    return Ratio(float(total), float(count))
+
+
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
-    declared it: Summed, Slowest, else averaged. A collective: every rank calls it. With several
-    ranks, `timing/rollout_s_min` beside the max shows how unevenly their rollouts ended."""
+    declared it: Summed, Slowest, Ratio, else averaged. A collective: every rank calls it. With
+    several ranks, `timing/rollout_s_min` beside the max shows how unevenly their rollouts
+    ended."""
     per_rank = parallel.gather_objects(scalars)
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
@@ -61,6 +86,9 @@ def reduce_metrics(scalars):
             out[key] = sum(v.value for v in values)
         elif isinstance(values[0], Slowest):
             out[key] = max(v.value for v in values)
+        elif isinstance(values[0], Ratio):
+            count = sum(v.count for v in values)
+            out[key] = sum(v.total for v in values) / count if count else 0.0
         else:
             out[key] = sum(values) / len(values)
     if len(per_rank) > 1:
@@ -83,10 +111,11 @@ def masked_mean(values, mask):
 
 
 def length_stats(lengths, prefix):
-    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros)."""
+    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros). Over ranks the mean
+    and max are exact; the quantiles are each rank's, averaged."""
     t = torch.tensor(lengths or [0], dtype=torch.float)
     return {
-        f"{prefix}_mean": t.mean().item(),
+        f"{prefix}_mean": ratio(sum(lengths), len(lengths)),
         f"{prefix}_p50": t.quantile(0.5).item(),
         f"{prefix}_p90": t.quantile(0.9).item(),
         f"{prefix}_max": slowest(t.max().item()),

@@ -12,7 +12,7 @@ this buffer.
 import dataclasses
 import math
 
-from metrics import summed
+from metrics import ratio, summed
 import runtime.parallel as parallel
 from sample import Prompt, Sample, trajectories_of
 
@@ -168,7 +168,7 @@ class PartialBuffer:
             "partial/held_groups": summed(len(self.groups)),
             "rollout/launched": summed(c["launched"]),
             "rollout/aborted": summed(c["suspended"]),
-            "rollout/aborted_ratio": c["suspended"] / max(c["launched"], 1),
+            "rollout/aborted_ratio": ratio(c["suspended"], c["launched"]),
             "rollout/wasted_tokens": summed(c["wasted_tokens"]),
         }
 

@@ -121,7 +121,8 @@ def checked(value, where):
     numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool is not, and one too
     large for a float (10**400) is refused as not finite."""
     refused = RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
-    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
+    if size == 1 and hasattr(value, "item"):  # torch's numel, numpy's size
         value = value.item()  # a 0-dim (or one-element) tensor or array
     real = isinstance(value, (numbers.Real, decimal.Decimal))
     if isinstance(value, (bool, numpy.bool_)) or not real:

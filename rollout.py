@@ -16,7 +16,7 @@ import torch
 from cancel import GroupFilter, informative_groups, plan_launch
 from config import max_trajectory_tokens
 from inflight import Request, Rollout, Settings, check_launch
-from metrics import length_stats, pass_at_k, slowest, summed, trajectory_texts
+from metrics import length_stats, pass_at_k, ratio, slowest, summed, trajectory_texts
 import runtime.parallel as parallel
 from runtime.engine import Engine
 import runtime.seeds as seeds
@@ -253,19 +253,21 @@ def rollout_metrics(trajectories, stats):
     aborted = [s for s in samples if s.masked and s.finish_reason not in failed]
     num_aborted = sum(s.masked and s.finish_reason not in failed for s in launched)
     rewards = torch.tensor([s.reward for s in finished] or [0.0])
+    reward_sum = sum(s.reward for s in finished)
     num_tokens = sum(len(s.response_ids) for s in samples)
     out = {
-        "train/reward_mean_completed": rewards.mean().item(),
-        "train/reward_mean_launched": rewards.sum().item() / max(len(launched), 1),
+        "train/reward_mean_completed": ratio(reward_sum, len(finished)),
+        "train/reward_mean_launched": ratio(reward_sum, len(launched)),
         "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
-        "train/accuracy": sum(s.reward >= 1.0 for s in finished) / max(len(finished), 1),
+        "train/accuracy": ratio(sum(s.reward >= 1.0 for s in finished), len(finished)),
         "rollout/launched": summed(len(launched)),
         "rollout/aborted": summed(num_aborted),
-        "rollout/aborted_ratio": num_aborted / max(len(launched), 1),
+        "rollout/aborted_ratio": ratio(num_aborted, len(launched)),
         "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
         "rollout/dropped": summed(sum(s.finish_reason == "dropped" for s in launched)),
-        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in finished)
-        / max(len(finished), 1),
+        "rollout/truncated_ratio": ratio(
+            sum(s.finish_reason == "length" for s in finished), len(finished)
+        ),
         "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
         "perf/rollout_tokens_per_s": summed(num_tokens / max(stats.rollout_s, 1e-9)),
         "timing/rollout_s": slowest(stats.rollout_s),
@@ -276,7 +278,7 @@ def rollout_metrics(trajectories, stats):
         "rollout/tool_errors": summed(stats.num_tool_errors),
         **{f"tools/{name}/calls": summed(n) for name, n in stats.tool_calls.items()},
         **{f"tools/{name}/errors": summed(n) for name, n in stats.tool_errors.items()},
-        "rollout/tool_calls_per_trajectory": stats.num_tool_calls / max(len(launched), 1),
+        "rollout/tool_calls_per_trajectory": ratio(stats.num_tool_calls, len(launched)),
         "rollout/timed_out": summed(stats.num_timed_out),
         "rollout/reward_errors": summed(stats.num_reward_errors),
     }
@@ -300,7 +302,8 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering):
         # 1 when filtering kept fewer groups than the target (the prompt bound ended the step),
         # on any rank (`slowest`: reduced by max)
         "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
-        "train/reward_mean": sum(rewards) / max(len(rewards), 1),
-        "perf/generated_tokens_per_kept_group": stats.generated_tokens
-        / max(counts["kept_groups"], 1),
+        "train/reward_mean": ratio(sum(rewards), len(rewards)),
+        "perf/generated_tokens_per_kept_group": ratio(
+            stats.generated_tokens, counts["kept_groups"]
+        ),
     }

@@ -63,7 +63,8 @@ class Sample:
     versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     # partial rollout: steps this sample was continued in after a cancellation
     times_resumed: int = 0
-    # multi-turn: 1 = this turn ended in a well-formed tool call, -1 = a malformed one
+    # multi-turn: 1 = this turn ended in a well-formed tool call (the tool ran, whatever it
+    # returned), -1 = a malformed one
     tool_call: int = 0
 
     def __post_init__(self):

@@ -67,9 +67,10 @@ def train_step(run, step):
     run.updates_done = step + 1  # from here on, a checkpoint of this run is at step + 1
     train_s = time.perf_counter() - train_start
     # 5. weight sync: the engine samples the next step from the updated policy
-    # the engine-vs-trainer gap the update measured (None where pi_old came from the engine)
+    # the engine-vs-trainer gap the update measured on this rank (none where pi_old came from the
+    # engine)
     gap = update_metrics.get("train/logprob_gap")
-    sync_metrics = memory.sync_weights(run, step, logprob_gap=gap)
+    sync_metrics = memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
     # 6. metrics, each reduced over ranks as its stage declared
     metrics |= advantage_metrics | sequence_metrics | update_metrics | sync_metrics
     metrics["timing/train_s"] = slowest(train_s)

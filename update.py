@@ -21,7 +21,7 @@ import torch
 
 import loss
 from config import ConfigError
-from metrics import TokenMeans, masked_mean, summed
+from metrics import TokenMeans, masked_mean, ratio, summed
 import runtime.parallel as parallel
 from runtime.model import build_optimizer
 from sample import Sample
@@ -247,7 +247,7 @@ def logprob_gap(micro_batches):
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
         gap = gap + ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().cpu()
         num_tokens = num_tokens + fresh.sum().cpu()
-    return {"train/logprob_gap": gap.item() / max(num_tokens.item(), 1)}
+    return {"train/logprob_gap": ratio(gap, num_tokens)}
 
 
 def compute_precision(trainer):
@@ -679,10 +679,10 @@ def layout_stats(micro_batches):
     )
     return {
         "train/tokens": summed(tokens),
-        "train/padded_fraction": 1 - tokens / max(positions, 1),
+        "train/padded_fraction": ratio(positions - tokens, positions),
         "train/head_positions": summed(head),
         "train/micro_batches": summed(len(micro_batches)),
-        "train/tokens_per_micro_batch": tokens / max(len(micro_batches), 1),
+        "train/tokens_per_micro_batch": ratio(tokens, len(micro_batches)),
     }
 
 

@@ -137,6 +137,10 @@ MODEL_SHAPE = (
     "max_position_embeddings",
 )
 
+# with LoRA, which weights the checkpoint's adapters (and those trained in full) are, and how the
+# adapters' update is scaled: a resume cannot change them either (lora_dropout it can)
+LORA_SHAPE = ("lora_rank", "lora_alpha", "lora_targets", "lora_also_train")
+
 
 # what a damaged or hostile file raises while it is read (a SafetensorError subclasses none)
 UNREADABLE = (
@@ -174,8 +178,11 @@ def check_resume(folder, cfg):
     saved = read_saved_model_fields(folder)
     # a HF model's shape is its folder's: only the tiny model's comes from these fields
     compared = MODEL_SHAPE if cfg.model.path == "tiny" else ("path",)
+    compared += LORA_SHAPE if cfg.model.lora_rank else LORA_SHAPE[:1]
     for name in compared if saved is not None else ():
-        was, now = saved.get(name), getattr(cfg.model, name)
+        if name not in saved:  # a field newer than the checkpoint
+            continue
+        was, now = saved[name], getattr(cfg.model, name)
         if was != now:
             raise CheckpointError(
                 f"--resume: model.{name}={now!r}, but {folder} was written with {was!r}: its "

@@ -57,10 +57,15 @@ def add_adapters(model, rank, alpha, dropout, targets, base_dtype, also_train=()
         module.lora_on = True
         module.forward = _forward.__get__(module)  # this instance only: nn.Linear is untouched
         names.append(name)
-    if not names:
-        raise ValueError(
-            f"model.lora_targets={list(targets)}: no linear layer of the model matches"
-        )
+    # a name that matches nothing (a typo) would train less than it says, silently
+    found = {name.rsplit(".", 1)[-1] for name in names}
+    unmatched = [t for t in targets if t not in found]
+    if unmatched:
+        raise ValueError(f"model.lora_targets: {unmatched} name no linear layer of the model")
+    params = [name for name, _ in model.named_parameters()]
+    unmatched = [part for part in also_train if not any(part in name for name in params)]
+    if unmatched:
+        raise ValueError(f"model.lora_also_train: {unmatched} are in no parameter's name")
     return names
 
 

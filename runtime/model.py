@@ -52,15 +52,31 @@ def build_char_tokenizer(chars=TINY_CHARS):
     )
 
 
-# config.refuse_unread's table: the LoRA fields, read only with adapters
+# the tiny model's shape: a HF model's comes from its folder's config.json
+TINY_SHAPE = (
+    "model.hidden_size",
+    "model.intermediate_size",
+    "model.num_layers",
+    "model.num_heads",
+    "model.max_position_embeddings",
+)
+# config.refuse_unread's table: the LoRA fields, read only with adapters; the tiny model's shape;
+# the cosine schedule's floor
 READ_WHEN = {
-    key: (lambda cfg: cfg.model.lora_rank > 0, "with model.lora_rank > 0")
-    for key in (
-        "model.lora_alpha",
-        "model.lora_dropout",
-        "model.lora_targets",
-        "model.lora_also_train",
-    )
+    **{
+        key: (lambda cfg: cfg.model.lora_rank > 0, "with model.lora_rank > 0")
+        for key in (
+            "model.lora_alpha",
+            "model.lora_dropout",
+            "model.lora_targets",
+            "model.lora_also_train",
+        )
+    },
+    **{key: (lambda cfg: cfg.model.path == "tiny", "with model.path: tiny") for key in TINY_SHAPE},
+    "train.min_lr_ratio": (
+        lambda cfg: cfg.train.lr_schedule == "cosine",
+        "with lr_schedule cosine",
+    ),
 }
 
 
@@ -114,6 +130,12 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
                 model = AutoModelForCausalLM.from_pretrained(
                     init_dir, dtype=torch.float32, trust_remote_code=False
                 )
+                if model.config.vocab_size != len(tokenizer):  # the task brings its characters
+                    raise ModelError(
+                        f"{init_dir} holds a tiny model of {model.config.vocab_size} tokens, but "
+                        f"data.task={cfg.data.task!r} needs {len(tokenizer)}: resume with the "
+                        "task it was trained on, or start a new run (another run.out)"
+                    )
             else:
                 m = cfg.model
                 torch.manual_seed(seeds.derive(cfg.train.seed, "model"))
@@ -147,15 +169,18 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
         m = cfg.model
         torch.manual_seed(seeds.derive(cfg.train.seed, "lora"))
         base_dtype = getattr(torch, m.compute_dtype)
-        lora.add_adapters(
-            model,
-            m.lora_rank,
-            m.lora_alpha,
-            m.lora_dropout,
-            m.lora_targets,
-            base_dtype,
-            m.lora_also_train,
-        )
+        try:
+            lora.add_adapters(
+                model,
+                m.lora_rank,
+                m.lora_alpha,
+                m.lora_dropout,
+                m.lora_targets,
+                base_dtype,
+                m.lora_also_train,
+            )
+        except ValueError as e:  # a name the model does not have: only the model can tell
+            raise ConfigError(str(e)) from None
     # each decoder layer's activations recomputed in the backward
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

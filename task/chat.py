@@ -11,6 +11,8 @@ import json
 import logging
 import os
 
+import jinja2  # transformers renders chat templates with it
+
 from config import ConfigError
 from sample import Prompt
 from task.data import TOOL_FIELDS, DataError
@@ -165,11 +167,16 @@ def chat_prompts(
             num_bad += 1
             log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
             continue
-        prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
+        try:  # a task's own row shape (`to_prompt` raises ValueError), or a template's rules
+            prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except (ValueError, jinja2.TemplateError) as e:  # e.g. "roles must alternate"
+            num_bad += 1
+            log.warning("skipping malformed row %s:%d (%s)", source, row_no, e)
+            continue
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) > max_prompt_len:
             num_too_long += 1

@@ -16,8 +16,16 @@ tool = chat.tool  # the same tools as any chat task
 
 def row(row):
     """A GSM8K row as (prompt, answer): the question and the instruction; the gold number after
-    '####'."""
-    return f"{row['question']}\n{INSTRUCTION}", row["answer"].rsplit("####", 1)[-1].strip()
+    '####'. ValueError (chat.chat_prompts counts and skips the row) when the answer is not a
+    solution ending in '#### <number>': its gold would be some other number, or none that a
+    response could ever match."""
+    solution = row["answer"]
+    if not isinstance(solution, str) or "####" not in solution:
+        raise ValueError("its answer is not a solution text ending in '#### <number>'")
+    gold = solution.rsplit("####", 1)[-1].strip()
+    if rewards.parse_number(gold) is None:
+        raise ValueError(f"no number after its answer's '####': {gold[:40]!r}")
+    return f"{row['question']}\n{INSTRUCTION}", gold
 
 
 def prompts(cfg, tokenizer, split, seed, tool=None):

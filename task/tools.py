@@ -158,6 +158,9 @@ class Observation(typing.NamedTuple):
     ids: list  # the observation's token ids
     tool: str  # the tool called (UNPARSED: none could be read)
     is_error: bool
+    # the tool ran (the call was read, named a tool, and its arguments fit the schema), whatever
+    # it returned: the model made a well-formed call, even where the tool then failed
+    ran: bool
 
 
 def function_schema(fn):
@@ -297,7 +300,7 @@ class QwenTools:
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=False)
         start = text.rfind(self.call_start)
         call = text[start + len(self.call_start) : -len(self.call_end)] if start >= 0 else ""
-        name, result = await self.run(call)
+        name, result, ran = await self.run(call)
         is_error = result.startswith("error")
         # an error message (a user's exception's) as much as a result; a lone surrogate ("\ud800",
         # which a Python str may hold) would make the tokenizer raise: replaced
@@ -307,27 +310,29 @@ class QwenTools:
         head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
         tail = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         ids = self.encode(head) + text_ids(self.tokenizer, result, self.markers) + self.encode(tail)
-        return Observation(ids, name, is_error)
+        return Observation(ids, name, is_error, ran)
 
     def encode(self, text):
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     async def run(self, call):
-        """(the tool's name, or UNPARSED; its result, or "error: ...") for one call's text."""
+        """(the tool's name, or UNPARSED; its result, or "error: ..."; whether the tool ran) for
+        one call's text."""
         try:
             parsed = json.loads(call)  # json.loads never executes anything
         except ValueError:
-            return UNPARSED, "error: the tool call is not valid JSON"
+            return UNPARSED, "error: the tool call is not valid JSON", False
         except RecursionError:  # model-written text nested deeper than Python's parser recurses
-            return UNPARSED, "error: the tool call is nested too deeply"
+            return UNPARSED, "error: the tool call is nested too deeply", False
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-            return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}}'
+            return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}}', False
         name, arguments = parsed["name"], parsed.get("arguments", {})
         if name not in self.functions:
-            return UNPARSED, f"error: no tool {name!r} (tools: {', '.join(self.functions)})"
+            tools = ", ".join(self.functions)
+            return UNPARSED, f"error: no tool {name!r} (tools: {tools})", False
         problems = sorted(e.message for e in self.validators[name].iter_errors(arguments))
         if problems:
-            return name, f"error: {name}: {'; '.join(problems)}"
+            return name, f"error: {name}: {'; '.join(problems)}", False
         fn = self.functions[name]
         if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
             pending = fn(**arguments)
@@ -335,11 +340,11 @@ class QwenTools:
             loop = asyncio.get_running_loop()
             pending = loop.run_in_executor(self.pool, functools.partial(fn, **arguments))
         try:
-            return name, result_text(await asyncio.wait_for(pending, self.timeout_s))
+            return name, result_text(await asyncio.wait_for(pending, self.timeout_s)), True
         except asyncio.TimeoutError:
-            return name, f"error: {name} did not return within {self.timeout_s} s"
+            return name, f"error: {name} did not return within {self.timeout_s} s", True
         except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash
-            return name, f"error: {name} raised {type(e).__name__}: {e}"
+            return name, f"error: {name} raised {type(e).__name__}: {e}", True
 
 
 class QuestionCalculator:
@@ -361,7 +366,7 @@ class QuestionCalculator:
         result = calculator(question.removesuffix("="))
         is_error = result.startswith("error")
         ids = self.tokenizer("=?" if is_error else f"={result}", add_special_tokens=False).input_ids
-        return Observation(ids, "calculator", is_error)
+        return Observation(ids, "calculator", is_error, ran=True)  # "?" is always a call
 
 
 # ---------------------------------------------------------------- a multi-turn trajectory
@@ -407,7 +412,7 @@ async def multi_turn(flight, request, settings):
             sample.finish_reason = "abort"
             break
         observation = await flight.run_tool(request, sample)
-        sample.tool_call = -1 if observation.is_error else 1
+        sample.tool_call = 1 if observation.ran else -1
         # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
         context = context + sample.response_ids + array.array("i", observation.ids)
     if any(t.masked or t.finish_reason == "abort" for t in turns):

@@ -129,21 +129,30 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
 
 
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
-    """Unparseable lines and rows of the wrong shape are skipped and counted in warnings; the
-    good rows load."""
+    """Unparseable lines and rows of the wrong shape are skipped and counted in warnings: for
+    GSM8K also an answer that is no solution ending in '#### <number>' (a number, no '####', no
+    number after it); for any chat task a row its chat template refuses. The good rows load."""
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
-    path.write_text(
-        "\n".join(
-            [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
-        )
-    )
+    bad_answers = [7, "2 + 3 is 5", "2 + 3 = five\n#### five"]
+    rows = [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
+    rows += [json.dumps({"question": "What is 2 + 3?", "answer": a}) for a in bad_answers]
+    path.write_text("\n".join(rows))
     prompts = gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
-    assert len(prompts) == 2
+    assert [p.answer for p in prompts] == ["5", "5"]
     assert (
-        "skipped 1 unparseable rows of 5" in caplog.text
-        and "skipped 2 malformed rows" in caplog.text
+        "skipped 1 unparseable rows of 8" in caplog.text
+        and "skipped 5 malformed rows" in caplog.text
     )
+    tokenizer = _wide_char_tokenizer()  # a template with rules: no system message
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    path.write_text("\n".join(json.dumps({"prompt": p, "answer": "5"}) for p in ["2+3?", system]))
+    prompts = chat.chat_prompts(tokenizer, str(path), "train", max_prompt_len=512)
+    assert len(prompts) == 1 and "no system role" in caplog.text
 
 
 def _wide_char_tokenizer():
@@ -244,11 +253,11 @@ def test_qwen_tool_call_format_round_trip():
     def call(text):
         return asyncio.run(tool(tokenizer(text, add_special_tokens=False).input_ids))
 
-    observation, name, is_error = call(
+    observation, name, is_error, ran = call(
         'I add. <tool_call>\n{"name": "calculator", '
         '"arguments": {"expression": "48 + 24"}}\n</tool_call>'
     )
-    assert not is_error and name == "calculator"
+    assert not is_error and ran and name == "calculator"
     assert tokenizer.decode(observation) == (
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n72\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n"
@@ -260,8 +269,8 @@ def test_qwen_tool_call_format_round_trip():
         "</tool_call>",
         '<tool_call>{"arguments": {"expression": "__import__(\'os\')"}}</tool_call>',
     ]:
-        observation, _, is_error = call(bad)
-        assert is_error and "error" in tokenizer.decode(observation)
+        observation, _, is_error, ran = call(bad)
+        assert is_error and not ran and "error" in tokenizer.decode(observation)
     assert call("The answer is 72.") is None  # no tool call: the response is the answer
 
 
@@ -316,8 +325,9 @@ def test_the_trajectory_token_bound_is_one_formula():
 
 
 def test_any_finite_real_number_is_a_reward_and_nothing_else():
-    """A reward may return numpy's, torch's, Fraction's or Decimal's numbers; a bool, a string, NaN
-    and a number too large for a float (10**400: an OverflowError before) are RewardErrors."""
+    """A reward may return numpy's (scalars and one-element arrays), torch's, Fraction's or
+    Decimal's numbers; a bool, several values, a string, NaN and a number too large for a float
+    (10**400: an OverflowError before) are RewardErrors."""
     import decimal
     import fractions
 
@@ -327,13 +337,16 @@ def test_any_finite_real_number_is_a_reward_and_nothing_else():
     for value, expected in (
         (numpy.float32(0.5), 0.5),
         (numpy.int64(1), 1.0),
+        (numpy.array(0.5), 0.5),  # 0-dim, as numpy.where returns
+        (numpy.array([0.25]), 0.25),
         (torch.tensor(0.25), 0.25),
         (fractions.Fraction(1, 4), 0.25),
         (decimal.Decimal("0.75"), 0.75),
         (2, 2.0),
     ):
         assert rewards.checked(value, "here") == expected
-    for value in (True, numpy.bool_(True), "1", math.nan, 10**400, decimal.Decimal("NaN")):
+    refused = (True, numpy.bool_(True), numpy.array(True), numpy.array([0.5, 1.0]), "1", math.nan)
+    for value in refused + (10**400, decimal.Decimal("NaN")):
         with pytest.raises(rewards.RewardError, match="not a finite number"):
             rewards.checked(value, "here")
 
@@ -643,7 +656,9 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.kl_estimator": ["train.kl_coef=0.1"],
         "train.scale_by_std": [],
         "rollout.merge_turns": ["rollout.max_turns=2", "data.task=tiny_tool"],
-        **{key: ["model.lora_rank=4"] for key in model.READ_WHEN},
+        **{key: ["model.lora_rank=4"] for key in model.READ_WHEN if ".lora_" in key},
+        **{key: [] for key in model.TINY_SHAPE},  # tiny.yaml's model
+        "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
     }
     other = {
         "train.kl_estimator": "k1",
@@ -663,6 +678,10 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         off = ["run.out=/tmp/unused", f"{key}={value}"]
         if key.startswith("train.clip_eps"):
             off += ["train.ratio_level=cispo"]
+        if key in model.TINY_SHAPE:
+            off += ["model.path=Qwen/Qwen2.5-0.5B"]
+        if key == "train.min_lr_ratio":
+            off += ["train.lr_schedule=constant"]
         if key == "train.scale_by_std":  # read by grpo: off with any other estimator
             advantages.ESTIMATORS["other"] = advantages.grpo
             off += ["train.advantage=other"]

@@ -242,7 +242,7 @@ def test_the_chat_template_renders_what_the_rollout_builds(qwen_tiny_dir):
     call = encode(
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n</tool_call>'
     )
-    observation, _, is_error = asyncio.run(tool(call))
+    observation, _, is_error, _ = asyncio.run(tool(call))
     answer = encode("#### 40<|im_end|>")
     conversation = question + [
         {

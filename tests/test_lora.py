@@ -108,6 +108,14 @@ def test_lora_fields_are_refused_without_lora():
     # the output head is the embedding itself in the tiny model: a merged head would rewrite both
     with pytest.raises(ConfigError, match=r"\['lm_head'\] are not adapted"):
         load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,lm_head]"])
+    # a name the model does not have (a typo would train less than it says): refused once the
+    # model is built, before any engine
+    for item, message in (
+        ("model.lora_targets=[q_proj,k_prj]", r"\['k_prj'\] name no linear layer"),
+        ("model.lora_also_train=[nrom]", r"\['nrom'\] are in no parameter's name"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            model.build_policy(load_config("configs/tiny.yaml", [*LORA, item]), None)
 
 
 def test_the_engine_arguments_for_lora_on_each_device():

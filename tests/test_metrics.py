@@ -53,6 +53,32 @@ def test_multi_turn_trajectories_count_once():
     assert out["train/reward_mean_completed"] == pytest.approx(0.5)
 
 
+def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
+    """Two ranks' rollouts reduced: rank 0 finished 8 samples of reward 1, rank 1 one of reward
+    0 and cancelled 7. The means over samples are those of the 16 launched together (9 finished:
+    8/9, not the ranks' means averaged, (1 + 0) / 2); a rank with no finished sample adds
+    nothing to them."""
+    import metrics
+
+    rank0 = [sample(i, 1.0, 4) for i in range(8)]
+    rank1 = [sample(0, 0.0, 2)] + [
+        sample(i, 0.0, 9, masked=True, finish_reason="abort") for i in range(1, 8)
+    ]
+    per_rank = [
+        rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0))
+        for samples in (rank0, rank1)
+    ]
+    monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
+    out = reduce_metrics(per_rank[0])
+    assert out["train/reward_mean_completed"] == pytest.approx(8 / 9)
+    assert out["train/accuracy"] == pytest.approx(8 / 9)
+    assert out["train/reward_mean_launched"] == pytest.approx(8 / 16)
+    assert out["rollout/aborted_ratio"] == pytest.approx(7 / 16)
+    assert out["rollout/response_len_mean"] == pytest.approx((8 * 4 + 2) / 9)
+    per_rank[1] = rollout_metrics(trajectories_of(rank1[1:]), RolloutStats(rollout_s=1.0))
+    assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
+
+
 def test_masked_mean_and_lengths_never_nan():
     """An all-masked mean and the length statistics of no samples are 0, not NaN."""
     import torch

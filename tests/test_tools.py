@@ -146,7 +146,8 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
 def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
     """Each tool answers its own calls; wrong names, bad JSON, missing, extra and mistyped
     arguments, a raise and the calculator's refusal are error observations counted under the
-    tool called (or `unparsed`); the arguments never reach eval."""
+    tool called (or `unparsed`), the call well-formed (the tool ran) only where the tool itself
+    failed; the arguments never reach eval."""
     tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later, refuses])
     assert tool.names == ["calculator", "percent_of", "repeat", "later", "refuses", tools.UNPARSED]
     answers = [
@@ -210,9 +211,17 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         ("not json", tools.UNPARSED, "not valid JSON"),
         ('["calculator"]', tools.UNPARSED, '{"name": ..., "arguments": {...}}'),
     ]
+    # the tool ran (a well-formed call: sample.tool_call 1) where it failed on its own
+    ran = (
+        "division by zero",
+        "error: cannot x",
+        "raised ValueError: times must be >= 0",
+        "unsupported character",
+    )
     for body, name, message in refusals:
         observation, text = ask(tool, tokenizer, body)
         assert observation.tool == name and observation.is_error, (body, observation)
+        assert observation.ran == (message in ran), (body, observation)
         assert text.startswith("error") and message in text, (body, text)
     # a response that does not end in a call is the answer
     plain = tokenizer("The answer is 40.", add_special_tokens=False).input_ids

@@ -256,6 +256,10 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
             f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
         refused("cannot be resumed")
     refused(r"model.hidden_size=128, but .* was written with 64", "model.hidden_size=128")
+    refused(r"model.lora_rank=4, but .* was written with 0", "model.lora_rank=4")
+    # the tiny model's vocabulary is its task's characters (reverse adds letters)
+    with pytest.raises(model.ModelError, match="of 25 tokens, but data.task='reverse' needs 30"):
+        train.setup(tiny_config(tmp_path, "train.steps=3", "data.task=reverse"), resume=True)
     assert not os.path.exists(tmp_path / "pwned")
     resumed = train.setup(
         tiny_config(tmp_path, "train.steps=3", "train.lr=1e-4", "train.adam_beta2=0.95"),
