@@ -173,9 +173,11 @@ class Engine:
 
     def abort(self, rids):
         """Abort requests inside the engine (fire and forget: each returns its partial output).
-        SGLang matches rids by *prefix*, so rids must be uuids; all of the engine's requests at
-        once go as one abort_all."""
-        if len(rids) == self.num_in_flight():
+        SGLang matches rids by *prefix*, so rids must be uuids; when they hold every request the
+        engine tracks, one abort_all (a set, not a count: a rid the engine does not track yet
+        would make an equal count hold another request)."""
+        tracked = self.tokenizer_manager.rid_to_state
+        if tracked and set(tracked) <= set(rids):
             self.tokenizer_manager.abort_request(abort_all=True)
         else:
             for rid in rids:

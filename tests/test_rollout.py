@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import time
+import uuid
 
 import pytest
 
@@ -146,6 +147,26 @@ def test_count_cancellation_aborts_the_tail_in_the_engine(engine, policy):
     # the engine is healthy afterwards
     again, _ = engine.generate(PROMPTS, 2, 1.0, 8)
     assert all(not s.masked for s in again)
+
+
+def test_an_abort_cuts_only_its_own_requests(engine, policy):
+    """Of two requests in the engine, aborting one, together with a rid the engine does not
+    track yet (a request not sent), cuts that one alone: the other runs to its length."""
+    kept, cut = uuid.uuid4().hex, uuid.uuid4().hex
+    sampling = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 1.0}
+
+    async def two_requests():
+        running = [
+            asyncio.ensure_future(engine.request(r, PROMPTS[0], sampling)) for r in (kept, cut)
+        ]
+        while engine.num_in_flight() < 2:
+            await asyncio.sleep(0.001)
+        engine.abort([cut, uuid.uuid4().hex])
+        return await asyncio.gather(*running)
+
+    (kept_ids, _, kept_reason, _, _), (_, _, cut_reason, _, _) = engine._run(two_requests())
+    assert (kept_reason, len(kept_ids), cut_reason) == ("length", 64, "abort")
+    assert engine.num_in_flight() == 0
 
 
 def test_time_cancellation_waits_factor_times_the_quantile_time(engine, policy):
