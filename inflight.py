@@ -35,7 +35,7 @@ class RolloutStats:
     # launch -> cancellation decided (= rollout_s when nothing cancelled)
     decision_s: float = 0.0
     cancel_latency_s: float = 0.0  # decision -> every cancelled request returned from the engine
-    num_cancelled: int = 0
+    num_cancelled: int = 0  # trajectories cancelled (ended "abort")
     num_failed: int = 0
     num_tool_calls: int = 0
     num_tool_errors: int = 0
@@ -145,8 +145,9 @@ class Rollout:
         # every task is done here (the rewards of the last trajectories too); re-raises nothing
         # (errors became samples)
         await asyncio.gather(*self.tasks)
-        # a request can finish on its own between the decision and the abort: it is kept
-        stats.num_cancelled = sum(t.result()[-1].masked for t in pending)
+        # cut by the decision or with their group (a request can finish on its own between the
+        # decision and the abort: it is kept; a failure is a failure)
+        stats.num_cancelled = sum(t.result()[-1].finish_reason == "abort" for t in self.tasks)
         stats.rollout_s = time.perf_counter() - self.start
         samples = [turn for t in self.tasks for turn in t.result()]
         # a resumed sample's earlier tokens were generated in an earlier step, not now

@@ -236,7 +236,10 @@ def training_sequences(trajectories, cfg, max_seq_len):
     sequences = []
     num_finished = 0
     num_fitting = 0
-    for candidates in per_trajectory:
+    for turns, candidates in zip(trajectories, per_trajectory):
+        # a trajectory cut at the budget is masked whole, merged or not (its earlier turns carry
+        # the advantage of the cut answer)
+        truncated = mask_truncated and turns[-1].finish_reason == "length"
         for s in candidates:
             # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
             # would still cost the old-log-prob pass, the forward and the backward, and they are
@@ -247,7 +250,7 @@ def training_sequences(trajectories, cfg, max_seq_len):
             if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:
                 continue
             num_fitting += 1
-            if mask_truncated and s.finish_reason == "length":
+            if truncated:
                 continue
             sequences.append(s)
     metrics = {

@@ -142,11 +142,11 @@ class PartialBuffer:
                 group.members.append(turns)
             if turns[-1].finish_reason != "abort":
                 continue  # finished (or failed inside the engine: final, masked like any failure)
-            self.counters["suspended"] += 1
             if self.multi_turn:  # dropped (stays aborted), not resumed
                 self.counters["dropped_multi_turn"] += 1
                 self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
             else:
+                self.counters["suspended"] += 1
                 self.waiting.append((group, index))
         self._launched = []
         self.resumed = {}
@@ -160,15 +160,16 @@ class PartialBuffer:
     def metrics(self):
         """This step's counters and the buffer's size after it (all summed over ranks). Its
         rollout/* keys replace rollout_metrics' (which sees only the complete groups):
-        `rollout/aborted` counts the trajectories suspended this step, `rollout/wasted_tokens`
-        the tokens generated and then thrown away."""
+        `rollout/aborted` counts the trajectories cancelled this step (suspended, or dropped with
+        a tool), `rollout/wasted_tokens` the tokens generated and then thrown away."""
         c = self.counters
+        aborted = c["suspended"] + c["dropped_multi_turn"]
         return {f"partial/{name}": summed(value) for name, value in c.items()} | {
             "partial/buffer_samples": summed(len(self.waiting)),
             "partial/held_groups": summed(len(self.groups)),
             "rollout/launched": summed(c["launched"]),
-            "rollout/aborted": summed(c["suspended"]),
-            "rollout/aborted_ratio": ratio(c["suspended"], c["launched"]),
+            "rollout/aborted": summed(aborted),
+            "rollout/aborted_ratio": ratio(aborted, c["launched"]),
             "rollout/wasted_tokens": summed(c["wasted_tokens"]),
         }
 

@@ -365,3 +365,27 @@ def test_merge_bench_reports_that_merging_trains_fewer_tokens():
     )
     assert match, out
     assert 0 < int(match[1]) < int(match[2])  # 5-turn trajectories: merging trains fewer tokens
+
+
+def test_mask_truncated_masks_a_cut_trajectory_whole_merged_or_not(tmp_path):
+    """train.mask_truncated (DAPO's overlong filtering) leaves out every sequence of a trajectory
+    whose last turn was cut at the budget ("length"), earlier turns too, whether its turns are
+    merged into one sequence or trained one by one; a finished trajectory stays whole."""
+    import merge
+    from assemble import load_config
+
+    cut = make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0)
+    finished = make_turns(RESPONSES, OBSERVATIONS, trajectory_id=1)
+    for turns, last in ((cut, "length"), (finished, "stop")):
+        for t in turns:
+            t.finish_reason = "stop"  # the earlier turns ended in a tool call
+        turns[-1].finish_reason = last
+    base = [f"run.out={tmp_path}", "data.task=tiny_tool", "rollout.max_turns=3"]
+    for merge_turns in ("true", "false"):
+        sets = base + [f"rollout.merge_turns={merge_turns}"]
+        kept, _ = merge.training_sequences([cut, finished], load_config(None, sets), 256)
+        assert {s.trajectory_id for s in kept} == {0, 1}
+        sets += ["train.mask_truncated=true"]
+        kept, metrics = merge.training_sequences([cut, finished], load_config(None, sets), 256)
+        assert {s.trajectory_id for s in kept} == {1}, merge_turns
+        assert metrics["train/truncated_masked"].value == (1 if merge_turns == "true" else 3)

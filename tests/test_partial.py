@@ -24,6 +24,7 @@ from runtime.engine import EngineDiedError
 from conftest import tiny_config
 from cancel import plan_launch
 from sample import NOT_GENERATED, Sample
+from metrics import reduce_metrics
 from test_train import scalars
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
@@ -333,6 +334,8 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     complete = buffer.collect(turns, [sample.Prompt([1, 2], "1")])
     assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
     assert not buffer.waiting and len(complete) == 1  # the group trains on its finished member
+    counts = reduce_metrics(buffer.metrics())  # aborted, but not suspended
+    assert counts["partial/suspended"] == 0 and counts["rollout/aborted"] == 1
     out = [turn for group in complete for turns in group for turn in turns]
     assert [s.masked for s in out] == [True, True, False]
     # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
