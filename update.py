@@ -295,9 +295,11 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
     minibatch_loss = parallel.all_reduce([sum(torch.stack(losses).tolist())])[0]
     if not trained:
         # nothing to learn from (every sample masked, or more minibatches than sequences): the
-        # gradient is 0, yet AdamW's step would move every weight by its momentum and decay
+        # gradient is 0, yet AdamW's step would move every weight by its momentum and decay. The
+        # schedule goes on: it counts steps x num_minibatches slots (model.build_optimizer)
         log.info("no trained token in this minibatch: optimizer step skipped")
         trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.scheduler.step()
     elif math.isfinite(minibatch_loss) and math.isfinite(grad_norm):
         trainer.optimizer.step()
         trainer.scheduler.step()
@@ -717,13 +719,12 @@ def offpolicy_stats(micro_batches, tis_cap):
     )
     stats = {f"staleness/tokens_{k}": summed((staleness == k).sum()) for k in range(4)}
     stats["staleness/tokens_4+"] = summed((staleness >= 4).sum())
-    stats["train/stale_token_frac"] = (
-        (staleness > 0).float().mean().item() if len(staleness) else 0.0
-    )
+    stats["train/stale_token_frac"] = ratio((staleness > 0).sum(), len(staleness))
     if len(log_weight):
         cap = math.log(tis_cap) if tis_cap else math.inf
-        stats["train/stale_is_weight"] = log_weight.clamp(max=cap).exp().mean().item()
-        stats["train/stale_is_capped_frac"] = (log_weight > cap).float().mean().item()
+        weights = log_weight.clamp(max=cap).exp()
+        stats["train/stale_is_weight"] = ratio(weights.sum(), len(log_weight))
+        stats["train/stale_is_capped_frac"] = ratio((log_weight > cap).sum(), len(log_weight))
     return stats
 
 

@@ -183,6 +183,8 @@ def check_resume(folder, cfg):
         if name not in saved:  # a field newer than the checkpoint
             continue
         was, now = saved[name], getattr(cfg.model, name)
+        if isinstance(was, list) and isinstance(now, list):  # names: their order does not count
+            was, now = sorted(was), sorted(now)
         if was != now:
             raise CheckpointError(
                 f"--resume: model.{name}={now!r}, but {folder} was written with {was!r}: its "

@@ -61,7 +61,17 @@ def add_adapters(model, rank, alpha, dropout, targets, base_dtype, also_train=()
     found = {name.rsplit(".", 1)[-1] for name in names}
     unmatched = [t for t in targets if t not in found]
     if unmatched:
-        raise ValueError(f"model.lora_targets: {unmatched} name no linear layer of the model")
+        linear = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            }
+        )
+        raise ValueError(
+            f"model.lora_targets: {unmatched} name no linear layer of the model (its linear "
+            f"layers: {linear})"
+        )
     params = [name for name, _ in model.named_parameters()]
     unmatched = [part for part in also_train if not any(part in name for name in params)]
     if unmatched:

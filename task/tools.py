@@ -159,8 +159,9 @@ class Observation(typing.NamedTuple):
     tool: str  # the tool called (UNPARSED: none could be read)
     is_error: bool
     # the tool ran (the call was read, named a tool, and its arguments fit the schema), whatever
-    # it returned: the model made a well-formed call, even where the tool then failed
-    ran: bool
+    # it returned: the model made a well-formed call, even where the tool then failed. None (a
+    # task's own tool that does not say): it ran unless is_error
+    ran: bool | None = None
 
 
 def function_schema(fn):
@@ -412,7 +413,8 @@ async def multi_turn(flight, request, settings):
             sample.finish_reason = "abort"
             break
         observation = await flight.run_tool(request, sample)
-        sample.tool_call = 1 if observation.ran else -1
+        ran = observation.ran if observation.ran is not None else not observation.is_error
+        sample.tool_call = 1 if ran else -1
         # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
         context = context + sample.response_ids + array.array("i", observation.ids)
     if any(t.masked or t.finish_reason == "abort" for t in turns):
