@@ -203,16 +203,16 @@ def place_models(cfg, policy, compute_dtype, device):
     """(policy, KL reference or None: model.build_reference) on `device`, each an FSDP2 shard with
     several ranks."""
     reference = build_reference(cfg, policy, vocabulary(cfg, TINY_CHARS))
-    if isinstance(reference, lora.Base):  # the policy's own parameters: nothing more to place
-        return policy.to(device), reference
+    # a LoRA base is the policy's own parameters (sharded with it, in place): nothing more to place
+    own = isinstance(reference, lora.Base)
     models = []
-    for module in (policy, reference):
+    for module in (policy, None if own else reference):
         if module is not None and parallel.world_size() > 1:
             module = parallel.shard(module, compute_dtype)
         if module is not None:
             module.to(device)
         models.append(module)
-    return models[0], models[1]
+    return models[0], reference if own else models[1]
 
 
 def start_engine(cfg, model_dir, start_step):

@@ -67,6 +67,18 @@ def shape_of(c):
     )
 
 
+def also_trained(parts, embedding, tied, layers, hidden, sides):
+    """The parameters model.lora_also_train trains in full: those whose name holds one of `parts`
+    (runtime/lora.add_adapters' rule), by the Qwen2 names of the shape's tensors."""
+    names = {"model.embed_tokens.weight": embedding, "model.norm.weight": hidden}
+    if not tied:
+        names["lm_head.weight"] = embedding
+    layer = {"input_layernorm.weight": hidden, "post_attention_layernorm.weight": hidden}
+    layer |= {f"{t}.weight": a * b for t, (a, b) in sides.items()}
+    names |= {f"model.layers.0.{name}": layers * count for name, count in layer.items()}
+    return sum(count for name, count in names.items() if any(part in name for part in parts))
+
+
 def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     """{component: bytes} per rank, and the three phase totals. `shape`: a KNOWN_SHAPES tuple
     (default: `model.path`'s). `budget`: the micro-batch token budget (default: the config's,
@@ -88,7 +100,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     m = cfg.model
     lora_rank = m.lora_rank
     adapters = layers * sum(lora_rank * sum(sides[t]) for t in m.lora_targets if t in sides)
-    trained = adapters if lora_rank else params
+    # and model.lora_also_train's weights, trained in full (fp32, with gradients and AdamW state)
+    also = lora_rank and also_trained(m.lora_also_train, embedding, tied, layers, hidden, sides)
+    trained = adapters + also if lora_rank else params
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = longest_sequence(cfg)
@@ -123,7 +137,8 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     if lora_rank:
         trainer_params = "trainer params (base in compute dtype, fp32 adapters)"
     parts = {
-        trainer_params: (params * compute + adapters * 4 if lora_rank else params * 4) / ranks,
+        trainer_params: ((params - also) * compute + trained * 4 if lora_rank else params * 4)
+        / ranks,
         "gradients (fp32, sharded)": trained * 4 / ranks,
         "AdamW state (fp32, sharded)": 2 * trained * 4 / ranks,
         # FSDP2 during the update: every unit stays gathered in the compute dtype from its first

@@ -195,8 +195,16 @@ def gathered_for_update(model):
 
 def full_tensor(tensor):
     """The whole tensor from a DTensor shard (a collective: every rank calls it in the same
-    order)."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    order), on the shard's device. A shard offloaded to the CPU (memory.py's rollout phase, when
+    a LoRA checkpoint gathers its adapters) is gathered on its mesh's device: DTensor.full_tensor
+    does not move it there (torch/distributed/tensor/_api.py, `redistribute`), and a NCCL group
+    has no CPU backend. (On GPUs only: not run here, where gloo's mesh is the CPU.)"""
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    device, mesh = tensor.device, tensor.device_mesh.device_type
+    if device.type == mesh:
+        return tensor.full_tensor()
+    return tensor.to(mesh).full_tensor().to(device)
 
 
 # ---------------------------------------------------------------- reductions

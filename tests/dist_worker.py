@@ -304,6 +304,16 @@ def lora_under_fsdp(out_dir, mine, my_advantages, results):
         }
     )
     results["lora_bf16_trained"] = sorted({str(p.requires_grad) for p in policy.parameters()})
+    # with a KL reference that is the LoRA base (the policy, adapters off) the policy is sharded
+    # all the same: unsharded, each rank would step on its own gradients
+    cfg = parity_config(out_dir, "token-mean", *LORA, "train.kl_coef=0.1")
+    placed, reference = setup_run.place_models(
+        cfg, model.build_policy(cfg, None)[0], torch.float32, torch.device("cpu")
+    )
+    results["lora_kl_sharded"] = (
+        all(type(p.data).__name__ == "DTensor" for p in placed.parameters())
+        and reference.policy is placed
+    )
 
 
 def rejected_tensor(engine, name):

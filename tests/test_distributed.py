@@ -73,7 +73,8 @@ def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_r
     with the adapters, gradients and loss of one rank on the combined batch; the checkpoint both
     ranks wrote holds the adapters alone (the base is frozen: no gradient, never saved), its peft
     folder holds them whole, and it loads on one rank; a bf16 base and fp32 adapters share the
-    FSDP2 units."""
+    FSDP2 units; with the base as KL reference (the policy, adapters off) the policy is sharded
+    too."""
     out, results, _ = two_ranks
     sharded = torch.load(out / "lora_parity.pt", weights_only=True)
     samples, advantages = dist_worker.fixed_batch()
@@ -98,6 +99,7 @@ def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_r
     assert all(torch.equal(lora.adapter_tensors(one)[n], t) for n, t in sharded["adapter"].items())
     assert results[0]["lora_bf16_dtypes"] == ["adapter torch.float32", "base torch.bfloat16"]
     assert results[0]["lora_bf16_trained"] == ["False", "True"]
+    assert results[0]["lora_kl_sharded"] and results[1]["lora_kl_sharded"]
 
 
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):

@@ -162,3 +162,21 @@ def test_lora_fits_a_7b_policy_on_one_80_gb_card_where_full_training_does_not():
     adapters = parts["AdamW state (fp32, sharded)"] / 8  # two fp32 moments per parameter
     assert 150e6 < adapters < 170e6  # 28 layers x 64 x (in + out) of 7 projections: 161.5 M
     assert parts["KL reference (fp32, sharded)"] == 0 and parts["autocast weight copies"] == 0
+
+
+def test_the_lora_estimate_counts_what_trains_in_full_too():
+    """The estimate's trained parameters (its AdamW state / 8) are those the LoRA policy trains:
+    the adapters and what model.lora_also_train trains in full (configs/tiny_lora.yaml: the norms
+    and the embedding, 16 bytes each with gradients and AdamW state, not the base's 2-4)."""
+    import runtime.model as model
+    from assemble import load_config
+    from runtime.estimate import estimate, shape_of
+
+    for also in ("[norm,embed_tokens]", "[norm]", "[]"):
+        cfg = load_config(
+            os.path.join(REPO, "configs/tiny_lora.yaml"), [f"model.lora_also_train={also}"]
+        )
+        policy, _ = model.build_policy(cfg, None)
+        parts, _ = estimate(cfg, 1, 80 * 2**30, shape=shape_of(policy.config), budget=1024)
+        trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        assert parts["AdamW state (fp32, sharded)"] / 8 == trained, also
