@@ -26,8 +26,12 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
     Statistics use only the valid members of each group; a group with fewer than 2 valid members
     has no baseline to compare against, so its advantage is 0 (Dr. GRPO's `scale_by_std=False`
     drops the std division, which it shows biases toward easy/hard questions).
-    Returns (advantages [B], `degenerate_groups`).
+    Returns (advantages [B] in the rewards' dtype, `degenerate_groups`).
     """
+    # in float64: a float32 mean of equal rewards (8 x 5/7) can land an ulp off them, and that
+    # ulp over a std of an ulp (+ eps) gave every member an advantage of ~0.05-0.2, all one sign;
+    # a float64 sum of float32 values is exact, so equal rewards deviate by exactly 0
+    dtype, rewards = rewards.dtype, rewards.double()
     num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
     weight = is_valid.to(rewards.dtype)
     count = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, group_ids, weight)
@@ -41,7 +45,7 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
     advantages = deviation / (std[group_ids] + eps) if scale_by_std else deviation
     has_baseline = count[group_ids] >= 2
     advantages = torch.where(has_baseline & is_valid, advantages, torch.zeros_like(advantages))
-    return advantages, degenerate_groups(group_ids, is_valid)
+    return advantages.to(dtype), degenerate_groups(group_ids, is_valid)
 
 
 def degenerate_groups(group_ids, is_valid):

@@ -381,10 +381,27 @@ def test_answers_are_extracted_from_hostile_text_in_one_pass():
 
 
 def test_a_reward_has_a_time_limit_by_default():
-    """rollout.reward_timeout_s is 60 s unless set: a reward that never returns fails its
-    trajectory instead of holding the rollout for good (0 still turns the limit off)."""
+    """rollout.reward_timeout_s is 60 s unless set, and the run's reward step holds its rewards
+    to it: a reward still running past it is a RewardError (its trajectory fails) instead of
+    holding the rollout for good."""
+    import asyncio
+    import time
+
+    from sample import Prompt, Sample
+
     cfg = load_config("configs/tiny.yaml", ["run.out=/tmp/unused"])
     assert cfg.rollout.reward_timeout_s == 60.0
+    cfg = load_config("configs/tiny.yaml", ["run.out=/tmp/unused", "rollout.reward_timeout_s=0.2"])
+
+    def stuck(text, answer, finished):
+        time.sleep(2)
+        return 1.0
+
+    step = rewards.Rewards(stuck, model.build_char_tokenizer(), cfg).for_rollout([Prompt([1], "1")])
+    start = time.perf_counter()
+    with pytest.raises(rewards.RewardError, match="longer than rollout.reward_timeout_s=0.2"):
+        asyncio.run(step([Sample([1], [5], [-0.1], [1], group_id=0)]))
+    assert time.perf_counter() - start < 1.5
 
 
 @pytest.mark.parametrize(

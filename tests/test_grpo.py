@@ -24,6 +24,13 @@ def test_group_advantages_hand_computed():
     assert degenerate == 0
     adv, _ = group_advantages(rewards, groups, valid, scale_by_std=False)  # Dr. GRPO
     assert adv.tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5, 0, 0])
+    # equal rewards that float32 cannot hold exactly (the tiny task's k / N): exactly 0, not an
+    # ulp of mean over an ulp of std (0.056 for every member of 8 x 5/7 in float32 statistics)
+    for value, size in ((5 / 7, 8), (0.806, 8), (0.895, 16)):
+        equal = torch.full((size,), value)
+        ones = torch.ones(size, dtype=torch.bool)
+        adv, _ = group_advantages(equal, torch.zeros(size, dtype=torch.long), ones)
+        assert adv.dtype == torch.float32 and torch.equal(adv, torch.zeros(size)), value
 
 
 def test_group_statistics_use_survivors_only():

@@ -210,15 +210,17 @@ def test_a_tokenizer_without_chat_template_is_a_named_error(tmp_path):
         gsm8k.read(model.build_char_tokenizer(), str(path), "train", max_prompt_len=512)
 
 
-def test_tool_call_fuzzing_through_the_qwen_json_adapter():
+def test_tool_call_fuzzing_through_the_qwen_json_adapter(tmp_path):
     """Random and adversarial model-written calls: each gives an observation (an answer or an error
-    text) or None (no call); the calculator never raises and never evaluates code."""
+    text) or None (no call), every adversarial one an error; the calculator never raises and never
+    evaluates code (a call that would run a shell command leaves no file behind)."""
     tokenizer = qwen_tool_tokenizer()
     tool = tools.QwenTools(tokenizer, [tools.calculator])
+    marker = tmp_path / "pwned"
     arguments = [
         '{"expression": "9**9**9**9"}',
         '{"expression": "(" * 5000}',
-        "{\"expression\": \"__import__('os').system('echo pwned')\"}",
+        "{\"expression\": \"__import__('os').system('touch %s')\"}" % marker,
         '{"expression": "1/0"}',
         '{"expression": "' + "1+" * 20000 + '1"}',
         '{"expression": [1, 2]}',
@@ -231,24 +233,26 @@ def test_tool_call_fuzzing_through_the_qwen_json_adapter():
     rng = random.Random(0)
     alphabet = '0123456789+-*/(). e"{}[]:,abcxyz_\\'
     fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(300)]
-    outcomes = {"answer": 0, "error": 0}
-    for body in adversarial + fuzz:
+    for i, body in enumerate(adversarial + fuzz):
         ids = tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
         observation = asyncio.run(tool(ids))
         text = tokenizer.decode(observation.ids)
-        assert "<tool_response>" in text and "pwned" not in text
-        outcomes["error" if observation.is_error else "answer"] += 1
-    # each adversarial call was refused with an error text
-    assert outcomes["error"] >= len(adversarial)
+        assert "<tool_response>" in text
+        if i < len(adversarial):  # each adversarial call refused with an error text
+            assert observation.is_error and "error" in text, body[:80]
+    assert not marker.exists()
 
 
 # ---------------------------------------------------------------- security
-PROJECT_FILES = [
-    os.path.join(root, f)
-    for root, _, files in os.walk(REPO)
-    for f in files
-    if f.endswith(".py") and "/." not in root and "cpu_compat" not in root
-]
+def project_files():
+    """Every .py file of the repository: its hidden folders and cpu_compat/ (SGLang's CPU
+    patches) left out, wherever the repository itself lives (a hidden parent folder included)."""
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "cpu_compat"]
+        yield from (os.path.join(root, f) for f in files if f.endswith(".py"))
+
+
+PROJECT_FILES = list(project_files())
 
 
 def calls(code, opening):
@@ -266,6 +270,7 @@ def test_no_eval_exec_or_unsafe_loading_anywhere():
     """No eval/exec in the code; nothing unpickled but through an Unpickler whose find_class
     admits a list (runtime/parallel.py's, for checkpoint metadata); every torch.load reads
     weights only; remote code stays off."""
+    assert os.path.join(REPO, "train.py") in PROJECT_FILES and len(PROJECT_FILES) > 50
     for path in PROJECT_FILES:
         with open(path, "rb") as f:  # tokens, not text: strings and comments may name what we avoid
             tokens = [
@@ -648,7 +653,8 @@ def runs_our_code(task):
     code = getattr(task.get_coro(), "cr_code", None)
     if code is None:  # not a Python coroutine
         return False
-    return os.path.dirname(os.path.realpath(code.co_filename)) == os.path.realpath(REPO)
+    # anywhere in the repository: Engine.request is runtime/engine.py's
+    return os.path.realpath(code.co_filename).startswith(os.path.realpath(REPO) + os.sep)
 
 
 def test_no_rollout_task_outlives_its_rollout(engine, tmp_path):
