@@ -93,7 +93,7 @@ class ModelConfig:
     num_heads: PositiveInt = 4
     max_position_embeddings: Annotated[int, Range(ge=2)] = 256
     # LoRA (runtime/lora.py): > 0 trains rank-r adapters on a frozen base instead of every weight
-    # (one rank for now); the others are read only then
+    # (FSDP2 shards them with several ranks); the others are read only then
     lora_rank: NonNegativeInt = 0
     lora_alpha: PositiveFloat = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
     lora_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0

@@ -4,9 +4,9 @@ GRPO groups they hold back until every member has finished.
 Owns what a training rollout launches when partial rollout is on (unfinished samples first, in the
 order they were suspended, then new prompts up to the batch), the staleness rule (too old: restart
 from the prompt), when a group is complete, the counters, and the buffer's checkpoint form. Does not
-own the engine (rollout.py continues a sample from its token ids) nor how old tokens are weighted or
-masked in the loss (update.py, loss.py). Validation never comes here: only rollout.collect uses
-this buffer.
+own the engine (inflight.Rollout.continue_partial continues a sample from its token ids) nor how
+old tokens are weighted or masked in the loss (update.py, loss.py). Validation never comes here:
+only rollout.collect uses this buffer.
 """
 
 import dataclasses

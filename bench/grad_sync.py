@@ -1,7 +1,7 @@
 """FSDP2 gradient sync per micro-batch (what train.py does) against once per minibatch
 (`set_requires_gradient_sync(False)` on all but the last micro-batch), 2 ranks on CPU (gloo).
 
-Each rank runs one full update (train.train_on_rollout: old log-probs, then the minibatch) on its
+Each rank runs one full update (update.update_policy: old log-probs, then the minibatch) on its
 own GSM8K-like samples (bench/train_step.py's mix and Qwen2-shaped model, one rank's share of
 configs/gsm8k.yaml, packed under its 4,096-token budget), the arms alternated, medians of
 `--repeats`. The "minibatch" arm switches the sync off before every grad-enabled forward but the

@@ -1,6 +1,6 @@
 """Why the trainer keeps fp32 master weights: one training step at lr 1e-6 with bf16 compute,
-through the trainer's own train_on_rollout, against the same step with the parameters themselves in
-bf16.
+through the trainer's own update.update_policy, against the same step with the parameters
+themselves in bf16.
 
 Prints the fraction of parameter elements the step changed in each arm. With one process the trainer
 computes under autocast; under `torchrun --nproc-per-node N bench/precision.py` it shards the policy
@@ -29,7 +29,7 @@ from assemble import load_config  # noqa: E402
 
 
 def one_step(cfg, samples, advantages, device, params_dtype):
-    """train_on_rollout once from the seeded initial policy; returns (before, after) whole
+    """update.update_policy once from the seeded initial policy; returns (before, after) whole
     parameters."""
     policy, _ = model.build_policy(cfg, None)
     before = {k: v.clone() for k, v in policy.state_dict().items()}

@@ -17,7 +17,7 @@ KNOWN_SHAPES = {
     "Qwen/Qwen2.5-7B-Instruct": (3584, 18944, 28, 28, 4, 152_064, False),
 }
 CONTEXT_GIB = 1.0  # CUDA context + NCCL buffers of the trainer process, and again of the engine's
-# the engine's captured decode graphs (released with the "cuda_graph" tag: rollout.py sets
+# the engine's captured decode graphs (released with the "cuda_graph" tag: runtime/engine.py sets
 # SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, without which SGLang captures them outside the releasable
 # region)
 CUDA_GRAPH_GIB = 2.0

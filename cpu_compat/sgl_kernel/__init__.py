@@ -1,9 +1,9 @@
 """CPU compatibility stand-in for `sgl_kernel` (SGLang 0.5.23), used only when no GPU is present.
 
 PyPI's sgl-kernel wheel is CUDA-only and fails to import without libcuda, yet SGLang's CPU engine
-imports ops from it. rollout.py puts this folder first on the engine processes' PYTHONPATH on CPU
-machines. Only `assign_req_to_token_pool_cpu` is called on a CPU without AMX; every other name
-resolves to a placeholder that raises with the op's name, so a new call path fails loudly.
+imports ops from it. runtime/engine.py puts this folder first on the engine processes' PYTHONPATH
+on CPU machines. Only `assign_req_to_token_pool_cpu` is called on a CPU without AMX; every other
+name resolves to a placeholder that raises with the op's name, so a new call path fails loudly.
 """
 
 import functools
