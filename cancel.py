@@ -42,6 +42,12 @@ class LaunchPlan:
     max_trajectory_tokens: int = 0
 
 
+def ceil(x):
+    """math.ceil of a product of counts and rates, taken as the decimal the config wrote: 10 x (1 -
+    0.7) is 3.0000000000000004 in floats, whose ceil would launch or wait for one more."""
+    return math.ceil(round(x, 9))
+
+
 def plan_launch(r, num_prompts):
     """The LaunchPlan of a rank launching `num_prompts` prompts (`r`: the RolloutConfig).
     `over_sample_rate` launches extra prompts and stops at the batch size; `drop_rate` launches the
@@ -61,18 +67,18 @@ def plan_launch(r, num_prompts):
     if r.filter_groups:
         # the config's counts are for all ranks: this rank launches its share of them
         share = num_prompts / r.prompts_per_step
-        plan.num_prompts = math.ceil(num_prompts * (1 + r.over_sample_rate))
+        plan.num_prompts = ceil(num_prompts * (1 + r.over_sample_rate))
         plan.filter_groups = True
         refill = r.refill_prompts or r.prompts_per_step // 4
-        plan.refill_prompts = max(math.ceil(refill * share), 1)
-        bound = int((r.max_prompts_per_step or 4 * r.prompts_per_step) * share)
+        plan.refill_prompts = max(ceil(refill * share), 1)
+        bound = int(round((r.max_prompts_per_step or 4 * r.prompts_per_step) * share, 9))
         plan.max_prompts = max(bound, plan.num_prompts)
     elif r.cancel != "none" and r.over_sample_rate > 0:
-        plan.num_prompts = math.ceil(num_prompts * (1 + r.over_sample_rate))
+        plan.num_prompts = ceil(num_prompts * (1 + r.over_sample_rate))
     elif r.cancel != "none":
         keep = 1 - r.drop_rate
-        plan.target_samples = math.ceil(batch * keep)
-        plan.target_groups = math.ceil(num_prompts * keep)
+        plan.target_samples = ceil(batch * keep)
+        plan.target_groups = ceil(num_prompts * keep)
     return plan
 
 
@@ -87,6 +93,8 @@ class Progress:
     # groups all of whose group_size members finished, in the order they completed
     complete_groups: list = dataclasses.field(default_factory=list)
     kept_groups: int = 0  # dynamic sampling: groups judged informative (GroupFilter.kept)
+    # finished members per group id: a held group of partial rollout starts at those that
+    # finished in earlier steps (`held`), so it completes with its resumed members
     finished_per_group: dict = dataclasses.field(default_factory=dict)
     # response tokens of the trajectories returned so far (every turn; a resumed sample's earlier
     # ones too). Not the engine's output: what is still in flight is not counted
@@ -134,7 +142,7 @@ def time_limit(plan, progress):
     num_finished = len(progress.finish_times_s)
     if num_finished >= plan.target_samples:
         return Decision(stop=True)
-    quantile_count = max(math.ceil(plan.time_quantile * plan.target_samples), 1)
+    quantile_count = max(ceil(plan.time_quantile * plan.target_samples), 1)
     if num_finished < quantile_count:
         return Decision()
     t = progress.finish_times_s[quantile_count - 1]
@@ -221,12 +229,12 @@ def decide(plan, progress, timeout_s=0.0):
       `target_groups` kept groups (the group policy then keeps every complete group: the filter
       judges each);
     - partial rollout: nothing is dropped (the finished members of an incomplete group wait);
-    - any: stop at `timeout_s` after launch (rollout.rollout_timeout_s; 0 = never).
+    - any: stop at `timeout_s` after launch (rollout.rollout_timeout_s; 0 = never), with the
+      policy's `keep_groups` (the group policy's whole groups stay whole).
     """
-    if timeout_s and progress.elapsed_s >= timeout_s:
-        return Decision(stop=True)
+    timed_out = bool(timeout_s) and progress.elapsed_s >= timeout_s
     if plan is None:
-        return Decision(wake_at_s=timeout_s or None)
+        return Decision(stop=timed_out, wake_at_s=timeout_s or None)
     if plan.cancel not in POLICIES:  # a plan made in code, not checked at load
         raise ValueError(f"cancel policy {plan.cancel!r}: expected one of {tuple(POLICIES)}")
     decision = POLICIES[plan.cancel](plan, progress)
@@ -241,6 +249,7 @@ def decide(plan, progress, timeout_s=0.0):
     if plan.partial:
         decision.keep_groups = None
     if timeout_s:
+        decision.stop = decision.stop or timed_out
         decision.wake_at_s = min(decision.wake_at_s or timeout_s, timeout_s)
     return decision
 
@@ -277,8 +286,10 @@ class GroupFilter:
     cancelled at the end are never judged here (inflight.py stops feeding the filter at its
     decision)."""
 
-    def __init__(self, prior_rewards=None):
+    def __init__(self, prior_rewards=None, whole=0):
         self.rewards = {group_id: list(r) for group_id, r in (prior_rewards or {}).items()}
+        # the group policy trains complete groups only: there a kept group has `whole` survivors
+        self.whole = whole
         self.in_flight = {}
         self.kept, self.zero_variance = 0, 0
 
@@ -293,7 +304,10 @@ class GroupFilter:
         self.in_flight[group_id] -= 1
         if self.in_flight[group_id] == 0:
             del self.in_flight[group_id]
-            if informative(self.rewards[group_id]):
+            rewards = self.rewards[group_id]
+            if len(rewards) < self.whole:  # a member failed: the group policy drops the group
+                return
+            if informative(rewards):
                 self.kept += 1
             else:
                 self.zero_variance += 1

@@ -15,6 +15,7 @@ import importlib.util
 import math
 import os
 import reprlib
+import sys
 import types
 import typing
 from typing import Annotated
@@ -567,6 +568,9 @@ def load_function(spec, key):
             f"user_{os.path.basename(where)[:-3]}", where
         )
         module = importlib.util.module_from_spec(module_spec)
+        # registered first, as importlib's recipe does: a dataclass in the file looks its module up
+        # there (with `from __future__ import annotations` it failed on a missing entry)
+        sys.modules[module_spec.name] = module
         module_spec.loader.exec_module(module)
     else:
         try:

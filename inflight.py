@@ -78,6 +78,8 @@ class Settings:
     # group ids are first_group_id, first_group_id + 1, ...
     more_prompts: object = None
     timeout_s: float = 0.0  # rollout.rollout_timeout_s: what is left then is aborted
+    # partial rollout: {held group id: its members that finished in earlier steps}
+    held: dict = dataclasses.field(default_factory=dict)
     seed: int | None = None  # this rollout's: each request's sampling_seed derives from it
 
 
@@ -132,6 +134,7 @@ class Rollout:
                 group_filter=self.group_filter,
                 on_return=self.filter_and_refill if self.group_filter is not None else None,
                 cancel_groups=self.cancel_groups,
+                held=self.settings.held,
             )
         except BaseException:
             # a reward function or a refill raised: nothing may keep running in the engine
@@ -395,15 +398,24 @@ class Rollout:
 
 
 async def wait_for_enough(
-    pending, plan, start, timeout_s=0.0, group_filter=None, on_return=None, cancel_groups=None
+    pending,
+    plan,
+    start,
+    timeout_s=0.0,
+    group_filter=None,
+    on_return=None,
+    cancel_groups=None,
+    held=None,
 ):
     """Wake on each completion (or when cancel.decide asks to look again) and apply each Decision:
     `cancel_groups(group ids, pending)` aborts some groups' running members, and the loop ends
     when `decide` says stop or nothing is pending. `on_return(turns)` sees each returned
     trajectory first and hands back the tasks it launched; `group_filter` is dynamic sampling's
-    tally (kept groups). Returns (the tasks still pending, the last Decision, taken on
-    everything that returned)."""
-    progress = Progress(group_size=plan.group_size if plan is not None else 0)
+    tally (kept groups); `held` {group id: members finished in earlier steps} partial rollout's
+    held groups. Returns (the tasks still pending, the last Decision, taken on everything that
+    returned)."""
+    group_size = plan.group_size if plan is not None else 0
+    progress = Progress(group_size=group_size, finished_per_group=dict(held or {}))
     while True:
         progress.elapsed_s = time.perf_counter() - start
         if group_filter is not None:

@@ -209,21 +209,27 @@ def extract_answer(response_text):
         return parse_number(response_text.rsplit("####", 1)[1])
     boxed = last_boxed(response_text)
     if boxed is not None:
-        return parse_number(boxed)
+        return parse_number(boxed.replace("{,}", ","))  # LaTeX's thousands separator
     found = _NUMBER.findall(response_text.replace("$", ""))
     return decimal.Decimal(found[-1].replace(",", "")) if found else None
 
 
 def last_boxed(text):
-    """The content of the last \\boxed{...} that closes, or None, in linear time: str.rfind and
-    str.find, where a regular expression's findall rescans the rest of the text after every
-    unclosed "\\boxed{" (50,000 of them took over 50 s)."""
+    """The content of the last \\boxed{...} that closes, braces inside it matched (LaTeX writes
+    1{,}234), or None, in linear time: str.rfind, then one scan to its closing brace, where a
+    regular expression's findall rescans the rest of the text after every unclosed "\\boxed{"
+    (50,000 of them took over 50 s)."""
     close = text.rfind("}")
     start = text.rfind("\\boxed{", 0, close) if close >= 0 else -1
     if start < 0:
         return None
     start += len("\\boxed{")
-    return text[start : text.find("}", start)]
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end]
+    return None
 
 
 def gsm8k_reward(response_text, answer, finished):

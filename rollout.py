@@ -154,6 +154,7 @@ class RolloutEngine(Engine):
             more_prompts=more_prompts,
             timeout_s=self.cfg.rollout_timeout_s,
             seed=seed,
+            held={group_id: len(r) for group_id, r in (prior_rewards or {}).items()},
         )
         requests = [Request(i, s.group_id, s.prompt_ids, resumed=s) for i, s in enumerate(resumes)]
         for group_id, ids in enumerate(prompts):
@@ -161,7 +162,8 @@ class RolloutEngine(Engine):
                 requests.append(Request(len(requests), group_id, ids))
         check_launch(requests, settings, self.cfg.max_total_tokens)
         filtering = plan is not None and plan.filter_groups
-        group_filter = GroupFilter(prior_rewards) if filtering else None
+        whole = group_size if filtering and plan.cancel == "group" else 0
+        group_filter = GroupFilter(prior_rewards, whole) if filtering else None
         rollout = Rollout(self, settings, group_filter)
         return self._run(rollout.run(requests))
 

@@ -84,3 +84,68 @@ def test_a_policy_name_no_policy_has_is_a_named_error():
     ones, instead of running as another policy."""
     with pytest.raises(ValueError, match="cancel policy 'nope': expected one of"):
         decide(plan("nope"), finished())
+
+
+def test_the_rollout_timeout_keeps_the_group_policys_whole_groups():
+    """At rollout.rollout_timeout_s the group policy still names the groups to keep: the complete
+    ones, so no group trains short of members."""
+    progress = finished((0, 1.0), (0, 1.0), (1, 1.0))
+    progress.elapsed_s = 60.0
+    decision = decide(plan("group"), progress, timeout_s=50.0)
+    assert decision.stop and decision.keep_groups == {0}
+
+
+def test_a_held_group_completes_with_its_resumed_members():
+    """Partial rollout with the group policy (target 1 group): a held group whose other member
+    finished in an earlier step (`held`) is complete once its resumed member returns, and the
+    wait stops there, the fresh group's members still running (before, a held group never
+    completed, so the policy waited for every fresh group)."""
+    import asyncio
+    import time
+
+    from inflight import wait_for_enough
+
+    async def member(group_id, seconds):
+        await asyncio.sleep(seconds)
+        return [Sample([1], [2], [0.0], [1], group_id=group_id)]
+
+    async def rollout():
+        tasks = {asyncio.ensure_future(member(g, s)) for g, s in ((5, 0.01), (0, 0.02), (0, 5))}
+        policy = plan("group", target_groups=1, partial=True)
+        pending, decision = await wait_for_enough(tasks, policy, time.perf_counter(), held={5: 1})
+        for task in pending:
+            task.cancel()
+        return len(pending), decision.stop
+
+    assert asyncio.run(rollout()) == (2, True)
+
+
+def test_launch_targets_are_exact_where_floats_are_not():
+    """plan_launch's ceilings of rates the config wrote as decimals: 10 x (1 - 0.7) is 3 groups,
+    not 4 (3.0000000000000004 in floats); 100 x 1.1 launches 110, not 111."""
+    from assemble import load_config
+    from cancel import plan_launch
+
+    def launched(*sets):
+        return load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=120", *sets])
+
+    drop = plan_launch(launched("rollout.cancel=count", "rollout.drop_rate=0.7").rollout, 10)
+    assert (drop.target_groups, drop.target_samples) == (3, 12)
+    over = launched("rollout.cancel=count", "rollout.over_sample_rate=0.1").rollout
+    assert plan_launch(over, 100).num_prompts == 110
+
+
+def test_under_the_group_policy_a_group_with_a_failed_member_is_not_kept():
+    """Dynamic sampling with the group policy: a group whose member failed is dropped at the end
+    (only complete groups train), so the filter does not count it kept; with count it is kept on
+    its survivors."""
+    from cancel import GroupFilter
+
+    for whole, kept in ((3, 0), (0, 1)):
+        tally = GroupFilter(whole=whole)
+        for _ in range(3):
+            tally.launched(0)
+        tally.returned(0, 1.0)
+        tally.returned(0, 0.0)
+        tally.returned(0, None)  # failed
+        assert tally.kept == kept

@@ -366,18 +366,44 @@ def test_gsm8k_answers_compare_exactly():
 def test_answers_are_extracted_from_hostile_text_in_one_pass():
     """The last closed \\boxed{} and the last complete <answer>...</answer> are found with rfind,
     not a regular expression that rescans after every unclosed opener (350 KB of "\\boxed{" took
-    over 50 s to score before; here it is one pass, and the answer is still found after it)."""
+    over 50 s to score before; here it is one pass, and the answer is still found after it: all
+    four hostile calls together within 2 s, where a rescan takes minutes). Braces inside a box
+    are matched (LaTeX's 1{,}234)."""
+    import time
+
     from examples.countdown.reward import countdown_reward
 
     assert rewards.last_boxed("so \\boxed{12} and \\boxed{7}.") == "7"
     assert rewards.last_boxed("\\boxed{12} then \\boxed{ unclosed") == "12"
     assert rewards.last_boxed("\\boxed{}") == "" and rewards.last_boxed("no box") is None
+    assert rewards.gsm8k_reward("so \\boxed{1{,}234}", "1234", True) == 1.0
+    assert rewards.gsm8k_reward("\\boxed{\\$1{,}200}", "1200", True) == 1.0
     hostile = "\\boxed{" * 50_000
+    row = json.dumps({"target": 2, "numbers": [6, 3]})
+    start = time.perf_counter()
     assert rewards.gsm8k_reward(hostile, "3", True) == 0.0
     assert rewards.gsm8k_reward("\\boxed{3}" + hostile, "3", True) == 1.0
-    row = json.dumps({"target": 2, "numbers": [6, 3]})
     assert countdown_reward("<answer>" * 50_000, row, True) == 0.0
     assert countdown_reward("<answer>6 / 3</answer>" + "<answer>" * 50_000, row, True) == 1.0
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_reward_file_with_a_dataclass_loads(tmp_path):
+    """data.reward's file is run as a module registered under its name, as importlib's recipe
+    does: a dataclass in it (with postponed annotations) loads (it raised AttributeError)."""
+    from config import load_function
+
+    path = tmp_path / "judge.py"
+    path.write_text(
+        "from __future__ import annotations\n"
+        "import dataclasses\n\n\n"
+        "@dataclasses.dataclass\n"
+        "class Rule:\n"
+        "    bonus: float = 1.0\n\n\n"
+        "def judged(response_text, answer, finished):\n"
+        "    return Rule().bonus * float(response_text == answer)\n"
+    )
+    assert load_function(f"{path}:judged", "data.reward")("7", "7", True) == 1.0
 
 
 def test_a_reward_has_a_time_limit_by_default():

@@ -24,7 +24,7 @@ from runtime.engine import EngineDiedError
 from conftest import tiny_config
 from cancel import plan_launch
 from sample import NOT_GENERATED, Sample
-from metrics import reduce_metrics
+from metrics import local_values, reduce_metrics
 from test_train import scalars
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12], [1, 5, 5, 12]]  # "<bos>1:", "<bos>23:", ...
@@ -220,7 +220,7 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
     stale = (batch["staleness"] > 0) & (batch["loss_mask"] > 0)
     fresh = (batch["staleness"] == 0) & (batch["loss_mask"] > 0)
     for cap in (1.0, 2.0):
-        stats = update.offpolicy_stats([batch], cap)
+        stats = local_values(update.offpolicy_stats([batch], cap))
         expected = log_ratio[stale].exp().clamp(max=cap)
         assert stats["train/stale_is_weight"] == pytest.approx(expected.mean().item(), rel=1e-5)
         assert stats["train/stale_is_capped_frac"] == pytest.approx(
@@ -246,7 +246,7 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
             tis_cap=cap,
         )
         assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
-    assert update.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"] > 0
+    assert update.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"].value > 0
     num_stale = int(stale.sum())
     assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(
         num_stale / int(batch["loss_mask"].sum())
