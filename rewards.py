@@ -91,7 +91,10 @@ class Rewards:
 async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool, timeout_s=0.0):
     """`call_reward` without blocking the event loop: an `async def` reward_fn is awaited, a plain
     one runs in `pool`. With `timeout_s`, a reward still running then is a RewardError (a thread
-    cannot be stopped: it finishes in the background, its result dropped)."""
+    cannot be stopped: it finishes in the background, its result dropped). The limit counts from
+    the call, the wait for a free worker included: a reward stuck for good keeps its thread, and
+    were every worker stuck, a limit from the start of the work would never come. So with slow
+    rewards, rollout.reward_workers should cover the trajectories that finish together."""
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     if inspect.iscoroutinefunction(reward_fn):
         pending = call_async_reward(reward_fn, response_text, answer, finished)
