@@ -509,6 +509,8 @@ def sequence_logprobs(
     finally:
         del head.forward
     if packed:  # back to the [B, T-1] layout the loss reads (gradients flow through the gather)
+        if not len(out):  # no response token in the micro-batch: a zero row to gather from
+            out = torch.cat([out, out.new_zeros(1, out.shape[-1])])
         out = out[batch["gather"]] * batch["gathered"].unsqueeze(-1)
     logprobs = out[..., 0]
     entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
@@ -733,14 +735,16 @@ def make_minibatches(samples, cfg, pad_id, device):
     micro-batches on `device`: minibatch i is the i-th slice of this rank's samples. Collated
     once, read by every pass (a pi_old or reference forward where there is one, then the
     update). Every rank makes the same count
-    (clip_grad_norm_ is a collective too). Returns (minibatches, sequences over the budget)."""
-    size = max(math.ceil(len(samples) / cfg.num_minibatches), 1)
+    (clip_grad_norm_ is a collective too). The slices differ by at most one sample (9 samples in 4
+    minibatches: 2, 2, 2, 3; slices of ceil(9 / 4) left the last one empty, and 10 left it one
+    sample that took a whole optimizer step). Returns (minibatches, sequences over the budget)."""
+    n = cfg.num_minibatches
+    bounds = [len(samples) * i // n for i in range(n + 1)]
     out = []
     over_budget = 0
-    for i in range(cfg.num_minibatches):
-        rows = slice(i * size, (i + 1) * size)
+    for start, end in zip(bounds, bounds[1:]):
         batches, over = micro_batches(
-            samples[rows],
+            samples[start:end],
             cfg.micro_batch_size,
             pad_id,
             max_tokens=cfg.max_tokens_per_micro_batch,

@@ -122,6 +122,18 @@ def test_a_minibatch_with_no_trained_token_leaves_the_weights_alone(tmp_path, ca
     assert len(steps) == 2  # one per minibatch that holds a sequence
 
 
+def test_minibatches_split_the_samples_evenly(tmp_path):
+    """train.num_minibatches slices this rank's samples into sizes that differ by at most one:
+    9 in 4 are 2, 2, 2, 3 (slices of ceil(9 / 4) left the last one empty) and 10 are 2, 3, 2, 3
+    (the last slice held one sample, which took a whole optimizer step)."""
+    sets = ["train.num_minibatches=4", "train.max_tokens_per_micro_batch=0"]
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets, "train.micro_batch_size=16")
+    samples, _ = random_samples(3)
+    for count, sizes in ((9, [2, 2, 2, 3]), (10, [2, 3, 2, 3])):
+        minibatches, _ = update.make_minibatches(samples[:count], cfg.train, 0, torch.device("cpu"))
+        assert [sum(len(mb["input_ids"]) for mb in m) for m in minibatches] == sizes
+
+
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
 def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypatch):
     """loss.nucleus_edge finds the edge among the NUCLEUS_TOP_K likeliest tokens where they hold
