@@ -206,21 +206,28 @@ class PartialBuffer:
 
 def merge_states(states):
     """One buffer state from several ranks' (checkpoint.py writes one file), groups in rank
-    order."""
-    merged = {"groups": [], "waiting": []}
+    order, and how many each rank held (`ranks`)."""
+    merged = {"groups": [], "waiting": [], "ranks": []}
     for state in states:
         offset = len(merged["groups"])
         merged["groups"] += state["groups"]
         merged["waiting"] += [(offset + group, member) for group, member in state["waiting"]]
+        merged["ranks"].append(len(state["groups"]))
     return merged
 
 
 def share_state(state, rank, world_size):
-    """This rank's contiguous share of a merged state's groups, with their waiting entries in
-    order."""
-    num = len(state["groups"])
-    lo = rank * num // world_size
-    hi = (rank + 1) * num // world_size
+    """This rank's share of a merged state's groups, with their waiting entries in order: at the
+    world size that wrote it, the groups this rank held (its steps go on as they would have);
+    at another, a contiguous even share."""
+    held = state.get("ranks", [])  # (a state written before ranks were recorded: even shares)
+    if len(held) == world_size:
+        lo = sum(held[:rank])
+        hi = lo + held[rank]
+    else:
+        num = len(state["groups"])
+        lo = rank * num // world_size
+        hi = (rank + 1) * num // world_size
     return {
         "groups": state["groups"][lo:hi],
         "waiting": [(group - lo, member) for group, member in state["waiting"] if lo <= group < hi],

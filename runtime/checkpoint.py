@@ -280,6 +280,8 @@ def apply_optimizer_settings(optimizer, scheduler, t):
         group["lr"] = t.lr * factor(scheduler.last_epoch)
         group["betas"] = (t.adam_beta1, t.adam_beta2)
         group["weight_decay"] = t.weight_decay
+    # what get_last_lr() reports (train/lr): LRScheduler keeps it apart from the groups' lr
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def save_hf(policy, tokenizer, folder, state_dict=None):

@@ -289,7 +289,7 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     assert resumed.buffer.state_dict() != saved
     train.save_after_engine_death(resumed, EngineDiedError("the engine died"), before)
     state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
-    assert state["step"] == 2 and state["buffer"] == saved
+    assert state["step"] == 2 and state["buffer"] == saved | {"ranks": [len(saved["groups"])]}
     assert state["prompt_positions"] == [before["position"]]
     train.train(resumed)  # and step 2 runs from them
     values = scalars(tmp_path)
@@ -298,6 +298,29 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     assert values["partial/resumed"][-1] + values["partial/restarts"][-1] == len(saved["waiting"])
     assert values["staleness/tokens_1"][-1] > 0  # and trained tokens that version 1 sampled
     assert all(v < 1e-4 for v in values["train/logprob_gap"])  # fresh tokens: engine == trainer
+
+
+def test_each_rank_resumes_the_groups_it_held():
+    """A checkpoint's buffer merges every rank's held groups; resumed at the same world size each
+    rank gets back its own (rank 0 held 3, rank 1 one: an even split gave rank 1 one of rank 0's),
+    at another size an even share, and a state from before ranks were recorded splits evenly."""
+    from partial import merge_states, share_state
+
+    def state(*names):
+        groups = [{"prompt": {"prompt_ids": [1], "answer": n}, "members": []} for n in names]
+        return {"groups": groups, "waiting": [(i, 0) for i in range(len(names))]}
+
+    merged = merge_states([state("a", "b", "c"), state("d")])
+
+    def answers(share):
+        return [g["prompt"]["answer"] for g in share["groups"]], share["waiting"]
+
+    assert answers(share_state(merged, 0, 2)) == (["a", "b", "c"], [(0, 0), (1, 0), (2, 0)])
+    assert answers(share_state(merged, 1, 2)) == (["d"], [(0, 0)])
+    assert answers(share_state(merged, 0, 1)) == (["a", "b", "c", "d"], [(i, 0) for i in range(4)])
+    assert [answers(share_state(merged, r, 4))[0] for r in range(4)] == [["a"], ["b"], ["c"], ["d"]]
+    old = {key: merged[key] for key in ("groups", "waiting")}
+    assert answers(share_state(old, 1, 2))[0] == ["c", "d"]
 
 
 def test_a_sample_state_written_before_the_masked_rename_loads():

@@ -269,6 +269,7 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
     group = resumed.trainer.optimizer.param_groups[0]
     was = original.trainer.optimizer.param_groups[0]["lr"]  # tiny.yaml's 1e-3, scheduled
     assert group["lr"] == pytest.approx(was / 10) and group["betas"] == (0.9, 0.95)
+    assert resumed.trainer.scheduler.get_last_lr() == [group["lr"]]  # what train/lr logs
     assert "resume: train.lr=0.0001 (the checkpoint had 0.001)" in caplog.text
 
 
