@@ -502,12 +502,14 @@ def read_yaml(path):
         raise ConfigError(f"{path} is not valid YAML: {shown(str(e), 300)}") from None
 
 
-def read_config(path=None, sets=()):
-    """Defaults <- YAML file <- `section.key=value` strings (values parsed as YAML scalars), each
-    value of the right type and within its bounds. The choices are checked by their owners:
-    assemble.load_config runs both, and is what a run uses."""
+def read_config(path=None, sets=(), values=None):
+    """Defaults <- YAML file (or `values`, a mapping as one holds) <- `section.key=value` strings
+    (values parsed as YAML scalars), each value of the right type and within its bounds. The
+    choices are checked by their owners: assemble.load_config runs both, and is what a run uses."""
     config = Config()
-    if path:
+    if values is not None:
+        apply(config, values)
+    elif path:
         apply(config, read_yaml(path) or {})
     for item in sets:
         key, sep, text = item.partition("=")

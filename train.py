@@ -104,7 +104,7 @@ def train(run, stop=None):
             if logger:
                 logger.log(step, scalars | metrics, echo=tqdm.tqdm.write, texts=texts)
             if cfg.run.dump_rollouts:  # what `train.py --replay` re-runs
-                replay.dump(cfg.run.out, step, run.start_step, sequences, metrics)
+                replay.dump(cfg, step, run.start_step, sequences, metrics)
             # every rank stops after the same step
             stopping = parallel.all_reduce([stop.received is not None], op="max")[0] > 0
             every = cfg.run.checkpoint_every

@@ -9,6 +9,7 @@ logged ones: on CPU they are equal, bit for bit. Owns the dump format and the re
 itself is update.update_policy.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -22,11 +23,12 @@ from task.data import vocabulary
 from sample import Sample
 
 
-def dump(out_dir, step, start_step, sequences, stats):
+def dump(cfg, step, start_step, sequences, stats):
     """Write this rank's step `step` (`start_step`: its process's first, where
-    train.old_logprobs=engine still ran the trainer's forward): plain lists and tensors (read back
-    with weights_only). Each sequence carries its advantage."""
-    folder = os.path.join(out_dir, "rollouts", f"step_{step:06d}")
+    train.old_logprobs=engine still ran the trainer's forward) under cfg.run.out: plain lists and
+    tensors (read back with weights_only), and the config it trained with (a later --resume
+    --set rewrites RUN/config.yaml). Each sequence carries its advantage."""
+    folder = os.path.join(cfg.run.out, "rollouts", f"step_{step:06d}")
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
     torch.save(
@@ -36,6 +38,7 @@ def dump(out_dir, step, start_step, sequences, stats):
             "sequences": [s.to_state() for s in sequences],
             "loss": stats["train/loss"],
             "grad_norm": stats["train/grad_norm"],
+            "config": dataclasses.asdict(cfg),
         },
         path + ".tmp",
     )
@@ -50,10 +53,14 @@ def replay(folder):
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
     dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
-    # the run's own config.yaml: types and bounds read again (config.read_config); its choices were
-    # checked by assemble.load_config when the run started (importing that here would put the
-    # whole setup under train.py's import of this module)
-    cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
+    # the config the step trained with (a dump from before dumps held it: the run's config.yaml),
+    # types and bounds read again (config.read_config); its choices were checked by
+    # assemble.load_config when the run started (importing that here would put the whole setup
+    # under train.py's import of this module)
+    if "config" in dumped:
+        cfg = read_config(values=dumped["config"])
+    else:
+        cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")

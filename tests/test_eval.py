@@ -46,8 +46,8 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k); its
     last checkpoint, loaded into the engine as `eval.py --run` loads it, evaluates to the eval
     line (pass@k non-decreasing, pass@1 inside its interval) with every sample recorded; and the
-    update of dumped step 2, replayed with no engine, reproduces its logged loss and gradient norm
-    exactly."""
+    update of dumped step 2, replayed with no engine and with the config the dump holds (the
+    run's config.yaml since changed), reproduces its logged loss and gradient norm exactly."""
     cfg = tiny_config(
         tmp_path,
         "train.steps=3",
@@ -62,9 +62,14 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     passes = [logged[f"val/pass@{k}"][-1] for k in (1, 2, 4)]
     assert passes == sorted(passes) and len(logged["val/pass@1"]) == 3  # steps 0, 2, final
 
+    # a later `--resume --set` rewrites the run's config.yaml: the dump holds its own
+    config_yaml = tmp_path / "config.yaml"
+    written = config_yaml.read_text()
+    config_yaml.write_text(written.replace("loss_agg: token-mean", "loss_agg: seq-mean-token-sum"))
     loss, grad_norm, logged_loss, logged_grad_norm = replay.replay(
         str(tmp_path / "rollouts" / "step_000002")
     )
+    config_yaml.write_text(written)
     assert (
         (loss, grad_norm)
         == (logged_loss, logged_grad_norm)
