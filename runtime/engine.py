@@ -366,10 +366,15 @@ class StopSignal:
     """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save
     a checkpoint and return; a second one exits at once (the engine killed, no checkpoint, exit
     130). The engine's processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only
-    the trainer decides."""
+    the trainer decides. A repeat within REPEAT_S is the same signal arriving twice: a Ctrl-C
+    reaches each rank from the terminal and again from its launcher (parallel.forward_to_ranks;
+    torchrun forwards it too)."""
+
+    REPEAT_S = 2.0
 
     def __init__(self, engine):
         self.received, self.engine = None, engine
+        self.received_at = 0.0
         self._previous = {
             sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
         }
@@ -377,6 +382,8 @@ class StopSignal:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.received and time.monotonic() - self.received_at < self.REPEAT_S:
+            return  # the first one, again
         # may run inside the engine's event loop, which swallows exceptions: exit from here
         if self.received:
             print(
@@ -386,7 +393,7 @@ class StopSignal:
             )
             self.engine.kill()
             os._exit(130)
-        self.received = name
+        self.received, self.received_at = name, time.monotonic()
         log.warning(
             "%s: finishing this step, then a checkpoint and exit (send it again to exit at once)",
             name,

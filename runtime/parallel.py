@@ -8,8 +8,10 @@ is reduced or saved (train.py decides), nor the engine (rollout.py: every rank h
 """
 
 import contextlib
+import multiprocessing
 import os
 import pickle
+import signal
 import uuid
 import warnings
 
@@ -72,7 +74,9 @@ def launch(nproc, entrypoint, *args):
     """Run `entrypoint(*args)` in `nproc` fresh processes on this node (spawned, non-daemonic:
     each can start SGLang's scheduler processes), rendezvous on a free localhost port, no
     restarts. A rank that raises ends the job: the launcher stops the other ranks, and RankError
-    carries the failing rank's error instead of a hang."""
+    carries the failing rank's error instead of a hang. SIGINT and SIGTERM are the ranks' to
+    handle (`forward_to_ranks`), not torch elastic's: it would send each rank the signal again
+    and SIGKILL them 30 s later, before a step and its checkpoint could finish, then raise."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -86,7 +90,11 @@ def launch(nproc, entrypoint, *args):
         start_method="spawn",
         run_id=uuid.uuid4().hex,
         monitor_interval=0.5,
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
+    previous = {
+        sig: signal.signal(sig, forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
@@ -95,6 +103,19 @@ def launch(nproc, entrypoint, *args):
             for r, f in sorted(e.failures.items())
         ]
         raise RankError("; ".join(failures)) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def forward_to_ranks(signum, frame):
+    """The launcher's SIGINT and SIGTERM: sent on to every rank (the processes this one started),
+    whose StopSignal finishes the step, saves and returns the signal's name, which the launch
+    returns. A Ctrl-C reaches the ranks from the terminal too: StopSignal takes a repeat within
+    REPEAT_S as the same signal."""
+    for rank in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank.pid, signum)
 
 
 def init():

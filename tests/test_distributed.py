@@ -6,8 +6,10 @@ configs."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import safetensors.torch
@@ -202,6 +204,46 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     """A rank that raises ends the 2-rank job with a RankError carrying that rank's message."""
     with pytest.raises(parallel.RankError, match="rank 1 could not go on"):
         parallel.launch(2, dist_worker.fail_on_rank_1, str(tmp_path))
+
+
+LAUNCH_AND_REPORT = """
+import json, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import dist_worker, runtime.parallel as parallel
+print(json.dumps(parallel.launch(2, dist_worker.count_signals, {out!r})), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
+def test_the_launcher_leaves_a_signal_to_its_ranks(tmp_path, how):
+    """`python train.py` with run.nproc > 1 (parallel.launch): a SIGTERM to the launcher reaches
+    each rank once; a Ctrl-C reaches each rank from the terminal and once more from the launcher
+    (StopSignal takes that repeat as the same signal). Either way the ranks finish on their own
+    and the launch returns their results, no traceback (torch elastic handled the signals: it sent
+    them again, SIGKILLed the ranks 30 s later and raised SignalException, exit 1)."""
+    script = LAUNCH_AND_REPORT.format(
+        repo=REPO, tests=os.path.join(REPO, "tests"), out=str(tmp_path)
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready_*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if how.startswith("SIGTERM"):
+        os.kill(process.pid, signal.SIGTERM)
+        expected = [["SIGTERM"]]
+    else:  # two SIGINTs pending at once are delivered as one (signals do not queue)
+        os.killpg(process.pid, signal.SIGINT)
+        expected = [["SIGINT"], ["SIGINT", "SIGINT"]]
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "Traceback" not in err, err[-2000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert sorted(got) == ["0", "1"] and all(g in expected for g in got.values()), got
 
 
 def test_train_py_reports_a_rank_error_and_exits_non_zero(tmp_path):

@@ -580,17 +580,20 @@ def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path
 
 
 def test_a_second_signal_exits_at_once_with_130(engine):
-    """The first SIGTERM is only noted (the step goes on); the second kills the engine's processes
-    and exits 130 at once. Run in a forked copy of this process: `StopSignal.kill` ends the
-    children of the process it runs in, and the fork has none (the shared engine's processes are
-    the parent's)."""
+    """The first SIGTERM is only noted (the step goes on); a repeat within REPEAT_S is the same
+    signal (a launcher forwarding the terminal's Ctrl-C) and changes nothing; a second one later
+    kills the engine's processes and exits 130 at once. Run in a forked copy of this process:
+    `StopSignal.kill` ends the children of the process it runs in, and the fork has none (the
+    shared engine's processes are the parent's)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr), two signals
         sys.stderr = os.fdopen(write, "w")
         stop = StopSignal(engine)
         os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the same one, forwarded: still going
         print(f"first: {stop.received}", file=sys.stderr, flush=True)
+        time.sleep(StopSignal.REPEAT_S)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler exits the process
         os._exit(3)  # not reached
     os.close(write)
