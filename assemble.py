@@ -227,7 +227,7 @@ def start_engine(cfg, model_dir, start_step):
         trust_remote_code=cfg.model.trust_remote_code,
         lora=lora_engine(cfg.model),
     )
-    engine.weight_version = start_step
+    engine.set_version(start_step)  # the weights it loaded are version start_step
     return engine
 
 

@@ -71,9 +71,9 @@ class Engine:
         #   runs kill_process_tree on   itself: at launch `engine.py`'s
         #   launch_phase_sigquit_handler, once the event loop runs   tokenizer_manager.py's
         #   SignalHandler.running_phase_sigquit_handler. Both only record it now;
-        # - on its first request the tokenizer manager hooks SIGTERM to drain the engine and exit 0
-        #   (the run   would end without a checkpoint): SIGTERM goes to `on_sigterm` (the trainer's
-        #   StopSignal).
+        # - when its request loop is made the tokenizer manager hooks SIGTERM to drain the engine
+        #   and exit 0 (the run would end without a checkpoint): that handler is taken off the loop
+        #   (below), so SIGTERM is the trainer's StopSignal's.
         watchdog = self.tokenizer_manager._subprocess_watchdog  # the scheduler processes it polls
         self._engine_processes = list(zip(watchdog._processes, watchdog._names)) if watchdog else []
         if watchdog:
@@ -81,7 +81,6 @@ class Engine:
         # set by SIGQUIT: an engine process raised (its traceback is in the log)
         self.child_failed = None
         signal.signal(signal.SIGQUIT, self._on_sigquit)
-        self.on_sigterm = None
         self.tokenizer_manager.signal_handler_class = trainer_signals(
             self.tokenizer_manager.signal_handler_class, self
         )
@@ -95,6 +94,11 @@ class Engine:
         # Created at the first rollout instead, the loop's handlers replaced them, and a SIGTERM
         # that came while training was never seen.
         self._run(self._create_request_loop())
+        # and take SIGTERM back from it: SGLang's loop handler would run the trainer's StopSignal a
+        # second time for one SIGTERM (asyncio's wakeup fd reports every signal to the loop), at the
+        # loop's next run, which after 2 s counted as a second signal: an exit with no checkpoint.
+        # SIGTERM is then the trainer's StopSignal's while it trains, else the default
+        self.tokenizer_manager.event_loop.remove_signal_handler(signal.SIGTERM)
         self.weight_shapes = tensor_shapes(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer_manager)
         # what release/wake free by tag; CUDA graphs are captured (and hold memory) only on GPU
@@ -249,10 +253,7 @@ class Engine:
         tensor as it arrived, before loading it, and raises on any difference, which ends its
         scheduler (sglang/srt/managers/tp_worker.py, load_lora_adapter_from_tensors:
         "[LORA-CHECK] ... MISMATCH" in the log) and so this call, with EngineDiedError."""
-        from sglang.srt.managers.io_struct import (
-            LoadLoRAAdapterFromTensorsReqInput,
-            UpdateWeightVersionReqInput,
-        )
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
         name, previous = f"policy_v{version}", self.adapter
@@ -271,7 +272,13 @@ class Engine:
         self.adapter = name
         if previous is not None:
             self._unload_adapter(previous)
-        # the version each request reports (a full push stamps it with its last bucket)
+        self.set_version(version)  # (a full push stamps it with its last bucket)
+
+    def set_version(self, version):
+        """The weight version every request reports from now on (SGLang's starts at "default",
+        which requests report as 0): a resumed run's engine starts at its first step's."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
         self._run(
             self.tokenizer_manager.update_weight_version(
                 UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
@@ -378,7 +385,6 @@ class StopSignal:
         self._previous = {
             sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
         }
-        engine.on_sigterm = self._handle
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -402,7 +408,6 @@ class StopSignal:
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        self.engine.on_sigterm = None
 
 
 def stop_token_ids(tokenizer_manager):
@@ -439,15 +444,11 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather):
 
 
 def trainer_signals(sglang_signal_handler, rollout_engine):
-    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop at its
-    first request), with SIGTERM handed to `rollout_engine.on_sigterm` and SIGQUIT (an engine
-    process raised) recorded for `check_alive` instead of killing this process tree."""
+    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop when it
+    is created), with SIGQUIT (an engine process raised) recorded for `check_alive` instead of
+    killing this process tree. (Its SIGTERM handler is taken off the loop: Engine.__init__.)"""
 
     class TrainerSignals(sglang_signal_handler):
-        def sigterm_handler(self, signum=None, frame=None):
-            if rollout_engine.on_sigterm is not None:
-                rollout_engine.on_sigterm(signal.SIGTERM, frame)
-
         def running_phase_sigquit_handler(self, signum=None, frame=None):
             rollout_engine._on_sigquit(signum, frame)
 

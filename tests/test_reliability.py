@@ -604,6 +604,24 @@ def test_a_second_signal_exits_at_once_with_130(engine):
     assert "first: SIGTERM" in err and "interrupted (second signal (SIGTERM))" in err, err
 
 
+def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, monkeypatch):
+    """A SIGTERM while training is handled once: the engine's event loop, run after it, does not
+    run StopSignal's handler a second time (SGLang's loop handler did, through asyncio's wakeup
+    fd, and later than REPEAT_S that was a second signal: exit 130, no checkpoint). Here every
+    repeat counts as a second signal, and the exit and the kill are recorded, not done."""
+    exits = []
+    monkeypatch.setattr(StopSignal, "REPEAT_S", 0.0)
+    monkeypatch.setattr(engine, "kill", lambda: exits.append("kill"))
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = StopSignal(engine)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        engine._run(asyncio.sleep(0.05))  # what the step runs next
+    finally:
+        stop.restore()
+    assert stop.received == "SIGTERM" and exits == []
+
+
 KEEP_SAVING = """
 import sys, torch
 sys.path.insert(0, {repo!r})

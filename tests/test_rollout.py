@@ -149,6 +149,18 @@ def test_count_cancellation_aborts_the_tail_in_the_engine(engine, policy):
     assert all(not s.masked for s in again)
 
 
+def test_the_engine_reports_the_version_it_was_started_at(engine, policy):
+    """set_version (assemble.start_engine: a resumed run's first step, without a push) stamps
+    every request after it: a resumed full-weight run's first samples were version 0 (SGLang's
+    "default"), so each token looked step-many versions stale and the step-0 gap check saw none."""
+    engine.set_version(5)
+    try:
+        samples, _ = engine.generate(PROMPTS[:1], 2, 1.0, 4)
+        assert {s.weight_version for s in samples} == {5}
+    finally:
+        engine.set_version(0)
+
+
 def test_an_abort_cuts_only_its_own_requests(engine, policy):
     """Of two requests in the engine, aborting one, together with a rid the engine does not
     track yet (a request not sent), cuts that one alone: the other runs to its length."""
