@@ -148,7 +148,7 @@ def setup(cfg, resume=False, engine=None):
         tokenizer=tokenizer,
         stream=stream,
         val_prompts=task.val_prompts,
-        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg),
+        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg, task.tool),
         tool=task.tool,
         engine=engine,
         buffer=partial_buffer(cfg, state.get("buffer"), multi_turn=task.tool is not None),
@@ -166,7 +166,7 @@ def engine_only(cfg, engine, tokenizer, task):
         cfg=cfg,
         tokenizer=tokenizer,
         val_prompts=task.val_prompts,
-        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg),
+        rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg, task.tool),
         tool=task.tool,
         engine=engine,
     )

@@ -221,11 +221,12 @@ class Rollout:
             log.error("request %s aborted by the engine: %s", rid, detail)
             reason = "error"
         response_ids = array.array("i", output_ids)
-        if reason == "abort" and response_ids and response_ids[-1] in self.engine.stop_ids:
+        stops = self.engine.stop_ids.union(sampling.get("stop_token_ids") or ())
+        if reason == "abort" and response_ids and response_ids[-1] in stops:
             # SGLang lets an aborted request decode one more token, then ends it "abort" without
             # looking at that token (managers/schedule_batch.py, update_finish_state: `to_finish`
             # before the EOS check): ended by its EOS, it finished, and resumed it would go on
-            # past its end
+            # past its end; ended by a tool call, multi_turn sees the call (and the cancellation)
             reason = "stop"
         elif reason == "abort" and len(response_ids) >= sampling["max_new_tokens"]:
             # the abort came after its last token: complete (and a resume would have no budget)

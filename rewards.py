@@ -50,10 +50,12 @@ class Rewards:
     its own, and DAPO's overlong penalty when on (`train.overlong_penalty`). `task_reward` is that
     function's value alone, the penalty left out."""
 
-    def __init__(self, reward_fn, tokenizer, cfg):
+    def __init__(self, reward_fn, tokenizer, cfg, tool=None):
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.cfg = cfg  # the run's Config
+        # a trajectory that ends in a call no turn read (the task's tool) has no answer
+        self.call_end_id = tool.call_end_id if tool is not None else None
         # plain reward functions run here, so the event loop that waits on the requests and
         # decides the cancellation never waits on one
         self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -81,6 +83,8 @@ class Rewards:
         """A finished trajectory's reward, from its last turn's response against the prompt's
         `answer`, computed off the event loop (`call_reward_off_loop`)."""
         last = turns[-1]
+        if self.call_end_id is not None and last.response_ids[-1:].tolist() == [self.call_end_id]:
+            return 0.0  # no answer to score (the call's arguments may hold the gold number)
         text = self.tokenizer.decode(last.response_ids.tolist(), skip_special_tokens=True)
         finished = last.finish_reason == "stop"
         return await call_reward_off_loop(

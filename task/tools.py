@@ -335,12 +335,12 @@ class QwenTools:
         if problems:
             return name, f"error: {name}: {'; '.join(problems)}", False
         fn = self.functions[name]
-        if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
-            pending = fn(**arguments)
-        else:
-            loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(self.pool, functools.partial(fn, **arguments))
         try:
+            if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
+                pending = fn(**arguments)  # (inside the try: a signature may refuse the keywords)
+            else:
+                loop = asyncio.get_running_loop()
+                pending = loop.run_in_executor(self.pool, functools.partial(fn, **arguments))
             return name, result_text(await asyncio.wait_for(pending, self.timeout_s)), True
         except asyncio.TimeoutError:
             return name, f"error: {name} did not return within {self.timeout_s} s", True

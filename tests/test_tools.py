@@ -329,3 +329,39 @@ def test_an_observation_spelling_control_tokens_stays_text(tokenizer):
     head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
     expected = tokenizer(head + "<|im_start|>assistant\n", add_special_tokens=False).input_ids
     assert observation.ids == expected
+
+
+def test_an_async_tool_that_refuses_its_keywords_is_an_error_observation(tokenizer):
+    """An `async def` tool whose parameter is positional-only gets a schema-valid call it cannot
+    take by keyword: an error observation (the tool ran and failed), as a plain function gets,
+    not a TypeError out of the rollout."""
+
+    async def double(x: int, /) -> int:
+        """Twice x.
+
+        Args:
+            x: a number.
+        """
+        return 2 * x
+
+    tool = tools.QwenTools(tokenizer, [double])
+    observation, text = ask(tool, tokenizer, '{"name": "double", "arguments": {"x": 2}}')
+    assert observation.is_error and observation.ran and "raised TypeError" in text
+
+
+def test_a_trajectory_ending_in_an_unread_tool_call_has_no_answer(tokenizer):
+    """A call in the last turn (or with no budget left) ends the trajectory unanswered: the
+    reward step scores it 0, whatever number its arguments hold (GSM8K's reward read the last
+    number in the call: 42 here, full reward)."""
+    import rewards
+    from sample import Sample
+
+    cfg = load_config("configs/gsm8k_tool.yaml", ["data.train_path=unused"])
+    tool = tools.QwenTools(tokenizer, [tools.calculator])
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "30+42"}}</tool_call>'
+    ids = tokenizer(call, add_special_tokens=False).input_ids
+    turn = Sample([1], ids, [0.0] * len(ids), [1] * len(ids), group_id=0, finish_reason="length")
+    step = rewards.Rewards(rewards.gsm8k_reward, tokenizer, cfg, tool)
+    assert asyncio.run(step.task_reward([turn], "42")) == 0.0
+    without_tool = rewards.Rewards(rewards.gsm8k_reward, tokenizer, cfg)
+    assert asyncio.run(without_tool.task_reward([turn], "42")) == 1.0  # what it scored before
