@@ -91,9 +91,15 @@ def setup(cfg, resume=False, engine=None):
     else:
         device = torch.device("cpu")
     check_attention(cfg, device)
-    resume_dir = checkpoint.latest(cfg.run.out) if resume else None
+    resume_dir = checkpoint.latest(cfg.run.out)
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
+    if not resume and resume_dir:  # a later --resume would take the newest, whichever run wrote it
+        raise ConfigError(
+            f"run.out={cfg.run.out!r} holds an earlier run's checkpoints (the latest: "
+            f"{resume_dir}): --resume continues that run; to start a new one, pass another --out "
+            "or remove that folder"
+        )
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
     init_dir = checkpoint.init_folder(resume_dir, cfg)
@@ -153,7 +159,7 @@ def setup(cfg, resume=False, engine=None):
         engine=engine,
         buffer=partial_buffer(cfg, state.get("buffer"), multi_turn=task.tool is not None),
         phases=phases,
-        gap_watch=memory.GapWatch(cfg, first_step=start_step),
+        gap_watch=memory.GapWatch(cfg, first_step=start_step, over=state.get("gap_steps", 0)),
         start_step=start_step,
         updates_done=start_step,
     )

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import reprlib
 import sys
 import types
@@ -452,11 +453,6 @@ def _coerce(key, value, kind):
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if kind is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(
             f"{key}={shown(value)}: expected {kind.__name__}, got {type(value).__name__}"
@@ -470,7 +466,7 @@ def apply(config, overrides, prefix=""):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(overrides)}")
     hints = typing.get_type_hints(type(config))
     for key, value in overrides.items():
-        if not isinstance(key, str):  # YAML reads `on:` as True and `1:` as 1
+        if not isinstance(key, str):  # YAML reads `1:` as 1 and `true:` as True
             where = prefix.rstrip(".") or "config"
             raise ConfigError(f"{where}: key {shown(key)} is not a name; quote it")
         name = f"{prefix}{key[:100]}"
@@ -486,12 +482,70 @@ def apply(config, overrides, prefix=""):
             setattr(config, key, _coerce(name, value, hints[key]))
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (no tags that build objects), reading booleans and numbers as YAML
+    1.2 does, which PyYAML (a YAML 1.1 reader) does not: `010` is 10, not 8 (1.1's octal), `1e-3`
+    a float, not a string; `1:30` is a string, not 90 (1.1's base 60), and so are `yes`, `no`,
+    `on`, `off` and `2026-11-27` (1.1: booleans and a date). A seed or a count typed with a
+    leading zero must not change."""
+
+
+def _yaml12_int(loader, node):
+    text = loader.construct_scalar(node)  # matched by the int pattern below
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
+
+
+class Yaml12Dumper(yaml.SafeDumper):
+    """Writes what Yaml12Loader reads back as the same values: a string that 1.2 would read as a
+    number or a boolean (`1e3`, `010`) is quoted."""
+
+
+YAML12 = {  # YAML 1.2's core schema (yaml.org/spec/1.2.2, section 10.3.2)
+    "tag:yaml.org,2002:bool": (r"true|True|TRUE|false|False|FALSE", "tTfF"),
+    "tag:yaml.org,2002:int": (r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),
+    "tag:yaml.org,2002:float": (
+        r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
+        "-+0123456789.",
+    ),
+}
+TIMESTAMP = {"tag:yaml.org,2002:timestamp"}
+
+
+def _use_yaml12(cls):
+    """Give `cls` (a loader or a dumper class) YAML12's patterns in place of 1.1's for its tags, and
+    no timestamps (1.2 has none: `--set run.out=2026-11-27` is a string, not a date)."""
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, pattern) for tag, pattern in resolvers if tag not in {*YAML12, *TIMESTAMP}]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    for tag, (pattern, firsts) in YAML12.items():
+        cls.add_implicit_resolver(tag, re.compile(f"^(?:{pattern})$"), list(firsts))
+
+
+_use_yaml12(Yaml12Loader)
+_use_yaml12(Yaml12Dumper)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _yaml12_int)
+
+
+def load_yaml(stream):
+    """A YAML document (text or a file) as plain values, read as YAML 1.2 (Yaml12Loader)."""
+    return yaml.load(stream, Loader=Yaml12Loader)
+
+
+def config_yaml(config):
+    """Every setting of `config` as YAML text that load_yaml reads back to the same values (what
+    config.yaml in the run directory and in each checkpoint holds, and --print-config prints)."""
+    return yaml.dump(dataclasses.asdict(config), Dumper=Yaml12Dumper, sort_keys=False)
+
+
 def read_yaml(path):
     """The YAML file at `path`, parsed safely (no tags that build objects); a file that cannot be
     read, is not UTF-8 or is not YAML is a one-line ConfigError."""
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            return load_yaml(f)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as e:  # a directory, no permission, ...
@@ -517,7 +571,7 @@ def read_config(path=None, sets=(), values=None):
             raise ConfigError(f"--set {item!r}: expected section.key=value")
         *sections, leaf = key.split(".")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not a valid YAML scalar") from None
         owner = mapping_owner(config, sections)

@@ -331,8 +331,9 @@ def sync_weights(run, step, logprob_gap=None):
         check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
         check_s = time.perf_counter() - check_start
     run.phases.to_rollout()  # the trainer's weights offloaded, the engine's KV cache awake
-    if logprob_gap is not None:
-        run.gap_watch.observe(step, logprob_gap)
+    if logprob_gap is not None:  # the largest rank's: every rank's engine must agree, and every
+        # rank then stops after the same step (and checkpoints the same streak)
+        run.gap_watch.observe(step, parallel.all_reduce([logprob_gap], op="max")[0])
     metrics = run.phases.metrics()
     metrics["timing/weight_sync_s"] = slowest(time.perf_counter() - start - check_s)
     if check_s:
@@ -415,7 +416,7 @@ class GapWatch:
     """Reads each step's `train/logprob_gap` (engine vs trainer, on the tokens the current weights
     sampled) and raises LogprobGapError when it says they disagree."""
 
-    def __init__(self, cfg, first_step):
+    def __init__(self, cfg, first_step, over=0):
         coarser = (
             "bfloat16"
             if "bfloat16" in (cfg.model.compute_dtype, cfg.model.engine_dtype)
@@ -429,7 +430,7 @@ class GapWatch:
         self.first_step = first_step
         self.max_gap = cfg.run.max_logprob_gap
         self.patience = cfg.run.max_logprob_gap_steps
-        self.over = 0  # steps in a row above max_gap
+        self.over = over  # steps in a row above max_gap (a resumed run's, from its checkpoint)
 
     def observe(self, step, gap):
         if step == self.first_step and gap > self.step0_max:

@@ -1,10 +1,10 @@
 """Stage 6 of the step: metrics reduced over ranks, and where they go (TensorBoard events, one
 console line per step, config.yaml in the run directory).
 
-Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, else averaged: declared
-where the metric is made), masked means, pass@k, and the logger. Each stage computes its own
-metrics (the rollout's in rollout.py, the update's in update.py, ...); none of the training math
-is here.
+Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, `quantile`, else
+averaged: declared where the metric is made), masked means, pass@k, and the logger. Each stage
+computes its own metrics (the rollout's in rollout.py, the update's in update.py, ...); none of
+the training math is here.
 A metric's prefix says what it measures, not which stage made it: train/ the batch trained on (its
 rewards, from stage 1; its loss, from stage 4), val/ validation, rollout/ the engine's work
 (launched, aborted, lengths), timing/, perf/, memory/, and one per feature (partial/, staleness/,
@@ -16,9 +16,9 @@ import math
 import os
 
 import torch
-import yaml
 from torch.utils.tensorboard import SummaryWriter
 
+from config import config_yaml
 import runtime.parallel as parallel
 
 
@@ -57,6 +57,21 @@ class Ratio:
         return self.total / self.count if self.count else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Quantile:
+    """The q-quantile of items the ranks hold in different numbers (response lengths), made by
+    `quantile(values, q)`: reduced over every rank's items pooled (the ranks' own quantiles
+    averaged are no quantile of the batch). Not a number, as Summed."""
+
+    values: tuple
+    q: float
+
+    @property
+    def value(self):
+        """The quantile of these items (0 with none)."""
+        return torch.tensor(self.values or [0], dtype=torch.float64).quantile(self.q).item()
+
+
 def summed(value):
     """`value` (a number, or a one-element tensor), marked to be summed over ranks."""
     return Summed(value.item() if torch.is_tensor(value) else value)
@@ -73,11 +88,16 @@ def ratio(total, count):
     return Ratio(float(total), float(count))
 
 
+def quantile(values, q):
+    """The q-quantile of `values` (numbers), marked to be reduced over ranks as a Quantile."""
+    return Quantile(tuple(float(v) for v in values), q)
+
+
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
-    declared it: Summed, Slowest, Ratio, else averaged. A collective: every rank calls it. With
-    several ranks, `timing/rollout_s_min` beside the max shows how unevenly their rollouts
-    ended."""
+    declared it: Summed, Slowest, Ratio, Quantile, else averaged. A collective: every rank calls
+    it. With several ranks, `timing/rollout_s_min` beside the max shows how unevenly their
+    rollouts ended."""
     per_rank = parallel.gather_objects(scalars)
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
@@ -89,6 +109,8 @@ def reduce_metrics(scalars):
         elif isinstance(values[0], Ratio):
             count = sum(v.count for v in values)
             out[key] = sum(v.total for v in values) / count if count else 0.0
+        elif isinstance(values[0], Quantile):
+            out[key] = quantile([x for v in values for x in v.values], values[0].q).value
         else:
             out[key] = sum(values) / len(values)
     if len(per_rank) > 1:
@@ -111,14 +133,13 @@ def masked_mean(values, mask):
 
 
 def length_stats(lengths, prefix):
-    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros). Over ranks the mean
-    and max are exact; the quantiles are each rank's, averaged."""
-    t = torch.tensor(lengths or [0], dtype=torch.float)
+    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros), each exact over
+    ranks."""
     return {
         f"{prefix}_mean": ratio(sum(lengths), len(lengths)),
-        f"{prefix}_p50": t.quantile(0.5).item(),
-        f"{prefix}_p90": t.quantile(0.9).item(),
-        f"{prefix}_max": slowest(t.max().item()),
+        f"{prefix}_p50": quantile(lengths, 0.5),
+        f"{prefix}_p90": quantile(lengths, 0.9),
+        f"{prefix}_max": slowest(max(lengths, default=0)),
     }
 
 
@@ -188,13 +209,18 @@ class TokenMeans:
 
 
 class Logger:
-    """TensorBoard writer + one console line per step; writes the resolved config at start."""
+    """TensorBoard writer + one console line per step; writes the resolved config at start.
+    `first_step` is the run's first step (a resumed run's checkpoint step): TensorBoard hides the
+    points an earlier process logged from there on (steps it ran past its last checkpoint, which
+    this process runs again), so every step shows once. The event files keep them."""
 
-    def __init__(self, out_dir, config):
+    def __init__(self, out_dir, config, first_step=0):
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(dataclasses.asdict(config), f, sort_keys=False)
-        self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
+            f.write(config_yaml(config))
+        # a SessionLog.START event at first_step, which TensorBoard's EventAccumulator reads as a
+        # restart: it drops the points at that step or later read before it (_Purge)
+        self.writer = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=first_step)
 
     def log(self, step, scalars, echo=print, texts=None):
         for name, value in scalars.items():

@@ -13,25 +13,22 @@ re-import the main module). README.md has the map.
 """
 
 import argparse
-import dataclasses
 import glob
 import logging
 import os
-import random
 import signal
 import sys
 import time
 
 import torch
 import tqdm
-import yaml
 
 import advantages
 import memory
 import merge
 import rollout
 import update
-from config import ConfigError
+from config import ConfigError, config_yaml
 from extras import replay
 from metrics import Logger, reduce_metrics, slowest, summed
 from rewards import RewardError
@@ -87,7 +84,7 @@ def train(run, stop=None):
     None when all steps ran."""
     cfg = run.cfg
     # one writer of TensorBoard and the console
-    logger = Logger(cfg.run.out, cfg) if parallel.rank() == 0 else None
+    logger = Logger(cfg.run.out, cfg, first_step=run.start_step) if parallel.rank() == 0 else None
     own_stop = stop is None
     if own_stop:
         stop = StopSignal(run.engine)
@@ -143,12 +140,11 @@ def validation(run):
 
 def data_before_step(run):
     """What a step consumes before its update, as it stands when the step begins: the prompt
-    stream's position, partial rollout's buffer (its suspended samples) and the RNGs."""
+    stream's position and partial rollout's buffer (its suspended samples)."""
     return {
         "updates_done": run.updates_done,
         "position": run.stream.position,
         "buffer": run.buffer.state_dict() if run.buffer else None,
-        "rng": (torch.get_rng_state(), random.getstate()),
     }
 
 
@@ -161,8 +157,6 @@ def save_after_engine_death(run, error, before):
         run.stream.position = before["position"]
         if run.buffer:
             run.buffer.load_state_dict(before["buffer"])
-        torch.set_rng_state(before["rng"][0])
-        random.setstate(before["rng"][1])
     path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
     return EngineDiedError(
         f"{error}. The trainer's state after {run.updates_done} updates is saved in {path}; "
@@ -257,7 +251,7 @@ def main(argv=None):
         return None
     cfg = config_of(args)
     if args.print_config:  # defaults, the file and --set resolved: what the run would read
-        print(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False), end="")
+        print(config_yaml(cfg), end="")
         return None
     nproc = cfg.run.nproc or parallel.default_nproc()
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():

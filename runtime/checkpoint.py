@@ -7,12 +7,10 @@ and reshards it with torch.distributed.checkpoint), partial rollout's buffer for
 when checkpoints are taken (train.py).
 """
 
-import dataclasses
 import io
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 
@@ -22,6 +20,7 @@ import yaml
 from torch.distributed.checkpoint import BytesStorageMetadata
 from torch.distributed.checkpoint.api import CheckpointException
 
+from config import config_yaml, load_yaml
 import runtime.lora as lora
 import runtime.model as model
 import runtime.parallel as parallel
@@ -35,9 +34,10 @@ def save(out_dir, step, run):
     loadable by `from_pretrained` and SGLang), or with LoRA the adapter folder alone (lora.
     save_adapter: a 7B base would cost its 15 GB at every checkpoint, the adapters megabytes;
     `merged_export` writes the merged model when one is asked for), and the trainer state (step,
-    scheduler, RNG, the partial-rollout buffer, every rank's prompt-stream position, which is the
-    data position; tensors and plain values only, loaded with weights_only=True). Written to a
-    temp dir then renamed: a crash mid-write never leaves a half checkpoint behind."""
+    scheduler, the skipped-update and log-prob-gap streaks, the partial-rollout buffer, every
+    rank's prompt-stream position, which is the data position; tensors and plain values only,
+    loaded with weights_only=True). Written to a temp dir, flushed to the disk, then renamed: a
+    crash mid-write never leaves a half checkpoint behind."""
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:
@@ -62,23 +62,45 @@ def save(out_dir, step, run):
         else:
             save_hf(trainer.policy, run.tokenizer, tmp, full_state)
         with open(os.path.join(tmp, "config.yaml"), "w") as f:  # what a resume is checked against
-            yaml.safe_dump(dataclasses.asdict(run.cfg), f, sort_keys=False)
+            f.write(config_yaml(run.cfg))
         torch.save(
             {
                 "step": step,
                 "world_size": parallel.world_size(),
                 "scheduler": trainer.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state(),
-                "python_rng": random.getstate(),
+                # the streaks that stop a run, which a resume continues
+                "bad_steps": trainer.bad_steps,
+                "gap_steps": run.gap_watch.over if run.gap_watch else 0,
                 "buffer": buffer,
                 "prompt_positions": positions,
             },
             os.path.join(tmp, "trainer_state.pt"),
         )
+        sync_to_disk(tmp)  # the files' bytes before the rename that makes them the checkpoint
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        sync_to_disk(os.path.dirname(final), files=False)  # the rename itself
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
+
+
+def sync_to_disk(folder, files=True):
+    """fsync every file under `folder` (with `files`) and every folder's entries: a rename is
+    atomic against a crash of the process, but after a power loss it may have reached the disk
+    before the bytes of the files it names (ext4 and xfs write data later than metadata), leaving
+    a complete-looking checkpoint of empty files. (torch.distributed.checkpoint's shards are
+    fsynced already: torch/distributed/checkpoint/filesystem.py, FileSystemWriter's sync_files,
+    True by default; a second fsync of them is cheap.)"""
+    paths = [folder]
+    if files:
+        for root, folders, names in os.walk(folder):
+            paths += [os.path.join(root, name) for name in names + folders]
+    for path in reversed(paths):  # each folder after what it holds
+        fd = os.open(path, os.O_RDONLY)  # a folder opens read-only too (POSIX)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 ADAPTER = "adapter"  # a LoRA checkpoint's adapter folder, in peft's format
@@ -155,7 +177,7 @@ UNREADABLE = (
     pickle.UnpicklingError,
     safetensors.SafetensorError,
 )
-TRAINER_STATE = {"step", "world_size", "scheduler", "torch_rng", "python_rng", "buffer"}
+TRAINER_STATE = {"step", "world_size", "scheduler", "buffer"}
 
 
 def check_resume(folder, cfg):
@@ -224,7 +246,7 @@ def read_saved_model_fields(folder):
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            model_fields = yaml.safe_load(f)["model"]
+            model_fields = load_yaml(f)["model"]
     except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
     if not isinstance(model_fields, dict):
@@ -233,14 +255,15 @@ def read_saved_model_fields(folder):
 
 
 def read_trainer_state(folder):
-    """Step, scheduler and RNG state. Plain tensors and values only: loading never runs pickled
-    code."""
+    """Step, scheduler, streaks and the data position. Plain tensors and values only: loading never
+    runs pickled code."""
     return torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=True)
 
 
 def restore(folder, state, trainer, t):
-    """Model and optimizer shards (resharded to this world size), scheduler and RNG (rank 0's, on
-    every rank); then the optimizer settings of `t` (train config) replace the checkpoint's."""
+    """Model and optimizer shards (resharded to this world size), scheduler and the skipped-update
+    streak; then the optimizer settings of `t` (train config) replace the checkpoint's. (No RNG
+    state: each step seeds its own, rollout.rollout_seed and update.update_policy.)"""
     try:
         parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
     except CheckpointException as e:  # a BaseException: what check_resume cannot see (a flipped
@@ -248,8 +271,7 @@ def restore(folder, state, trainer, t):
         raise CheckpointError(f"{folder} cannot be restored: {e}") from None
     trainer.scheduler.load_state_dict(state["scheduler"])
     apply_optimizer_settings(trainer.optimizer, trainer.scheduler, t)
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
+    trainer.bad_steps = state.get("bad_steps", 0)  # absent from checkpoints before 2026-11-27
     log.info(
         "resumed from %s at step %d (written by %d ranks, now %d)",
         folder,

@@ -19,7 +19,7 @@ import task.tiny_tool as tiny_tool
 import task.tools as tools
 import advantages
 import rewards
-from config import ConfigError, read_config
+from config import ConfigError, config_yaml, load_yaml, read_config
 from assemble import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +38,25 @@ def test_yaml_and_set_overrides_are_typed():
     )
     assert cfg.train.lr == 1e-3 and cfg.rollout.group_size == 4 and cfg.train.scale_by_std is False
     assert isinstance(cfg.train.kl_coef, float)  # an int is accepted where a float is expected
+
+
+def test_numbers_are_read_as_yaml_1_2_in_a_file_and_a_set(tmp_path):
+    """PyYAML reads YAML 1.1, where `010` is 8 (octal), `1:30` is 90 (base 60) and `yes` is
+    True: a seed typed with a leading zero changed silently. The file and --set now read 1.2's
+    numbers, and the config.yaml a run writes reads back to the same values, strings that look
+    like numbers included."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  seed: 010\n  lr: 1e-3\nrun:\n  out: 2026-11-27\n")
+    cfg = read_config(str(path), ["train.steps=020", "rollout.top_p=.5"])
+    assert (cfg.train.seed, cfg.train.steps, cfg.train.lr) == (10, 20, 1e-3)
+    assert (cfg.rollout.top_p, cfg.run.out) == (0.5, "2026-11-27")
+    with pytest.raises(ConfigError, match="run.val_every='1:30': expected int"):
+        read_config(None, ["run.val_every=1:30"])
+    with pytest.raises(ConfigError, match="rollout.partial='yes': expected bool"):
+        read_config(None, ["rollout.partial=yes"])
+    for out in ("010", "1e3", "yes", "1:30", "2026-11-27", "0x1F"):
+        cfg.run.out = out
+        assert read_config(values=load_yaml(config_yaml(cfg))) == cfg
 
 
 def test_a_set_naming_one_entry_of_a_mapping_keeps_the_others():
@@ -498,9 +517,9 @@ def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path, monkeyp
     latin1 = tmp_path / "latin1.yaml"
     latin1.write_bytes("train:\n  lr: 0.1  # r\u00e9glage\n".encode("latin-1"))
     monkeypatch.chdir(ROOT)
-    yes = tmp_path / "yes.yaml"
-    yes.write_text("train:\n  on: 1\n")  # YAML 1.1 reads the key `on` as True
-    cases = [(tmp_path, "Is a directory"), (latin1, "is not UTF-8 text"), (yes, "key True is not")]
+    number = tmp_path / "number.yaml"
+    number.write_text("train:\n  1: 1\n")  # a key YAML reads as a number
+    cases = [(tmp_path, "Is a directory"), (latin1, "is not UTF-8 text"), (number, "key 1 is not")]
     for path, message in cases:
         monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(path)])
         with pytest.raises(SystemExit) as exited:

@@ -12,12 +12,13 @@ import tempfile
 import pytest
 import torch
 
+import assemble
 import runtime.lora as lora
 import runtime.model as model
 import update
 from assemble import load_config
 from config import ConfigError
-from conftest import tiny_config
+from conftest import tiny_config, train_on
 from test_packing import random_samples
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
@@ -49,6 +50,25 @@ def test_adapters_start_as_the_base_train_alone_and_merge_exactly(tmp_path):
     base.load_state_dict(merged, strict=False)
     with torch.no_grad():
         torch.testing.assert_close(base(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_dropout_draws_its_masks_from_the_seed_and_step(tmp_path):
+    """An update with LoRA dropout draws its masks from (train.seed, step, rank), whatever torch's
+    global RNG holds: a resumed run draws the same on any device (a checkpoint held only the CPU's
+    RNG state, never a GPU's), and another step draws others."""
+    cfg = tiny_config(tmp_path, *LORA, "model.lora_dropout=0.5", "train.lr=0.1")
+    updated = []
+    for draws, step in ((0, 1), (7, 1), (0, 2)):
+        policy, _ = model.build_policy(cfg, None)
+        trainer = assemble.trainer_only(cfg, policy)
+        torch.rand(draws)  # the global RNG moved on, as by anything the process did before
+        # a second update, on trained B (the first one's gradient of A is 0 at B = 0)
+        for _ in range(2):
+            train_on(trainer, *random_samples(3), step=step)
+        updated.append(
+            torch.cat([p.detach().flatten() for p in lora.adapter_tensors(policy).values()])
+        )
+    assert torch.equal(updated[0], updated[1]) and not torch.equal(updated[0], updated[2])
 
 
 def test_lora_also_train_trains_those_parameters_in_full(tmp_path):

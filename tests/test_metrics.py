@@ -56,8 +56,8 @@ def test_multi_turn_trajectories_count_once():
 def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     """Two ranks' rollouts reduced: rank 0 finished 8 samples of reward 1, rank 1 one of reward
     0 and cancelled 7. The means over samples are those of the 16 launched together (9 finished:
-    8/9, not the ranks' means averaged, (1 + 0) / 2); a rank with no finished sample adds
-    nothing to them."""
+    8/9, not the ranks' means averaged, (1 + 0) / 2), and so are the length quantiles; a rank
+    with no finished sample adds nothing to them."""
     import metrics
 
     rank0 = [sample(i, 1.0, 4) for i in range(8)]
@@ -75,6 +75,8 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     assert out["train/reward_mean_launched"] == pytest.approx(8 / 16)
     assert out["rollout/aborted_ratio"] == pytest.approx(7 / 16)
     assert out["rollout/response_len_mean"] == pytest.approx((8 * 4 + 2) / 9)
+    # the 9 lengths' quantiles: each rank's averaged, they were (4 + 2) / 2
+    assert out["rollout/response_len_p50"] == out["rollout/response_len_p90"] == 4.0
     per_rank[1] = rollout_metrics(trajectories_of(rank1[1:]), RolloutStats(rollout_s=1.0))
     assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
 
@@ -97,3 +99,21 @@ def test_a_metrics_reduction_rule_cannot_be_lost_by_arithmetic():
         summed(3) / 2
     assert isinstance(summed(torch.tensor(2.0)), Summed)
     assert reduce_metrics({"a": summed(3), "b": 0.5}) == {"a": 3, "b": 0.5}
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    """A run that logged steps 0-4 and died, resumed from its step-2 checkpoint, logs steps 2-3
+    again: TensorBoard shows each step once, with the resumed run's values (it showed both)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from config import read_config
+    from metrics import Logger
+
+    for first_step, steps, offset in ((0, range(5), 0.0), (2, range(2, 4), 10.0)):
+        logger = Logger(str(tmp_path), read_config(), first_step=first_step)
+        for step in steps:
+            logger.log(step, {"x": offset + step}, echo=lambda line: None)
+        logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from config import ConfigError
 import update
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
@@ -183,17 +184,32 @@ def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
     )
 
 
-def test_checkpoint_is_written_atomically(engine, tmp_path):
+def test_checkpoint_is_written_atomically(engine, tmp_path, monkeypatch):
     """latest() ignores a half-written (.tmp) checkpoint and finds the complete folder, which
-    holds every file; one rank saving alone is not warned about (it is the intent)."""
+    holds every file, each fsynced before the rename (and the rename after it: durable through a
+    power loss); one rank saving alone is not warned about (it is the intent). The streaks that
+    stop a run resume where they were (they restarted at 0), and a run that is not a --resume
+    refuses a run directory holding checkpoints (a later --resume would take the newest,
+    whichever run wrote it)."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
     run = train.setup(cfg, engine=engine)
     (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
+    run.trainer.bad_steps, run.gap_watch.over = 2, 1
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         path = checkpoint.save(str(tmp_path), 1, run)
+    monkeypatch.setattr(os, "fsync", fsync)
     assert not [w for w in shown if "torch.distributed is disabled" in str(w.message)]
     assert checkpoint.latest(str(tmp_path)) == path  # half-written dirs are never picked up
+    written = [os.path.join(root, name) for root, names, files in os.walk(path) for name in files]
+    assert {p.replace(path, path + ".tmp") for p in written} <= set(synced)
+    assert synced[-1] == os.path.dirname(path)  # the folder holding the renamed checkpoint
+    resumed = train.setup(cfg, resume=True, engine=engine)
+    assert (resumed.trainer.bad_steps, resumed.gap_watch.over) == (2, 1)
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
+        train.setup(cfg, engine=engine)
     assert sorted(os.listdir(path)) == sorted(
         [
             "config.json",
