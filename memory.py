@@ -67,6 +67,7 @@ class Ledger:
     @classmethod
     def measure(cls, policy, optimizer, kv_cache_tokens, engine_dtype, reference=None):
         params = list(policy.parameters())
+        trained = [p for p in params if p.requires_grad]  # LoRA: the adapters (+ lora_also_train)
         element = torch.empty((), dtype=engine_dtype).element_size()
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         config = policy.config
@@ -82,8 +83,8 @@ class Ledger:
             kv_cache=kv_cache_tokens * kv_per_token,
             trainer_params=tensor_bytes(params),
             # allocated by backward, freed by zero_grad(None)
-            trainer_grads=tensor_bytes(params),
-            optimizer_state=tensor_bytes(state) if state else 2 * tensor_bytes(params),
+            trainer_grads=tensor_bytes(trained),
+            optimizer_state=tensor_bytes(state) if state else 2 * tensor_bytes(trained),
             reference_params=tensor_bytes(reference.parameters()) if reference is not None else 0,
         )
 

@@ -208,6 +208,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # bucket
         "sync": parts[trainer_params] + weights_engine + parts["weight-sync bucket"] + contexts,
     }
+    if cfg.memory.mode == "all_at_once":  # the sync wakes the KV cache with the weights
+        # (memory.MemoryPhases.to_sync wakes every tag), before the trainer's weights leave
+        phases["sync"] += kv_cache + parts["engine CUDA graphs"]
     if cfg.memory.mode == "off":  # nothing released: everything at once
         phases = {name: sum(parts.values()) for name in phases}
     return parts, phases

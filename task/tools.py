@@ -105,10 +105,11 @@ def _eval(node: ast.AST) -> int | float:
 
 
 def _format(value: int | float) -> str:
-    # Integral floats print as ints ("7/1" -> "7"); others with 12 significant digits, which hides
-    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would
-    # zero.
-    if isinstance(value, float) and value.is_integer() and abs(value) < MAX_OPERAND:
+    # Integral floats print as ints ("7/1" -> "7"), every digit up to 2**53, below which a float
+    # holds each integer exactly ("1e15+1" read "1e+15"); others with 12 significant digits, which
+    # hides binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to
+    # decimals would zero.
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
     return str(value) if isinstance(value, int) else format(value, ".12g")
 

@@ -57,6 +57,24 @@ def test_gradient_checkpointing_lowers_the_train_estimate():
     assert train_bytes(True) < train_bytes(False)
 
 
+def test_all_at_once_counts_the_kv_cache_it_wakes_during_the_sync():
+    """memory.mode=all_at_once wakes the KV cache (and CUDA graphs) with the engine's weights, while
+    the trainer's weights are still on the card: its sync phase holds them on top of staged's (it
+    was estimated as staged's, the KV cache left out)."""
+    from assemble import load_config
+    from runtime.estimate import H100_80GB_GIB, estimate
+
+    def sync_phase(mode):
+        sets = ["data.train_path=unused", f"memory.mode={mode}"]
+        cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
+        parts, phases = estimate(cfg, 8, H100_80GB_GIB * 2**30)
+        return phases["sync"], parts["engine KV cache"] + parts["engine CUDA graphs"]
+
+    staged, engine_memory = sync_phase("staged")
+    all_at_once, _ = sync_phase("all_at_once")
+    assert engine_memory > 10 * 2**30 and all_at_once == staged + engine_memory
+
+
 def test_the_top_p_term_counts_the_kept_top_k_of_every_token_with_the_losss_constants():
     """The estimate's copies of loss.py's constants (runtime/ imports no stage) are loss.py's, and
     with top_p < 1 its nucleus term grows by each token's kept top-k (loss.keep_nucleus_search:

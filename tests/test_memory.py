@@ -132,6 +132,21 @@ def test_illegal_transitions_raise_named_errors(run):
     assert phases.phase == "rollout"
 
 
+def test_a_lora_ledger_counts_gradients_and_adamw_state_of_the_adapters_alone(tmp_path):
+    """With LoRA the frozen base has no gradient and no AdamW state: the ledger's (and so the
+    modelled peaks') gradients and optimizer state are the adapters' (they counted the base's)."""
+    import runtime.model as model
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "model.lora_rank=4")
+    policy, _ = model.build_policy(cfg, None)
+    optimizer, _ = model.build_optimizer(policy, cfg.train)
+    ledger = Ledger.measure(policy, optimizer, 0, torch.float32)
+    adapters = sum(p.numel() * 4 for p in policy.parameters() if p.requires_grad)
+    assert adapters < ledger.trainer_params / 4
+    assert (ledger.trainer_grads, ledger.optimizer_state) == (adapters, 2 * adapters)
+
+
 def test_ledger_equals_real_tensor_sizes(run):
     """The ledger's byte counts equal the real sizes: trainer parameters, AdamW state, the
     engine's loaded weights, and the KV pool SGLang reports."""
