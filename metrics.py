@@ -210,16 +210,19 @@ class TokenMeans:
 
 class Logger:
     """TensorBoard writer + one console line per step; writes the resolved config at start.
-    `first_step` is the run's first step (a resumed run's checkpoint step): TensorBoard hides the
-    points an earlier process logged from there on (steps it ran past its last checkpoint, which
-    this process runs again), so every step shows once. The event files keep them."""
+    `first_step` is the run's first step (a resumed run's checkpoint step): the points an earlier
+    process logged from there on (steps it ran past its last checkpoint, which this process runs
+    again) are then hidden, so every step shows once. The event files keep them."""
 
     def __init__(self, out_dir, config, first_step=0):
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
             f.write(config_yaml(config))
-        # a SessionLog.START event at first_step, which TensorBoard's EventAccumulator reads as a
-        # restart: it drops the points at that step or later read before it (_Purge)
+        # a SessionLog.START event at first_step, which TensorBoard's Python loader
+        # (EventAccumulator: extras/plot.py, the benches) reads as a restart, dropping every point
+        # at that step or later read before it (_Purge). RustBoard, the `tensorboard` command's
+        # reader, ignores it but drops a tag's points from a step on when that step comes again
+        # (its reservoir's preemption): the tags the resumed run logs again show once either way
         self.writer = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=first_step)
 
     def log(self, step, scalars, echo=print, texts=None):

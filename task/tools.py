@@ -91,7 +91,10 @@ def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant):
         if type(node.value) not in (int, float):  # type(), not isinstance: bool is an int subclass
             raise CalcError(f"unsupported constant of type {type(node.value).__name__}")
-        return _bounded(node.value, MAX_OPERAND, "operand")
+        value = _bounded(node.value, MAX_OPERAND, "operand")
+        # an integral literal (1e15, 3.0) computes as the int it is: exact where a float result
+        # past 1e15 would print rounded ("1e15+1" read "1e+15")
+        return int(value) if isinstance(value, float) and value.is_integer() else value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
@@ -105,11 +108,10 @@ def _eval(node: ast.AST) -> int | float:
 
 
 def _format(value: int | float) -> str:
-    # Integral floats print as ints ("7/1" -> "7"), every digit up to 2**53, below which a float
-    # holds each integer exactly ("1e15+1" read "1e+15"); others with 12 significant digits, which
-    # hides binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to
-    # decimals would zero.
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+    # Integral floats print as ints ("7/1" -> "7"); others with 12 significant digits, which hides
+    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would
+    # zero.
+    if isinstance(value, float) and value.is_integer() and abs(value) < MAX_OPERAND:
         value = int(value)
     return str(value) if isinstance(value, int) else format(value, ".12g")
 

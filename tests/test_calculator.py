@@ -29,8 +29,9 @@ from task.tools import CalcError, _eval, calculator
         ("2**0.5", "1.41421356237"),
         ("1e-7", "1e-07"),  # small values are kept, not rounded to 0
         (" 10 ** 15 ", "1000000000000000"),
-        ("1e15+1", "1000000000000001"),  # every digit of an integral float below 2**53
-        ("2**52+0.5*2", "4503599627370497"),
+        ("1e15+1", "1000000000000001"),  # an integral literal computes as an int: exact
+        ("71e13*8.2", "5.822e+15"),  # a float result past 1e15: its binary noise still hidden
+        ("12e12/11e-3", "1.09090909091e+15"),
         ("-(2*(3+4))", "-14"),
     ],
 )

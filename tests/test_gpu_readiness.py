@@ -15,11 +15,11 @@ import tempfile
 
 import pytest
 import torch
-import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoTokenizer
 from torch.multiprocessing import reductions
 
+from config import load_yaml
 import update
 import runtime.checkpoint as checkpoint
 import dist_worker
@@ -311,7 +311,7 @@ def rehearse(config, out, model_dir, *sets, torchrun=0):
         e.tensor_proto.string_val[0].decode() for e in events.Tensors("val/samples/text_summary")
     ]
     with open(os.path.join(out, "config.yaml")) as f:
-        return scalars(out), texts, yaml.safe_load(f)
+        return scalars(out), texts, load_yaml(f)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +410,7 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
     groups and the prompts it launched."""
     background_runs.lines("gsm8k_dapo")
     with open(os.path.join(DAPO_RUN, "run", "config.yaml")) as f:
-        resolved = yaml.safe_load(f)
+        resolved = load_yaml(f)
     r, t = resolved["rollout"], resolved["train"]
     assert (
         r["filter_groups"] and r["partial"] and t["clip_eps_high"] == 0.28 and t["mask_truncated"]

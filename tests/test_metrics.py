@@ -1,6 +1,8 @@
 """Rollout statistics: aborted samples are never averaged in as zeros, except in the 'launched'
 mean."""
 
+import time
+
 import pytest
 import torch
 
@@ -110,6 +112,9 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     from metrics import Logger
 
     for first_step, steps, offset in ((0, range(5), 0.0), (2, range(2, 4), 10.0)):
+        # event files sort by name: the second second, as a resumed process's would be (in one
+        # second, the names' unpadded counter may sort 10 before 9)
+        time.sleep(1.0 if first_step else 0)
         logger = Logger(str(tmp_path), read_config(), first_step=first_step)
         for step in steps:
             logger.log(step, {"x": offset + step}, echo=lambda line: None)
