@@ -98,7 +98,6 @@ class ModelConfig:
     # (FSDP2 shards them with several ranks); the others are read only then
     lora_rank: NonNegativeInt = 0
     lora_alpha: PositiveFloat = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
-    lora_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     # parameters trained in full beside the adapters, by a part of their name (peft's
     # modules_to_save): ["norm"] trains every RMSNorm's weight, which a random base needs to sharpen
     # its logits (configs/tiny_lora.yaml)
@@ -412,9 +411,12 @@ def numbers(config, prefix=""):
                 yield f"{key}.{entry}", number, Range()
 
 
-RENAMED = {
-    "model.dtype": "model.compute_dtype (trainer) and model.engine_dtype (engine); the trainer's "
-    "parameters are always float32"
+RETIRED = {  # keys a config may still hold, each with what became of it
+    "model.dtype": "was replaced by model.compute_dtype (trainer) and model.engine_dtype "
+    "(engine); the trainer's parameters are always float32",
+    "model.lora_dropout": "was removed: dropout makes the trainer's forward another model than "
+    "the engine's (which has none), so pi_old, the ratio and the engine-vs-trainer log-prob gap "
+    "would measure its noise (a resumed run failed the gap check at once)",
 }
 
 
@@ -470,8 +472,8 @@ def apply(config, overrides, prefix=""):
             where = prefix.rstrip(".") or "config"
             raise ConfigError(f"{where}: key {shown(key)} is not a name; quote it")
         name = f"{prefix}{key[:100]}"
-        if name in RENAMED:
-            raise ConfigError(f"config key {name!r} was replaced by {RENAMED[name]}")
+        if name in RETIRED:
+            raise ConfigError(f"config key {name!r} {RETIRED[name]}")
         if key not in hints:
             close = difflib.get_close_matches(key, hints, n=1)
             hint = f"did you mean {prefix + close[0]!r}? " if close else ""

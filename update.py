@@ -24,7 +24,6 @@ from config import ConfigError
 from metrics import TokenMeans, masked_mean, ratio, summed
 import runtime.parallel as parallel
 from runtime.model import build_optimizer
-import runtime.seeds as seeds
 from sample import Sample
 
 log = logging.getLogger("update")
@@ -133,9 +132,6 @@ def update_policy(trainer, sequences, step):
     combined batch, in every loss mode. Minibatch i is every rank's i-th slice of its own
     sequences. Raises NonFiniteError after `train.max_bad_updates` skipped steps in a row."""
     t = trainer.cfg.train
-    # the update's randomness (LoRA dropout's masks) drawn from the run seed, the step and the
-    # rank: a resumed run draws the same on any device, with no RNG state in its checkpoints
-    torch.manual_seed(seeds.derive(t.seed, "update", step, parallel.rank()))
     minibatches, over_budget = make_minibatches(sequences, t, trainer.pad_id, trainer.device)
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = mask_stale_tokens(every_mb, step, t.max_token_staleness)

@@ -544,9 +544,7 @@ def shape_main(args):
                 module.__dict__.pop("forward", None)
             if adapters:  # after the line above: an adapted layer's forward is its own too
                 m = cfg.model
-                lora.add_adapters(
-                    policy, m.lora_rank, m.lora_alpha, m.lora_dropout, m.lora_targets, dtype
-                )
+                lora.add_adapters(policy, m.lora_rank, m.lora_alpha, m.lora_targets, dtype)
             if compiled:
                 model.compile_layers(policy)
             policy.set_attn_implementation(cfg.model.attn_implementation)

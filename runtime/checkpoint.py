@@ -118,7 +118,8 @@ def merged_export(folder, cfg, chars):
     """The HF folder holding checkpoint `folder`'s model as one set of weights (what the engine,
     eval and `from_pretrained` load): the checkpoint itself, or for a LoRA run its merged export,
     built once on the CPU (the base from model.path, the checkpoint's adapters and what trained in
-    full, W + scale x B A) and kept beside them as folder/merged."""
+    full, W + scale x B A, each merged weight in the base's dtype: bf16 with bf16 compute, as the
+    engine serves it) and kept beside them as folder/merged."""
     if not cfg.model.lora_rank:
         return folder
     out = os.path.join(folder, MERGED)
@@ -160,7 +161,7 @@ MODEL_SHAPE = (
 )
 
 # with LoRA, which weights the checkpoint's adapters (and those trained in full) are, and how the
-# adapters' update is scaled: a resume cannot change them either (lora_dropout it can)
+# adapters' update is scaled: a resume cannot change them either
 LORA_SHAPE = ("lora_rank", "lora_alpha", "lora_targets", "lora_also_train")
 
 
@@ -263,7 +264,8 @@ def read_trainer_state(folder):
 def restore(folder, state, trainer, t):
     """Model and optimizer shards (resharded to this world size), scheduler and the skipped-update
     streak; then the optimizer settings of `t` (train config) replace the checkpoint's. (No RNG
-    state: each step seeds its own, rollout.rollout_seed and update.update_policy.)"""
+    state: each rollout seeds its requests, rollout.rollout_seed, and the update draws nothing at
+    random.)"""
     try:
         parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
     except CheckpointException as e:  # a BaseException: what check_resume cannot see (a flipped

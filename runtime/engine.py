@@ -542,6 +542,9 @@ def engine_device_args(on_gpu, gpu_id, lora):
             max_lora_rank=lora["rank"],
             lora_target_modules=list(lora["targets"]),
             max_loras_per_batch=2,
+            # an adapter weight that matches no module of the pool is an error, not a warning
+            # (sglang/srt/lora/mem_pool.py): the engine would serve the base for it
+            lora_strict_loading=True,
         )
         if not on_gpu:  # the GPU backends' kernels need CUDA (pinning: cpu_compat/sitecustomize.py)
             device_args["lora_backend"] = "torch_native"

@@ -74,9 +74,23 @@ def also_trained(parts, embedding, tied, layers, hidden, sides):
     if not tied:
         names["lm_head.weight"] = embedding
     layer = {"input_layernorm.weight": hidden, "post_attention_layernorm.weight": hidden}
-    layer |= {f"{t}.weight": a * b for t, (a, b) in sides.items()}
+    for projection, (fan_in, fan_out) in sides.items():
+        block = "mlp" if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        layer[f"{block}.{projection}.weight"] = fan_in * fan_out
+        if projection in ("q_proj", "k_proj", "v_proj"):
+            layer[f"{block}.{projection}.bias"] = fan_out
     names |= {f"model.layers.0.{name}": layers * count for name, count in layer.items()}
     return sum(count for name, count in names.items() if any(part in name for part in parts))
+
+
+def reference_bytes(kl_coef, lora_rank, also, params, compute, adapters):
+    """Bytes of the KL reference (model.build_reference) before sharding: none without a KL; a
+    full-weight run's, an fp32 copy; a LoRA run's, nothing (the policy with its adapters off)
+    unless model.lora_also_train moves the base, then a second adapted model (its base in the
+    compute dtype, its adapters and also-trained weights fp32)."""
+    if kl_coef == 0 or (lora_rank and not also):
+        return 0
+    return (params - also) * compute + (also + adapters) * 4 if lora_rank else params * 4
 
 
 def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
@@ -85,8 +99,14 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
     `auto` sized by `auto_budget`)."""
     hidden, inter, layers, heads, kv_heads, vocab, tied = shape or model_shape(cfg.model.path)
     head_dim = hidden // heads
+    # q/o, k/v (and q, k, v's biases), the MLP's three, two norms
     per_layer = (
-        2 * hidden * hidden + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+        2 * hidden * hidden
+        + 2 * hidden * kv_heads * head_dim
+        + hidden
+        + 2 * kv_heads * head_dim
+        + 3 * hidden * inter
+        + 2 * hidden
     )
     embedding = vocab * hidden  # the largest tensor; Qwen2.5 <= 3B ties it to the output head
     params = embedding * (1 if tied else 2) + layers * per_layer + hidden
@@ -147,7 +167,8 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # (LoRA: the embedding has one only where model.lora_also_train trains it)
         "root gradient, unsharded fp32 (reduce-scatter)": (
             embedding * 4
-            if sharded and (not lora_rank or "embed_tokens" in m.lora_also_train)
+            if sharded
+            and (not lora_rank or any(p in "model.embed_tokens.weight" for p in m.lora_also_train))
             else 0
         ),
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
@@ -160,10 +181,11 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # log-probs, their exp, a product), and the head's fp32 hidden states
         "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
         # train.kl_coef > 0: the frozen reference, built like the policy (fp32, sharded like it),
-        # stays on the GPU through the update
-        # (LoRA: the policy with its adapters off, nothing more)
+        # stays on the GPU through the update (LoRA: the policy with its adapters off, nothing
+        # more; but with model.lora_also_train, whose weights move, a second adapted model:
+        # model.build_reference)
         "KL reference (fp32, sharded)": (
-            params * 4 / ranks if t.kl_coef > 0 and not lora_rank else 0
+            reference_bytes(t.kl_coef, lora_rank, also, params, compute, adapters) / ranks
         ),
         # top_p < 1 (loss.nucleus_edge, loss.outside_nucleus), eager, per chunk: the search's fp32
         # copy, the masked logits (fp32), the drop mask, and for rows whose top k hold too little

@@ -1,8 +1,8 @@
 """LoRA: the policy as a frozen base plus trainable low-rank adapters (model.lora_rank > 0).
 
 Each linear layer named in model.lora_targets keeps its weight W, frozen, and gains two trainable
-matrices, A [r, in] and B [out, r], so it computes x W^T + scale * dropout(x) A^T B^T with scale =
-alpha / r (Hu et al. 2021). B starts at zero, so the adapted model starts as the base. Only the
+matrices, A [r, in] and B [out, r], so it computes x W^T + scale * x A^T B^T with scale =
+alpha / r (Hu et al. 2021), without dropout (config.RETIRED says why). B starts at zero, so the adapted model starts as the base. Only the
 adapters train (and what model.lora_also_train names, in full): AdamW keeps state for them alone,
 and the base sits in the compute dtype (no fp32 master of a weight that never changes). Written by
 hand rather than with peft: the whole feature is `add_adapters` and one forward, the parameter
@@ -31,7 +31,7 @@ def adapted(model):
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
 
 
-def add_adapters(model, rank, alpha, dropout, targets, base_dtype, also_train=()):
+def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
     """Give each nn.Linear whose name ends in one of `targets` a rank-`rank` adapter (A random as
     nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
     hold it in `base_dtype`, except those whose name holds a part of `also_train` (trained in full,
@@ -53,7 +53,6 @@ def add_adapters(model, rank, alpha, dropout, targets, base_dtype, also_train=()
             torch.zeros(module.out_features, rank, device=weight.device, dtype=torch.float32)
         )
         module.lora_scale = alpha / rank
-        module.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
         module.lora_on = True
         module.forward = _forward.__get__(module)  # this instance only: nn.Linear is untouched
         names.append(name)
@@ -85,7 +84,7 @@ def _forward(self, x):
     out = F.linear(x, self.weight, self.bias)
     if not self.lora_on:
         return out
-    update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+    update = F.linear(F.linear(x, self.lora_A), self.lora_B)
     return out + update * self.lora_scale
 
 
@@ -147,7 +146,7 @@ def adapter_config(model):
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": first.lora_scale * rank,
-        "lora_dropout": 0.0,  # the engine samples: no dropout there
+        "lora_dropout": 0.0,  # none in training either (config.RETIRED says why)
         "bias": "none",
         "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
     }

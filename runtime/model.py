@@ -67,7 +67,6 @@ READ_WHEN = {
         key: (lambda cfg: cfg.model.lora_rank > 0, "with model.lora_rank > 0")
         for key in (
             "model.lora_alpha",
-            "model.lora_dropout",
             "model.lora_targets",
             "model.lora_also_train",
         )
@@ -100,6 +99,15 @@ def check(cfg):
         raise ConfigError(
             f"model.lora_targets: {outside} are not adapted (the decoder layers' are)"
         )
+    missing = missing_lora_targets(m.lora_targets) if m.lora_rank else []
+    if missing:
+        raise ConfigError(
+            f"model.lora_targets={m.lora_targets}: add {missing}. SGLang serves q, k and v as one "
+            "qkv_proj adapter made from q_proj's and v_proj's (k_proj's zero if absent), and "
+            "gate_up_proj from gate_proj's (up_proj's zero if absent): without them it skips or "
+            "refuses the others (sglang/srt/lora/lora.py, normalize_qkv_proj, "
+            "normalize_gate_up_proj), and the engine would sample without what trains"
+        )
     # the tiny model's heads split hidden_size evenly, each an even width for rotary embeddings
     # (RoPE rotates pairs of dimensions); otherwise the engine's process dies at its first forward
     if m.path == "tiny" and (m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2):
@@ -107,6 +115,16 @@ def check(cfg):
             f"model.num_heads={m.num_heads} with model.hidden_size={m.hidden_size}: each head "
             "needs an even width, hidden_size / num_heads (for instance num_heads=4 with 64)"
         )
+
+
+def missing_lora_targets(targets):
+    """The projections SGLang's LoRA pool needs beside `targets` to serve them (model.check)."""
+    missing = set()
+    if {"q_proj", "k_proj", "v_proj"} & set(targets):
+        missing |= {"q_proj", "v_proj"} - set(targets)
+    if "up_proj" in targets:
+        missing |= {"gate_proj"} - set(targets)
+    return sorted(missing)
 
 
 class ModelError(RuntimeError):
@@ -174,7 +192,6 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
                 model,
                 m.lora_rank,
                 m.lora_alpha,
-                m.lora_dropout,
                 m.lora_targets,
                 base_dtype,
                 m.lora_also_train,

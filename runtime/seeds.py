@@ -16,8 +16,8 @@ def derive(run_seed, *path):
     the tiny tasks' prompt sets (task/data.py); ("stream", epoch) the training prompts' shuffle
     (task/data.PromptStream); ("engine", start step, rank) the engine's own random seed
     (assemble.start_engine); ("rollout", step, purpose) one rollout (rollout.rollout_seed), and
-    under it ("request", index, turn) each request's sampling_seed (inflight.request_seed);
-    ("update", step, rank) torch's RNG in one step's update (update.update_policy)."""
+    under it ("request", index, turn) each request's sampling_seed (inflight.request_seed). The
+    update draws nothing at random (tests/test_lora.py): a checkpoint needs no RNG state."""
     text = ":".join(str(part) for part in (run_seed, *path))
     digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") >> 1

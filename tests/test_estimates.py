@@ -185,16 +185,34 @@ def test_lora_fits_a_7b_policy_on_one_80_gb_card_where_full_training_does_not():
 def test_the_lora_estimate_counts_what_trains_in_full_too():
     """The estimate's trained parameters (its AdamW state / 8) are those the LoRA policy trains:
     the adapters and what model.lora_also_train trains in full (configs/tiny_lora.yaml: the norms
-    and the embedding, 16 bytes each with gradients and AdamW state, not the base's 2-4)."""
+    and the embedding, 16 bytes each with gradients and AdamW state, not the base's 2-4), by any
+    part of a name (`self_attn`, `mlp`, `bias`, `embed` counted 0: the estimate's names lacked the
+    blocks). With a KL, a reference that is a second adapted model (the base moves) is counted
+    byte for byte; with two ranks, the embedding's root gradient wherever a part names it."""
     import runtime.model as model
     from assemble import load_config
     from runtime.estimate import estimate, shape_of
 
-    for also in ("[norm,embed_tokens]", "[norm]", "[]"):
-        cfg = load_config(
-            os.path.join(REPO, "configs/tiny_lora.yaml"), [f"model.lora_also_train={also}"]
-        )
+    for also in (
+        "[norm,embed_tokens]",
+        "[norm]",
+        "[]",
+        "[self_attn]",
+        "[mlp]",
+        "[bias]",
+        "[embed]",
+    ):
+        sets = [f"model.lora_also_train={also}", "train.kl_coef=0.1"]
+        cfg = load_config(os.path.join(REPO, "configs/tiny_lora.yaml"), sets)
         policy, _ = model.build_policy(cfg, None)
-        parts, _ = estimate(cfg, 1, 80 * 2**30, shape=shape_of(policy.config), budget=1024)
+        shape = shape_of(policy.config)
+        parts, _ = estimate(cfg, 1, 80 * 2**30, shape=shape, budget=1024)
         trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
         assert parts["AdamW state (fp32, sharded)"] / 8 == trained, also
+        reference = model.build_reference(cfg, policy)
+        own = [p for p in reference.parameters()] if also != "[]" else []  # [] : lora.Base
+        real = sum(p.numel() * p.element_size() for p in own)
+        assert parts["KL reference (fp32, sharded)"] == real, also
+        parts, _ = estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)
+        embedding_trains = policy.get_input_embeddings().weight.requires_grad
+        assert bool(parts["root gradient, unsharded fp32 (reduce-scatter)"]) == embedding_trains

@@ -117,6 +117,7 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
         (["train.tis_cap=0.5"], "train.tis_cap=0.5"),
         (["data.task=gsm8k"], "needs data.train_path"),
         (["model.dtype=bfloat16"], "was replaced by"),
+        (["model.lora_dropout=0.05"], "lora_dropout' was removed: dropout makes"),
         (
             ["train.ratio_level=sequence"],
             "it needs train.loss_agg=seq-mean-token-mean, not 'token-mean'",

@@ -65,6 +65,21 @@ def one_update(tmp_path, sets, source=None, monkeypatch=None):
     return update_with_gradients(trainer, *random_samples(3))
 
 
+@pytest.mark.parametrize("lora", [[], ["model.lora_rank=4", "train.num_minibatches=2"]])
+@pytest.mark.parametrize("extra", EXTRAS)
+def test_an_update_draws_nothing_at_random(tmp_path, extra, lora):
+    """Checkpoints hold no RNG state (runtime/checkpoint.py): an update leaves torch's global RNG
+    as it found it, so a resumed run's updates are the uninterrupted run's on any device and rank
+    (LoRA dropout drew from it: config.RETIRED)."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", *PATHS["packed"], *EXTRAS[extra], *lora)
+    policy = model.build_policy(cfg, None)[0]
+    reference = model.build_reference(cfg, policy)
+    trainer = setup_run.trainer_only(cfg, policy, reference=reference)
+    before = torch.get_rng_state()
+    train_on(trainer, *random_samples(3))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("extra", EXTRAS)
 @pytest.mark.parametrize("path", PATHS)
 def test_pi_old_from_the_update_forward_equals_a_forward_of_its_own(
