@@ -2,9 +2,10 @@
 
 Each linear layer named in model.lora_targets keeps its weight W, frozen, and gains two trainable
 matrices, A [r, in] and B [out, r], so it computes x W^T + scale * x A^T B^T with scale =
-alpha / r (Hu et al. 2021), without dropout (config.RETIRED says why). B starts at zero, so the adapted model starts as the base. Only the
-adapters train (and what model.lora_also_train names, in full): AdamW keeps state for them alone,
-and the base sits in the compute dtype (no fp32 master of a weight that never changes). Written by
+alpha / r (Hu et al. 2021), without dropout (config.RETIRED says why). B starts at zero, so the
+adapted model starts as the base. Only the adapters train (and what model.lora_also_train names,
+in full): AdamW keeps state for them alone, and the base sits in the compute dtype (no fp32
+master of a weight that never changes). Written by
 hand rather than with peft: the whole feature is `add_adapters` and one forward, the parameter
 names of the base do not change (checkpoints, the weight sync and the engine read them as before),
 and `adapters_off` gives the KL reference without a second model.
