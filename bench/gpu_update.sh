@@ -6,7 +6,7 @@
 # Run from the repo root on a machine with torch >= 2.6 and transformers >= 4.56 (no SGLang
 # needed); logs go to $OUT. SHAPES=tiny ATTENTION=sdpa runs every line at the tiny shape (the dry
 # run on a CPU).
-set -u
+set -u -o pipefail  # a timed-out or failed bench shows its status, not grep's or tee's
 OUT=${OUT:-runs/gpu-update}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -16,10 +16,12 @@ bench() {  # seconds, log name, then train_step.py's arguments
     local seconds=$1 log=$2
     shift 2
     timeout "$seconds" python3 bench/train_step.py --repeats 1 "$@" 2>&1 \
-        | grep -v -e Warning -e warn | tee "$OUT/$log.log"
+        | grep -v -e Warning -e 'warnings.warn' | tee "$OUT/$log.log"
+    local status=${PIPESTATUS[0]}
+    [ "$status" = 0 ] || echo "bench: $log ended with status $status (124: past its ${seconds} s)"
 }
 tiny=${SHAPES:-}
-bench "${SECONDS_1_5B:-280}" shape-1.5b --shape "${tiny:-qwen2.5-1.5b}" --fsdp --profile \
+bench "${SECONDS_1_5B:-320}" shape-1.5b --shape "${tiny:-qwen2.5-1.5b}" --fsdp --profile \
     --arms "now-${ATTENTION:-flex_attention},top_p-peaked,fsdp"
 bench "${SECONDS_7B:-130}" lora-7b --shape "${tiny:-qwen2.5-7b}" --lora 64 --arms lora
 bench "${SECONDS_3B:-90}" shape-3b --shape "${tiny:-qwen2.5-3b}" --top-p 1 --fsdp \

@@ -2,8 +2,9 @@
 (`set_requires_gradient_sync(False)` on all but the last micro-batch), 2 ranks on CPU (gloo).
 
 Each rank runs one full update (update.update_policy: old log-probs, then the minibatch) on its
-own GSM8K-like samples (bench/train_step.py's mix and Qwen2-shaped model, one rank's share of
-configs/gsm8k.yaml, packed under its 4,096-token budget), the arms alternated, medians of
+own GSM8K-like samples (bench/train_step.py's mix and Qwen2-shaped model; `--samples`, 32 by
+default, half of one rank's share of configs/gsm8k.yaml, to keep 2 CPU ranks quick; packed under
+a 4,096-token budget), the arms alternated, medians of
 `--repeats`. The "minibatch" arm switches the sync off before every grad-enabled forward but the
 minibatch's last (a forward pre-hook: the flag is read when the backward reduces), so the gradients
 accumulate unsharded and are reduce-scattered once. Both arms must end at the same parameters

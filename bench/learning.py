@@ -5,7 +5,8 @@ and at equal wall-clock time, median step / rollout time, and the share of zero-
 over training.
 
 Each run is `python train.py --config configs/tiny.yaml` in a subprocess (its own engine, exactly
-what a user runs), the arms of a seed back to back so machine drift hits them alike. A script, not a
+what a user runs), the arms of a seed back to back, their order rotated from seed to seed, so
+machine drift hits them alike. A script, not a
 test: 200 steps take ~7-8 minutes a run on 2 CPU cores. Run from the repo root:
 
     python bench/learning.py --seeds 0,1,2 --arms baseline,partial,drop
@@ -138,9 +139,9 @@ def main():
 
     rows = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="bench-learning-") as tmp:
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             logged = {}
-            for arm in arms:
+            for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:  # rotated: none always first
                 logged[arm] = train_once(
                     arm,
                     seed,

@@ -15,7 +15,8 @@ width^2 in attention's dense mask: both are then bounded alike). The packed arm 
 padding positions, and an output head that runs only where a response token is predicted
 (`head_positions`). This small model spends most of its compute in the head (32,000 x 256 against 4
 layers of 256), a real one much less (Qwen2.5-1.5B: about 15%), so on a GPU the second gain is
-smaller. Times: medians of `--repeats` alternated pairs (the arms take turns going first). Peak
+smaller. Times: medians of `--repeats` alternated pairs (the arms take turns going first), after a
+warm-up update of each arm (a compiled head's first call is not timed). Peak
 memory: the most bytes held in live tensors at once during one update (less what was held before
 it), from the profiler's count of every CPU tensor allocation and free
 (`torch.profiler.profile(profile_memory=True)`): exact and the same on every run, unlike the
@@ -32,24 +33,31 @@ mixes).
 model's shape, on a GPU where there is one: the model built from the public config's numbers with
 random weights (no download) and its real vocabulary, fp32 masters with bf16 compute and one
 rank's GSM8K-shaped batch (`gsm8k_samples`) at configs/gsm8k.yaml's budget, as that config trains.
-Three arms on the same samples: padded rows (sdpa), packed rows with sdpa's dense block-diagonal
-mask, packed rows with FlexAttention's block mask (GPU only: it has no backward on CPU). Each prints
-train tokens/s (real tokens of one full update, old log-probs included, over its median time), MFU
-(6 x matmul parameters x those tokens / time / the card's dense bf16 peak, named on the line; the
-old log-probs' forward, 2 more x parameters per token, is not counted) and the update's peak memory
-(`torch.cuda.max_memory_allocated`; on CPU the profiler's tensor bytes plus the state held before)
-beside bench/estimate_memory.py's train phase for the same config on one rank, less the CUDA
-contexts it adds (the allocator never sees them). On a GPU it first checks that one update of a
-small fp32 model with FlexAttention's packed rows gives the padded update's gradients (`parity`;
-on CPU, packed sdpa's).
+The arms (`shape_arms`; `--arms` picks some, in order), each on the same samples after
+`--warmups` untimed updates: `baseline` (the update before issue 42: 4,096-token micro-batches,
+eager, pi_old from a forward of its own), `now-<attention>` (the config as shipped, with sdpa and,
+on a GPU, FlexAttention), `top_p` and `top_p-peaked` (top_p 0.9 on random and on peaked logits:
+PEAKED_NORM; each times top_p 1 too on the same model, the two in turns, and prints their ratio,
+`top_p_ratio`), `lora` (`--lora R`), `fsdp` and `fsdp-eager` (`--fsdp`: FSDP2 on one rank, what
+each of N ranks computes). Each prints train tokens/s (the real tokens of its timed updates over
+their total time; `update_s`: their mean), `mfu` by the issue's 6N convention (6 x matmul
+parameters x those tokens / time / the card's dense bf16 peak, named on the line; the output head
+counted at every token, as the anchors are; neither attention's own FLOPs nor a baseline's pi_old
+forward counted), `mfu_run` (the same with the head counted only where it ran, at
+`head_positions`: lower, by the prompts' share of the head's FLOPs), recompiles after the warm-up,
+and the update's peak memory (`torch.cuda.max_memory_allocated`; nan on CPU, where nothing
+measures it) beside bench/estimate_memory.py's train phase for the same config on one rank
+(sharded for the FSDP2 arms), less the CUDA contexts it adds (the allocator never sees them). On
+a GPU it first checks that one update of a small fp32 model with FlexAttention's packed rows gives
+the padded update's gradients (`parity`; on CPU, packed sdpa's).
 `--lora R` adds an arm training rank-R adapters on every projection of a bf16 base
 (runtime/lora.py), its peak beside the estimate for model.lora_rank=R; its MFU counts 4 x
 parameters per token, as a frozen weight gets no gradient. For Qwen2.5-7B on one 80 GB card,
 where full fine-tuning does not fit: `--shape qwen2.5-7b --lora 64 --arms lora`.
 It imports nothing from SGLang: `python bench/train_step.py --shape qwen2.5-1.5b` runs where torch
 (>= 2.6) and transformers (>= 4.56) are installed. The last line: train_step_gpu: device=<name>
-shape=<s> padded_tok_s=<f> packed_tok_s=<f> mfu=<f> peak_gib=<f> estimate_gib=<f> (packed: the
-attention configs/gsm8k.yaml ships where it can train, sdpa on CPU).
+shape=<s> best=<the now- arm of highest mfu> baseline_mfu=<f> mfu=<f> fsdp_mfu=<f> tok_s=<f>
+peak_gib=<f> estimate_gib=<f> (nan for an arm not run); before it, each top_p arm's ratio.
 """
 
 import argparse
@@ -160,14 +168,11 @@ def policy_for(mix, cfg):
     ).float()
 
 
-def train_on(trainer, samples, advantages, from_engine=False):
+def train_on(trainer, samples, advantages):
     """update.update_policy on `samples` given their advantages (the step writes them on the
-    samples); `from_engine`: pi_old from the engine's log-probs (train.old_logprobs=engine past
-    the process's first step)."""
+    samples)."""
     for sample, advantage in zip(samples, advantages.tolist()):
         sample.advantage = advantage
-    trainer.cfg.train.old_logprobs = "engine" if from_engine else "trainer"
-    trainer.first_step = -1 if from_engine else 0
     return local_values(update_policy(trainer, samples, step=0))
 
 
@@ -301,13 +306,18 @@ def matmul_params(policy):
     return total if tied else total - embedding.numel()
 
 
-def state_bytes(run):
-    """Bytes held by parameters, gradients and optimizer state."""
-    tensors = [p for p in run.policy.parameters()] + [
-        p.grad for p in run.policy.parameters() if p.grad is not None
-    ]
-    tensors += [v for state in run.optimizer.state.values() for v in state.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+def model_flops(policy, adapters, tokens, head_positions, seconds):
+    """(FLOP/s by the 6N convention, FLOP/s of the matmuls that ran) of updates that trained
+    `tokens` in `seconds`. 6N: 6 x matmul_params per trained token (4 with LoRA: a frozen weight
+    gets no gradient), the output head included at every token, as the issue's anchors are
+    counted. What ran: the head only at `head_positions` (the packed head skips prompt positions),
+    the rest at every token. Neither counts attention's own FLOPs nor the old log-probs' forward."""
+    per_token = 4 if adapters else 6
+    total = matmul_params(policy)
+    head = policy.get_output_embeddings().weight.numel()
+    convention = per_token * total * tokens / seconds
+    ran = per_token * ((total - head) * tokens + head * head_positions) / seconds
+    return convention, ran
 
 
 def timed_update(trainer, samples, advantages, device, pi_old=None):
@@ -559,40 +569,64 @@ def shape_main(args):
                     norm.fill_(PEAKED_NORM)
             trainer = setup_run.trainer_only(cfg, policy, device, None if fsdp else autocast)
             budget = cfg.train.max_tokens_per_micro_batch
+            # a top_p arm times top_p 1 too, on the same model, the two in turns (ABBA): their
+            # ratio is then side by side, free of the drift between arms run minutes apart
+            settings = (
+                (cfg.rollout.top_p, 1.0) if name.startswith("top_p") else (cfg.rollout.top_p,)
+            )
             for samples in mixes[: args.warmups]:  # warm-up: compiles, autotunes
-                timed_update(trainer, samples, advantages, device, pi_old)
+                for top_p in settings:
+                    cfg.rollout.top_p = top_p
+                    timed_update(trainer, samples, advantages, device, pi_old)
             graphs = counters["stats"]["unique_graphs"]
-            seconds, tokens = [], []  # per timed update
+            seconds = {top_p: [] for top_p in settings}  # per timed update
+            tokens, heads = [], []  # per timed update: trained tokens, head positions
             peak = ran = 0  # the most bytes held; the largest micro-batch's positions
-            for _ in range(args.repeats):
-                for samples in mixes[args.warmups :]:
+            for turn, samples in enumerate(mixes[args.warmups :] * args.repeats):
+                for top_p in settings if turn % 2 == 0 else settings[::-1]:
+                    cfg.rollout.top_p = top_p
                     elapsed, stats, arm_peak = timed_update(
                         trainer, samples, advantages, device, pi_old
                     )
-                    seconds.append(elapsed)
-                    tokens.append(stats["train/tokens"])
+                    seconds[top_p].append(elapsed)
                     peak = max(peak, arm_peak)
-                    ran = max(ran, largest_micro_batch(samples, budget))
+                tokens.append(stats["train/tokens"])
+                heads.append(stats["train/head_positions"])
+                ran = max(ran, largest_micro_batch(samples, budget))
+            cfg.rollout.top_p = settings[0]
             recompiles = counters["stats"]["unique_graphs"] - graphs
             card_bytes = card or 80 * 2**30
-            estimate = estimate_memory.estimate(cfg, 1, card_bytes, shape, budget=int(ran))
-            estimate = estimate[1]["train"]
-            tok_s = sum(tokens) / sum(seconds)
-            # a frozen weight gets no gradient: 4 FLOPs per parameter and token, not 6
-            mfu = (4 if adapters else 6) * matmul_params(policy) * tok_s / peak_flops
+            estimate = estimate_memory.estimate(
+                cfg, 1, card_bytes, shape, budget=int(ran), sharded=fsdp
+            )[1]["train"]
+            timed = seconds[settings[0]]
+            tok_s = sum(tokens) / sum(timed)
+            mfu, mfu_run = model_flops(policy, adapters, sum(tokens), sum(heads), sum(timed))
+            mfu, mfu_run = mfu / peak_flops, mfu_run / peak_flops
             share, kernels, ops = (
                 gpu_profile(trainer, mixes[-1], advantages, device, pi_old)
                 if device.type == "cuda" and args.profile
                 else (float("nan"), 0, "")
             )
-            figures[name] = (tok_s, mfu, sum(seconds) / len(seconds), peak, estimate - contexts)
+            figures[name] = dict(
+                tok_s=tok_s,
+                mfu=mfu,
+                update_s=sum(timed) / len(timed),
+                peak=peak if device.type == "cuda" else float("nan"),
+                estimate=estimate - contexts,
+                top_p_ratio=sum(timed) / sum(seconds[1.0]) if len(settings) > 1 else None,
+            )
+            paired = figures[name]["top_p_ratio"]
             print(
                 f"train_step_gpu: device={device_name} shape={args.shape} arm={name} "
                 f"attention={cfg.model.attn_implementation} budget={budget} compile={compiled} "
                 f"pi_old={pi_old or update_stage.pi_old_source(trainer, 0)} "
                 f"top_p={cfg.rollout.top_p} "
-                f"tok_s={tok_s:.1f} mfu={mfu:.3f} update_s={figures[name][2]:.3f} "
-                f"peak_gib={peak / 2**30:.3f} estimate_gib={(estimate - contexts) / 2**30:.3f} "
+                f"tok_s={tok_s:.1f} mfu={mfu:.3f} mfu_run={mfu_run:.3f} "
+                f"update_s={figures[name]['update_s']:.3f} "
+                + (f"top_p_ratio={paired:.3f} " if paired else "")
+                + f"peak_gib={figures[name]['peak'] / 2**30:.3f} "
+                f"estimate_gib={(estimate - contexts) / 2**30:.3f} "
                 f"recompiles={recompiles} matmul_share={share:.3f} kernels={kernels} "
                 f"tokens={sum(tokens) // len(tokens)}",
                 flush=True,
@@ -614,21 +648,21 @@ def shape_main(args):
         return
     if not now:
         raise SystemExit("train_step_gpu: no arm of the shipped path ran")
-    best = max(now, key=lambda n: figures[n][1])
-    shipped = f"now-{base.model.attn_implementation}"
+    best = max(now, key=lambda n: figures[n]["mfu"])
     for arm in ("top_p", "top_p-peaked"):
-        if arm in figures and shipped in figures:
+        if arm in figures:
             print(
                 f"{arm}: update time at top_p {args.top_p} / at 1 = "
-                f"{figures[arm][2] / figures[shipped][2]:.3f}"
+                f"{figures[arm]['top_p_ratio']:.3f} (one model, the two in turns)"
             )
-    tok_s, mfu, _, peak, estimate = figures[best]
-    baseline = figures.get("baseline", (0, 0))[1]
-    fsdp = figures.get("fsdp", (0, 0))[1]
+    # an arm not run (or failed) prints nan, never a figure it did not measure
+    baseline, fsdp = (figures.get(arm, {}).get("mfu", float("nan")) for arm in ("baseline", "fsdp"))
+    f = figures[best]
     print(
         f"train_step_gpu: device={device_name} shape={args.shape} best={best} "
-        f"baseline_mfu={baseline:.3f} mfu={mfu:.3f} fsdp_mfu={fsdp:.3f} tok_s={tok_s:.1f} "
-        f"peak_gib={peak / 2**30:.3f} estimate_gib={estimate / 2**30:.3f}"
+        f"baseline_mfu={baseline:.3f} mfu={f['mfu']:.3f} fsdp_mfu={fsdp:.3f} "
+        f"tok_s={f['tok_s']:.1f} peak_gib={f['peak'] / 2**30:.3f} "
+        f"estimate_gib={f['estimate'] / 2**30:.3f}"
     )
 
 
@@ -690,7 +724,8 @@ def main():
         ("gsm8k", gsm8k_samples(args.gsm8k_samples)),
     ):
         seconds, stats = {False: [], True: []}, {}
-        update(mix, samples[:8], packed=True)  # warm-up: first-call costs, not measured
+        for packed in (False, True):  # warm-up, each arm: first calls (a compiled head's graph)
+            update(mix, samples[:8], packed)
         for repeat in range(args.repeats):
             for packed in ((False, True) if repeat % 2 == 0 else (True, False)):
                 elapsed, stats[packed] = update(mix, samples, packed)

@@ -93,10 +93,11 @@ def reference_bytes(kl_coef, lora_rank, also, params, compute, adapters):
     return (params - also) * compute + (also + adapters) * 4 if lora_rank else params * 4
 
 
-def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
+def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     """{component: bytes} per rank, and the three phase totals. `shape`: a KNOWN_SHAPES tuple
     (default: `model.path`'s). `budget`: the micro-batch token budget (default: the config's,
-    `auto` sized by `auto_budget`)."""
+    `auto` sized by `auto_budget`). `sharded`: whether the policy is an FSDP2 shard (default:
+    with several ranks, `sharded_over`; True for FSDP2 on one rank, bench/train_step.py's arm)."""
     hidden, inter, layers, heads, kv_heads, vocab, tied = shape or model_shape(cfg.model.path)
     head_dim = hidden // heads
     # q/o, k/v (and q, k, v's biases), the MLP's three, two norms
@@ -152,7 +153,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None):
         # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less
         # the weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
-    sharded = sharded_over(ranks)
+    sharded = sharded_over(ranks) if sharded is None else sharded
     trainer_params = "trainer params (fp32, sharded)"
     if lora_rank:
         trainer_params = "trainer params (base in compute dtype, fp32 adapters)"

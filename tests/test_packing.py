@@ -354,9 +354,16 @@ def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs)
     assert all(gib > 0 for gib in estimates)
     assert estimates[names.index("lora")] < estimates[names.index("now-sdpa")]  # no fp32 masters
     assert "pi_old=recomputed" in arms[0] and all("pi_old=detached" in line for line in arms[1:])
-    summary = re.fullmatch(
+    # each top_p arm timed against top_p 1 on its own model, in turns; mfu_run (the head only
+    # where it ran) below the 6N convention's
+    assert all(re.search(r" top_p_ratio=[\d.]+ ", line) for line in arms if "arm=top_p" in line)
+    assert all(
+        float(re.search(r"mfu_run=([\d.]+)", line)[1]) < float(re.search(r" mfu=([\d.]+)", line)[1])
+        for line in arms
+    )
+    summary = re.fullmatch(  # no peak measured on CPU: nan
         r"train_step_gpu: device=cpu shape=tiny best=now-sdpa baseline_mfu=[\d.]+ mfu=[\d.]+ "
-        r"fsdp_mfu=[\d.]+ tok_s=[\d.]+ peak_gib=[\d.]+ estimate_gib=[\d.]+",
+        r"fsdp_mfu=[\d.]+ tok_s=[\d.]+ peak_gib=nan estimate_gib=[\d.]+",
         lines[-1],
     )
     assert summary, lines[-1]
