@@ -190,6 +190,13 @@ def overlong_penalty(length, max_length, buffer, factor):
 
 # ---------------------------------------------------------------- the built-in rewards
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# '####' then the number on the same line (spaces, markdown bold or a dollar sign between): the
+# format the prompt asks for (task/gsm8k.py), as verl's strict GSM8K rule reads it. A '####' with
+# no number after it is a markdown heading ("#### Step 2: ..."), not an answer
+_HASH_ANSWER = re.compile(r"####[ \t*$]*(-?\d[\d,]*(?:\.\d+)?)")
+# LaTeX's and typography's thousands separators between a digit and the next group of three:
+# 1\,080, 1{,}080, 1~080, a thin space; and U+2212, the minus sign
+_SEPARATOR = re.compile(r"(?<=\d)(?:\\,|\\!|\{,\}|~|\u2009|\u202f)(?=\d{3}(?!\d))")
 
 
 def positionwise(response_text, target):
@@ -205,19 +212,30 @@ def parse_number(text):
     """'1,234.50' -> Decimal('1234.50'), exact (a float would make 123456789100 equal
     123456789012 under a relative tolerance, and 400-digit numbers inf); None when the text holds
     no number."""
-    match = _NUMBER.search(text.replace("$", ""))
+    match = _NUMBER.search(plain_digits(text).replace("$", ""))
     return decimal.Decimal(match.group().replace(",", "")) if match else None
 
 
+def plain_digits(text):
+    """`text` with its numbers as _NUMBER reads them: a LaTeX or typographic thousands separator
+    a comma (1\\,080 was 1), the minus sign U+2212 a hyphen (\u22127 was 7)."""
+    return _SEPARATOR.sub(",", text.replace("\u2212", "-"))
+
+
 def extract_answer(response_text):
-    """The model's final answer: after the last '####', else in the last \\boxed{}, else the last
-    number."""
-    if "####" in response_text:
-        return parse_number(response_text.rsplit("####", 1)[1])
-    boxed = last_boxed(response_text)
+    """The model's final answer: the number after the last '####' that has one on its line, else
+    in the last \\boxed{} that holds one (a space between digit groups a separator there: 1 080),
+    else the last number."""
+    text = plain_digits(response_text)
+    after_hashes = _HASH_ANSWER.findall(text)
+    if after_hashes:
+        return decimal.Decimal(after_hashes[-1].replace(",", ""))
+    boxed = last_boxed(text)
     if boxed is not None:
-        return parse_number(boxed.replace("{,}", ","))  # LaTeX's thousands separator
-    found = _NUMBER.findall(response_text.replace("$", ""))
+        number = parse_number(re.sub(r"(?<=\d) (?=\d{3}(?!\d))", ",", boxed))
+        if number is not None:
+            return number
+    found = _NUMBER.findall(text.replace("$", ""))
     return decimal.Decimal(found[-1].replace(",", "")) if found else None
 
 

@@ -48,7 +48,7 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
     split) for "val", as chat prompts; the rows' order is the data's (`seed` unused: the prompt
     stream shuffles)."""
     d = cfg.data
-    path = d.train_path if split == "train" else d.val_path or d.train_path
+    path = d.train_path if split == "train" else val_source(d)
     return chat_prompts(
         tokenizer,
         path,
@@ -59,6 +59,22 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
         tools=tool.schemas if tool is not None else None,
         subset=d.hub_subset,
     )
+
+
+def val_source(d):
+    """Where validation reads (`d`: the data section): data.val_path, else train_path, whose
+    "test" split a hub dataset has. A file has none: its own rows, which training samples too, so
+    validation would score what it trains on; said in a warning (the run goes on: a smoke test
+    may want it)."""
+    if d.val_path:
+        return d.val_path
+    if os.path.isfile(d.train_path):
+        log.warning(
+            "data.val_path is empty: validation reads data.train_path=%s itself (a file has no "
+            "test split), the rows training samples from; set data.val_path to held-out rows",
+            d.train_path,
+        )
+    return d.train_path
 
 
 def tool(cfg, tokenizer):

@@ -34,7 +34,7 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
     d = cfg.data
     return read(
         tokenizer,
-        d.train_path if split == "train" else d.val_path or d.train_path,
+        d.train_path if split == "train" else chat.val_source(d),
         "train" if split == "train" else "test",
         d.max_prompt_len,
         tool.schemas if tool is not None else None,

@@ -190,6 +190,20 @@ def qwen_tool_tokenizer():
     return tokenizer
 
 
+def test_validation_on_the_training_file_itself_is_said(caplog):
+    """With data.val_path empty, a hub dataset validates on its test split, but a local file has
+    none: validation reads the training rows themselves, which a warning now says (it was
+    silent: an offline GSM8K run validated on what it trained on)."""
+    sets = [f"data.train_path={GSM8K_TRAIN}", "data.val_path=''", "data.max_prompt_len=1024"]
+    cfg = load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets)
+    val = gsm8k.prompts(cfg, _wide_char_tokenizer(), "val", seed=0)
+    assert len(val) == GSM8K_ROWS and "validation reads data.train_path=" in caplog.text
+    caplog.clear()
+    cfg.data.val_path = GSM8K_TRAIN
+    gsm8k.prompts(cfg, _wide_char_tokenizer(), "val", seed=0)
+    assert "validation reads" not in caplog.text
+
+
 def test_over_long_prompts_are_counted_and_skipped(caplog):
     """Prompts longer than max_prompt_len are dropped and counted; a limit that leaves none is a
     DataError."""
@@ -215,6 +229,32 @@ def test_gsm8k_reward_on_real_rows():
     assert rewards.gsm8k_reward("... so \\boxed{1,234}", "1234", True) == 1.0
     assert rewards.gsm8k_reward("She pays $18 in total.", "18", True) == 1.0
     assert rewards.gsm8k_reward("no number here", "18", True) == 0.0
+
+
+def test_gsm8k_answers_in_the_forms_an_instruct_model_writes():
+    """A reviewer's real-data count found correct answers scored 0: a markdown heading "#### Step
+    1: ..." was read as the '####' answer (its first number: 1), on 8,593 of GSM8K's 8,792 rows
+    written that way; LaTeX's thin space (1\\,080) and the minus sign U+2212 cut the number. On the
+    shipped rows: each solution under step headings, ending in its boxed answer, scores 1 and a
+    wrong box 0; a '####' followed by a number still wins over the box."""
+    for row in chat.read_rows(GSM8K_TRAIN, "train")[:50]:
+        work, gold = (part.strip() for part in row["answer"].rsplit("####", 1))
+        number = int(rewards.parse_number(gold))
+        written = f"#### Step 1: Read the problem\n{work}\n#### Step 2: Answer\n"
+        assert rewards.gsm8k_reward(written + f"\\boxed{{{gold}}}", gold, True) == 1.0, written
+        assert rewards.gsm8k_reward(written + f"\\boxed{{{number + 1}}}", gold, True) == 0.0
+        assert rewards.gsm8k_reward(f"#### {gold}\n\\boxed{{{number + 1}}}", gold, True) == 1.0
+    for text in (
+        "\\boxed{1\\,080}",
+        "\\boxed{1 080}",
+        "#### 1\\,080",
+        "#### 1{,}080",
+        "#### $1,080.00",
+    ):
+        assert rewards.gsm8k_reward(text, "1080", True) == 1.0, text
+    assert rewards.gsm8k_reward("\\boxed{\u22127}", "-7", True) == 1.0
+    assert rewards.gsm8k_reward("The answer is 18.\n####", "18", True) == 1.0  # no number after
+    assert rewards.gsm8k_reward("1 080 apples", "1080", True) == 0.0  # a space only inside a box
 
 
 def test_tiny_task_and_reward():
