@@ -212,9 +212,13 @@ def place_models(cfg, policy, compute_dtype, device):
     # a LoRA base is the policy's own parameters (sharded with it, in place): nothing more to place
     own = isinstance(reference, lora.Base)
     models = []
-    for module in (policy, None if own else reference):
+    for module, is_reference in ((policy, False), (None if own else reference, True)):
         if module is not None and parallel.world_size() > 1:
             module = parallel.shard(module, compute_dtype)
+            if is_reference:
+                # no backward ever reshards the reference (it runs no-grad forwards only): its
+                # root would stay gathered through the update and the sync (FSDP's root default)
+                module.set_reshard_after_forward(True)
         if module is not None:
             module.to(device)
         models.append(module)

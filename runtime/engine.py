@@ -239,7 +239,7 @@ class Engine:
             )
             if not ok:
                 raise RolloutError(f"weight sync failed in bucket {num_buckets}: {message}")
-            num_buckets += 1  # the pushed tensors are freed when `bucket` is rebound
+            num_buckets += 1  # the pushed tensors are freed when the generator empties `bucket`
         self._run(self.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None))
         self.weight_version = version
         return num_buckets
@@ -430,17 +430,20 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather):
     walks the same names in the same order): the cast is elementwise, so the result is
     bit-identical, and the all-gather moves half the bytes of an fp32 one with no fp32 copy of
     the whole tensor ever made. A bucket is yielded once it reaches `bucket_bytes`, so it holds
-    at most that plus one tensor; the caller pushes it and drops it before the next is built:
-    never a second copy of the model."""
+    at most that plus one tensor; once the caller has pushed it, it is emptied in place before
+    the next is built (rebinding the name would leave the caller's reference holding it while the
+    next is gathered: two buckets at once): never a second copy of the model."""
     bucket, size = [], 0
     for i, (name, param) in enumerate(named_params):
         tensor = gather(param.detach().to(dtype))
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         is_last = i == len(named_params) - 1
+        del tensor  # the bucket holds it
         if size >= bucket_bytes or is_last:
             yield bucket, is_last
-            bucket, size = [], 0
+            bucket.clear()  # the list the caller holds too: its tensors are freed here
+            size = 0
 
 
 def trainer_signals(sglang_signal_handler, rollout_engine):

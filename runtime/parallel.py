@@ -208,6 +208,10 @@ def gathered_for_update(model):
     finally:
         model.set_reshard_after_backward(True)
         for unit in units:
+            # True first: a unit whose forward raised (an out-of-memory error, say) is still in
+            # its forward state, where reshard() returns without resharding unless it reshards
+            # after forward (_fsdp_param_group.py, FSDPParamGroup.reshard)
+            unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
             # shard's defaults: decoder layers reshard after forward; the root does not (FSDP
             # leaves its parameters gathered for the backward that follows)

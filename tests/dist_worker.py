@@ -314,6 +314,17 @@ def lora_under_fsdp(out_dir, mine, my_advantages, results):
         all(type(p.data).__name__ == "DTensor" for p in placed.parameters())
         and reference.policy is placed
     )
+    # a full-weight KL reference runs no-grad forwards only, so no backward reshards its root:
+    # place_models has it reshard after forward (its root stayed gathered through the update)
+    cfg = parity_config(out_dir, "token-mean", "train.kl_coef=0.1")
+    _, reference = setup_run.place_models(
+        cfg, model.build_policy(cfg, None)[0], torch.float32, torch.device("cpu")
+    )
+    with torch.no_grad():
+        reference(torch.tensor([[4, 5, 6, 7]]))
+    results["reference_resharded"] = all(
+        type(p.data).__name__ == "DTensor" for p in reference.parameters()
+    )
 
 
 def rejected_tensor(engine, name):

@@ -76,7 +76,7 @@ def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_r
     ranks wrote holds the adapters alone (the base is frozen: no gradient, never saved), its peft
     folder holds them whole, and it loads on one rank; a bf16 base and fp32 adapters share the
     FSDP2 units; with the base as KL reference (the policy, adapters off) the policy is sharded
-    too."""
+    too; a full-weight reference, which no backward reshards, is resharded after its forward."""
     out, results, _ = two_ranks
     sharded = torch.load(out / "lora_parity.pt", weights_only=True)
     samples, advantages = dist_worker.fixed_batch()
@@ -102,6 +102,7 @@ def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_r
     assert results[0]["lora_bf16_dtypes"] == ["adapter torch.float32", "base torch.bfloat16"]
     assert results[0]["lora_bf16_trained"] == ["False", "True"]
     assert results[0]["lora_kl_sharded"] and results[1]["lora_kl_sharded"]
+    assert results[0]["reference_resharded"] and results[1]["reference_resharded"]
 
 
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):

@@ -132,6 +132,32 @@ def test_illegal_transitions_raise_named_errors(run):
     assert phases.phase == "rollout"
 
 
+def test_the_weight_push_holds_one_bucket_at_a_time():
+    """runtime.engine.weight_buckets, walked as Engine.update_weights walks it (the loop's name
+    holding each bucket while it is pushed): when a tensor is gathered, no earlier bucket's tensor
+    is alive. The generator rebound its own name, so the caller's kept the pushed bucket alive
+    while the next one was gathered: two buckets at once (1 GiB a rank at bucket_mb 512)."""
+    import gc
+    import weakref
+
+    from runtime.engine import weight_buckets
+
+    gathered = []  # weak references to every gathered tensor
+    alive_at_gather = []  # how many earlier ones are alive when the next is gathered
+
+    def gather(tensor):
+        gc.collect()
+        alive_at_gather.append(sum(ref() is not None for ref in gathered))
+        whole = tensor.clone()
+        gathered.append(weakref.ref(whole))
+        return whole
+
+    params = [(f"p{i}", torch.ones(256)) for i in range(9)]  # 1 KiB each: buckets of 3
+    for bucket, is_last in weight_buckets(params, torch.float32, 3 * 1024, gather):
+        assert len(bucket) == 3  # what the push sends
+    assert alive_at_gather == [0, 1, 2] * 3
+
+
 def test_a_lora_ledger_counts_gradients_and_adamw_state_of_the_adapters_alone(tmp_path):
     """With LoRA the frozen base has no gradient and no AdamW state: the ledger's (and so the
     modelled peaks') gradients and optimizer state are the adapters' (they counted the base's)."""

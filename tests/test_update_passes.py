@@ -7,6 +7,7 @@ with the tiny Qwen2 (no engine)."""
 import contextlib
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -450,6 +451,42 @@ def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_
     assert compiled.keys() == eager.keys()  # the same parameter names
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_an_error_inside_an_fsdp2_update_leaves_every_unit_sharded(tmp_path):
+    """An exception in a forward inside parallel.gathered_for_update (an out-of-memory error, say)
+    leaves its unit in the forward state, where reshard() did nothing while the unit kept its
+    parameters gathered: the root and that layer stayed whole (plain tensors, not shards), which a
+    caller going on would push or checkpoint. Now every unit is a shard again, and the next
+    update runs. One gloo rank."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import runtime.parallel as parallel
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        rendezvous = f"file://{tempfile.mkdtemp(dir=tmp_path)}/rendezvous"
+        dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+    try:
+        cfg = dist_worker.parity_config(tmp_path, "token-mean", *PATHS["packed"])
+        policy = parallel.shard(model.build_policy(cfg, None)[0], torch.float32)
+
+        def out_of_memory(module, inputs):
+            raise RuntimeError("CUDA out of memory (raised by the test)")
+
+        hook = policy.model.layers[1].mlp.register_forward_pre_hook(out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            with parallel.gathered_for_update(policy):
+                policy(torch.tensor([[4, 5, 6, 7]]))
+        hook.remove()
+        assert all(type(p.data).__name__ == "DTensor" for p in policy.parameters())
+        trainer = setup_run.trainer_only(cfg, policy)
+        assert math.isfinite(train_on(trainer, *random_samples(3))["train/loss"])
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 def test_a_layer_compiled_whole_under_fsdp2_has_a_constant_head_count(tmp_path):
