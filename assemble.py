@@ -31,7 +31,7 @@ import runtime.estimate as estimate
 import runtime.model as model
 import runtime.parallel as parallel
 import runtime.lora as lora
-from runtime.model import TINY_CHARS, build_policy, build_reference, check_attention
+from runtime.model import TINY_CHARS, build_policy, build_reference, check_attention, load_tokenizer
 import task.data as data
 from task.data import PromptStream, build_task, vocabulary
 
@@ -103,8 +103,11 @@ def setup(cfg, resume=False, engine=None):
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
     init_dir = checkpoint.init_folder(resume_dir, cfg)
-    policy, tokenizer = build_policy(cfg, init_dir, vocabulary(cfg, TINY_CHARS))
-    task = build_task(cfg, tokenizer)
+    chars = vocabulary(cfg, TINY_CHARS)
+    # the task first (its rows read, its reward file loaded): a bad row file or reward is named in
+    # seconds, before a model of gigabytes loads (the tokenizer alone, again below: the same)
+    task = build_task(cfg, load_tokenizer(cfg, init_dir or cfg.model.path, chars))
+    policy, tokenizer = build_policy(cfg, init_dir, chars)
     # the weights the engine loads (run.out/model: the initial policy, with LoRA the base), or the
     # checkpoint's
     engine_dir = init_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)

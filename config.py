@@ -334,6 +334,9 @@ class RunConfig:
     out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
     val_every: PositiveInt = 10  # steps between validations (greedy and sampled)
     checkpoint_every: NonNegativeInt = 50  # steps between checkpoints (0 = only at the end)
+    # the newest this many checkpoints are kept, older ones removed after each save (0: all; one
+    # of Qwen2.5-1.5B is ~25 GB: fp32 weights, AdamW state and the HF export)
+    keep_checkpoints: NonNegativeInt = 0
     # data-parallel ranks on this node: 0 = every visible GPU (1 on CPU); > 1 on CPU uses gloo
     nproc: NonNegativeInt = 0
     # greedy validation trajectories written to TensorBoard as text (val/samples)
@@ -621,20 +624,28 @@ def load_function(spec, key):
     (importable from the working directory). A missing file, module or function is a ConfigError
     naming `key`, before the engine starts."""
     where, name = check_function_spec(spec, key)
-    if where.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location(
-            f"user_{os.path.basename(where)[:-3]}", where
-        )
-        module = importlib.util.module_from_spec(module_spec)
-        # registered first, as importlib's recipe does: a dataclass in the file looks its module up
-        # there (with `from __future__ import annotations` it failed on a missing entry)
-        sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        try:
+    try:
+        if where.endswith(".py"):
+            module_spec = importlib.util.spec_from_file_location(
+                f"user_{os.path.basename(where)[:-3]}", where
+            )
+            module = importlib.util.module_from_spec(module_spec)
+            # registered first, as importlib's recipe does: a dataclass in the file looks its
+            # module up there (with `from __future__ import annotations` it failed on a missing
+            # entry)
+            sys.modules[module_spec.name] = module
+            # its folder importable (after ours: it shadows nothing), so it may import a helper
+            # module beside it, at load or later
+            folder = os.path.dirname(os.path.abspath(where))
+            if folder not in sys.path:
+                sys.path.append(folder)
+            module_spec.loader.exec_module(module)
+        else:
             module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"{key}={spec!r}: cannot import {where!r} ({e})") from None
+    except (Exception, SystemExit) as e:  # a syntax error, a missing import, a raise at load
+        raise ConfigError(
+            f"{key}={spec!r}: cannot import {where!r} ({type(e).__name__}: {e})"
+        ) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"{key}={spec!r}: {where} has no function {name!r}")

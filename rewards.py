@@ -100,7 +100,7 @@ async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool,
     were every worker stuck, a limit from the start of the work would never come. So with slow
     rewards, rollout.reward_workers should cover the trajectories that finish together."""
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
-    if inspect.iscoroutinefunction(reward_fn):
+    if is_async(reward_fn):
         pending = call_async_reward(reward_fn, response_text, answer, finished)
     else:
         call = functools.partial(call_reward, reward_fn, response_text, answer, finished)
@@ -113,8 +113,19 @@ async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool,
         ) from None
 
 
+def is_async(fn):
+    """Whether `fn` is awaited: an `async def` function (or a partial of one), or an object whose
+    `__call__` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    )
+
+
 async def call_async_reward(reward_fn, response_text, answer, finished):
-    """An `async def` reward_fn's value, checked as `call_reward` checks a plain one's."""
+    """An `async def` reward_fn's value, checked as `call_reward` checks a plain one's. It runs on
+    the rollout's event loop, so it must not block: a blocking one (time.sleep, heavy work) stalls
+    every request and outlasts rollout.reward_timeout_s, which only an await can end. Blocking
+    work belongs in a plain function (it runs in rollout.reward_workers threads)."""
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     try:
         value = await reward_fn(response_text, answer, finished=finished)
@@ -156,6 +167,13 @@ def call_reward(reward_fn, response_text, answer, finished):
     # the user's function: any error is counted, never a crash mid-rollout
     except Exception as e:  # noqa: BLE001
         raise RewardError(f"the reward function raised {e!r} {where}") from e
+    if inspect.isawaitable(value):  # a plain function returning a coroutine: never awaited here
+        if inspect.iscoroutine(value):
+            value.close()  # no "never awaited" warning on top of the error
+        raise RewardError(
+            f"the reward function returned an awaitable {where}: make it `async def` (or its "
+            "__call__) so it is awaited, or return a number"
+        )
     return checked(value, where)
 
 

@@ -80,8 +80,19 @@ def save(out_dir, step, run):
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         sync_to_disk(os.path.dirname(final), files=False)  # the rename itself
+        remove_old(out_dir, run.cfg.run.keep_checkpoints)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
+
+
+def remove_old(out_dir, keep):
+    """Remove every checkpoint but the newest `keep` (run.keep_checkpoints; 0 keeps all), by step,
+    after the newest is complete: a crash mid-way leaves more, never fewer. Only the names `save`
+    writes (`latest`'s rule)."""
+    folder = os.path.join(out_dir, "checkpoints")
+    steps = sorted(int(name[5:]) for name in os.listdir(folder) if re.fullmatch(r"step_\d+", name))
+    for step in steps[:-keep] if keep else []:
+        shutil.rmtree(os.path.join(folder, f"step_{step:06d}"))
 
 
 def sync_to_disk(folder, files=True):

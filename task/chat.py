@@ -8,6 +8,7 @@ task of its own rows. A task module as task/tiny.py describes.
 """
 
 import json
+import math
 import logging
 import os
 
@@ -90,45 +91,62 @@ def tool(cfg, tokenizer):
     )
 
 
+LOCAL_FORMATS = (".jsonl", ".parquet")  # a dataset file's extension, in any case
+
+
 def read_rows(source, split, subset=None):
-    """Rows (dicts) from a local .jsonl (unparseable lines counted and skipped), a .parquet file,
-    or a hub dataset's `split` (its configuration `subset`, e.g. GSM8K's "main") through
-    `datasets`."""
-    if source.endswith(".jsonl"):
-        if not os.path.isfile(source):
-            raise DataError(f"dataset file not found: {source}")
-        rows, num_bad = [], 0
-        with open(source, errors="replace") as f:  # undecodable bytes become U+FFFD, not a crash
-            for line_no, line in enumerate(f, 1):
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as e:
-                    num_bad += 1
-                    log.warning("skipping unparseable row %s:%d (%s)", source, line_no, e)
-        if num_bad:
-            log.warning(
-                "%s: skipped %d unparseable rows of %d", source, num_bad, num_bad + len(rows)
-            )
-        return rows
+    """Rows (dicts) from a local .jsonl (lines that are not UTF-8 JSON counted and skipped, blank
+    ones ignored), a .parquet file, or a hub dataset's `split` (its configuration `subset`, e.g.
+    GSM8K's "main") through `datasets`. A path that exists is a local file whatever its name: one
+    of another format is a DataError (the hub would say it found no data at a path that exists)."""
+    extension = os.path.splitext(source)[1].lower()
+    if extension in LOCAL_FORMATS and not os.path.isfile(source):
+        raise DataError(f"dataset file not found: {source}")
+    if os.path.exists(source) and extension not in LOCAL_FORMATS:
+        raise DataError(f"{source}: a local dataset must be a .jsonl or .parquet file")
+    if extension == ".jsonl":
+        return read_jsonl(source)
     import datasets  # parquet files and hub names ("openai/gsm8k") go through the library
 
-    if source.endswith(".parquet"):
-        if not os.path.isfile(source):
-            raise DataError(f"dataset file not found: {source}")
-        return list(datasets.load_dataset("parquet", data_files=source, split="train"))
+    if extension == ".parquet":
+        try:
+            return list(datasets.load_dataset("parquet", data_files=source, split="train"))
+        except Exception as e:  # an empty or damaged file: pyarrow's and datasets' own errors
+            raise DataError(f"{source} cannot be read as parquet: {type(e).__name__}: {e}") from e
     return list(datasets.load_dataset(source, subset or None, split=split))
+
+
+def read_jsonl(source):
+    """The rows of a .jsonl file: a line that is not UTF-8 (a byte Python would turn into U+FFFD
+    inside a prompt or an answer) or not JSON is counted and skipped; a byte-order mark and blank
+    lines are not rows."""
+    rows, num_bad = [], 0
+    with open(source, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                if text.strip():
+                    rows.append(json.loads(text))
+            except ValueError as e:  # UnicodeDecodeError and JSONDecodeError both
+                num_bad += 1
+                log.warning("skipping unparseable row %s:%d (%s)", source, line_no, e)
+    if num_bad:
+        log.warning("%s: skipped %d unparseable rows of %d", source, num_bad, num_bad + len(rows))
+    return rows
 
 
 def row_problem(row, prompt_field, answer_field, max_chars):
     """Why a row cannot be used (None if it can): not a mapping; a missing answer, or one not a
-    string or a number; a prompt that is neither a string nor a list of {role, content} string
-    messages; or a text longer than `max_chars` (checked before tokenizing: a huge field is never
-    tokenized)."""
+    string or a finite number (JSON's NaN and Infinity would be the answers "nan" and "inf"); a
+    prompt that is neither a string nor a list of {role, content} string messages; or a prompt
+    longer than `max_chars` (checked before tokenizing: a huge field is never tokenized; the
+    answer, never tokenized, may be long: a code task's tests)."""
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
     answer, prompt = row.get(answer_field), row.get(prompt_field)
-    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        return f"needs a string or number field {answer_field!r}"
+    is_number = isinstance(answer, (int, float)) and not isinstance(answer, bool)
+    if not (isinstance(answer, str) or is_number) or (is_number and not math.isfinite(answer)):
+        return f"needs a string or finite number field {answer_field!r}"
     if isinstance(prompt, list):
         if not prompt or not all(
             isinstance(m, dict)
@@ -145,10 +163,18 @@ def row_problem(row, prompt_field, answer_field, max_chars):
         texts = [prompt]
     else:
         return f"needs a string (or message list) field {prompt_field!r}"
-    length = sum(map(len, texts)) + len(str(answer))
+    length = sum(map(len, texts))
     if length > max_chars:
-        return f"a prompt and answer of {length} characters (limit {max_chars})"
+        return f"a prompt of {length} characters (limit {max_chars})"
     return None
+
+
+def answer_text(answer):
+    """A row's answer as the reward gets it: text, an integral float as an int ("5", not "5.0": a
+    pandas column of ints with one missing value is stored as floats)."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer)
 
 
 def chat_prompts(
@@ -197,7 +223,7 @@ def chat_prompts(
         if len(ids) > max_prompt_len:
             num_too_long += 1
             continue
-        prompts.append(Prompt(prompt_ids=ids, answer=str(answer)))
+        prompts.append(Prompt(prompt_ids=ids, answer=answer_text(answer)))
     if num_bad:
         log.warning("%s: skipped %d malformed rows", source, num_bad)
     if num_too_long:

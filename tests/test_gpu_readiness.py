@@ -78,7 +78,13 @@ def test_weight_sync_casts_each_shard_before_gathering():
         return tensor
 
     bucket_bytes = 1000
-    buckets = list(sglang_engine.weight_buckets(params, torch.bfloat16, bucket_bytes, gather))
+    # each bucket copied as the push sends it (the generator empties it once pushed)
+    buckets = [
+        (list(bucket), is_last)
+        for bucket, is_last in sglang_engine.weight_buckets(
+            params, torch.bfloat16, bucket_bytes, gather
+        )
+    ]
     assert gathered_dtypes == [torch.bfloat16] * len(params)  # half the bytes of an fp32 all-gather
     pushed = [item for bucket, _ in buckets for item in bucket]
     assert [name for name, _ in pushed] == [name for name, _ in params]

@@ -96,6 +96,33 @@ def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, ca
         chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "bad.jsonl", bad), "train", 256)
 
 
+def test_rows_as_pandas_and_editors_write_them(qwen_tiny_dir, tmp_path, caplog):
+    """What a fresh reader's messy files did: a byte-order mark cost the first row, blank lines
+    were counted as bad rows, bytes that are not UTF-8 became U+FFFD inside the text, NaN and
+    Infinity answers were the text "nan" and "inf", ints stored as floats (pandas, with one
+    missing value) were "5.0", and a long answer (a code task's tests) skipped its row. Now: BOM
+    and blank lines are not rows, the other three are counted skips, integral floats read as
+    ints, only the prompt has a length limit; a .JSONL loads, a .json or an empty .parquet file
+    is a DataError naming it (the hub was asked, or pyarrow's error came raw)."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
+    lines = [json.dumps({"prompt": "a", "answer": 5.0}), "", "  "]
+    lines += [json.dumps({"prompt": "b", "answer": float(v)}) for v in ("nan", "inf")]
+    lines += [json.dumps({"prompt": "c", "answer": "t" * 20_000})]
+    path = tmp_path / "ROWS.JSONL"
+    path.write_bytes(
+        b"\xef\xbb\xbf" + "\n".join(lines).encode() + b'\n{"prompt": "caf\xe9", "answer": "1"}\n'
+    )
+    prompts = chat.chat_prompts(tokenizer, str(path), "train", 256)
+    assert [p.answer for p in prompts] == ["5", "t" * 20_000]
+    assert "skipped 1 unparseable rows of 5" in caplog.text  # the non-UTF-8 line
+    assert "skipped 2 malformed rows" in caplog.text  # NaN and Infinity
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    for name, message in (("rows.json", "must be a .jsonl or"), ("empty.parquet", "as parquet")):
+        with pytest.raises(tasks.DataError, match=message):
+            chat.chat_prompts(tokenizer, str(tmp_path / name), "train", 256)
+
+
 def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir):
     """GSM8K through the chat path: every row's question and instruction rendered by the chat
     template, the answer after "####", and full reward for that answer."""
@@ -134,6 +161,56 @@ def test_reward_errors_are_named_at_start_up(tmp_path, spec, message):
             ["data.task=chat", f"data.train_path={GSM8K_TRAIN}", f"data.reward={spec}"],
         )
         tasks.build_task(cfg, None)
+
+
+def test_a_reward_file_that_cannot_load_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """A reward file with a syntax error, a missing import, or a raise (even SystemExit) at load
+    was a raw traceback, after the model loaded: now a ConfigError naming data.reward, raised
+    while the task is built, before any model (build_policy is made to fail here to show it). A
+    helper module beside the file imports (its folder was not importable)."""
+    import assemble
+
+    files = {
+        "syntax.py": ("def f(:\n", "SyntaxError"),
+        "missing.py": ("import no_such_module_xyz\n", "No module named 'no_such_module_xyz'"),
+        "raises.py": ("raise RuntimeError('needs OPENAI_API_KEY')\n", "needs OPENAI_API_KEY"),
+        "exits.py": ("raise SystemExit('bad config')\n", "SystemExit: bad config"),
+    }
+    for name, (text, message) in files.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            rewards.load_reward(f"{tmp_path / name}:f")
+    (tmp_path / "helpers_beside.py").write_text("BONUS = 0.5\n")
+    (tmp_path / "uses_helper.py").write_text(
+        "import helpers_beside\n\n\ndef f(response_text, answer, finished):\n"
+        "    return helpers_beside.BONUS\n"
+    )
+    assert rewards.load_reward(f"{tmp_path}/uses_helper.py:f")("x", "1", True) == 0.5
+    monkeypatch.setattr(assemble, "build_policy", lambda *args: pytest.fail("the model loaded"))
+    sets = [f"data.train_path={GSM8K_TRAIN}", f"data.reward={tmp_path}/raises.py:f"]
+    cfg = load_config("configs/tiny.yaml", ["data.task=chat", f"run.out={tmp_path}/run", *sets])
+    with pytest.raises(ConfigError, match="needs OPENAI_API_KEY"):
+        assemble.setup(cfg)
+
+
+def test_an_awaitable_reward_is_awaited_or_named():
+    """An object whose __call__ is `async def` is awaited like an `async def` function (it ran in
+    a thread and every trajectory failed on its unawaited coroutine); a plain function returning
+    a coroutine is a RewardError saying what to change."""
+    import asyncio
+
+    class AsyncReward:
+        async def __call__(self, response_text, answer, finished):
+            return 1.0
+
+    def returns_a_coroutine(response_text, answer, finished):
+        return AsyncReward()(response_text, answer, finished)
+
+    assert rewards.is_async(AsyncReward()) and not rewards.is_async(returns_a_coroutine)
+    called = rewards.call_reward_off_loop(AsyncReward(), "x", "1", True, pool=None)
+    assert asyncio.run(called) == 1.0
+    with pytest.raises(rewards.RewardError, match="returned an awaitable"):
+        rewards.call_reward(returns_a_coroutine, "x", "1", True)
 
 
 def test_a_file_reward_and_a_module_reward_load():
@@ -235,6 +312,7 @@ COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     f"model.path={QWEN_TINY}",
     "rollout.max_new_tokens=32",
     "run.nproc=1",
+    "train.compile=false",  # the GSM8K rehearsals compile on CPU already (tests/test_gpu_readiness)
 ]
 COUNTDOWN_COMMAND = " ".join(
     [

@@ -224,6 +224,18 @@ def test_checkpoint_is_written_atomically(engine, tmp_path, monkeypatch):
     )
 
 
+def test_checkpoints_beyond_keep_checkpoints_are_removed(engine, tmp_path):
+    """run.keep_checkpoints=2: after each save only the two newest checkpoints remain (one of
+    Qwen2.5-1.5B is ~25 GB; they piled up), and a half-written one is not counted or touched."""
+    cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "run.keep_checkpoints=2")
+    run = train.setup(cfg, engine=engine)
+    (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
+    for step in (1, 2, 3):
+        checkpoint.save(str(tmp_path), step, run)
+    kept = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert kept == ["step_000002", "step_000003", "step_000009.tmp"]
+
+
 class RunsCode:
     """What a hostile pickle holds: unpickling it calls os.system, which makes file `path`."""
 
