@@ -244,7 +244,12 @@ def load_tokenizer(cfg, path, chars=TINY_CHARS):
         return build_char_tokenizer(chars)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:  # no such folder or hub id: named (assemble.setup loads it first)
+        raise ModelError(
+            f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def check_attention(cfg, device):
