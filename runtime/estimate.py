@@ -185,7 +185,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # stays on the GPU through the update (LoRA: the policy with its adapters off, nothing
         # more; but with model.lora_also_train, whose weights move, a second adapted model:
         # model.build_reference)
-        "KL reference (fp32, sharded)": (
+        "KL reference (sharded)": (
             reference_bytes(t.kl_coef, lora_rank, also, params, compute, adapters) / ranks
         ),
         # top_p < 1 (loss.nucleus_edge, loss.outside_nucleus), eager, per chunk: the search's fp32
@@ -219,7 +219,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         "autocast weight copies",
         "log-prob path (chunked head)",
         "top-p nucleus (chunked head)",
-        "KL reference (fp32, sharded)",
+        "KL reference (sharded)",
     )
     phases = {
         # rollout: engine resident, trainer params and optimizer offloaded to the CPU

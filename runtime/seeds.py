@@ -17,7 +17,8 @@ def derive(run_seed, *path):
     (task/data.PromptStream); ("engine", start step, rank) the engine's own random seed
     (assemble.start_engine); ("rollout", step, purpose) one rollout (rollout.rollout_seed), and
     under it ("request", index, turn) each request's sampling_seed (inflight.request_seed). The
-    update draws nothing at random (tests/test_lora.py): a checkpoint needs no RNG state."""
+    update draws nothing at random (tests/test_update_passes.py): a checkpoint needs no RNG state.
+    """
     text = ":".join(str(part) for part in (run_seed, *path))
     digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") >> 1

@@ -97,12 +97,13 @@ LOCAL_FORMATS = (".jsonl", ".parquet")  # a dataset file's extension, in any cas
 def read_rows(source, split, subset=None):
     """Rows (dicts) from a local .jsonl (lines that are not UTF-8 JSON counted and skipped, blank
     ones ignored), a .parquet file, or a hub dataset's `split` (its configuration `subset`, e.g.
-    GSM8K's "main") through `datasets`. A path that exists is a local file whatever its name: one
-    of another format is a DataError (the hub would say it found no data at a path that exists)."""
+    GSM8K's "main") through `datasets`. An existing file is read as one whatever its name: one of
+    another format is a DataError (the hub would say it found no data at a path that exists); a
+    folder goes to `datasets`, which reads the data files in it."""
     extension = os.path.splitext(source)[1].lower()
     if extension in LOCAL_FORMATS and not os.path.isfile(source):
         raise DataError(f"dataset file not found: {source}")
-    if os.path.exists(source) and extension not in LOCAL_FORMATS:
+    if os.path.isfile(source) and extension not in LOCAL_FORMATS:
         raise DataError(f"{source}: a local dataset must be a .jsonl or .parquet file")
     if extension == ".jsonl":
         return read_jsonl(source)

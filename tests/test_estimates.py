@@ -179,7 +179,7 @@ def test_lora_fits_a_7b_policy_on_one_80_gb_card_where_full_training_does_not():
     assert max(phases.values()) <= 0.85 * card
     adapters = parts["AdamW state (fp32, sharded)"] / 8  # two fp32 moments per parameter
     assert 150e6 < adapters < 170e6  # 28 layers x 64 x (in + out) of 7 projections: 161.5 M
-    assert parts["KL reference (fp32, sharded)"] == 0 and parts["autocast weight copies"] == 0
+    assert parts["KL reference (sharded)"] == 0 and parts["autocast weight copies"] == 0
 
 
 def test_the_lora_estimate_counts_what_trains_in_full_too():
@@ -212,7 +212,7 @@ def test_the_lora_estimate_counts_what_trains_in_full_too():
         reference = model.build_reference(cfg, policy)
         own = [p for p in reference.parameters()] if also != "[]" else []  # [] : lora.Base
         real = sum(p.numel() * p.element_size() for p in own)
-        assert parts["KL reference (fp32, sharded)"] == real, also
+        assert parts["KL reference (sharded)"] == real, also
         parts, _ = estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)
         embedding_trains = policy.get_input_embeddings().weight.requires_grad
         assert bool(parts["root gradient, unsharded fp32 (reduce-scatter)"]) == embedding_trains

@@ -121,6 +121,10 @@ def test_rows_as_pandas_and_editors_write_them(qwen_tiny_dir, tmp_path, caplog):
     for name, message in (("rows.json", "must be a .jsonl or"), ("empty.parquet", "as parquet")):
         with pytest.raises(tasks.DataError, match=message):
             chat.chat_prompts(tokenizer, str(tmp_path / name), "train", 256)
+    folder = tmp_path / "dataset"  # a folder of data files still goes to `datasets`
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ROWS)
+    assert len(chat.chat_prompts(tokenizer, str(folder), "train", 256)) == len(ROWS)
 
 
 def test_gsm8k_is_a_chat_dataset_with_the_same_prompts_and_rewards(qwen_tiny_dir):
@@ -344,6 +348,11 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     build and engine, in the background): data generated, reward loaded from its file, every
     trajectory scored or counted."""
     background_runs.lines("countdown")
+    # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
+    # budget, compile and attention, and TinyZero's 1,024 new tokens
+    cfg = load_config("examples/countdown.yaml", [])
+    assert (cfg.train.max_tokens_per_micro_batch, cfg.train.compile) == ("auto", True)
+    assert (cfg.model.attn_implementation, cfg.rollout.max_new_tokens) == ("flex_attention", 1024)
     logged = scalars(os.path.join(COUNTDOWN_RUN, "run"))
     assert len(logged["train/reward_mean"]) == 2 and "val/reward_mean" in logged
     assert logged["rollout/reward_errors"] == [0, 0]

@@ -206,6 +206,7 @@ def test_checkpoint_is_written_atomically(engine, tmp_path, monkeypatch):
     written = [os.path.join(root, name) for root, names, files in os.walk(path) for name in files]
     assert {p.replace(path, path + ".tmp") for p in written} <= set(synced)
     assert synced[-1] == os.path.dirname(path)  # the folder holding the renamed checkpoint
+    assert not {"torch_rng", "python_rng"} & checkpoint.read_trainer_state(path).keys()
     resumed = train.setup(cfg, resume=True, engine=engine)
     assert (resumed.trainer.bad_steps, resumed.gap_watch.over) == (2, 1)
     with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):

@@ -69,9 +69,10 @@ def one_update(tmp_path, sets, source=None, monkeypatch=None):
 @pytest.mark.parametrize("lora", [[], ["model.lora_rank=4", "train.num_minibatches=2"]])
 @pytest.mark.parametrize("extra", EXTRAS)
 def test_an_update_draws_nothing_at_random(tmp_path, extra, lora):
-    """Checkpoints hold no RNG state (runtime/checkpoint.py): an update leaves torch's global RNG
-    as it found it, so a resumed run's updates are the uninterrupted run's on any device and rank
-    (LoRA dropout drew from it: config.RETIRED)."""
+    """Checkpoints hold no RNG state (runtime/checkpoint.py): an update leaves torch's global CPU
+    RNG as it found it, with full weights and with LoRA, so nothing a checkpoint would have to
+    hold is drawn (LoRA dropout drew from it: config.RETIRED). A guard for what a fork adds: it
+    passes on the code before too, where dropout was off by default."""
     cfg = dist_worker.parity_config(tmp_path, "token-mean", *PATHS["packed"], *EXTRAS[extra], *lora)
     policy = model.build_policy(cfg, None)[0]
     reference = model.build_reference(cfg, policy)
