@@ -19,6 +19,7 @@ TINY_CONFIG = os.path.join(REPO, "configs", "tiny.yaml")
 sys.path.insert(0, REPO)
 
 import update  # noqa: E402
+import memory  # noqa: E402
 import runtime.checkpoint as checkpoint  # noqa: E402
 import loss as losses  # noqa: E402
 from advantages import group_advantages  # noqa: E402
@@ -192,6 +193,19 @@ def check_ranks(out_dir):
         ],
     )
     run = train.setup(cfg)
+    # the log-prob gap each rank measured, and the one its GapWatch was given (the ranks' largest)
+    gaps = {"local": [], "watched": []}
+    sync, observe = memory.sync_weights, run.gap_watch.observe
+
+    def recording_sync(run, step, logprob_gap=None):
+        gaps["local"].append(logprob_gap)
+        return sync(run, step, logprob_gap=logprob_gap)
+
+    def recording_observe(step, gap):
+        gaps["watched"].append(gap)
+        observe(step, gap)
+
+    memory.sync_weights, run.gap_watch.observe = recording_sync, recording_observe
     try:
         train.train(run)
     except BaseException:
@@ -199,6 +213,8 @@ def check_ranks(out_dir):
         # them at exit and the suite would hang instead of failing with this error
         run.engine.shutdown()
         raise
+    memory.sync_weights = sync
+    results["gaps"] = gaps
     # the checkpoint holds both ranks' suspended samples
     results["buffer_samples"] = len(run.buffer.waiting)
     state = checkpoint.read_trainer_state(checkpoint.latest(run_dir))

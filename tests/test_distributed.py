@@ -132,12 +132,18 @@ def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
 
 def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
     """After one trained step and its weight sync, each rank's engine holds version 1, gives the
-    trainer's log-probs (within 1e-4) and has no request left."""
+    trainer's log-probs (within 1e-4) and has no request left; each rank's GapWatch was given the
+    largest rank's gap of the step (each watched its own: ranks could stop after different
+    steps)."""
     _, results, _ = two_ranks
     for r in results:
         assert r["engine_version"] == 1  # one step trained and synced
         assert r["engine_gap"] < 1e-4
         assert r["num_in_flight"] == 0
+    local = [r["gaps"]["local"] for r in results]
+    assert len(local[0]) == len(local[1]) >= 1
+    largest = [max(gaps) for gaps in zip(*local)]
+    assert results[0]["gaps"]["watched"] == results[1]["gaps"]["watched"] == largest
 
 
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
