@@ -496,6 +496,7 @@ class Yaml12Loader(yaml.SafeLoader):
 
 
 def _yaml12_int(loader, node):
+    """An int as YAML 1.2 writes one: decimal (`010` is 10), 0o octal or 0x hexadecimal."""
     text = loader.construct_scalar(node)  # matched by the int pattern below
     if text.startswith(("0o", "0x")):
         return int(text[2:], 8 if text[1] == "o" else 16)

@@ -8,8 +8,8 @@ task of its own rows. A task module as task/tiny.py describes.
 """
 
 import json
-import math
 import logging
+import math
 import os
 
 import jinja2  # transformers renders chat templates with it
