@@ -76,7 +76,7 @@ def same(a, b):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", type=lambda t: [int(w) for w in t.split(",")], default=None)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)

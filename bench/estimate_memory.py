@@ -28,7 +28,7 @@ from runtime.estimate import (  # noqa: E402,F401  (the arithmetic; names bench/
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/gsm8k.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--ranks", type=int, default=8, help="N, shown beside 1 rank")

@@ -86,7 +86,7 @@ def rank_main(num_samples, repeats, max_tokens):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=32, help="samples per rank")
     parser.add_argument("--repeats", type=int, default=3, help="alternated pairs")
     parser.add_argument(

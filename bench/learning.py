@@ -108,7 +108,7 @@ def sampled_at(logged, seconds):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     parser.add_argument(
         "--arms", default="baseline,partial,drop", help=f"comma-separated, of {sorted(ARMS)}"

@@ -44,7 +44,7 @@ def one_step(run, phases, step):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument(
         "--set", action="append", default=[], help="config override, as in train.py"

@@ -167,7 +167,7 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", type=int, default=2560, help="trajectories per step (1x)")
     parser.add_argument("--turns", type=int, default=5, help="turns per trajectory")
     parser.add_argument(

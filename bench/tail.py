@@ -67,7 +67,7 @@ def run_arm(engine, prompts, args, plan):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout (the batch)")
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")

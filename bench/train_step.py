@@ -667,7 +667,7 @@ def shape_main(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--repeats", type=int, default=3, help="alternated padded/packed pairs per mix"
     )

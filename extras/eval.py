@@ -183,7 +183,7 @@ def write_records(path, per_prompt):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="a run directory: evaluate its latest checkpoint")
     source.add_argument("--model", help="any HF model folder (with --config)")

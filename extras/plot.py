@@ -5,7 +5,7 @@ PNG.
     python -m extras.plot runs/tiny --out demo.png
 
 Owns nothing of training: it only reads what metrics.py logged. Panels whose metrics a run did not
-log (e.g. validation in a run without it) are left out, and the figure says which metrics it drew.
+log (e.g. validation in a run without it) are left out, and it prints which metrics it drew.
 """
 
 import argparse
@@ -96,7 +96,7 @@ def plot(run_dir, out_path, title=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory (holds tb/)")
     parser.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png)")
     parser.add_argument("--title", help="figure title (default: the run directory's name)")

@@ -54,7 +54,7 @@ def rows(count, rng):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--train", type=int, default=10_000)
     parser.add_argument("--test", type=int, default=200)
