@@ -87,12 +87,10 @@ def save(out_dir, step, run):
 
 def remove_old(out_dir, keep):
     """Remove every checkpoint but the newest `keep` (run.keep_checkpoints; 0 keeps all), by step,
-    after the newest is complete: a crash mid-way leaves more, never fewer. Only the names `save`
-    writes (`latest`'s rule)."""
-    folder = os.path.join(out_dir, "checkpoints")
-    steps = sorted(int(name[5:]) for name in os.listdir(folder) if re.fullmatch(r"step_\d+", name))
+    after the newest is complete: a crash mid-way leaves more, never fewer (`complete_steps`)."""
+    steps = complete_steps(out_dir)
     for step in steps[:-keep] if keep else []:
-        shutil.rmtree(os.path.join(folder, f"step_{step:06d}"))
+        shutil.rmtree(os.path.join(out_dir, "checkpoints", f"step_{step:06d}"))
 
 
 def sync_to_disk(folder, files=True):
@@ -146,13 +144,18 @@ def merged_export(folder, cfg, chars):
     return out
 
 
-def latest(out_dir):
-    """The newest complete checkpoint folder, by step, or None: only names `save` writes,
+def complete_steps(out_dir):
+    """The steps of the complete checkpoints under `out_dir`, ascending: only names `save` writes,
     step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never match)."""
     folder = os.path.join(out_dir, "checkpoints")
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = [int(name[5:]) for name in names if re.fullmatch(r"step_\d+", name)]
-    return os.path.join(folder, f"step_{max(steps):06d}") if steps else None
+    return sorted(int(name[5:]) for name in names if re.fullmatch(r"step_\d+", name))
+
+
+def latest(out_dir):
+    """The newest complete checkpoint folder, by step (`complete_steps`), or None."""
+    steps = complete_steps(out_dir)
+    return os.path.join(out_dir, "checkpoints", f"step_{steps[-1]:06d}") if steps else None
 
 
 class CheckpointError(RuntimeError):

@@ -179,9 +179,7 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
                 path, dtype=torch.float32, trust_remote_code=trust
             )
     except OSError as e:
-        raise ModelError(
-            f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
-        ) from None
+        raise unloadable(path, e) from None
     model.set_attn_implementation(cfg.model.attn_implementation)
     if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
         m = cfg.model
@@ -247,9 +245,12 @@ def load_tokenizer(cfg, path, chars=TINY_CHARS):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:  # no such folder or hub id: named (assemble.setup loads it first)
-        raise ModelError(
-            f"model.path={path!r} could not be loaded: {str(e).splitlines()[0]}"
-        ) from None
+        raise unloadable(path, e) from None
+
+
+def unloadable(path, error):
+    """The ModelError for a model or tokenizer at `path` that transformers could not load."""
+    return ModelError(f"model.path={path!r} could not be loaded: {str(error).splitlines()[0]}")
 
 
 def check_attention(cfg, device):
