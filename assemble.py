@@ -199,7 +199,7 @@ def size_micro_batches(cfg, policy, device):
         return
     if device.type == "cuda":
         card = torch.cuda.get_device_properties(device).total_memory
-        shape = estimate.shape_of(policy.config)
+        shape = estimate.shape_of(policy.config, cfg.model.trust_remote_code)
         budget = estimate.auto_budget(cfg, parallel.world_size(), card, shape)
         why = f"the estimated train phase on this {card / 2**30:.1f} GiB card"
     else:

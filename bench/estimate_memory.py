@@ -24,6 +24,8 @@ from runtime.estimate import (  # noqa: E402,F401  (the arithmetic; names bench/
     H100_80GB_GIB,
     KNOWN_SHAPES,
     estimate,
+    qwen2_config,
+    shape_of,
 )
 
 

@@ -257,20 +257,12 @@ def check_versions():
 
 def shape_policy(shape, device, layers=None):
     """A Qwen2 of `shape` with random fp32 weights (seeded), built on `device`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    hidden, inter, num_layers, heads, kv_heads, vocab, tied = shape
+    config = estimate_memory.qwen2_config(shape)
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    config.max_position_embeddings = 4096
     torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers or num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        tie_word_embeddings=tied,
-        max_position_embeddings=4096,
-    )
     with device:  # allocated and initialised there (a 7B model would not fit the host twice)
         return Qwen2ForCausalLM(config).float().train()
 
@@ -507,6 +499,7 @@ def shape_main(args):
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shape = SHAPES[args.shape]
+    counted = estimate_memory.shape_of(estimate_memory.qwen2_config(shape))  # for the estimate
     # CPU (tiny): sdpa, as FlexAttention has no backward there, and float32, as a CPU without
     # bf16 matmul units emulates them tens of times slower
     cpu = ["model.attn_implementation=sdpa", "model.compute_dtype=float32"]
@@ -597,7 +590,7 @@ def shape_main(args):
             recompiles = counters["stats"]["unique_graphs"] - graphs
             card_bytes = card or 80 * 2**30
             estimate = estimate_memory.estimate(
-                cfg, 1, card_bytes, shape, budget=int(ran), sharded=fsdp
+                cfg, 1, card_bytes, counted, budget=int(ran), sharded=fsdp
             )[1]["train"]
             timed = seconds[settings[0]]
             tok_s = sum(tokens) / sum(timed)

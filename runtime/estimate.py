@@ -2,15 +2,21 @@
 (FSDP2 shards the trainer's fp32 state over the ranks; every rank holds a whole engine), and the
 micro-batch token budget that fills the card (`train.max_tokens_per_micro_batch: auto`).
 
-Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
-comments, and the activation term is an estimate (bf16 activations). bench/estimate_memory.py
-prints it; bench/train_step.py --shape sets it beside the measured peak. Owns no state.
+Arithmetic from the model's parameters (counted on its skeleton: `shape_of`) and the config, not a
+measurement: the rules of thumb are in the comments, and the activation term is an estimate (a
+dense decoder's, bf16 activations). bench/estimate_memory.py prints it; bench/train_step.py
+--shape sets it beside the measured peak. Owns no state (`model_shape` caches what it counted).
 """
 
+import functools
 import os
+from typing import NamedTuple
 
-# Public config.json values (hidden, intermediate, layers, attention heads, KV heads, vocab, tied
-# input and output embeddings), for offline use.
+from runtime import lora
+
+# Public config.json values of the Qwen2 models the shipped configs name (hidden, intermediate,
+# layers, attention heads, KV heads, vocab, tied input and output embeddings), for offline use
+# (qwen2_config makes each a Qwen2Config; any other model.path is read from its config.json).
 KNOWN_SHAPES = {
     "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2, 151_936, True),
     "Qwen/Qwen2.5-3B-Instruct": (2048, 11008, 36, 16, 2, 151_936, True),
@@ -37,50 +43,84 @@ NUCLEUS_TOP_K = 256  # loss.NUCLEUS_TOP_K (the same; not imported either)
 H100_80GB_GIB = 79.2  # what torch.cuda.mem_get_info reports as the total of an "80 GB" H100
 
 
-def model_shape(path):
-    """(hidden, intermediate, layers, heads, KV heads, vocab, tied): a local HF folder's config,
-    else a known public shape, else the hub (where reachable)."""
+class Shape(NamedTuple):
+    """What the estimate reads of a model, counted on its skeleton (`shape_of`)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    kv_per_token: int  # K and V values one token holds in the engine's cache, all layers
+    params: int  # every parameter (a tied output head counted once)
+    embedding: str  # the input embedding's parameter name (the largest tensor)
+    numels: dict  # {parameter name: elements}: what model.lora_also_train may name
+    linears: dict  # {module name: (in, out)} of each nn.Linear: what LoRA may adapt
+
+
+def qwen2_config(numbers):
+    """A transformers Qwen2Config from a KNOWN_SHAPES tuple (its public config.json numbers)."""
+    from transformers import Qwen2Config
+
+    hidden, inter, layers, heads, kv_heads, vocab, tied = numbers
+    return Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    )
+
+
+@functools.cache
+def model_shape(path, trust_remote_code=False):
+    """The Shape of `model.path`: a local HF folder's config, else a known public shape, else the
+    hub (where reachable)."""
     if not os.path.isdir(path) and path in KNOWN_SHAPES:
-        return KNOWN_SHAPES[path]
+        return shape_of(qwen2_config(KNOWN_SHAPES[path]))
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         raise SystemExit(
             f"model.path={path!r}: no HF config reachable and no known shape; "
             "add it to KNOWN_SHAPES"
         )
-    return shape_of(config)
+    return shape_of(config, trust_remote_code)
 
 
-def shape_of(c):
-    """(hidden, intermediate, layers, heads, KV heads, vocab, tied) of a HF model config `c`."""
-    return (
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_hidden_layers,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.vocab_size,
-        c.tie_word_embeddings,
+def shape_of(config, trust_remote_code=False):
+    """The Shape of the model a HF config describes, counted on its skeleton: the model built on
+    the meta device (shapes, no memory, ~0.3 s at 7B), so every architecture transformers builds
+    is counted as it is, not by one family's formula: Qwen2's q, k and v biases, Llama's
+    projections without them, Qwen3's head_dim of 128 where hidden / heads is 80 (Qwen3-4B: a
+    formula from hidden / heads left out 9% of its parameters)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    embedding = model.get_input_embeddings().weight
+    return Shape(
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        layers=c.num_hidden_layers,
+        vocab=c.vocab_size,
+        kv_per_token=c.num_hidden_layers * 2 * kv_heads * head_dim,
+        params=sum(p.numel() for p in model.parameters()),  # each tied tensor once
+        embedding=next(name for name, p in model.named_parameters() if p is embedding),
+        numels={name: p.numel() for name, p in model.named_parameters()},
+        linears={
+            name: (m.in_features, m.out_features)
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        },
     )
-
-
-def also_trained(parts, embedding, tied, layers, hidden, sides):
-    """The parameters model.lora_also_train trains in full: those whose name holds one of `parts`
-    (runtime/lora.add_adapters' rule), by the Qwen2 names of the shape's tensors."""
-    names = {"model.embed_tokens.weight": embedding, "model.norm.weight": hidden}
-    if not tied:
-        names["lm_head.weight"] = embedding
-    layer = {"input_layernorm.weight": hidden, "post_attention_layernorm.weight": hidden}
-    for projection, (fan_in, fan_out) in sides.items():
-        block = "mlp" if projection in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        layer[f"{block}.{projection}.weight"] = fan_in * fan_out
-        if projection in ("q_proj", "k_proj", "v_proj"):
-            layer[f"{block}.{projection}.bias"] = fan_out
-    names |= {f"model.layers.0.{name}": layers * count for name, count in layer.items()}
-    return sum(count for name, count in names.items() if any(part in name for part in parts))
 
 
 def reference_bytes(kl_coef, lora_rank, also, params, compute, adapters):
@@ -94,35 +134,28 @@ def reference_bytes(kl_coef, lora_rank, also, params, compute, adapters):
 
 
 def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
-    """{component: bytes} per rank, and the three phase totals. `shape`: a KNOWN_SHAPES tuple
-    (default: `model.path`'s). `budget`: the micro-batch token budget (default: the config's,
+    """{component: bytes} per rank, and the three phase totals. `shape`: a Shape (default:
+    `model.path`'s). `budget`: the micro-batch token budget (default: the config's,
     `auto` sized by `auto_budget`). `sharded`: whether the policy is an FSDP2 shard (default:
     with several ranks, `sharded_over`; True for FSDP2 on one rank, bench/train_step.py's arm)."""
-    hidden, inter, layers, heads, kv_heads, vocab, tied = shape or model_shape(cfg.model.path)
-    head_dim = hidden // heads
-    # q/o, k/v (and q, k, v's biases), the MLP's three, two norms
-    per_layer = (
-        2 * hidden * hidden
-        + 2 * hidden * kv_heads * head_dim
-        + hidden
-        + 2 * kv_heads * head_dim
-        + 3 * hidden * inter
-        + 2 * hidden
-    )
-    embedding = vocab * hidden  # the largest tensor; Qwen2.5 <= 3B ties it to the output head
-    params = embedding * (1 if tied else 2) + layers * per_layer + hidden
+    shape = shape or model_shape(cfg.model.path, cfg.model.trust_remote_code)
+    hidden, inter, layers, vocab = shape.hidden, shape.intermediate, shape.layers, shape.vocab
+    params = shape.params
+    embedding = shape.numels[shape.embedding]
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     # LoRA (runtime/lora.py): the base frozen in the compute dtype; fp32 masters, gradients and
     # AdamW state for the adapters alone, rank x (in + out) per adapted projection
-    kv = kv_heads * head_dim
-    sides = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
-    sides |= {"o_proj": (hidden, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
-    sides["down_proj"] = (inter, hidden)
     m = cfg.model
     lora_rank = m.lora_rank
-    adapters = layers * sum(lora_rank * sum(sides[t]) for t in m.lora_targets if t in sides)
+    adapters = sum(
+        lora_rank * (fan_in + fan_out)
+        for name, (fan_in, fan_out) in shape.linears.items()
+        if lora.is_target(name, m.lora_targets)
+    )
     # and model.lora_also_train's weights, trained in full (fp32, with gradients and AdamW state)
-    also = lora_rank and also_trained(m.lora_also_train, embedding, tied, layers, hidden, sides)
+    also = lora_rank and sum(
+        n for name, n in shape.numels.items() if lora.is_also_trained(name, m.lora_also_train)
+    )
     trained = adapters + also if lora_rank else params
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
@@ -144,7 +177,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         activations = tokens * (layers * hidden * compute + per_token_layer)
     else:
         activations = tokens * layers * per_token_layer
-    kv_per_token = layers * 2 * kv_heads * head_dim * engine
+    kv_per_token = shape.kv_per_token * engine
     weights_engine = params * engine
     contexts = 2 * CONTEXT_GIB * 2**30
     if r.max_total_tokens:
@@ -169,7 +202,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         "root gradient, unsharded fp32 (reduce-scatter)": (
             embedding * 4
             if sharded
-            and (not lora_rank or any(p in "model.embed_tokens.weight" for p in m.lora_also_train))
+            and (not lora_rank or lora.is_also_trained(shape.embedding, m.lora_also_train))
             else 0
         ),
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
@@ -206,7 +239,9 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # before gathering it)
         # (LoRA: the adapter, pushed whole into the engine's pool)
         "weight-sync bucket": (
-            adapters * 4 if lora_rank else cfg.memory.bucket_mb * 2**20 + embedding * engine
+            adapters * 4
+            if lora_rank
+            else cfg.memory.bucket_mb * 2**20 + max(shape.numels.values()) * engine
         ),
         "CUDA contexts (trainer + engine)": contexts,
     }

@@ -32,19 +32,31 @@ def adapted(model):
     return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A")}
 
 
+def is_target(module_name, targets):
+    """Whether the module of this name gets an adapter (if it is an nn.Linear): its last part is
+    one of model.lora_targets (`q_proj` adapts model.layers.*.self_attn.q_proj)."""
+    return module_name.rsplit(".", 1)[-1] in targets
+
+
+def is_also_trained(parameter_name, also_train):
+    """Whether a parameter trains in full beside the adapters: a part of model.lora_also_train is
+    in its name (`norm` names every norm's weight)."""
+    return any(part in parameter_name for part in also_train)
+
+
 def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
     """Give each nn.Linear whose name ends in one of `targets` a rank-`rank` adapter (A random as
     nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
     hold it in `base_dtype`, except those whose name holds a part of `also_train` (trained in full,
     fp32). Returns the adapted layers' names."""
     for name, parameter in model.named_parameters():
-        trained = any(part in name for part in also_train)
+        trained = is_also_trained(name, also_train)
         parameter.requires_grad_(trained)
         if not trained:
             parameter.data = parameter.data.to(base_dtype)
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or name.rsplit(".", 1)[-1] not in targets:
+        if not isinstance(module, torch.nn.Linear) or not is_target(name, targets):
             continue
         weight = module.weight
         a = torch.empty(rank, module.in_features, device=weight.device, dtype=torch.float32)

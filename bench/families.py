@@ -1,0 +1,134 @@
+"""configs/gsm8k.yaml rehearsed on other model families: what a fork that changes `model.path` to
+another architecture meets. Each family is a small random model built here from its transformers
+config (no download) with a byte-level tokenizer trained on the shipped GSM8K rows
+(tests/qwen_tiny.py's); each trains a few steps on CPU, full weights and LoRA, with every weight
+push checked bit for bit against the engine (run.check_weights_every=1), and the engine's log-probs
+against the trainer's (the step-0 gap check). A random model's GSM8K reward is 0 (no gradient), so
+the reward here is the share of digits in the response (`digit_share`): the weights move.
+
+python bench/families.py [--families llama,qwen3] [--steps 3]; one engine at a time, ~30 s per run.
+One line per run: families: family=<f> lora=<rank> rc=<n> steps=<n> weight_checks=<n>
+gap_max=<f> grad_norm_max=<f> seconds=<f>
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = os.path.join(ROOT, "tests", "data", "gsm8k_train_100.jsonl")
+# the CPU sizes tests/test_gpu_readiness.py rehearses the GPU configs at
+CPU_SIZES = [
+    f"data.train_path={ROWS}",
+    f"data.val_path={ROWS}",
+    "data.num_val_prompts=4",
+    "rollout.prompts_per_step=4",
+    "rollout.engine_threads=1",
+    "rollout.max_total_tokens=16384",
+    "rollout.max_new_tokens=32",
+    "train.threads=1",
+    "model.attn_implementation=sdpa",  # FlexAttention has no backward on CPU (model.ATTENTION)
+    "run.nproc=1",
+    "run.check_weights_every=1",
+    f"data.reward={os.path.abspath(__file__)}:digit_share",
+]
+# (transformers config class, its own fields): Qwen2 without tied embeddings (as Qwen2.5-7B),
+# Qwen3 with a head_dim that is not hidden / heads (as Qwen3-4B), Llama and Mistral
+FAMILIES = {
+    "qwen2_untied": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False}),
+}
+
+
+def digit_share(response_text, answer, finished=True):
+    """The reward: the share of the response's characters that are digits."""
+    return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
+
+
+def build_folder(family, folder):
+    """A random model of `family` with the GSM8K tokenizer, saved as a HF folder."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, ROOT)
+    import qwen_tiny
+
+    with open(ROWS) as f:
+        rows = [json.loads(line) for line in f]
+    tokenizer = qwen_tiny.build_tokenizer([f"{r['question']}\n{r['answer']}" for r in rows])
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    name, own = FAMILIES[family]
+    config = getattr(transformers, name)(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=end,
+        eos_token_id=end,
+        pad_token_id=end,
+        **own,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def rehearse(folder, out, lora_rank, steps):
+    """(return code, {tag: values} of the run's TensorBoard scalars, seconds, stderr's tail)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    command = [sys.executable, "train.py", "--config", "configs/gsm8k.yaml", "--out", out]
+    for item in [f"model.path={folder}", f"model.lora_rank={lora_rank}", f"train.steps={steps}"]:
+        command += ["--set", item]
+    for item in CPU_SIZES:
+        command += ["--set", item]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    seconds = time.perf_counter() - start
+    events = EventAccumulator(os.path.join(out, "tb"))
+    events.Reload()
+    logged = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return done.returncode, logged, seconds, done.stderr[-2000:]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lora", default="0,8", help="LoRA ranks to run each family at (0: full)")
+    args = parser.parse_args()
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="families-") as scratch:
+        for family in args.families.split(","):
+            folder = os.path.join(scratch, family)
+            build_folder(family, folder)
+            for rank in map(int, args.lora.split(",")):
+                out = os.path.join(scratch, f"run-{family}-{rank}")
+                rc, logged, seconds, tail = rehearse(folder, out, rank, args.steps)
+                get = lambda tag: max(logged.get(tag, [float("nan")]))  # noqa: E731
+                print(
+                    f"families: family={family} lora={rank} rc={rc} "
+                    f"steps={len(logged.get('train/loss', []))} "
+                    f"weight_checks={len(logged.get('timing/check_weights_s', []))} "
+                    f"gap_max={get('train/logprob_gap'):.2e} "
+                    f"grad_norm_max={get('train/grad_norm'):.3g} seconds={seconds:.0f}",
+                    flush=True,
+                )
+                if rc:
+                    failed += 1
+                    print(tail, file=sys.stderr)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
