@@ -249,6 +249,7 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     runtime/lora.add_adapters makes trainable on that model (a formula from hidden / heads, as
     before, left out 9% of Qwen3-4B)."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     import runtime.lora as lora
     from assemble import load_config
@@ -256,7 +257,7 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
 
     config = small_configs()[family]
     torch.manual_seed(0)
-    model = __import__("transformers").AutoModelForCausalLM.from_config(config).float()
+    model = AutoModelForCausalLM.from_config(config).float()
     shape = shape_of(config)
     cfg = load_config(os.path.join(REPO, "configs/tiny.yaml"), ["rollout.max_total_tokens=1000"])
     parts, _ = estimate(cfg, 1, 80 * 2**30, shape=shape, budget=1024)
