@@ -8,7 +8,8 @@ the reward here is the share of digits in the response (`digit_share`): the weig
 
 python bench/families.py [--families llama,qwen3] [--steps 3]; one engine at a time, ~30 s per run.
 One line per run: families: family=<f> lora=<rank> rc=<n> steps=<n> weight_checks=<n>
-gap_max=<f> grad_norm_max=<f> seconds=<f>
+gap_max=<f> grad_norm_max=<f> seconds=<f>. `--build FAMILY --folder DIR` only writes that model's
+folder (tests/test_own_task.py trains the countdown example on a Qwen3 so).
 """
 
 import argparse
@@ -106,7 +107,13 @@ def main():
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lora", default="0,8", help="LoRA ranks to run each family at (0: full)")
+    parser.add_argument("--build", choices=FAMILIES, help="only write this family's model folder")
+    parser.add_argument("--folder", help="--build: where")
     args = parser.parse_args()
+    if args.build and not args.folder:
+        parser.error("--build needs --folder")
+    if args.build:
+        return build_folder(args.build, args.folder)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="families-") as scratch:
         for family in args.families.split(","):

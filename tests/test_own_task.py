@@ -20,7 +20,7 @@ import task.chat as chat
 import rewards
 from config import ConfigError
 from assemble import load_config
-from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
+from conftest import GSM8K_TRAIN, REPO
 from test_gpu_readiness import CPU_SIZES
 from test_train import scalars
 
@@ -313,10 +313,11 @@ COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     f"data.train_path={COUNTDOWN_RUN}/train.jsonl",
     f"data.val_path={COUNTDOWN_RUN}/test.jsonl",
     "data.num_val_prompts=4",
-    f"model.path={QWEN_TINY}",
+    f"model.path={COUNTDOWN_RUN}/qwen3",
     "rollout.max_new_tokens=32",
     "run.nproc=1",
     "train.compile=false",  # the GSM8K rehearsals compile on CPU already (tests/test_gpu_readiness)
+    "run.check_weights_every=1",
 ]
 COUNTDOWN_COMMAND = " ".join(
     [
@@ -329,7 +330,12 @@ COUNTDOWN_COMMAND = " ".join(
         "--test",
         "8",
         "&&",
-        BUILD_QWEN,
+        sys.executable,
+        "bench/families.py",
+        "--build",
+        "qwen3",
+        "--folder",
+        f"{COUNTDOWN_RUN}/qwen3",
         "&&",
         sys.executable,
         "train.py",
@@ -344,9 +350,10 @@ COUNTDOWN_COMMAND = " ".join(
 
 @pytest.mark.background("countdown", ["bash", "-c", COUNTDOWN_COMMAND])
 def test_the_countdown_example_trains_on_cpu(background_runs):
-    """examples/countdown.yaml, 2 steps on one rank with the small Qwen-shaped model (its own
-    build and engine, in the background): data generated, reward loaded from its file, every
-    trajectory scored or counted."""
+    """examples/countdown.yaml, 2 steps on one rank (its own engine, in the background): data
+    generated, reward loaded from its file, every trajectory scored or counted. The model is
+    another family than the other rehearsals' Qwen2: a random Qwen3 (bench/families.py: a
+    head_dim that is not hidden / heads, q and k norms), each weight push checked bit for bit."""
     background_runs.lines("countdown")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
     # budget, compile and attention, and TinyZero's 1,024 new tokens
@@ -356,3 +363,4 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     logged = scalars(os.path.join(COUNTDOWN_RUN, "run"))
     assert len(logged["train/reward_mean"]) == 2 and "val/reward_mean" in logged
     assert logged["rollout/reward_errors"] == [0, 0]
+    assert len(logged["timing/check_weights_s"]) == 2  # every push checked, none refused
