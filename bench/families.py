@@ -85,7 +85,8 @@ def build_folder(family, folder):
 
 
 def rehearse(folder, out, lora_rank, steps):
-    """(return code, {tag: values} of the run's TensorBoard scalars, seconds, stderr's tail)."""
+    """(return code or "timeout", {tag: values} of the run's TensorBoard scalars (none if it
+    ended before its loop), seconds, stderr's tail)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     command = [sys.executable, "train.py", "--config", "configs/gsm8k.yaml", "--out", out]
@@ -94,12 +95,19 @@ def rehearse(folder, out, lora_rank, steps):
     for item in CPU_SIZES:
         command += ["--set", item]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        rc, tail = done.returncode, done.stderr[-2000:]
+    except subprocess.TimeoutExpired as e:
+        partial = e.stderr or b""  # bytes on POSIX, whatever `text` says
+        rc, tail = "timeout", str(partial[-2000:], errors="replace") if partial else ""
     seconds = time.perf_counter() - start
-    events = EventAccumulator(os.path.join(out, "tb"))
-    events.Reload()
-    logged = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    return done.returncode, logged, seconds, done.stderr[-2000:]
+    logged = {}
+    if os.path.isdir(os.path.join(out, "tb")):  # a run that failed before its loop wrote none
+        events = EventAccumulator(os.path.join(out, "tb"))
+        events.Reload()
+        logged = {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return rc, logged, seconds, tail
 
 
 def main():

@@ -5,10 +5,9 @@ micro-batch token budget that fills the card (`train.max_tokens_per_micro_batch:
 Arithmetic from the model's parameters (counted on its skeleton: `shape_of`) and the config, not a
 measurement: the rules of thumb are in the comments, and the activation term is an estimate (a
 dense decoder's, bf16 activations). bench/estimate_memory.py prints it; bench/train_step.py
---shape sets it beside the measured peak. Owns no state (`model_shape` caches what it counted).
+--shape sets it beside the measured peak. Owns no state.
 """
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -52,7 +51,6 @@ class Shape(NamedTuple):
     vocab: int
     kv_per_token: int  # K and V values one token holds in the engine's cache, all layers
     params: int  # every parameter (a tied output head counted once)
-    embedding: str  # the input embedding's parameter name (the largest tensor)
     numels: dict  # {parameter name: elements}: what model.lora_also_train may name
     linears: dict  # {module name: (in, out)} of each nn.Linear: what LoRA may adapt
 
@@ -73,7 +71,6 @@ def qwen2_config(numbers):
     )
 
 
-@functools.cache
 def model_shape(path, trust_remote_code=False):
     """The Shape of `model.path`: a local HF folder's config, else a known public shape, else the
     hub (where reachable)."""
@@ -93,8 +90,9 @@ def model_shape(path, trust_remote_code=False):
 
 def shape_of(config, trust_remote_code=False):
     """The Shape of the model a HF config describes, counted on its skeleton: the model built on
-    the meta device (shapes, no memory, ~0.3 s at 7B), so every architecture transformers builds
-    is counted as it is, not by one family's formula: Qwen2's q, k and v biases, Llama's
+    the meta device (shapes, no memory; well under a second at 7B), so each decoder with
+    Llama-style config fields (hidden_size, intermediate_size, num_hidden_layers, ...) is counted
+    as transformers builds it, not by one family's formula: Qwen2's q, k and v biases, Llama's
     projections without them, Qwen3's head_dim of 128 where hidden / heads is 80 (Qwen3-4B: a
     formula from hidden / heads left out 9% of its parameters)."""
     import torch
@@ -105,7 +103,6 @@ def shape_of(config, trust_remote_code=False):
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    embedding = model.get_input_embeddings().weight
     return Shape(
         hidden=c.hidden_size,
         intermediate=c.intermediate_size,
@@ -113,7 +110,6 @@ def shape_of(config, trust_remote_code=False):
         vocab=c.vocab_size,
         kv_per_token=c.num_hidden_layers * 2 * kv_heads * head_dim,
         params=sum(p.numel() for p in model.parameters()),  # each tied tensor once
-        embedding=next(name for name, p in model.named_parameters() if p is embedding),
         numels={name: p.numel() for name, p in model.named_parameters()},
         linears={
             name: (m.in_features, m.out_features)
@@ -141,7 +137,6 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     shape = shape or model_shape(cfg.model.path, cfg.model.trust_remote_code)
     hidden, inter, layers, vocab = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     params = shape.params
-    embedding = shape.numels[shape.embedding]
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     # LoRA (runtime/lora.py): the base frozen in the compute dtype; fp32 masters, gradients and
     # AdamW state for the adapters alone, rank x (in + out) per adapted projection
@@ -157,6 +152,14 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         n for name, n in shape.numels.items() if lora.is_also_trained(name, m.lora_also_train)
     )
     trained = adapters + also if lora_rank else params
+    # FSDP2's root unit holds every parameter outside the decoder layers (parallel.shard): the
+    # embedding, the final norm, an untied output head; what of it trains has a root gradient
+    root_trained = sum(
+        n
+        for name, n in shape.numels.items()
+        if ".layers." not in name
+        and (not lora_rank or lora.is_also_trained(name, m.lora_also_train))
+    )
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = longest_sequence(cfg)
@@ -198,13 +201,8 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # FSDP2 during the update: every unit stays gathered in the compute dtype from its first
         # forward to the last micro-batch's backward (parallel.gathered_for_update)
         "FSDP units gathered for the update": params * compute if sharded else 0,
-        # (LoRA: the embedding has one only where model.lora_also_train trains it)
-        "root gradient, unsharded fp32 (reduce-scatter)": (
-            embedding * 4
-            if sharded
-            and (not lora_rank or lora.is_also_trained(shape.embedding, m.lora_also_train))
-            else 0
-        ),
+        # (LoRA: only what model.lora_also_train trains of the root)
+        "root gradient, unsharded fp32 (reduce-scatter)": root_trained * 4 if sharded else 0,
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
         # backward
         "autocast weight copies": (

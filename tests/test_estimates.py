@@ -214,8 +214,9 @@ def test_the_lora_estimate_counts_what_trains_in_full_too():
         real = sum(p.numel() * p.element_size() for p in own)
         assert parts["KL reference (sharded)"] == real, also
         parts, _ = estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)
-        embedding_trains = policy.get_input_embeddings().weight.requires_grad
-        assert bool(parts["root gradient, unsharded fp32 (reduce-scatter)"]) == embedding_trains
+        root = [p for n, p in policy.named_parameters() if ".layers." not in n and p.requires_grad]
+        root_gradient = parts["root gradient, unsharded fp32 (reduce-scatter)"]
+        assert root_gradient == 4 * sum(p.numel() for p in root), also
 
 
 def small_configs():
@@ -247,7 +248,9 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     bytes per parameter of the model built from the config, the engine's KV cache per token is
     what the model's own cache holds per token, and a LoRA run's trained parameters are those
     runtime/lora.add_adapters makes trainable on that model (a formula from hidden / heads, as
-    before, left out 9% of Qwen3-4B)."""
+    before, left out 9% of Qwen3-4B). On two ranks the root FSDP unit's gradient is that of
+    every parameter outside the decoder layers: the embedding, the final norm and an untied head
+    (it counted the embedding alone)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -266,6 +269,11 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
         cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
     cached = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
     assert parts["engine KV cache"] == 1000 * cached / 3 * 4  # fp32 engine, 1,000 tokens
+    parts, _ = estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)
+    root = [p for n, p in model.named_parameters() if ".layers." not in n]  # parallel.shard's
+    assert parts["root gradient, unsharded fp32 (reduce-scatter)"] == 4 * sum(
+        p.numel() for p in root
+    )
     lora_cfg = load_config(
         os.path.join(REPO, "configs/tiny_lora.yaml"), ["model.lora_also_train=[norm]"]
     )
