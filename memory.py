@@ -29,6 +29,7 @@ from config import ConfigError
 from metrics import slowest
 import runtime.lora as lora
 import runtime.parallel as parallel
+from runtime.estimate import kv_values_per_token
 
 MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
 # the ledger's name of each engine memory tag (CUDA graph pools are not modelled)
@@ -70,13 +71,7 @@ class Ledger:
         trained = [p for p in params if p.requires_grad]  # LoRA: the adapters (+ lora_also_train)
         element = torch.empty((), dtype=engine_dtype).element_size()
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        config = policy.config
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        kv_per_token = (
-            config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
-        )
+        kv_per_token = kv_values_per_token(policy.config) * element
         # whole model: each rank's engine
         return cls(
             engine_weights=sum(p.numel() for p in params) * element,

@@ -88,6 +88,17 @@ def model_shape(path, trust_remote_code=False):
     return shape_of(config, trust_remote_code)
 
 
+def kv_values_per_token(config):
+    """K and V values one token holds in a KV cache, over all layers, for a HF model config:
+    layers x 2 x KV heads x head_dim. head_dim where the config gives it (Qwen3's 128 is not
+    hidden / heads), else hidden / heads; the KV heads are the attention heads where the config
+    names none (plain multi-head attention, as GPT-2's). memory.Ledger and `shape_of` read it."""
+    c = config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return c.num_hidden_layers * 2 * kv_heads * head_dim
+
+
 def shape_of(config, trust_remote_code=False):
     """The Shape of the model a HF config describes, counted on its skeleton: the model built on
     the meta device (shapes, no memory; well under a second at 7B), so each decoder with
@@ -101,14 +112,12 @@ def shape_of(config, trust_remote_code=False):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     c = model.config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return Shape(
         hidden=c.hidden_size,
         intermediate=c.intermediate_size,
         layers=c.num_hidden_layers,
         vocab=c.vocab_size,
-        kv_per_token=c.num_hidden_layers * 2 * kv_heads * head_dim,
+        kv_per_token=kv_values_per_token(model.config),
         params=sum(p.numel() for p in model.parameters()),  # each tied tensor once
         numels={name: p.numel() for name, p in model.named_parameters()},
         linears={
