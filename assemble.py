@@ -108,6 +108,8 @@ def setup(cfg, resume=False, engine=None):
     # seconds, before a model of gigabytes loads (the tokenizer alone, again below: the same)
     task = build_task(cfg, load_tokenizer(cfg, init_dir or cfg.model.path, chars))
     policy, tokenizer = build_policy(cfg, init_dir, chars)
+    # the budget and the estimate's warning before the engine's start-up (it reads the shape only)
+    size_micro_batches(cfg, policy, device)
     # the weights the engine loads (run.out/model: the initial policy, with LoRA the base), or the
     # checkpoint's
     engine_dir = init_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
@@ -117,7 +119,6 @@ def setup(cfg, resume=False, engine=None):
         engine = start_engine(cfg, engine_dir, start_step)
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     policy, reference = place_models(cfg, policy, compute_dtype, device)
-    size_micro_batches(cfg, policy, device)
     trainer = update.Trainer.build(
         cfg,
         policy,
@@ -194,18 +195,28 @@ def size_micro_batches(cfg, policy, device):
     """`train.max_tokens_per_micro_batch: auto` becomes a number of tokens here, once, written
     into the config (logged): on a GPU the largest budget whose estimated train phase fits this
     card with a margin (estimate.auto_budget, at this run's rank count and the policy's shape),
-    so a bigger card or more ranks get bigger micro-batches; without one CPU_AUTO_TOKENS."""
-    if cfg.train.max_tokens_per_micro_batch != "auto":
+    so a bigger card or more ranks get bigger micro-batches; without one CPU_AUTO_TOKENS. On a
+    GPU a run whose estimated peak is more than the card gets a warning (estimate.over_the_card),
+    auto or not."""
+    auto = cfg.train.max_tokens_per_micro_batch == "auto"
+    if device.type != "cuda":
+        if auto:
+            cfg.train.max_tokens_per_micro_batch = estimate.CPU_AUTO_TOKENS
+            log.info(
+                "train.max_tokens_per_micro_batch: auto -> %d (no GPU)", estimate.CPU_AUTO_TOKENS
+            )
         return
-    if device.type == "cuda":
-        card = torch.cuda.get_device_properties(device).total_memory
-        shape = estimate.shape_of(policy.config, cfg.model.trust_remote_code)
-        budget = estimate.auto_budget(cfg, parallel.world_size(), card, shape)
+    card = torch.cuda.get_device_properties(device).total_memory
+    shape = estimate.shape_of(policy.config, cfg.model.trust_remote_code)
+    ranks = parallel.world_size()
+    if auto:
+        budget = estimate.auto_budget(cfg, ranks, card, shape)
+        cfg.train.max_tokens_per_micro_batch = budget
         why = f"the estimated train phase on this {card / 2**30:.1f} GiB card"
-    else:
-        budget, why = estimate.CPU_AUTO_TOKENS, "no GPU"
-    cfg.train.max_tokens_per_micro_batch = budget
-    log.info("train.max_tokens_per_micro_batch: auto -> %d (%s)", budget, why)
+        log.info("train.max_tokens_per_micro_batch: auto -> %d (%s)", budget, why)
+    warning = estimate.over_the_card(cfg, ranks, card, shape)
+    if warning:
+        log.warning(warning)
 
 
 def place_models(cfg, policy, compute_dtype, device):

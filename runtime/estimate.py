@@ -288,6 +288,35 @@ AUTO_STEP = 1024  # the budget is a multiple of this many tokens
 CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
 
 
+# what lowers each phase's peak, for `over_the_card`'s warning
+LOWERS = {
+    "rollout": "a smaller rollout.mem_fraction_static or rollout.max_total_tokens",
+    "train": (
+        "LoRA (model.lora_rank), more ranks (run.nproc), train.gradient_checkpointing or a smaller "
+        "train.max_tokens_per_micro_batch"
+    ),
+    "sync": "memory.mode: staged, a smaller memory.bucket_mb, or LoRA (model.lora_rank)",
+}
+
+
+def over_the_card(cfg, ranks, gpu_bytes, shape=None):
+    """None where the estimate's largest phase fits a card of `gpu_bytes`; else a warning that
+    names the phase, its estimate and what lowers it (assemble.size_micro_batches logs it at
+    setup, before a rollout or an update meets the out-of-memory error). A warning, not an
+    error: an estimate, within 10% of the peaks measured on an H200 (docs/RESULTS.md)."""
+    _, phases = estimate(cfg, ranks, gpu_bytes, shape)
+    phase = max(phases, key=phases.get)
+    if phases[phase] <= gpu_bytes:
+        return None
+    lowers = LOWERS[phase] if cfg.memory.mode != "off" else "memory.mode: staged"
+    return (
+        f"the estimated {phase} phase holds {phases[phase] / 2**30:.1f} GiB a rank, more than this "
+        f"{gpu_bytes / 2**30:.1f} GiB card: expect an out-of-memory error. "
+        f"`python bench/estimate_memory.py --ranks {ranks}` with this config lists each term; "
+        f"{lowers} lowers it"
+    )
+
+
 def sharded_over(ranks):
     """Whether the policy is an FSDP2 shard: with more than one rank."""
     return ranks > 1

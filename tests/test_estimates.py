@@ -282,3 +282,27 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     parts, _ = estimate(lora_cfg, 1, 80 * 2**30, shape=shape, budget=1024)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert parts["AdamW state (fp32, sharded)"] / 8 == trained
+
+
+def test_a_run_that_cannot_fit_the_card_is_warned_with_what_lowers_it():
+    """estimate.over_the_card (logged at setup on a GPU, before the engine starts): nothing for
+    the shipped GPU config on 1 and 8 ranks; Qwen2.5-7B trained in full on one 80 GB card (its
+    train phase ~138 GiB) names the train phase and LoRA; with LoRA, nothing; a KV pool larger
+    than the card names the rollout phase and its knobs."""
+    import runtime.estimate as estimate
+    from assemble import load_config
+
+    card = estimate.H100_80GB_GIB * 2**30
+    sets = [f"data.train_path={os.path.join(REPO, 'tests/data/gsm8k_train_100.jsonl')}"]
+    path = "model.path=Qwen/Qwen2.5-7B-Instruct"
+
+    def warning(*more, ranks=1):
+        cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets + list(more))
+        return estimate.over_the_card(cfg, ranks, card)
+
+    assert warning() is None and warning(ranks=8) is None
+    full = warning(path)
+    assert full.startswith("the estimated train phase holds 138.") and "model.lora_rank" in full
+    assert warning(path, "model.lora_rank=64") is None
+    pool = warning("rollout.max_total_tokens=10000000")
+    assert "rollout phase" in pool and "rollout.max_total_tokens" in pool
