@@ -109,7 +109,7 @@ def setup(cfg, resume=False, engine=None):
     task = build_task(cfg, load_tokenizer(cfg, init_dir or cfg.model.path, chars))
     policy, tokenizer = build_policy(cfg, init_dir, chars)
     # the budget and the estimate's warning before the engine's start-up (it reads the shape only)
-    size_micro_batches(cfg, policy, device)
+    size_micro_batches(cfg, policy, card_bytes(device))
     # the weights the engine loads (run.out/model: the initial policy, with LoRA the base), or the
     # checkpoint's
     engine_dir = init_dir or checkpoint.export_for_engine(policy, tokenizer, cfg.run.out)
@@ -187,26 +187,30 @@ def trainer_only(cfg, policy, device=torch.device("cpu"), autocast_dtype=None, r
     `model.build_optimizer` makes: what update.update_policy reads. For replay, the benchmarks
     and the tests that time or check an update alone."""
     check_attention(cfg, device)
-    size_micro_batches(cfg, policy, device)
+    size_micro_batches(cfg, policy, card_bytes(device))
     return update.Trainer.build(cfg, policy, device, reference, autocast_dtype)
 
 
-def size_micro_batches(cfg, policy, device):
+def card_bytes(device):
+    """The GPU's memory in bytes (what size_micro_batches sizes for); None on a CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def size_micro_batches(cfg, policy, card):
     """`train.max_tokens_per_micro_batch: auto` becomes a number of tokens here, once, written
-    into the config (logged): on a GPU the largest budget whose estimated train phase fits this
-    card with a margin (estimate.auto_budget, at this run's rank count and the policy's shape),
-    so a bigger card or more ranks get bigger micro-batches; without one CPU_AUTO_TOKENS. On a
-    GPU a run whose estimated peak is more than the card gets a warning (estimate.over_the_card),
-    auto or not."""
+    into the config (logged): with a GPU of `card` bytes, the largest budget whose estimated train
+    phase fits it with a margin (estimate.auto_budget, at this run's rank count and the policy's
+    shape), so a bigger card or more ranks get bigger micro-batches; without one (`card` None)
+    CPU_AUTO_TOKENS. With a GPU, a run whose estimated peak is more than the card gets a warning
+    (estimate.over_the_card), auto or not."""
     auto = cfg.train.max_tokens_per_micro_batch == "auto"
-    if device.type != "cuda":
+    if card is None:
         if auto:
             cfg.train.max_tokens_per_micro_batch = estimate.CPU_AUTO_TOKENS
             log.info(
                 "train.max_tokens_per_micro_batch: auto -> %d (no GPU)", estimate.CPU_AUTO_TOKENS
             )
         return
-    card = torch.cuda.get_device_properties(device).total_memory
     shape = estimate.shape_of(policy.config, cfg.model.trust_remote_code)
     ranks = parallel.world_size()
     if auto:

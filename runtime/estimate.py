@@ -288,32 +288,43 @@ AUTO_STEP = 1024  # the budget is a multiple of this many tokens
 CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
 
 
-# what lowers each phase's peak, for `over_the_card`'s warning
-LOWERS = {
-    "rollout": "a smaller rollout.mem_fraction_static or rollout.max_total_tokens",
-    "train": (
-        "LoRA (model.lora_rank), more ranks (run.nproc), train.gradient_checkpointing or a smaller "
-        "train.max_tokens_per_micro_batch"
-    ),
-    "sync": "memory.mode: staged, a smaller memory.bucket_mb, or LoRA (model.lora_rank)",
-}
+def levers(cfg, phase):
+    """The settings that would lower `phase`'s estimate from where this config stands (a lever
+    already pulled, or one that changes nothing at this budget, is left out)."""
+    m, t, r = cfg.model, cfg.train, cfg.rollout
+    if cfg.memory.mode == "off":  # every phase holds everything
+        return ["memory.mode: staged"]
+    if phase == "rollout":  # with mem_fraction_static alone the KV cache is sized to fit
+        return ["a smaller rollout.max_total_tokens"]
+    found = [] if m.lora_rank else ["LoRA (model.lora_rank)"]
+    found.append("more ranks (run.nproc)")  # the trainer's fp32 state is sharded over them
+    if phase == "sync":
+        return found + ["a smaller memory.bucket_mb"]
+    if not t.gradient_checkpointing:
+        found.append("train.gradient_checkpointing")
+    if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch > longest_sequence(cfg):
+        found.append("a smaller train.max_tokens_per_micro_batch")  # down to the longest sequence
+    if not t.max_tokens_per_micro_batch and t.micro_batch_size > 1:
+        found.append("a smaller train.micro_batch_size")
+    return found
 
 
 def over_the_card(cfg, ranks, gpu_bytes, shape=None):
     """None where the estimate's largest phase fits a card of `gpu_bytes`; else a warning that
     names the phase, its estimate and what lowers it (assemble.size_micro_batches logs it at
-    setup, before a rollout or an update meets the out-of-memory error). A warning, not an
-    error: an estimate, within 10% of the peaks measured on an H200 (docs/RESULTS.md)."""
+    setup, before the engine starts). A warning, not an error: an estimate, within 10% of the
+    peaks measured on an H200 (docs/RESULTS.md), not a measurement."""
     _, phases = estimate(cfg, ranks, gpu_bytes, shape)
     phase = max(phases, key=phases.get)
     if phases[phase] <= gpu_bytes:
         return None
-    lowers = LOWERS[phase] if cfg.memory.mode != "off" else "memory.mode: staged"
+    what = f"{phase} phase" if cfg.memory.mode != "off" else "peak (memory.mode: off holds it all)"
+    gib = gpu_bytes / 2**30
     return (
-        f"the estimated {phase} phase holds {phases[phase] / 2**30:.1f} GiB a rank, more than this "
-        f"{gpu_bytes / 2**30:.1f} GiB card: expect an out-of-memory error. "
-        f"`python bench/estimate_memory.py --ranks {ranks}` with this config lists each term; "
-        f"{lowers} lowers it"
+        f"the estimated {what} is {phases[phase] / 2**30:.1f} GiB a rank, more than this "
+        f"{gib:.1f} GiB card: expect an out-of-memory error. bench/estimate_memory.py with this "
+        f"config and --ranks {ranks} --gpu-gib {gib:.1f} lists each term; "
+        f"{' or '.join(levers(cfg, phase))} would lower it"
     )
 
 

@@ -284,25 +284,49 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     assert parts["AdamW state (fp32, sharded)"] / 8 == trained
 
 
-def test_a_run_that_cannot_fit_the_card_is_warned_with_what_lowers_it():
-    """estimate.over_the_card (logged at setup on a GPU, before the engine starts): nothing for
-    the shipped GPU config on 1 and 8 ranks; Qwen2.5-7B trained in full on one 80 GB card (its
-    train phase ~138 GiB) names the train phase and LoRA; with LoRA, nothing; a KV pool larger
-    than the card names the rollout phase and its knobs."""
+def test_a_run_that_cannot_fit_the_card_is_warned_with_what_lowers_it(caplog):
+    """assemble.size_micro_batches with an 80 GB card (what setup passes on a GPU, before the
+    engine starts): the shipped GPU config on 1 and 8 ranks gets its `auto` budget and no
+    warning; Qwen2.5-7B trained in full on one card (train phase ~138 GiB at the longest
+    sequence, where a smaller budget changes nothing) is warned, naming the phase, the bench
+    command for this card and rank count, and only the levers that would lower it; with LoRA,
+    nothing; a KV pool larger than the card names the rollout; memory.mode off names the whole
+    peak and the staged mode."""
+    import types
+
     import runtime.estimate as estimate
-    from assemble import load_config
+    from assemble import load_config, size_micro_batches
 
     card = estimate.H100_80GB_GIB * 2**30
     sets = [f"data.train_path={os.path.join(REPO, 'tests/data/gsm8k_train_100.jsonl')}"]
-    path = "model.path=Qwen/Qwen2.5-7B-Instruct"
+    seven_b = "model.path=Qwen/Qwen2.5-7B-Instruct"
 
-    def warning(*more, ranks=1):
+    def setup_warnings(*more):
+        """What size_micro_batches logs at WARNING for gsm8k.yaml with `more`, and its budget."""
         cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets + list(more))
-        return estimate.over_the_card(cfg, ranks, card)
+        known = estimate.KNOWN_SHAPES[
+            cfg.model.path if "7B" in cfg.model.path else "Qwen/Qwen2.5-1.5B-Instruct"
+        ]
+        policy = types.SimpleNamespace(config=estimate.qwen2_config(known))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="setup"):
+            size_micro_batches(cfg, policy, card)
+        return [r.getMessage() for r in caplog.records], cfg.train.max_tokens_per_micro_batch
 
-    assert warning() is None and warning(ranks=8) is None
-    full = warning(path)
-    assert full.startswith("the estimated train phase holds 138.") and "model.lora_rank" in full
-    assert warning(path, "model.lora_rank=64") is None
-    pool = warning("rollout.max_total_tokens=10000000")
+    warnings, budget = setup_warnings()
+    assert warnings == [] and budget % estimate.AUTO_STEP == 0  # auto sized for the card
+    cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
+    assert estimate.over_the_card(cfg, 8, card) is None
+    (full,), budget = setup_warnings(seven_b)
+    assert budget == estimate.longest_sequence(cfg)  # the floor: nothing smaller fits either
+    assert full.startswith("the estimated train phase is 138.")
+    assert "--ranks 1 --gpu-gib 79.2" in full and "LoRA (model.lora_rank)" in full
+    assert "train.gradient_checkpointing" in full and "max_tokens_per_micro_batch" not in full
+    (checkpointed,), _ = setup_warnings(seven_b, "train.gradient_checkpointing=true")
+    assert "gradient_checkpointing" not in checkpointed
+    assert setup_warnings(seven_b, "model.lora_rank=64")[0] == []
+    (pool,), _ = setup_warnings("rollout.max_total_tokens=10000000")
     assert "rollout phase" in pool and "rollout.max_total_tokens" in pool
+    (everything,), _ = setup_warnings(seven_b, "memory.mode=off")
+    assert "memory.mode: off holds it all" in everything
+    assert everything.endswith("memory.mode: staged would lower it")
