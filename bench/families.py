@@ -68,12 +68,7 @@ def build_folder(family, folder):
     name, own = FAMILIES[family]
     config = getattr(transformers, name)(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        **qwen_tiny.SHAPE,  # the suite's small Qwen2's
         bos_token_id=end,
         eos_token_id=end,
         pad_token_id=end,

@@ -195,6 +195,17 @@ def supervised_steps(model, examples, steps, batch_size, lr, seed):
     return loss.item()
 
 
+# the model's shape (bench/families.py builds other families at it)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+
 def build(folder, data_path, steps=250, seed=0):
     """Write the model folder; returns the last supervised loss."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -210,12 +221,7 @@ def build(folder, data_path, steps=250, seed=0):
     # from generation_config.json, so a stop at <|im_end|> shows that SGLang reads both
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
+        **SHAPE,
         tie_word_embeddings=True,
         bos_token_id=end_of_text,
         eos_token_id=end_of_text,
