@@ -291,7 +291,7 @@ CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the
 def levers(cfg, phase):
     """The settings that would lower `phase`'s estimate from where this config stands (a lever
     already pulled, or one that changes nothing at this budget, is left out)."""
-    m, t, r = cfg.model, cfg.train, cfg.rollout
+    m, t = cfg.model, cfg.train
     if cfg.memory.mode == "off":  # every phase holds everything
         return ["memory.mode: staged"]
     if phase == "rollout":  # with mem_fraction_static alone the KV cache is sized to fit
