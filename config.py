@@ -131,6 +131,11 @@ class DataConfig:
     # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
     reward: str = ""
     hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")
+    # gsm8k, chat: variables the tokenizer's chat template reads beyond the messages, such as
+    # {enable_thinking: false} for Qwen3's (transformers hands them to the template)
+    chat_template_kwargs: dict[str, bool | int | float | str] = dataclasses.field(
+        default_factory=dict
+    )
     max_prompt_len: PositiveInt = 512  # longer prompts are counted and skipped (every task)
     tiny_max_count: PositiveInt = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
     # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
@@ -409,7 +414,7 @@ def numbers(config, prefix=""):
             yield key, value, next((m for m in kind.__metadata__ if isinstance(m, Range)), Range())
         elif kind is float:
             yield key, value, Range()
-        elif typing.get_origin(kind) is dict:
+        elif typing.get_origin(kind) is dict and typing.get_args(kind)[1] is float:
             for entry, number in value.items():
                 yield f"{key}.{entry}", number, Range()
 
@@ -443,6 +448,21 @@ def _coerce(key, value, kind):
             raise ConfigError(
                 f"{key}={shown(value)}: expected {number.__name__} or one of {words}"
             ) from None
+    if typing.get_origin(kind) is dict and typing.get_args(kind)[1] is not float:
+        # dict[str, bool | int | float | str]: names to scalars (data.chat_template_kwargs)
+        scalars = typing.get_args(typing.get_args(kind)[1])
+        is_mapping = isinstance(value, dict) and all(
+            isinstance(k, str)
+            and isinstance(v, scalars)
+            and not (isinstance(v, float) and not math.isfinite(v))
+            for k, v in value.items()
+        )
+        if not is_mapping:
+            raise ConfigError(
+                f"{key}={shown(value)}: expected a mapping of names to booleans, finite numbers "
+                "or strings"
+            )
+        return dict(value)
     if typing.get_origin(kind) is dict:  # dict[str, float]: a YAML mapping of names to numbers
         is_mapping = isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -7,12 +7,14 @@ Malformed rows and over-long prompts are counted and skipped. GSM8K (task/gsm8k.
 task of its own rows. A task module as task/tiny.py describes.
 """
 
+import inspect
 import json
 import logging
 import math
 import os
 
 import jinja2  # transformers renders chat templates with it
+from transformers import PreTrainedTokenizerBase
 
 from config import ConfigError
 from sample import Prompt
@@ -27,13 +29,26 @@ FIELDS = {
     "data.hub_subset",
     "data.prompt_field",
     "data.answer_field",
+    "data.chat_template_kwargs",
 } | TOOL_FIELDS
 reward = None  # the one data.reward names (`check`)
+# apply_chat_template's own parameters (transformers' tokenization_utils_base.py): a
+# data.chat_template_kwargs key among them would collide with what chat_prompts passes
+TEMPLATE_ARGUMENTS = set(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+) - {"self", "kwargs"}
 
 
 def check(cfg):
-    """Rows to read and a reward to score them: named before any model loads."""
+    """Rows to read, a reward to score them, and template variables that are not
+    apply_chat_template's own arguments: named before any model loads."""
     task = cfg.data.task
+    taken = sorted(set(cfg.data.chat_template_kwargs) & TEMPLATE_ARGUMENTS)
+    if taken:
+        raise ConfigError(
+            f"data.chat_template_kwargs: {taken} are apply_chat_template's own arguments, which "
+            "the task sets; only the template's variables go here"
+        )
     if not cfg.data.train_path:
         raise ConfigError(
             f"data.task={task} needs data.train_path (a .jsonl/.parquet file or a hub name)"
@@ -59,6 +74,7 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
         answer_field=d.answer_field,
         tools=tool.schemas if tool is not None else None,
         subset=d.hub_subset,
+        template_kwargs=d.chat_template_kwargs,
     )
 
 
@@ -188,12 +204,14 @@ def chat_prompts(
     tools=None,
     subset=None,
     to_prompt=None,
+    template_kwargs=None,
 ):
     """Chat-formatted prompts from rows of a prompt (a string, made one user message, or a list
     of chat messages) and a reference answer, rendered with the tokenizer's chat template (with
-    the tool descriptions when `tools` is given). `to_prompt(row) -> (prompt, answer)` reshapes a
-    dataset's own rows (GSM8K's); malformed rows and prompts longer than `max_prompt_len` tokens
-    are counted and skipped."""
+    the tool descriptions when `tools` is given, and the template's own variables
+    `template_kwargs`: data.chat_template_kwargs). `to_prompt(row) -> (prompt, answer)` reshapes
+    a dataset's own rows (GSM8K's); malformed rows and prompts longer than `max_prompt_len`
+    tokens are counted and skipped."""
     rows = read_rows(source, split, subset)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
@@ -214,7 +232,11 @@ def chat_prompts(
             prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             text = tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except (ValueError, jinja2.TemplateError) as e:  # e.g. "roles must alternate"
             num_bad += 1

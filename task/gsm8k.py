@@ -7,7 +7,12 @@ task/tiny.py describes.
 import rewards
 import task.chat as chat
 
-FIELDS = {"data.train_path", "data.val_path", "data.hub_subset"} | chat.TOOL_FIELDS
+FIELDS = {
+    "data.train_path",
+    "data.val_path",
+    "data.hub_subset",
+    "data.chat_template_kwargs",
+} | chat.TOOL_FIELDS
 INSTRUCTION = "Solve the problem step by step. Put the final numeric answer after '####'."
 reward = rewards.gsm8k_reward
 check = chat.check  # rows to read
@@ -39,13 +44,23 @@ def prompts(cfg, tokenizer, split, seed, tool=None):
         d.max_prompt_len,
         tool.schemas if tool is not None else None,
         d.hub_subset or "main",
+        d.chat_template_kwargs,
     )
 
 
-def read(tokenizer, source, split, max_prompt_len, tools=None, subset="main"):
+def read(tokenizer, source, split, max_prompt_len, tools=None, subset="main", template_kwargs=None):
     """GSM8K's rows of `source` as chat prompts (`row`; chat.chat_prompts reads and renders)."""
     return chat.chat_prompts(
-        tokenizer, source, split, max_prompt_len, "question", "answer", tools, subset, row
+        tokenizer,
+        source,
+        split,
+        max_prompt_len,
+        "question",
+        "answer",
+        tools,
+        subset,
+        row,
+        template_kwargs,
     )
 
 

@@ -181,6 +181,33 @@ def _wide_char_tokenizer():
     return tokenizer
 
 
+def test_chat_template_kwargs_reach_the_template_and_are_checked():
+    """data.chat_template_kwargs (gsm8k, chat): each variable reaches the tokenizer's chat template
+    (Qwen3's enable_thinking: false writes an empty think block into its prompts), one entry can
+    be set alone with --set; a non-scalar or NaN value, or a key that is apply_chat_template's own
+    argument (which the task passes itself), is a ConfigError."""
+    tokenizer = _wide_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    sets = [f"data.train_path={GSM8K_TRAIN}", "data.max_prompt_len=1024"]
+    for more, marked in (([], False), (["data.chat_template_kwargs.enable_thinking=false"], True)):
+        cfg = load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets + more)
+        prompts = gsm8k.prompts(cfg, tokenizer, "train", seed=0)
+        texts = [tokenizer.decode(p.prompt_ids) for p in prompts[:5]]
+        assert all(t.endswith("<think></think>") == marked for t in texts), more
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    bad = {
+        "data.chat_template_kwargs={tools: []}": "expected a mapping of names to booleans",
+        "data.chat_template_kwargs={x: .nan}": "expected a mapping of names to booleans",
+        "data.chat_template_kwargs={tokenize: true}": "apply_chat_template's own arguments",
+    }
+    for item, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets + [item])
+
+
 def qwen_tool_tokenizer():
     """_wide_char_tokenizer with Qwen's tool-call and chat tokens as special tokens."""
     tokenizer = _wide_char_tokenizer()
@@ -574,6 +601,7 @@ FIELD_VALUES = {
     "data.train_path": GSM8K_TRAIN,
     "data.val_path": GSM8K_TRAIN,
     "data.hub_subset": "main",
+    "data.chat_template_kwargs": "{enable_thinking: false}",
     "data.prompt_field": "question",
     "data.answer_field": "answer_text",
     "data.tiny_max_count": "5",
