@@ -240,11 +240,28 @@ def plain_digits(text):
     return _SEPARATOR.sub(",", text.replace("\u2212", "-"))
 
 
+def after_thinking(response_text):
+    """What a response answers, past its reasoning: a reasoning model (Qwen3 unless its chat
+    template gets enable_thinking false, DeepSeek-R1) writes <think>...</think> before its
+    answer, so the answer is the text after the last </think>, and a response whose <think> never
+    closes (cut off mid-thought) has none: None, not the last number it thought of. Text without
+    the tags is returned whole. (A template that opens <think> in the prompt leaves a cut-off
+    response with no tag at all: read whole.)"""
+    end = response_text.rfind("</think>")
+    if end >= 0:
+        return response_text[end + len("</think>") :]
+    return None if "<think>" in response_text else response_text
+
+
 def extract_answer(response_text):
-    """The model's final answer: the number after the last '####' that has one on its line, else
-    in the last \\boxed{} that holds one (a space between digit groups a separator there: 1 080),
-    else the last number."""
-    text = plain_digits(response_text)
+    """The model's final answer, read after its reasoning (`after_thinking`; None if that never
+    ended): the number after the last '####' that has one on its line, else in the last
+    \\boxed{} that holds one (a space between digit groups a separator there: 1 080), else the
+    last number."""
+    answer = after_thinking(response_text)
+    if answer is None:
+        return None
+    text = plain_digits(answer)
     after_hashes = _HASH_ANSWER.findall(text)
     if after_hashes:
         return decimal.Decimal(after_hashes[-1].replace(",", ""))
@@ -277,6 +294,7 @@ def last_boxed(text):
 
 def gsm8k_reward(response_text, answer, finished):
     """1 when the extracted number equals the gold answer exactly (decimal arithmetic: 1,234.50
-    equals 1234.5), else 0 (unfinished answers still count)."""
+    equals 1234.5), else 0 (unfinished answers still count; one cut off mid-thought has none:
+    after_thinking)."""
     predicted, gold = extract_answer(response_text), parse_number(answer)
     return float(predicted is not None and gold is not None and predicted == gold)

@@ -474,6 +474,21 @@ def test_answers_are_extracted_from_hostile_text_in_one_pass():
     assert time.perf_counter() - start < 2.0
 
 
+def test_a_reasoning_models_answer_is_read_after_its_thinking():
+    """GSM8K's answer (the reward, and eval's maj@k vote) is read after the last </think>: a
+    '####' or number inside the reasoning does not count, a response cut off mid-thought (an
+    unclosed <think>) has no answer, and one without the tags is read whole. A template that
+    opens <think> in the prompt (DeepSeek-R1's) leaves only the closing tag in the response."""
+    thought = "<think>Eggs: 16 - 3 - 4 = 9, so #### 18?</think>\nSo she makes $18. #### 18"
+    assert rewards.extract_answer(thought) == 18
+    assert rewards.gsm8k_reward("<think>Maybe #### 18.</think> The answer is 20.", "18", True) == 0
+    assert rewards.gsm8k_reward("<think>16 - 7 = 9, times 2 is 18", "18", False) == 0
+    assert rewards.extract_answer("<think>16 - 7 = 9, times 2 is 18") is None
+    assert rewards.extract_answer("9 times 2 is 18") == 18  # no tags: read whole
+    assert rewards.extract_answer("9 times 2 is 18.</think>#### 18") == 18
+    assert gsm8k.answer_of("<think>1 or 2</think>\\boxed{3}") == "3"
+
+
 def test_a_reward_file_with_a_dataclass_loads(tmp_path):
     """data.reward's file is run as a module registered under its name, as importlib's recipe
     does: a dataclass in it (with postponed annotations) loads (it raised AttributeError)."""
