@@ -246,11 +246,11 @@ def after_thinking(response_text):
     answer, so the answer is the text after the last </think>, and a response whose <think> never
     closes (cut off mid-thought) has none: None, not the last number it thought of. Text without
     the tags is returned whole. (A template that opens <think> in the prompt leaves a cut-off
-    response with no tag at all: read whole.)"""
+    response with no tag at all: read whole.) A <think> after the last </think>, or a literal
+    one written by a model that does not reason, reads as a thought cut off: None."""
     end = response_text.rfind("</think>")
-    if end >= 0:
-        return response_text[end + len("</think>") :]
-    return None if "<think>" in response_text else response_text
+    rest = response_text[end + len("</think>") :] if end >= 0 else response_text
+    return None if "<think>" in rest else rest
 
 
 def extract_answer(response_text):

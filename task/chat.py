@@ -32,11 +32,13 @@ FIELDS = {
     "data.chat_template_kwargs",
 } | TOOL_FIELDS
 reward = None  # the one data.reward names (`check`)
-# apply_chat_template's own parameters (transformers' tokenization_utils_base.py): a
-# data.chat_template_kwargs key among them would collide with what chat_prompts passes
+# apply_chat_template's own parameters (transformers' tokenization_utils_base.py), and the names
+# it hands the template itself (utils/chat_template_utils.py: render_jinja_template's
+# `conversations`, the template's `messages`): a data.chat_template_kwargs key among them would
+# collide with what chat_prompts passes
 TEMPLATE_ARGUMENTS = set(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-) - {"self", "kwargs"}
+) - {"self", "kwargs"} | {"messages", "conversations"}
 
 
 def check(cfg):
@@ -104,6 +106,7 @@ def tool(cfg, tokenizer):
         r.tool_timeout_s,
         r.tool_workers,
         r.max_observation_chars,
+        tools.assistant_opening(tokenizer, cfg.data.chat_template_kwargs),
     )
 
 

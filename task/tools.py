@@ -259,6 +259,28 @@ def text_ids(tokenizer, text, markers):
     return ids + tokenizer(text[start:], add_special_tokens=False).input_ids
 
 
+QWEN_OPENING = "<|im_start|>assistant\n"  # how Qwen's template opens an assistant turn
+
+
+def assistant_opening(tokenizer, template_kwargs=None):
+    """How the tokenizer's chat template opens an assistant turn under `template_kwargs`
+    (data.chat_template_kwargs): its generation prompt, the text add_generation_prompt adds.
+    Qwen3's with enable_thinking false is QWEN_OPENING and an empty think block, which every turn
+    after an observation must open with too, or the model thinks again from its second turn. A
+    template without one, or not Qwen's, gets QWEN_OPENING (QwenTools' format)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return QWEN_OPENING
+    messages = [{"role": "user", "content": "?"}]
+    rendered = [
+        tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=prompt, **(template_kwargs or {})
+        )
+        for prompt in (False, True)
+    ]
+    opening = rendered[1][len(rendered[0]) :]
+    return opening if opening.startswith(QWEN_OPENING) else QWEN_OPENING
+
+
 class QwenTools:
     """Tool calls in the Qwen2.5/Qwen3 chat template's format: the model writes
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and the observation is a
@@ -270,14 +292,19 @@ class QwenTools:
     refusals), or runs past `timeout_s`. A plain function runs in a thread pool of its own
     (`workers` threads), so the rollout's event loop and cancel decisions go on meanwhile (a
     thread cannot be stopped: one past its time limit finishes in the background, its result
-    dropped); an `async def` one is awaited on the loop, so it must await, never block.
+    dropped); an `async def` one is awaited on the loop, so it must await, never block. Each
+    observation ends by opening the next assistant turn as the template does (`opening`:
+    assistant_opening).
     """
 
     call_start = "<tool_call>"
     call_end = "</tool_call>"
 
-    def __init__(self, tokenizer, functions, timeout_s=10.0, workers=4, max_chars=2000):
+    def __init__(
+        self, tokenizer, functions, timeout_s=10.0, workers=4, max_chars=2000, opening=QWEN_OPENING
+    ):
         self.tokenizer = tokenizer
+        self.opening = opening
         self.call_end_id = tokenizer.convert_tokens_to_ids(self.call_end)  # generation stops here
         if self.call_end_id in (None, tokenizer.unk_token_id):
             raise ConfigError(
@@ -312,7 +339,7 @@ class QwenTools:
         # the template's markers are control tokens; the result between them is text, whatever
         # it spells (a result reading "<|im_end|><|im_start|>system" must not open a turn)
         head = "<|im_end|>\n<|im_start|>user\n<tool_response>\n"
-        tail = "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        tail = "\n</tool_response><|im_end|>\n" + self.opening
         ids = self.encode(head) + text_ids(self.tokenizer, result, self.markers) + self.encode(tail)
         return Observation(ids, name, is_error, ran)
 

@@ -202,10 +202,44 @@ def test_chat_template_kwargs_reach_the_template_and_are_checked():
         "data.chat_template_kwargs={tools: []}": "expected a mapping of names to booleans",
         "data.chat_template_kwargs={x: .nan}": "expected a mapping of names to booleans",
         "data.chat_template_kwargs={tokenize: true}": "apply_chat_template's own arguments",
+        "data.chat_template_kwargs={tools: 1}": "apply_chat_template's own arguments",
+        "data.chat_template_kwargs={messages: 1}": "apply_chat_template's own arguments",
+        "data.chat_template_kwargs={conversations: 1}": "apply_chat_template's own arguments",
     }
     for item, message in bad.items():
         with pytest.raises(ConfigError, match=message):
             load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets + [item])
+
+
+# Qwen3's way with enable_thinking false: the generation prompt holds an empty think block
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_every_tool_turn_opens_as_the_template_opens_the_first():
+    """With tools' turns, each observation ends by opening the next assistant turn as the chat
+    template's generation prompt does under data.chat_template_kwargs: Qwen3's empty think block
+    with enable_thinking false (else the model thinks again from its second turn), the plain
+    opening without it, and Qwen's opening for a template that is not Qwen's."""
+    tokenizer = qwen_tool_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    quiet = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tools.assistant_opening(tokenizer, {"enable_thinking": False}) == quiet
+    assert tools.assistant_opening(tokenizer, {}) == tools.QWEN_OPENING
+    sets = [f"data.train_path={GSM8K_TRAIN}", "rollout.max_turns=2"]
+    sets += ["data.chat_template_kwargs.enable_thinking=false"]
+    tool = chat.tool(load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets), tokenizer)
+    call = tokenizer('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}')
+    response = call.input_ids + [tool.call_end_id]
+    observation = asyncio.run(tool(response))
+    ending = tool.encode("\n</tool_response><|im_end|>\n" + quiet)
+    assert tool.opening == quiet and observation.ids[-len(ending) :] == ending
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tools.assistant_opening(tokenizer, {}) == tools.QWEN_OPENING
 
 
 def qwen_tool_tokenizer():
@@ -486,6 +520,7 @@ def test_a_reasoning_models_answer_is_read_after_its_thinking():
     assert rewards.extract_answer("<think>16 - 7 = 9, times 2 is 18") is None
     assert rewards.extract_answer("9 times 2 is 18") == 18  # no tags: read whole
     assert rewards.extract_answer("9 times 2 is 18.</think>#### 18") == 18
+    assert rewards.extract_answer("<think>a</think> It is 5. <think>or 7") is None  # cut off
     assert gsm8k.answer_of("<think>1 or 2</think>\\boxed{3}") == "3"
 
 
