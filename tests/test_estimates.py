@@ -222,17 +222,12 @@ def test_the_lora_estimate_counts_what_trains_in_full_too():
 def small_configs():
     """One small config per family the estimate must count as transformers builds it: Qwen2 (q,
     k and v biases, tied), Qwen3 (head_dim 32 where hidden / heads is 16, q and k norms), Llama
-    and Mistral (no biases, an output head of their own)."""
+    and Mistral (no biases, an output head of their own); the suite's small Qwen2's shape, whose
+    MLP weights are larger than its embedding of 96 tokens."""
     import transformers
+    from qwen_tiny import SHAPE
 
-    common = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    common = dict(vocab_size=96, **SHAPE)
     return {
         "qwen2": transformers.Qwen2Config(tie_word_embeddings=True, **common),
         "qwen3": transformers.Qwen3Config(tie_word_embeddings=True, head_dim=32, **common),
@@ -269,6 +264,8 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
         cache = model(torch.tensor([[1, 2, 3]]), use_cache=True).past_key_values
     cached = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
     assert parts["engine KV cache"] == 1000 * cached / 3 * 4  # fp32 engine, 1,000 tokens
+    largest = max(p.numel() for p in model.parameters())  # a bucket holds bucket_mb and one more
+    assert parts["weight-sync bucket"] == cfg.memory.bucket_mb * 2**20 + largest * 4
     parts, _ = estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)
     root = [p for n, p in model.named_parameters() if ".layers." not in n]  # parallel.shard's
     assert parts["root gradient, unsharded fp32 (reduce-scatter)"] == 4 * sum(
