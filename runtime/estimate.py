@@ -144,7 +144,6 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     `auto` sized by `auto_budget`). `sharded`: whether the policy is an FSDP2 shard (default:
     with several ranks, `sharded_over`; True for FSDP2 on one rank, bench/train_step.py's arm)."""
     shape = shape or model_shape(cfg.model.path, cfg.model.trust_remote_code)
-    hidden, inter, layers, vocab = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     params = shape.params
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
     # LoRA (runtime/lora.py): the base frozen in the compute dtype; fp32 masters, gradients and
@@ -184,11 +183,11 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     # I values)
     # compiled layers (train.compile) save less
     factor = LORA_COMPILED_FACTOR if t.compile and lora_rank else ACTIVATION_FACTOR[t.compile]
-    per_token_layer = (10 * hidden + 4 * inter) * compute * factor
+    per_token_layer = (10 * shape.hidden + 4 * shape.intermediate) * compute * factor
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
-        activations = tokens * (layers * hidden * compute + per_token_layer)
+        activations = tokens * (shape.layers * shape.hidden * compute + per_token_layer)
     else:
-        activations = tokens * layers * per_token_layer
+        activations = tokens * shape.layers * per_token_layer
     kv_per_token = shape.kv_per_token * engine
     weights_engine = params * engine
     contexts = 2 * CONTEXT_GIB * 2**30
@@ -220,7 +219,8 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         f"activations ({batch})": activations,
         # about 4 fp32 [chunk, vocab] tensors alive at once (the logits' fp32 copy, the shifted
         # log-probs, their exp, a product), and the head's fp32 hidden states
-        "log-prob path (chunked head)": 4 * CHUNK_TOKENS * vocab * 4 + tokens * hidden * 4,
+        "log-prob path (chunked head)": 4 * CHUNK_TOKENS * shape.vocab * 4
+        + tokens * shape.hidden * 4,
         # train.kl_coef > 0: the frozen reference, built like the policy (fp32, sharded like it),
         # stays on the GPU through the update (LoRA: the policy with its adapters off, nothing
         # more; but with model.lora_also_train, whose weights move, a second adapted model:
@@ -234,7 +234,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (
-            CHUNK_TOKENS * vocab * (4 + 4 + 1 + 12) + tokens * NUCLEUS_TOP_K * (compute + 8)
+            CHUNK_TOKENS * shape.vocab * (4 + 4 + 1 + 12) + tokens * NUCLEUS_TOP_K * (compute + 8)
             if r.top_p < 1
             else 0
         ),
