@@ -294,16 +294,18 @@ def push_weights(engine, policy, version, bucket_bytes, everything=False, check=
     trains in full beside it; `everything`: the frozen base too (an engine that loaded other
     weights: a shared one). `check`: the engine verifies the adapter's bytes as they arrive
     (sha256 per tensor; the rest of the model is `check_weights`')."""
+    from runtime.engine import adapter_checksums, checkpoint_layout
+
+    layout = checkpoint_layout(policy)
     adapter = lora.adapter_tensors(policy, gather=parallel.full_tensor)
     if not adapter:
         engine.update_weights(
-            policy.named_parameters(), version, bucket_bytes, gather=parallel.full_tensor
+            policy.named_parameters(), version, bucket_bytes, parallel.full_tensor, layout
         )
         return
     base = list(lora.base_weights(policy, trained_only=not everything))
     if base:
-        engine.update_weights(base, version, bucket_bytes, gather=parallel.full_tensor)
-    from runtime.engine import adapter_checksums
+        engine.update_weights(base, version, bucket_bytes, parallel.full_tensor, layout)
 
     checksums = adapter_checksums(adapter) if check else None
     engine.load_adapter(adapter, lora.adapter_config(policy), version, checksums)
@@ -350,11 +352,21 @@ class LogprobGapError(HealthError):
 
 
 # SGLang fuses these projections into one tensor (tp=1: the parts concatenated along dim 0, in
-# this order; sglang/srt/models/qwen2.py, stacked_params_mapping)
+# this order; sglang/srt/models/qwen2.py, stacked_params_mapping); a model that holds them fused
+# already (Phi-3's qkv_proj and gate_up_proj) is compared under the engine's name
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# the vocabulary tensors, whose rows SGLang pads with zeros to a multiple of 64
-# (sglang/srt/layers/vocab_parallel_embedding.py, weight_loader)
+# a mixture of experts: SGLang's FusedMoE holds all experts' gate and up projections as w13_weight
+# [experts, 2 x intermediate, hidden] (gate first) and their down projections as w2_weight
+# (sglang/srt/layers/moe/fused_moe_triton/layer.py), the layout transformers 5 trains them in
+# (modeling_qwen3_moe.py, Qwen3MoeExperts)
+EXPERTS = {"experts.w13_weight": "experts.gate_up_proj", "experts.w2_weight": "experts.down_proj"}
+# the vocabulary tensors, whose rows SGLang pads with zeros to a multiple of 64 where it holds them
+# as a VocabParallelEmbedding (sglang/srt/layers/vocab_parallel_embedding.py, weight_loader), but
+# not all do (Gemma 3's is a plain nn.Embedding: sglang/srt/models/gemma3_causal.py)
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+# what an engine's model computes from the config, not a weight: Gemma 2's sqrt(hidden_size), a
+# buffer its weight checker hashes (sglang/srt/models/gemma2.py, register_buffer("normalizer"))
+ENGINE_CONSTANTS = ("model.normalizer",)
 # The step-0 gap allowed, by the coarser of model.compute_dtype and model.engine_dtype: well above
 # what those dtypes give (measured on the CPU demo, docs/RESULTS.md) and well below what a
 # mismatch gives (a rope base off by 2x: 0.1 and more).
@@ -377,35 +389,54 @@ def check_weights(engine, named_params, gather=lambda tensor: tensor):
 
     params = dict(named_params)
     engine_sums = engine.weight_checksums()
-    wrong = []
-    for name, engine_sum in engine_sums.items():
+    wrong, checked = [], [name for name in engine_sums if name not in ENGINE_CONSTANTS]
+    for name in checked:
         tensor = trainer_tensor(name, params, engine.dtype, gather)
-        if name.endswith(VOCAB_TENSORS):
+        same = f"{tensor_hash(tensor.contiguous()):016x}" == engine_sums[name]
+        if not same and name.endswith(VOCAB_TENSORS):  # padded by this engine's model
             padding = pad_vocab_size(tensor.shape[0]) - tensor.shape[0]
             tensor = torch.nn.functional.pad(tensor, (0, 0, 0, padding))
-        if f"{tensor_hash(tensor.contiguous()):016x}" != engine_sum:
+            same = f"{tensor_hash(tensor.contiguous()):016x}" == engine_sums[name]
+        if not same:
             wrong.append(name)
     if wrong:
         raise WeightMismatchError(
-            f"after the weight push, {len(wrong)} of {len(engine_sums)} engine tensors differ from "
+            f"after the weight push, {len(wrong)} of {len(checked)} engine tensors differ from "
             f"what the trainer sent: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. "
             "The engine would sample from other weights than the ones trained."
         )
-    return len(engine_sums)
+    return len(checked)
+
+
+def trainer_name(engine_name, params):
+    """The name under which the trainer's `params` would hold one of the engine's tensors, or, for
+    one SGLang fuses (`FUSED`), the names of its parts (`trainer_tensor` refuses a missing one)."""
+    if engine_name in params:
+        return engine_name
+    for engine_part, part in EXPERTS.items():
+        if engine_name.endswith(engine_part):
+            return engine_name.replace(engine_part, part)
+    for fused, parts in FUSED.items():
+        if f".{fused}." in engine_name:
+            return [engine_name.replace(fused, part) for part in parts]
+    # a tied head: the trainer holds it once, as the embedding; some engine models keep their own
+    # copy (sglang/srt/models/qwen3_moe.py)
+    if engine_name == "lm_head.weight" and "model.embed_tokens.weight" in params:
+        return "model.embed_tokens.weight"
+    return engine_name
 
 
 def trainer_tensor(engine_name, params, dtype, gather):
     """The trainer's tensor for one of the engine's, whole and cast to the engine's dtype."""
-    for fused, parts in FUSED.items():
-        if f".{fused}." in engine_name:
-            names = [engine_name.replace(fused, part) for part in parts]
-            return torch.cat([trainer_tensor(name, params, dtype, gather) for name in names])
-    if engine_name not in params:
+    name = trainer_name(engine_name, params)
+    if isinstance(name, list):
+        return torch.cat([trainer_tensor(part, params, dtype, gather) for part in name])
+    if name not in params:
         raise WeightMismatchError(
             f"the engine holds {engine_name}, which no trainer tensor makes: the engine's model "
             "is not the trainer's"
         )
-    return gather(params[engine_name].detach().to(dtype))
+    return gather(params[name].detach().to(dtype))
 
 
 class GapWatch:

@@ -8,8 +8,9 @@ the reward here is the share of digits in the response (`digit_share`): the weig
 
 python bench/families.py [--families llama,qwen3] [--steps 3]; one engine at a time, ~30 s per run.
 One line per run: families: family=<f> lora=<rank> rc=<n> steps=<n> weight_checks=<n>
-gap_max=<f> grad_norm_max=<f> seconds=<f>. `--build FAMILY --folder DIR` only writes that model's
-folder (tests/test_own_task.py trains the countdown example on a Qwen3 so).
+gap_max=<f> grad_norm_max=<f> seconds=<f>; a REFUSED family's run must stop at setup (rc 2) with
+its ModelError, printed below its line. `--build FAMILY --folder DIR` only writes that model's
+folder (tests/test_own_task.py trains the countdown example on a Qwen3 MoE so).
 """
 
 import argparse
@@ -38,13 +39,48 @@ CPU_SIZES = [
     f"data.reward={os.path.abspath(__file__)}:digit_share",
 ]
 # (transformers config class, its own fields): Qwen2 without tied embeddings (as Qwen2.5-7B),
-# Qwen3 with a head_dim that is not hidden / heads (as Qwen3-4B), Llama and Mistral
+# Qwen3 with a head_dim that is not hidden / heads (as Qwen3-4B), Llama, Mistral, Gemma 3 (a
+# sliding window on every other layer, its embedding scaled, an unpadded vocabulary in the
+# engine), Phi-3 (q, k, v and gate, up fused in the checkpoint), OLMo 2 (norms after attention
+# and MLP), a Qwen3 mixture of experts (as Qwen3-30B-A3B: untied, 4 experts, 2 routed a token);
+# Gemma 2 (logits soft-capped) and Granite (logits scaled) are refused at setup (REFUSED)
 FAMILIES = {
     "qwen2_untied": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {"tie_word_embeddings": False}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "phi3": ("Phi3Config", {"tie_word_embeddings": False}),
+    "olmo2": ("Olmo2Config", {"tie_word_embeddings": False}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        # hidden_act: SGLang's Gemma 2 reads it, and Gemma 2's released config.json holds it
+        {"hidden_act": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "head_dim": 16},
+    ),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0, "tie_word_embeddings": True}),
 }
+# what a LoRA run of these families sets beside CPU_SIZES (model.lora_targets' default names
+# layers they lack, a ConfigError): a mixture of experts holds its experts as one 3D tensor, no
+# linear layer, so its attention is adapted; Phi-3 holds q, k, v and gate, up fused, and SGLang
+# serves adapters of the fused layers as they are (sglang/srt/lora/lora.py, normalize_qkv_proj)
+LORA_SETS = {
+    "qwen3_moe": ["model.lora_targets=[q_proj,k_proj,v_proj,o_proj]"],
+    "phi3": ["model.lora_targets=[qkv_proj,o_proj,gate_up_proj,down_proj]"],
+}
+# the families setup refuses with a named error: the run is expected to stop, before its engine
+REFUSED = {"gemma2", "granite"}
 
 
 def digit_share(response_text, answer, finished=True):
@@ -65,21 +101,29 @@ def build_folder(family, folder):
         rows = [json.loads(line) for line in f]
     tokenizer = qwen_tiny.build_tokenizer([f"{r['question']}\n{r['answer']}" for r in rows])
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    name, own = FAMILIES[family]
-    config = getattr(transformers, name)(
-        vocab_size=len(tokenizer),
-        **qwen_tiny.SHAPE,  # the suite's small Qwen2's
-        bos_token_id=end,
-        eos_token_id=end,
-        pad_token_id=end,
-        **own,
-    )
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(
+        family_config(family, len(tokenizer), end)
+    )
+    model.float().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-def rehearse(folder, out, lora_rank, steps):
+def family_config(family, vocab_size, end=0):
+    """`family`'s transformers config at the suite's small Qwen2's shape (tests/qwen_tiny.py)."""
+    import transformers
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import qwen_tiny
+
+    name, own = FAMILIES[family]
+    shape = qwen_tiny.SHAPE | ({"moe_intermediate_size": 64} if "num_experts" in own else {})
+    return getattr(transformers, name)(
+        vocab_size=vocab_size, bos_token_id=end, eos_token_id=end, pad_token_id=end, **shape, **own
+    )
+
+
+def rehearse(folder, out, lora_rank, steps, sets=()):
     """(return code or "timeout", {tag: values} of the run's TensorBoard scalars (none if it
     ended before its loop), seconds, stderr's tail)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -87,7 +131,7 @@ def rehearse(folder, out, lora_rank, steps):
     command = [sys.executable, "train.py", "--config", "configs/gsm8k.yaml", "--out", out]
     for item in [f"model.path={folder}", f"model.lora_rank={lora_rank}", f"train.steps={steps}"]:
         command += ["--set", item]
-    for item in CPU_SIZES:
+    for item in CPU_SIZES + list(sets):
         command += ["--set", item]
     start = time.perf_counter()
     try:
@@ -124,7 +168,8 @@ def main():
             build_folder(family, folder)
             for rank in map(int, args.lora.split(",")):
                 out = os.path.join(scratch, f"run-{family}-{rank}")
-                rc, logged, seconds, tail = rehearse(folder, out, rank, args.steps)
+                sets = LORA_SETS.get(family, []) if rank else []
+                rc, logged, seconds, tail = rehearse(folder, out, rank, args.steps, sets)
                 get = lambda tag: max(logged.get(tag, [float("nan")]))  # noqa: E731
                 print(
                     f"families: family={family} lora={rank} rc={rc} "
@@ -134,7 +179,11 @@ def main():
                     f"grad_norm_max={get('train/grad_norm'):.3g} seconds={seconds:.0f}",
                     flush=True,
                 )
-                if rc:
+                if family in REFUSED:  # stopped at setup with its named error, or a failure
+                    refusal = [line for line in tail.splitlines() if "error: ModelError" in line]
+                    print("\n".join(refusal), flush=True)
+                    failed += rc != 2 or not refusal
+                elif rc:
                     failed += 1
                     print(tail, file=sys.stderr)
     sys.exit(1 if failed else 0)

@@ -200,9 +200,16 @@ class Engine:
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(
-        self, named_params, version, bucket_bytes=256 << 20, gather=lambda tensor: tensor
+        self,
+        named_params,
+        version,
+        bucket_bytes=256 << 20,
+        gather=lambda tensor: tensor,
+        layout=lambda name, tensor: [(name, tensor)],
     ):
         """Push the trainer's parameters bucket by bucket (`weight_buckets`), then stamp `version`.
+        `layout` turns each into the checkpoint's tensors, which the engine loaded
+        (`checkpoint_layout`).
 
         sglang 0.5.23 requires begin_weight_update()/end_weight_update() around the pushes. The
         prefix cache is flushed once, with the last bucket: KV computed with the old weights must
@@ -216,18 +223,19 @@ class Engine:
         from sglang.srt.utils import MultiprocessingSerializer
 
         named_params = list(named_params)
-        for name, param in named_params:
+        for trained_name, param in named_params:
             # a mismatched tensor makes SGLang's scheduler raise (and die): refuse it here, with its
-            # name
-            # a DTensor's shape is the whole tensor's
-            if self.weight_shapes.get(name) != tuple(param.shape):
-                raise RolloutError(
-                    f"weight sync: {name} {tuple(param.shape)} does not match the engine's "
-                    f"model ({self.weight_shapes.get(name, 'no such tensor')})"
-                )
+            # name; a DTensor's shape is the whole tensor's, laid out on the meta device (no data)
+            for name, tensor in layout(trained_name, torch.empty(param.shape, device="meta")):
+                if self.weight_shapes.get(name) != tuple(tensor.shape):
+                    raise RolloutError(
+                        f"weight sync: {name} {tuple(tensor.shape)} does not match the engine's "
+                        f"model ({self.weight_shapes.get(name, 'no such tensor')})"
+                    )
         self._run(self.tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None))
         num_buckets = 0
-        for bucket, is_last in weight_buckets(named_params, self.dtype, bucket_bytes, gather):
+        buckets = weight_buckets(named_params, self.dtype, bucket_bytes, gather, layout)
+        for bucket, is_last in buckets:
             request = UpdateWeightsFromTensorReqInput(
                 # one per TP rank
                 serialized_named_tensors=[MultiprocessingSerializer.serialize(bucket)],
@@ -423,8 +431,11 @@ def stop_token_ids(tokenizer_manager):
     return frozenset(ids)
 
 
-def weight_buckets(named_params, dtype, bucket_bytes, gather):
-    """([(name, whole tensor in `dtype`)], is_last) buckets of about `bucket_bytes`, for the engine.
+def weight_buckets(
+    named_params, dtype, bucket_bytes, gather, layout=lambda name, tensor: [(name, tensor)]
+):
+    """([(name, whole tensor in `dtype`)], is_last) buckets of about `bucket_bytes`, for the engine,
+    each tensor in the engine's checkpoint `layout` (a view of the gathered tensor, no copy).
 
     Each parameter is cast *before* `gather` (FSDP2's `full_tensor()`, a collective: every rank
     walks the same names in the same order): the cast is elementwise, so the result is
@@ -436,7 +447,7 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather):
     bucket, size = [], 0
     for i, (name, param) in enumerate(named_params):
         tensor = gather(param.detach().to(dtype))
-        bucket.append((name, tensor))
+        bucket += layout(name, tensor)
         size += tensor.numel() * tensor.element_size()
         is_last = i == len(named_params) - 1
         del tensor  # the bucket holds it
@@ -670,6 +681,18 @@ def pad_vocab_size(vocab_size):
     from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size as sglang_pad
 
     return sglang_pad(vocab_size)
+
+
+def checkpoint_layout(model):
+    """(name, tensor) -> [(name, tensor)]: one of `model`'s parameters as the tensors its checkpoint
+    on disk holds, which is what the engine loads and takes in a weight push. The same for most
+    models; transformers 5 trains a mixture of experts with each layer's experts fused into one 3D
+    tensor (experts.gate_up_proj) where the checkpoint holds one tensor per expert and projection
+    (experts.0.gate_proj.weight, ...): transformers' own inverse of its loading conversion splits
+    it (core_model_loading.py, revert_weight_conversion; save_pretrained calls it too)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return lambda name, tensor: list(revert_weight_conversion(model, {name: tensor}).items())
 
 
 def tensor_shapes(model_path):

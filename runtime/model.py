@@ -180,6 +180,7 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
             )
     except OSError as e:
         raise unloadable(path, e) from None
+    check_family(cfg, model)
     model.set_attn_implementation(cfg.model.attn_implementation)
     if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
         m = cfg.model
@@ -202,6 +203,61 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
     if cfg.train.compile:
         compile_layers(model)
     return model.train(), tokenizer  # from_pretrained returns eval mode, where checkpointing is off
+
+
+# config fields by which a family's forward changes its logits after the output head
+# (transformers' modeling_gemma2.py, modeling_granite.py, modeling_cohere.py)
+LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def check_family(cfg, model):
+    """Refuse, before the engine starts, a model this trainer would train wrongly or not at all:
+    - the decoder layers must be `model.model.layers` (compile_layers, FSDP2's units, the weight
+      check's names): GPT-2's `transformer.h` is not;
+    - its forward must return what its output head computes: the update replaces the head with
+      one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
+      after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
+      changed instead. Tested on 4 tokens, so a family this check has never seen is caught too;
+    - packed rows under FlexAttention get one block mask for every layer (update.flex_mask),
+      which transformers passes through as it is (masking_utils.py, _preprocess_mask_arguments):
+      layers with a sliding window (Gemma 3's) would attend past it. Packed sdpa builds each
+      layer's own mask."""
+    path = cfg.model.path
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}) keeps no decoder layers at "
+            "model.model.layers, where this trainer compiles, shards and checks them (the layout "
+            "of Llama, Qwen, Mistral, Gemma, Phi-3, OLMo): not supported"
+        )
+    ids = torch.arange(4).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()(hidden)
+    if not torch.equal(logits, head):
+        fields = {f: getattr(model.config, f) for f in LOGIT_FIELDS if hasattr(model.config, f)}
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): its forward changes the output head's "
+            f"logits ({fields or 'by a rule of its own'}), and the update computes log-probs in "
+            "the head's place (update.sequence_logprobs), so they would be changed instead: not "
+            "supported"
+        )
+    window = getattr(model.config, "sliding_window", None)  # None: no layer has one
+    # a family without layer types (Mistral) windows every layer
+    windowed = "sliding_attention" in (
+        getattr(model.config, "layer_types", None) or ["sliding_attention"]
+    )
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_trajectory_tokens()
+    packed = cfg.train.max_tokens_per_micro_batch != 0
+    if cfg.model.attn_implementation == "flex_attention" and packed and window and windowed:
+        if window < longest:
+            raise ModelError(
+                f"model.path={path!r}: some layers attend within a sliding window of {window} "
+                f"tokens, shorter than this run's longest sequence ({longest}), and packed rows "
+                "under FlexAttention get one mask for every layer, without the window: set "
+                "model.attn_implementation=sdpa (packed sdpa masks each layer's window)"
+            )
 
 
 def build_reference(cfg, policy, chars=TINY_CHARS):

@@ -313,7 +313,7 @@ COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     f"data.train_path={COUNTDOWN_RUN}/train.jsonl",
     f"data.val_path={COUNTDOWN_RUN}/test.jsonl",
     "data.num_val_prompts=4",
-    f"model.path={COUNTDOWN_RUN}/qwen3",
+    f"model.path={COUNTDOWN_RUN}/qwen3_moe",
     "rollout.max_new_tokens=32",
     "run.nproc=1",
     "train.compile=false",  # the GSM8K rehearsals compile on CPU already (tests/test_gpu_readiness)
@@ -333,9 +333,9 @@ COUNTDOWN_COMMAND = " ".join(
         sys.executable,
         "bench/families.py",
         "--build",
-        "qwen3",
+        "qwen3_moe",
         "--folder",
-        f"{COUNTDOWN_RUN}/qwen3",
+        f"{COUNTDOWN_RUN}/qwen3_moe",
         "&&",
         sys.executable,
         "train.py",
@@ -352,8 +352,10 @@ COUNTDOWN_COMMAND = " ".join(
 def test_the_countdown_example_trains_on_cpu(background_runs):
     """examples/countdown.yaml, 2 steps on one rank (its own engine, in the background): data
     generated, reward loaded from its file, every trajectory scored or counted. The model is
-    another family than the other rehearsals' Qwen2: a random Qwen3 (bench/families.py: a
-    head_dim that is not hidden / heads, q and k norms), each weight push checked bit for bit."""
+    another family than the other rehearsals' Qwen2: a random Qwen3 mixture of experts
+    (bench/families.py: Qwen3's head_dim that is not hidden / heads and q and k norms, 4 experts
+    in one 3D tensor per layer, pushed one tensor per expert as its checkpoint holds them), each
+    weight push checked bit for bit."""
     background_runs.lines("countdown")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
     # budget, compile and attention, and TinyZero's 1,024 new tokens

@@ -1,0 +1,126 @@
+"""Model families other than the demo's Qwen2 (bench/families.py builds each at the suite's small
+shape): setup refuses by name what the trainer would train wrongly or not at all, the weight
+check finds each engine tensor under the trainer's name for it (engine layouts read in SGLang's
+model files), and a mixture of experts reaches the engine in its checkpoint's layout. The real
+engine runs these families in bench/families.py (docs/RESULTS.md) and, for a Qwen3 mixture of
+experts, in tests/test_own_task.py's countdown rehearsal."""
+
+import os
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from conftest import REPO, tiny_config
+import memory
+import runtime.model as model
+from runtime.engine import checkpoint_layout, weight_buckets
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import families  # noqa: E402
+
+
+def build(family, **fields):
+    """A random model of `family` (bench/families.py's config, `fields` changed), in fp32."""
+    config = families.family_config(family, vocab_size=300)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+@pytest.mark.parametrize(
+    "family, sets, refusal",
+    [
+        ("gemma2", [], r"changes the output head's logits \({'final_logit_softcapping': 30.0}\)"),
+        ("granite", [], r"changes the output head's logits \({'logits_scaling': 4.0}\)"),
+        (
+            "gemma3",
+            ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"],
+            r"sliding window of 24 tokens, shorter than this run's longest sequence \(560\)",
+        ),
+    ],
+)
+def test_setup_refuses_a_family_it_would_train_wrongly(family, sets, refusal, tmp_path):
+    """Gemma 2 soft-caps its logits and Granite scales them after the output head, where the
+    update puts log-probs: they would be changed (the step-0 gap check stopped Granite only after
+    the first rollout, blaming dtypes or rope). Gemma 3's sliding-window layers would attend past
+    their window under FlexAttention's one packed mask. Each is a ModelError from the check
+    build_policy runs before the engine starts."""
+    with pytest.raises(model.ModelError, match=refusal):
+        model.check_family(tiny_config(tmp_path, *sets), build(family))
+
+
+def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_them(tmp_path):
+    """GPT-2 keeps its blocks at transformer.h: named at setup (it stopped at the first weight
+    check, as an engine holding another model)."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300)
+    config.bos_token_id = config.eos_token_id = 0
+    gpt2 = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(model.ModelError, match=r"\(GPT2LMHeadModel\) keeps no decoder layers"):
+        model.check_family(tiny_config(tmp_path), gpt2)
+
+
+def test_the_families_that_train_pass_the_setup_check(tmp_path):
+    """Every family bench/families.py trains passes, under packed sdpa, and Gemma 3 under
+    FlexAttention too where its window (here 1,024 tokens) holds the run's longest sequence."""
+    cfg = tiny_config(tmp_path)
+    for family in set(families.FAMILIES) - families.REFUSED:
+        model.check_family(cfg, build(family))
+    flex = ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"]
+    model.check_family(tiny_config(tmp_path, *flex), build("gemma3", sliding_window=1024))
+
+
+def test_each_engine_tensor_is_found_under_the_trainers_name_for_it():
+    """The weight check's map from the engine's tensor names (SGLang's layouts) to the trainer's:
+    q, k, v fused by the engine from the trainer's three (Qwen2); fused already in the trainer
+    (Phi-3: it tried the three parts, which Phi-3 does not hold, and refused every push); the
+    experts' w13 and w2 (Qwen3 MoE); an engine's own copy of a tied head (the embedding); an
+    engine name no trainer tensor makes."""
+    name = memory.trainer_name
+    qwen2 = dict(build("qwen2_untied").named_parameters())
+    assert name("model.layers.0.self_attn.qkv_proj.weight", qwen2) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ]
+    phi3 = dict(build("phi3").named_parameters())
+    for fused in ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]:
+        assert name(f"model.layers.1.{fused}", phi3) == f"model.layers.1.{fused}"
+    moe = dict(build("qwen3_moe").named_parameters())
+    assert name("model.layers.0.mlp.experts.w13_weight", moe) in moe
+    assert moe[name("model.layers.0.mlp.experts.w2_weight", moe)].shape == (4, 64, 64)
+    tied = dict(build("qwen3").named_parameters())
+    assert "lm_head.weight" not in tied
+    assert name("lm_head.weight", tied) == "model.embed_tokens.weight"
+    for engine_only in ["model.layers.0.mlp.experts.w13_weight", "model.vision_tower.weight"]:
+        with pytest.raises(memory.WeightMismatchError, match="which no trainer tensor makes"):
+            memory.trainer_tensor(engine_only, qwen2, torch.float32, lambda t: t)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
+def test_the_weight_push_sends_the_tensors_of_the_checkpoint_the_engine_loaded(family, tmp_path):
+    """transformers 5 trains a mixture of experts with each layer's experts in one 3D tensor; its
+    checkpoint (what the engine loads and takes in a push) holds one tensor per expert and
+    projection. The push's buckets hold exactly what save_pretrained writes, bit for bit (they
+    held the 3D tensors, which the engine has no name for: the run stopped at its first push). A
+    dense model's are its parameters as they are."""
+    policy = build(family)
+    policy.save_pretrained(tmp_path)
+    saved = safetensors.torch.load_file(os.path.join(tmp_path, "model.safetensors"))
+    pushed = {}
+    buckets = weight_buckets(
+        list(policy.named_parameters()),
+        torch.float32,
+        1 << 30,
+        lambda tensor: tensor,
+        checkpoint_layout(policy),
+    )
+    for bucket, _ in buckets:
+        pushed |= {name: tensor.clone() for name, tensor in bucket}
+    assert sorted(pushed) == sorted(saved)
+    assert all(torch.equal(pushed[name], saved[name]) for name in saved)
+    if family == "qwen3_moe":
+        assert "model.layers.1.mlp.experts.3.up_proj.weight" in pushed
