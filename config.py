@@ -322,6 +322,12 @@ class TrainConfig:
     max_tokens_per_micro_batch: NonNegativeInt | typing.Literal["auto"] = 0
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False
+    # FSDP2 (several ranks): every unit stays gathered in the compute dtype through each optimizer
+    # step, one all-gather a step (the whole model on each rank: runtime/parallel.py
+    # gathered_for_update); false: each decoder layer gathered for its own forward and again for
+    # its backward, every micro-batch (FSDP's default: a layer or two at a time), for a model
+    # whose gathered copy does not fit beside the trainer's state (bench/estimate_memory.py)
+    fsdp_keep_gathered: bool = True
     # torch.compile each decoder layer and the output head's per-chunk math (runtime/model.py
     # compile_layers, loss.chunk_function): their elementwise work fused into few kernels; costs a
     # compile (seconds to a minute) at the first update. On where it pays: a GPU

@@ -20,7 +20,7 @@ import math
 import torch
 
 import loss
-from config import ConfigError
+from config import ConfigError, refuse_unread
 from metrics import TokenMeans, masked_mean, ratio, summed
 import runtime.parallel as parallel
 from runtime.model import build_optimizer
@@ -70,8 +70,20 @@ class Trainer:
         return self.policy.config.pad_token_id or 0
 
 
+# config.refuse_unread's table: one rank trains no FSDP2 shard (runtime/parallel.py); run.nproc 0
+# (every visible GPU) may be several, and a config loads alike on every machine
+READ_WHEN = {
+    "train.fsdp_keep_gathered": (
+        lambda cfg: cfg.run.nproc != 1,
+        "with several ranks (run.nproc), whose policy FSDP2 shards",
+    )
+}
+
+
 def check(cfg):
-    """train.old_logprobs's choice and where it is valid (assemble.load_config calls this)."""
+    """train.old_logprobs's choice and where it is valid, and the fields read only with several
+    ranks (assemble.load_config calls this)."""
+    refuse_unread(cfg, READ_WHEN)
     t = cfg.train
     if t.old_logprobs not in ("trainer", "engine"):
         raise ConfigError(f"train.old_logprobs={t.old_logprobs!r}: expected trainer or engine")
@@ -144,8 +156,9 @@ def update_policy(trainer, sequences, step):
     grad_norms = []
     skipped = 0
     # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
-    # (mark_last tells it which micro-batch's backward reshards; one rank: a no-op)
-    with parallel.gathered_for_update(trainer.policy) as mark_last:
+    # (mark_last tells it which micro-batch's backward reshards; one rank, or
+    # train.fsdp_keep_gathered off: a no-op)
+    with parallel.gathered_for_update(trainer.policy, t.fsdp_keep_gathered) as mark_last:
         # a pass before the first optimizer step only where one is needed (at the default, none:
         # pi_old comes detached from the update's own forward, in micro_batch_backward)
         if source != "detached":

@@ -168,6 +168,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         if ".layers." not in name
         and (not lora_rank or lora.is_also_trained(name, m.lora_also_train))
     )
+    root = sum(n for name, n in shape.numels.items() if ".layers." not in name)
     engine = 2 if cfg.model.engine_dtype == "bfloat16" else 4
     r, t = cfg.rollout, cfg.train
     seq_len = longest_sequence(cfg)
@@ -207,8 +208,14 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         "gradients (fp32, sharded)": trained * 4 / ranks,
         "AdamW state (fp32, sharded)": 2 * trained * 4 / ranks,
         # FSDP2 during the update: every unit stays gathered in the compute dtype from its first
-        # forward to the last micro-batch's backward (parallel.gathered_for_update)
-        "FSDP units gathered for the update": params * compute if sharded else 0,
+        # forward to the last micro-batch's backward (parallel.gathered_for_update); with
+        # train.fsdp_keep_gathered off, the root (gathered from its forward to its backward) and
+        # two decoder layers (one computing, the next one's all-gather in flight)
+        "FSDP units gathered for the update": (
+            (params if t.fsdp_keep_gathered else root + 2 * largest_layer(shape)) * compute
+            if sharded
+            else 0
+        ),
         # (LoRA: only what model.lora_also_train trains of the root)
         "root gradient, unsharded fp32 (reduce-scatter)": root_trained * 4 if sharded else 0,
         # one rank: autocast caches a compute-dtype copy of every weight for the forward and
@@ -288,7 +295,17 @@ AUTO_STEP = 1024  # the budget is a multiple of this many tokens
 CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
 
 
-def levers(cfg, phase):
+def largest_layer(shape):
+    """The parameters of the largest decoder layer (FSDP2's unit: parallel.shard)."""
+    layers = {}
+    for name, n in shape.numels.items():
+        if ".layers." in name:
+            index = name.split(".layers.")[1].split(".")[0]
+            layers[index] = layers.get(index, 0) + n
+    return max(layers.values(), default=0)
+
+
+def levers(cfg, phase, ranks=1):
     """The settings that would lower `phase`'s estimate from where this config stands (a lever
     already pulled, or one that changes nothing at this budget, is left out)."""
     m, t = cfg.model, cfg.train
@@ -302,6 +319,8 @@ def levers(cfg, phase):
         return found + ["a smaller memory.bucket_mb"]
     if not t.gradient_checkpointing:
         found.append("train.gradient_checkpointing")
+    if sharded_over(ranks) and t.fsdp_keep_gathered:
+        found.append("train.fsdp_keep_gathered=false")
     if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch > longest_sequence(cfg):
         found.append("a smaller train.max_tokens_per_micro_batch")  # down to the longest sequence
     if not t.max_tokens_per_micro_batch and t.micro_batch_size > 1:
@@ -324,7 +343,7 @@ def over_the_card(cfg, ranks, gpu_bytes, shape=None):
         f"the estimated {what} is {phases[phase] / 2**30:.1f} GiB a rank, more than this "
         f"{gib:.1f} GiB card: expect an out-of-memory error. bench/estimate_memory.py with this "
         f"config and --ranks {ranks} --gpu-gib {gib:.1f} lists each term; "
-        f"{' or '.join(levers(cfg, phase))} would lower it"
+        f"{' or '.join(levers(cfg, phase, ranks))} would lower it"
     )
 
 

@@ -180,7 +180,7 @@ def as_plain_modules(layers):
 
 
 @contextlib.contextmanager
-def gathered_for_update(model):
+def gathered_for_update(model, keep=True):
     """Within it, an FSDP2 policy's units stay gathered (all-gathered and cast to the compute dtype
     once) from their first forward to the last micro-batch's backward of each optimizer step:
     reshard_after_forward off keeps a unit gathered from its forward to its backward, and
@@ -194,11 +194,13 @@ def gathered_for_update(model):
     sharded, where accumulating them unsharded would hold a whole fp32 gradient per rank. The
     cost: the whole model in the compute dtype on every rank during the update (the estimate's
     "FSDP units gathered"). On exit every unit is resharded and its flags are back to what `shard`
-    set, so outside an update named_parameters() is the shards again. Without FSDP: no-op."""
+    set, so outside an update named_parameters() is the shards again. Without FSDP, or without
+    `keep` (train.fsdp_keep_gathered): a no-op, each layer resharded after its forward and its
+    backward as `shard` set."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
+    if not units or not keep:
         yield lambda last: None
         return
     for unit in units:

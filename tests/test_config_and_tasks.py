@@ -805,7 +805,9 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
     assert built.reward_fn is rewards.gsm8k_reward
 
 
-@pytest.mark.parametrize("module", ["cancel", "loss", "advantages", "merge", "runtime.model"])
+@pytest.mark.parametrize(
+    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update"]
+)
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
     with the mode off, is a ConfigError naming it; with the mode on it is accepted. (task.data's
@@ -839,6 +841,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         **{key: ["model.lora_rank=4"] for key in model.READ_WHEN if ".lora_" in key},
         **{key: [] for key in model.TINY_SHAPE},  # tiny.yaml's model
         "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
+        "train.fsdp_keep_gathered": ["run.nproc=2"],
     }
     other = {
         "train.kl_estimator": "k1",
@@ -851,6 +854,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "rollout.time_quantile": "0.5",
         "rollout.drop_rate": "0.25",
         "rollout.max_prompts_per_step": "256",
+        "train.fsdp_keep_gathered": "false",
     }
     for key, (is_read, _) in owner.READ_WHEN.items():
         value = other_value(key, other | FIELD_VALUES)
@@ -861,6 +865,8 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             off += ["model.path=Qwen/Qwen2.5-0.5B"]
         if key == "train.min_lr_ratio":
             off += ["train.lr_schedule=constant"]
+        if key == "train.fsdp_keep_gathered":
+            off += ["run.nproc=1"]
         if key == "train.scale_by_std":  # read by grpo: off with any other estimator
             advantages.ESTIMATORS["other"] = advantages.grpo
             off += ["train.advantage=other"]

@@ -281,6 +281,36 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     assert parts["AdamW state (fp32, sharded)"] / 8 == trained
 
 
+def test_fsdp_keep_gathered_off_counts_the_root_and_two_layers_and_is_offered_when_over():
+    """With train.fsdp_keep_gathered off, an FSDP2 rank holds gathered the root unit (everything
+    outside the decoder layers, kept from its forward to its backward) and two decoder layers
+    (one computing, the next one's all-gather in flight), in the compute dtype, counted from the
+    model transformers builds; the whole model with it on. Over the card on several ranks, the
+    switch is a lever; on one rank (no FSDP2) or already off, it is not."""
+    from transformers import AutoModelForCausalLM
+
+    from assemble import load_config
+    from runtime.estimate import estimate, levers, shape_of
+
+    config = small_configs()["llama"]
+    built = AutoModelForCausalLM.from_config(config)
+    shape = shape_of(config)
+    root = sum(p.numel() for n, p in built.named_parameters() if ".layers." not in n)
+    layer = sum(p.numel() for p in built.model.layers[0].parameters())
+    gathered = "FSDP units gathered for the update"
+    for keep, expected in [
+        (True, sum(p.numel() for p in built.parameters())),
+        (False, root + 2 * layer),
+    ]:
+        sets = ["rollout.max_total_tokens=1000", "model.compute_dtype=bfloat16", "run.nproc=2"]
+        cfg = load_config(
+            os.path.join(REPO, "configs/tiny.yaml"), sets + [f"train.fsdp_keep_gathered={keep}"]
+        )
+        assert estimate(cfg, 2, 80 * 2**30, shape=shape, budget=1024)[0][gathered] == 2 * expected
+        assert ("train.fsdp_keep_gathered=false" in levers(cfg, "train", ranks=8)) is keep
+        assert "train.fsdp_keep_gathered=false" not in levers(cfg, "train", ranks=1)
+
+
 def test_a_run_that_cannot_fit_the_card_is_warned_with_what_lowers_it(caplog):
     """assemble.size_micro_batches with an 80 GB card (what setup passes on a GPU, before the
     engine starts): the shipped GPU config on 1 and 8 ranks gets its `auto` budget and no

@@ -140,7 +140,9 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
         if step:
             perturb_and_sync(engine, policy, version=step)
         resumes, new, held = buffer.launch(stream, plan.num_prompts, version=step)
-        resumed_any += sum(s.times_resumed > 0 for s in resumes)
+        # every resume counted (times_resumed > 0 counted only a sample cancelled twice: none in
+        # six steps failed the suite once)
+        resumed_any += len(resumes)
         samples, _ = engine.generate(
             [p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes
         )

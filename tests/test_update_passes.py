@@ -490,6 +490,46 @@ def test_an_error_inside_an_fsdp2_update_leaves_every_unit_sharded(tmp_path):
             dist.destroy_process_group()
 
 
+def test_fsdp_keep_gathered_off_gathers_each_layer_per_micro_batch_for_the_same_update(tmp_path):
+    """train.fsdp_keep_gathered=false (for a model whose gathered copy does not fit): a decoder
+    layer is a shard again when each micro-batch's forward reaches it, where by default it stays
+    gathered from the first micro-batch's; the update is the same, loss and gradients bit for
+    bit. One gloo rank, packed micro-batches of <= 40 tokens."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import runtime.parallel as parallel
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        rendezvous = f"file://{tempfile.mkdtemp(dir=tmp_path)}/rendezvous"
+        dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+    try:
+        results = {}
+        for keep in (True, False):
+            cfg = dist_worker.parity_config(tmp_path, "token-mean", *PATHS["packed"])
+            cfg.train.fsdp_keep_gathered = keep  # after loading: one rank's config refuses it
+            policy = parallel.shard(model.build_policy(cfg, None)[0], torch.float32)
+            sharded_at_forward = []  # prepended: before FSDP2's own pre-forward gathers the layer
+            policy.model.layers[1].register_forward_pre_hook(
+                lambda layer, args: sharded_at_forward.append(
+                    type(layer.mlp.down_proj.weight).__name__ == "DTensor"
+                ),
+                prepend=True,
+            )
+            stats = train_on(setup_run.trainer_only(cfg, policy), *random_samples(6))
+            results[keep] = stats["train/loss"], dist_worker.full_grads(policy), sharded_at_forward
+        (kept_loss, kept_grads, kept_at), (loss, grads, at) = results[True], results[False]
+        assert len(at) >= 2 and at == [True] * len(at)  # gathered again for every micro-batch
+        assert kept_at == [True] + [False] * (len(at) - 1)  # gathered once
+        assert loss == kept_loss
+        assert all(torch.equal(grads[name], kept_grads[name]) for name in kept_grads)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 def test_a_layer_compiled_whole_under_fsdp2_has_a_constant_head_count(tmp_path):
     """Under FSDP2 (one gloo rank, in this process) a decoder layer compiled whole with dynamic
     shapes, as train.compile does on each of N ranks, is traced with `self_attn.head_dim` as the
