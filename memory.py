@@ -364,9 +364,6 @@ EXPERTS = {"experts.w13_weight": "experts.gate_up_proj", "experts.w2_weight": "e
 # as a VocabParallelEmbedding (sglang/srt/layers/vocab_parallel_embedding.py, weight_loader), but
 # not all do (Gemma 3's is a plain nn.Embedding: sglang/srt/models/gemma3_causal.py)
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
-# what an engine's model computes from the config, not a weight: Gemma 2's sqrt(hidden_size), a
-# buffer its weight checker hashes (sglang/srt/models/gemma2.py, register_buffer("normalizer"))
-ENGINE_CONSTANTS = ("model.normalizer",)
 # The step-0 gap allowed, by the coarser of model.compute_dtype and model.engine_dtype: well above
 # what those dtypes give (measured on the CPU demo, docs/RESULTS.md) and well below what a
 # mismatch gives (a rope base off by 2x: 0.1 and more).
@@ -389,8 +386,8 @@ def check_weights(engine, named_params, gather=lambda tensor: tensor):
 
     params = dict(named_params)
     engine_sums = engine.weight_checksums()
-    wrong, checked = [], [name for name in engine_sums if name not in ENGINE_CONSTANTS]
-    for name in checked:
+    wrong = []
+    for name in engine_sums:
         tensor = trainer_tensor(name, params, engine.dtype, gather)
         same = f"{tensor_hash(tensor.contiguous()):016x}" == engine_sums[name]
         if not same and name.endswith(VOCAB_TENSORS):  # padded by this engine's model
@@ -401,16 +398,17 @@ def check_weights(engine, named_params, gather=lambda tensor: tensor):
             wrong.append(name)
     if wrong:
         raise WeightMismatchError(
-            f"after the weight push, {len(wrong)} of {len(checked)} engine tensors differ from "
+            f"after the weight push, {len(wrong)} of {len(engine_sums)} engine tensors differ from "
             f"what the trainer sent: {', '.join(wrong[:5])}{' ...' if len(wrong) > 5 else ''}. "
             "The engine would sample from other weights than the ones trained."
         )
-    return len(checked)
+    return len(engine_sums)
 
 
 def trainer_name(engine_name, params):
-    """The name under which the trainer's `params` would hold one of the engine's tensors, or, for
-    one SGLang fuses (`FUSED`), the names of its parts (`trainer_tensor` refuses a missing one)."""
+    """A name, or for a tensor SGLang fuses (`FUSED`) a list of its parts' names, under which the
+    trainer's `params` would hold one of the engine's tensors (`trainer_tensor` refuses a name
+    they do not hold)."""
     if engine_name in params:
         return engine_name
     for engine_part, part in EXPERTS.items():
@@ -419,10 +417,6 @@ def trainer_name(engine_name, params):
     for fused, parts in FUSED.items():
         if f".{fused}." in engine_name:
             return [engine_name.replace(fused, part) for part in parts]
-    # a tied head: the trainer holds it once, as the embedding; some engine models keep their own
-    # copy (sglang/srt/models/qwen3_moe.py)
-    if engine_name == "lm_head.weight" and "model.embed_tokens.weight" in params:
-        return "model.embed_tokens.weight"
     return engine_name
 
 
@@ -432,9 +426,13 @@ def trainer_tensor(engine_name, params, dtype, gather):
     if isinstance(name, list):
         return torch.cat([trainer_tensor(part, params, dtype, gather) for part in name])
     if name not in params:
+        # a model whose head is its embedding (tie_word_embeddings), served by an engine model
+        # that never ties them (SGLang's qwen3_moe.py): it samples from a head it never loaded
+        tied = name == "lm_head.weight" and "model.embed_tokens.weight" in params
         raise WeightMismatchError(
             f"the engine holds {engine_name}, which no trainer tensor makes: the engine's model "
             "is not the trainer's"
+            + (" (the trainer's head is its embedding; the engine's is its own)" if tied else "")
         )
     return gather(params[name].detach().to(dtype))
 

@@ -435,7 +435,8 @@ def weight_buckets(
     named_params, dtype, bucket_bytes, gather, layout=lambda name, tensor: [(name, tensor)]
 ):
     """([(name, whole tensor in `dtype`)], is_last) buckets of about `bucket_bytes`, for the engine,
-    each tensor in the engine's checkpoint `layout` (a view of the gathered tensor, no copy).
+    each tensor in the engine's checkpoint `layout` (views of the gathered tensor, but where
+    transformers' inverse op copies: a mixture of experts' gate and up halves, one tensor more).
 
     Each parameter is cast *before* `gather` (FSDP2's `full_tensor()`, a collective: every rank
     walks the same names in the same order): the cast is elementwise, so the result is
@@ -689,7 +690,9 @@ def checkpoint_layout(model):
     models; transformers 5 trains a mixture of experts with each layer's experts fused into one 3D
     tensor (experts.gate_up_proj) where the checkpoint holds one tensor per expert and projection
     (experts.0.gate_proj.weight, ...): transformers' own inverse of its loading conversion splits
-    it (core_model_loading.py, revert_weight_conversion; save_pretrained calls it too)."""
+    it (core_model_loading.py, revert_weight_conversion; save_pretrained calls it too). One tensor
+    at a time: a conversion whose inverse needs several trained tensors together would give a
+    part under the whole's name, which update_weights' shape check refuses by name."""
     from transformers.core_model_loading import revert_weight_conversion
 
     return lambda name, tensor: list(revert_weight_conversion(model, {name: tensor}).items())

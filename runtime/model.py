@@ -217,7 +217,7 @@ def check_family(cfg, model):
     - its forward must return what its output head computes: the update replaces the head with
       one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
       after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
-      changed instead. Tested on 4 tokens, so a family this check has never seen is caught too;
+      changed instead. One forward of 4 tokens, so a family never seen here is caught too;
     - packed rows under FlexAttention get one block mask for every layer (update.flex_mask),
       which transformers passes through as it is (masking_utils.py, _preprocess_mask_arguments):
       layers with a sliding window (Gemma 3's) would attend past it. Packed sdpa builds each
@@ -228,14 +228,16 @@ def check_family(cfg, model):
         raise ModelError(
             f"model.path={path!r} ({type(model).__name__}) keeps no decoder layers at "
             "model.model.layers, where this trainer compiles, shards and checks them (the layout "
-            "of Llama, Qwen, Mistral, Gemma, Phi-3, OLMo): not supported"
+            "of Llama, Qwen, Mistral, Gemma 3, Phi-3, OLMo 2): not supported"
         )
-    ids = torch.arange(4).unsqueeze(0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()(hidden)
-    if not torch.equal(logits, head):
+    head = []  # what the output head returns, kept by a hook during one forward
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: head.append(out))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.arange(4).unsqueeze(0), use_cache=False).logits
+    finally:
+        hook.remove()
+    if not torch.equal(logits, head[0]):
         fields = {f: getattr(model.config, f) for f in LOGIT_FIELDS if hasattr(model.config, f)}
         raise ModelError(
             f"model.path={path!r} ({type(model).__name__}): its forward changes the output head's "

@@ -194,19 +194,19 @@ def gathered_for_update(model, keep=True):
     sharded, where accumulating them unsharded would hold a whole fp32 gradient per rank. The
     cost: the whole model in the compute dtype on every rank during the update (the estimate's
     "FSDP units gathered"). On exit every unit is resharded and its flags are back to what `shard`
-    set, so outside an update named_parameters() is the shards again. Without FSDP, or without
-    `keep` (train.fsdp_keep_gathered): a no-op, each layer resharded after its forward and its
-    backward as `shard` set."""
+    set, so outside an update named_parameters() is the shards again. Without `keep`
+    (train.fsdp_keep_gathered off), each layer is resharded after its forward and its backward as
+    `shard` set, and resharded on exit all the same. Without FSDP: a no-op."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units or not keep:
+    if not units:
         yield lambda last: None
         return
     for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_forward(not keep and unit is not model, recurse=False)
     try:
-        yield lambda last: model.set_reshard_after_backward(last)
+        yield lambda last: model.set_reshard_after_backward(last or not keep)
     finally:
         model.set_reshard_after_backward(True)
         for unit in units:

@@ -41,16 +41,23 @@ def build(family, **fields):
             ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"],
             r"sliding window of 24 tokens, shorter than this run's longest sequence \(560\)",
         ),
+        (  # no layer types: every layer has the window (Mistral 7B v0.1's 4,096)
+            "mistral_window_24",
+            ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"],
+            r"sliding window of 24 tokens",
+        ),
     ],
 )
 def test_setup_refuses_a_family_it_would_train_wrongly(family, sets, refusal, tmp_path):
     """Gemma 2 soft-caps its logits and Granite scales them after the output head, where the
     update puts log-probs: they would be changed (the step-0 gap check stopped Granite only after
-    the first rollout, blaming dtypes or rope). Gemma 3's sliding-window layers would attend past
-    their window under FlexAttention's one packed mask. Each is a ModelError from the check
-    build_policy runs before the engine starts."""
+    the first rollout, blaming dtypes or rope). Gemma 3's sliding-window layers, and a Mistral's
+    (every layer: no layer types), would attend past their window under FlexAttention's one
+    packed mask. Each is a ModelError from the check build_policy runs before the engine
+    starts."""
+    built = build("mistral", sliding_window=24) if family == "mistral_window_24" else build(family)
     with pytest.raises(model.ModelError, match=refusal):
-        model.check_family(tiny_config(tmp_path, *sets), build(family))
+        model.check_family(tiny_config(tmp_path, *sets), built)
 
 
 def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_them(tmp_path):
@@ -77,8 +84,8 @@ def test_each_engine_tensor_is_found_under_the_trainers_name_for_it():
     """The weight check's map from the engine's tensor names (SGLang's layouts) to the trainer's:
     q, k, v fused by the engine from the trainer's three (Qwen2); fused already in the trainer
     (Phi-3: it tried the three parts, which Phi-3 does not hold, and refused every push); the
-    experts' w13 and w2 (Qwen3 MoE); an engine's own copy of a tied head (the embedding); an
-    engine name no trainer tensor makes."""
+    experts' w13 and w2 (Qwen3 MoE); an engine name no trainer tensor makes, named, and an
+    engine head of its own beside a trainer's tied one (SGLang's qwen3_moe never ties)."""
     name = memory.trainer_name
     qwen2 = dict(build("qwen2_untied").named_parameters())
     assert name("model.layers.0.self_attn.qkv_proj.weight", qwen2) == [
@@ -92,12 +99,12 @@ def test_each_engine_tensor_is_found_under_the_trainers_name_for_it():
     moe = dict(build("qwen3_moe").named_parameters())
     assert name("model.layers.0.mlp.experts.w13_weight", moe) in moe
     assert moe[name("model.layers.0.mlp.experts.w2_weight", moe)].shape == (4, 64, 64)
-    tied = dict(build("qwen3").named_parameters())
-    assert "lm_head.weight" not in tied
-    assert name("lm_head.weight", tied) == "model.embed_tokens.weight"
     for engine_only in ["model.layers.0.mlp.experts.w13_weight", "model.vision_tower.weight"]:
         with pytest.raises(memory.WeightMismatchError, match="which no trainer tensor makes"):
             memory.trainer_tensor(engine_only, qwen2, torch.float32, lambda t: t)
+    tied = dict(build("qwen3").named_parameters())  # its head is its embedding
+    with pytest.raises(memory.WeightMismatchError, match="the trainer's head is its embedding"):
+        memory.trainer_tensor("lm_head.weight", tied, torch.float32, lambda t: t)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3"])
@@ -107,9 +114,10 @@ def test_the_weight_push_sends_the_tensors_of_the_checkpoint_the_engine_loaded(f
     projection. The push's buckets hold exactly what save_pretrained writes, bit for bit (they
     held the 3D tensors, which the engine has no name for: the run stopped at its first push). A
     dense model's are its parameters as they are."""
-    policy = build(family)
-    policy.save_pretrained(tmp_path)
+    build(family).save_pretrained(tmp_path)
     saved = safetensors.torch.load_file(os.path.join(tmp_path, "model.safetensors"))
+    # as the trainer loads a model.path: from_pretrained keeps the conversions it applied
+    policy = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     pushed = {}
     buckets = weight_buckets(
         list(policy.named_parameters()),

@@ -276,27 +276,36 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
         # trainer's decision reached it: nothing suspended (1 of 5 runs under 4 busy processes)
         "rollout.max_total_tokens=512",
     ]
-    run = train.setup(tiny_config(tmp_path, "train.steps=2", *sets), engine=engine)
+    steps = 2
+    run = train.setup(tiny_config(tmp_path, f"train.steps={steps}", *sets), engine=engine)
     train.train(run)
+    # still, once in three suites at 2-core load, every request finished before the count reached
+    # the engine: then one more step, resumed, until something is suspended at a step's end
+    while not run.buffer.state_dict()["waiting"] and steps < 5:
+        steps += 1
+        config = tiny_config(tmp_path, f"train.steps={steps}", *sets)
+        run = train.setup(config, resume=True, engine=engine)
+        train.train(run)
     assert engine.num_in_flight() == 0
     saved = run.buffer.state_dict()
     assert saved["waiting"], "nothing was suspended: the test would prove nothing"
-    resumed = train.setup(tiny_config(tmp_path, "train.steps=3", *sets), resume=True, engine=engine)
-    assert resumed.start_step == 2 and resumed.buffer.state_dict() == saved
+    config = tiny_config(tmp_path, f"train.steps={steps + 1}", *sets)
+    resumed = train.setup(config, resume=True, engine=engine)
+    assert resumed.start_step == steps and resumed.buffer.state_dict() == saved
     # an engine death after step 2's rollout, before its update: the checkpoint it leaves holds
     # the suspended samples and the prompt position as step 2 found them, not as its rollout left
     # them (waiting emptied, prompts taken)
     before = train.data_before_step(resumed)
-    rollout.collect(resumed, 2)
+    rollout.collect(resumed, steps)
     assert resumed.buffer.state_dict() != saved
     train.save_after_engine_death(resumed, EngineDiedError("the engine died"), before)
     state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
-    assert state["step"] == 2 and state["buffer"] == saved | {"ranks": [len(saved["groups"])]}
+    assert state["step"] == steps and state["buffer"] == saved | {"ranks": [len(saved["groups"])]}
     assert state["prompt_positions"] == [before["position"]]
-    train.train(resumed)  # and step 2 runs from them
+    train.train(resumed)  # and that step runs from them
     values = scalars(tmp_path)
-    assert len(values["train/loss"]) == 3
-    # step 2 continued exactly the suspended samples of the checkpoint, first
+    assert len(values["train/loss"]) == steps + 1
+    # the resumed step continued exactly the suspended samples of the checkpoint, first
     assert values["partial/resumed"][-1] + values["partial/restarts"][-1] == len(saved["waiting"])
     assert values["staleness/tokens_1"][-1] > 0  # and trained tokens that version 1 sampled
     assert all(v < 1e-4 for v in values["train/logprob_gap"])  # fresh tokens: engine == trainer

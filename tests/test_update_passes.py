@@ -454,12 +454,14 @@ def test_compiled_layers_and_head_make_the_eager_update_without_recompiling(tmp_
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_an_error_inside_an_fsdp2_update_leaves_every_unit_sharded(tmp_path):
+@pytest.mark.parametrize("keep", [True, False])
+def test_an_error_inside_an_fsdp2_update_leaves_every_unit_sharded(keep, tmp_path):
     """An exception in a forward inside parallel.gathered_for_update (an out-of-memory error, say)
     leaves its unit in the forward state, where reshard() did nothing while the unit kept its
     parameters gathered: the root and that layer stayed whole (plain tensors, not shards), which a
     caller going on would push or checkpoint. Now every unit is a shard again, and the next
-    update runs. One gloo rank."""
+    update runs, with train.fsdp_keep_gathered on or off (off, it returned before cleaning up).
+    One gloo rank."""
     import tempfile
 
     import torch.distributed as dist
@@ -479,7 +481,7 @@ def test_an_error_inside_an_fsdp2_update_leaves_every_unit_sharded(tmp_path):
 
         hook = policy.model.layers[1].mlp.register_forward_pre_hook(out_of_memory)
         with pytest.raises(RuntimeError, match="out of memory"):
-            with parallel.gathered_for_update(policy):
+            with parallel.gathered_for_update(policy, keep):
                 policy(torch.tensor([[4, 5, 6, 7]]))
         hook.remove()
         assert all(type(p.data).__name__ == "DTensor" for p in policy.parameters())
