@@ -6,7 +6,8 @@ push checked bit for bit against the engine (run.check_weights_every=1), and the
 against the trainer's (the step-0 gap check). A random model's GSM8K reward is 0 (no gradient), so
 the reward here is the share of digits in the response (`digit_share`): the weights move.
 
-python bench/families.py [--families llama,qwen3] [--steps 3]; one engine at a time, ~30 s per run.
+python bench/families.py [--families llama,qwen3] [--steps 3] [--set run.nproc=2]; ~30 s a run,
+one engine a rank.
 One line per run: families: family=<f> lora=<rank> rc=<n> steps=<n> weight_checks=<n>
 gap_max=<f> grad_norm_max=<f> seconds=<f>; a REFUSED family's run must stop at setup (rc 2) with
 its ModelError, printed below its line. `--build FAMILY --folder DIR` only writes that model's
@@ -154,6 +155,9 @@ def main():
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lora", default="0,8", help="LoRA ranks to run each family at (0: full)")
+    parser.add_argument(
+        "--set", action="append", default=[], help="SECTION.KEY=VALUE for every run (run.nproc=2)"
+    )
     parser.add_argument("--build", choices=FAMILIES, help="only write this family's model folder")
     parser.add_argument("--folder", help="--build: where")
     args = parser.parse_args()
@@ -168,7 +172,7 @@ def main():
             build_folder(family, folder)
             for rank in map(int, args.lora.split(",")):
                 out = os.path.join(scratch, f"run-{family}-{rank}")
-                sets = LORA_SETS.get(family, []) if rank else []
+                sets = (LORA_SETS.get(family, []) if rank else []) + args.set
                 rc, logged, seconds, tail = rehearse(folder, out, rank, args.steps, sets)
                 get = lambda tag: max(logged.get(tag, [float("nan")]))  # noqa: E731
                 print(
