@@ -156,8 +156,8 @@ def update_policy(trainer, sequences, step):
     grad_norms = []
     skipped = 0
     # FSDP2: each unit gathered once per optimizer step, not once per micro-batch and pass
-    # (mark_last tells it which micro-batch's backward reshards; one rank, or
-    # train.fsdp_keep_gathered off: a no-op)
+    # (mark_last tells it which micro-batch's backward reshards; with train.fsdp_keep_gathered
+    # off every one does; one rank: a no-op)
     with parallel.gathered_for_update(trainer.policy, t.fsdp_keep_gathered) as mark_last:
         # a pass before the first optimizer step only where one is needed (at the default, none:
         # pi_old comes detached from the update's own forward, in micro_batch_backward)
