@@ -536,11 +536,28 @@ def flex_mask(model, batch):
     """A packed micro-batch's FlexAttention BlockMask (`document_mask`), built at its first forward
     and kept in `batch` for the others (pi_old, the reference, the update: 2-4 per micro-batch);
     transformers would build one in every forward. None for other attention (SDPA reads the
-    packing from position_ids)."""
+    packing from position_ids).
+
+    A model whose layers attend within a sliding window (`config.sliding_window`) gets a mask per
+    layer type, {"full_attention": ..., "sliding_attention": ...} (Gemma 3, by
+    `config.layer_types`), or the windowed one for every layer where it names none (Mistral):
+    transformers hands a BlockMask to every layer as it is (masking_utils.py,
+    _preprocess_mask_arguments), so one mask would let a windowed layer attend past its window."""
     if model.config._attn_implementation != "flex_attention":
         return None
     if "block_mask" not in batch:
-        batch["block_mask"] = document_mask(batch["position_ids"])
+        window = getattr(model.config, "sliding_window", None)  # None where no layer has one
+        kinds = getattr(model.config, "layer_types", None)
+        position_ids = batch["position_ids"]
+        if not window:
+            batch["block_mask"] = document_mask(position_ids)
+        elif kinds is None:
+            batch["block_mask"] = document_mask(position_ids, window)
+        else:
+            batch["block_mask"] = {
+                kind: document_mask(position_ids, window if kind == "sliding_attention" else None)
+                for kind in set(kinds)
+            }
     return batch["block_mask"]
 
 
@@ -557,19 +574,23 @@ def document_ids(position_ids):
     return (position_ids - previous != 1).cumsum(-1)
 
 
-def causal_in_document(document):
+def causal_in_document(document, window=None):
     """FlexAttention's mask_mod for `document_ids`: a query sees the keys of its own sequence up
-    to itself."""
+    to itself; with `window`, only the last `window` of them, itself included (transformers'
+    sliding mask: masking_utils.py, sliding_window_overlay)."""
 
     def mask_mod(b, h, q, kv):
         return (document[b, q] == document[b, kv]) & (q >= kv)
 
-    return mask_mod
+    def windowed(b, h, q, kv):
+        return mask_mod(b, h, q, kv) & (q - kv < window)
+
+    return windowed if window else mask_mod
 
 
-def document_mask(position_ids):
+def document_mask(position_ids, window=None):
     """Causal attention within each packed sequence of `position_ids` [B, T] (`document_ids`), as a
-    BlockMask: what transformers' own packed mask allows.
+    BlockMask: what transformers' own packed mask allows (with `window`, its sliding one's).
 
     Built from each block's first and last sequence, never as tokens x tokens: torch's
     create_block_mask (uncompiled) evaluates the mask at every pair first, 2.2 G booleans at the
@@ -595,6 +616,11 @@ def document_mask(position_ids):
     overlap = (index[None, :] <= index[:, None]) & (kv_last >= q_first) & (kv_first <= q_last)
     one_sequence = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
     full = one_sequence & (index[None, :] < index[:, None]) & whole[:, None] & whole[None, :]
+    if window:  # query block i, key block j <= i: their nearest tokens are (i - j - 1) blocks + 1
+        # apart, their farthest (i - j + 1) blocks - 1
+        apart = index[:, None] - index[None, :]
+        overlap &= (apart - 1) * MASK_BLOCK + 1 < window
+        full &= (apart + 1) * MASK_BLOCK - 1 < window
     partial = overlap & ~full
 
     def ordered(dense):  # [B, Q blocks, KV blocks] -> counts and indices, allowed ones first
@@ -606,7 +632,7 @@ def document_mask(position_ids):
         *ordered(partial),
         *ordered(full),
         BLOCK_SIZE=MASK_BLOCK,
-        mask_mod=causal_in_document(document),
+        mask_mod=causal_in_document(document, window),
         seq_lengths=(width, width),
     )
 

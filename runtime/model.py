@@ -218,10 +218,7 @@ def check_family(cfg, model):
       one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
       after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
       changed instead. One forward of 4 tokens, so a family never seen here is caught too;
-    - packed rows under FlexAttention get one block mask for every layer (update.flex_mask),
-      which transformers passes through as it is (masking_utils.py, _preprocess_mask_arguments):
-      layers with a sliding window (Gemma 3's) would attend past it. Packed sdpa builds each
-      layer's own mask."""
+    (Layers with a sliding window, Gemma 3's, get their own packed mask: update.flex_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -245,21 +242,6 @@ def check_family(cfg, model):
             "the head's place (update.sequence_logprobs), so they would be changed instead: not "
             "supported"
         )
-    window = getattr(model.config, "sliding_window", None)  # None: no layer has one
-    # a family without layer types (Mistral) windows every layer
-    windowed = "sliding_attention" in (
-        getattr(model.config, "layer_types", None) or ["sliding_attention"]
-    )
-    longest = cfg.data.max_prompt_len + cfg.rollout.max_trajectory_tokens()
-    packed = cfg.train.max_tokens_per_micro_batch != 0
-    if cfg.model.attn_implementation == "flex_attention" and packed and window and windowed:
-        if window < longest:
-            raise ModelError(
-                f"model.path={path!r}: some layers attend within a sliding window of {window} "
-                f"tokens, shorter than this run's longest sequence ({longest}), and packed rows "
-                "under FlexAttention get one mask for every layer, without the window: set "
-                "model.attn_implementation=sdpa (packed sdpa masks each layer's window)"
-            )
 
 
 def build_reference(cfg, policy, chars=TINY_CHARS):

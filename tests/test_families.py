@@ -5,8 +5,10 @@ model files), and a mixture of experts reaches the engine in its checkpoint's la
 engine runs these families in bench/families.py (docs/RESULTS.md) and, for a Qwen3 mixture of
 experts, in tests/test_own_task.py's countdown rehearsal."""
 
+import functools
 import os
 import sys
+import warnings
 
 import pytest
 import safetensors.torch
@@ -36,28 +38,15 @@ def build(family, **fields):
     [
         ("gemma2", [], r"changes the output head's logits \({'final_logit_softcapping': 30.0}\)"),
         ("granite", [], r"changes the output head's logits \({'logits_scaling': 4.0}\)"),
-        (
-            "gemma3",
-            ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"],
-            r"sliding window of 24 tokens, shorter than this run's longest sequence \(560\)",
-        ),
-        (  # no layer types: every layer has the window (Mistral 7B v0.1's 4,096)
-            "mistral_window_24",
-            ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"],
-            r"sliding window of 24 tokens",
-        ),
     ],
 )
 def test_setup_refuses_a_family_it_would_train_wrongly(family, sets, refusal, tmp_path):
     """Gemma 2 soft-caps its logits and Granite scales them after the output head, where the
     update puts log-probs: they would be changed (the step-0 gap check stopped Granite only after
-    the first rollout, blaming dtypes or rope). Gemma 3's sliding-window layers, and a Mistral's
-    (every layer: no layer types), would attend past their window under FlexAttention's one
-    packed mask. Each is a ModelError from the check build_policy runs before the engine
-    starts."""
-    built = build("mistral", sliding_window=24) if family == "mistral_window_24" else build(family)
+    the first rollout, blaming dtypes or rope). Each is a ModelError from the check build_policy
+    runs before the engine starts."""
     with pytest.raises(model.ModelError, match=refusal):
-        model.check_family(tiny_config(tmp_path, *sets), built)
+        model.check_family(tiny_config(tmp_path, *sets), build(family))
 
 
 def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_them(tmp_path):
@@ -71,13 +60,41 @@ def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_t
 
 
 def test_the_families_that_train_pass_the_setup_check(tmp_path):
-    """Every family bench/families.py trains passes, under packed sdpa, and Gemma 3 under
-    FlexAttention too where its window (here 1,024 tokens) holds the run's longest sequence."""
+    """Every family bench/families.py trains passes."""
     cfg = tiny_config(tmp_path)
     for family in set(families.FAMILIES) - families.REFUSED:
         model.check_family(cfg, build(family))
-    flex = ["model.attn_implementation=flex_attention", "train.max_tokens_per_micro_batch=4096"]
-    model.check_family(tiny_config(tmp_path, *flex), build("gemma3", sliding_window=1024))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_layers_get_their_window_in_packed_flexattention(family, monkeypatch):
+    """Packed rows under FlexAttention: transformers hands a BlockMask to every layer as it is, so
+    one document mask let Gemma 3's sliding-window layers (window 24 here; sequences up to 38
+    tokens) attend past their window. update.flex_mask now gives each layer type its own mask (a
+    Mistral with a window and no layer types: the windowed one for every layer), and the
+    log-probs equal padded sdpa's, where transformers builds each layer's mask itself (forward:
+    FlexAttention has no backward on CPU)."""
+    import update
+    from test_packing import packed, random_samples
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    policy = build(family, sliding_window=24).eval()
+    samples, _ = random_samples(0)
+    assert max(len(s.prompt_ids) + len(s.response_ids) for s in samples) > 24
+    batch, layout = packed(samples)
+    padded = update.collate([samples[i] for row in layout for i in row], pad_id=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention on CPU says to compile it
+        expected, _ = update.sequence_logprobs(policy, padded, 1.0)
+        policy.set_attn_implementation("flex_attention")
+        got, _ = update.sequence_logprobs(policy, batch, 1.0)
+    real = batch["gathered"]
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
+    masks = batch["block_mask"]
+    if family == "gemma3":  # one full and one sliding layer: a mask each
+        assert isinstance(masks, dict) and set(masks) == {"full_attention", "sliding_attention"}
+    else:
+        assert masks.mask_mod.__name__ == "windowed"
 
 
 def test_each_engine_tensor_is_found_under_the_trainers_name_for_it():

@@ -133,18 +133,27 @@ def packed_positions(seed, rows, width):
     return position_ids
 
 
-@pytest.mark.parametrize("rows, width", [(1, 77), (2, 128), (3, 300), (2, 1024), (4, 1000)])
-def test_the_document_mask_is_create_block_masks_block_for_block(rows, width):
+@pytest.mark.parametrize("window", [None, 130, 300])
+@pytest.mark.parametrize(
+    "rows, width", [(1, 77), (2, 128), (3, 300), (2, 1024), (4, 1000), (1, 700)]
+)
+def test_the_document_mask_is_create_block_masks_block_for_block(rows, width, window):
     """update.document_mask, built from each block's first and last sequence, is the BlockMask
     torch's create_block_mask makes by evaluating every token pair: the same partial and full
     blocks on the key and the query side, in the same order; and FlexAttention (forward, CPU)
-    gives the same output under both."""
+    gives the same output under both. With a sliding window too (Gemma 3's layers): 300 tokens
+    (a key block one back can be full), 130 (over one 700-token sequence: key blocks 3 back and
+    beyond left out, none full)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     position_ids = packed_positions(width, rows, width)
-    mask_mod = update.causal_in_document(update.document_ids(position_ids))
+    if window == 130 and rows == 1:  # one sequence of every position: blocks 3 back left out
+        position_ids = torch.arange(width).unsqueeze(0)
+    mask_mod = update.causal_in_document(update.document_ids(position_ids), window)
     expected = create_block_mask(mask_mod, rows, None, width, width, device="cpu")
-    got = update.document_mask(position_ids)
+    got = update.document_mask(position_ids, window)
+    if window == 130 and rows == 1 and width > 3 * 128:
+        assert int(got.kv_num_blocks.max()) == 3 and int(got.full_kv_num_blocks.sum()) == 0
     assert got.seq_lengths == expected.seq_lengths == (width, width)
     for side in ("kv", "full_kv", "q", "full_q"):
         counts = getattr(got, f"{side}_num_blocks")
@@ -153,7 +162,7 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width):
             n, at = int(counts[tuple(index)]), tuple(index)
             want = getattr(expected, f"{side}_indices")[at][:n]
             assert torch.equal(getattr(got, f"{side}_indices")[at][:n], want.to(torch.int32))
-    assert int(got.full_kv_num_blocks.sum()) > 0 or width < 256  # full blocks were tested
+    assert int(got.full_kv_num_blocks.sum()) > 0 or width < 256 or window == 130  # full ones
     x = torch.randn(rows, 2, width, 16, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
         warnings.simplefilter("ignore")
