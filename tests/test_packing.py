@@ -133,9 +133,10 @@ def packed_positions(seed, rows, width):
     return position_ids
 
 
-@pytest.mark.parametrize("window", [None, 130, 300])
 @pytest.mark.parametrize(
-    "rows, width", [(1, 77), (2, 128), (3, 300), (2, 1024), (4, 1000), (1, 700)]
+    "rows, width, window",
+    [(1, 77, None), (2, 128, None), (3, 300, None), (2, 1024, None), (4, 1000, None)]
+    + [(3, 300, 300), (2, 1024, 300), (4, 1000, 130), (1, 700, 130)],
 )
 def test_the_document_mask_is_create_block_masks_block_for_block(rows, width, window):
     """update.document_mask, built from each block's first and last sequence, is the BlockMask
