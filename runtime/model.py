@@ -217,7 +217,7 @@ def check_family(cfg, model):
     - its forward must return what its output head computes: the update replaces the head with
       one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
       after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
-      changed instead. One forward of 4 tokens, so a family never seen here is caught too;
+      changed instead. One forward of 4 tokens, so a family never seen here is caught too.
     (Layers with a sliding window, Gemma 3's, get their own packed mask: update.flex_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
