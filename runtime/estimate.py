@@ -3,9 +3,9 @@
 micro-batch token budget that fills the card (`train.max_tokens_per_micro_batch: auto`).
 
 Arithmetic from the model's parameters (counted on its skeleton: `shape_of`) and the config, not a
-measurement: the rules of thumb are in the comments, and the activation term is an estimate (a
-dense decoder's, bf16 activations). bench/estimate_memory.py prints it; bench/train_step.py
---shape sets it beside the measured peak. Owns no state.
+measurement: the rules of thumb are in the comments, and the activation term is an estimate
+(`saved_per_token`'s rule, scaled by the peaks measured on a GPU). bench/estimate_memory.py
+prints it; bench/train_step.py --shape sets it beside the measured peak. Owns no state.
 """
 
 import os
@@ -46,10 +46,10 @@ class Shape(NamedTuple):
     """What the estimate reads of a model, counted on its skeleton (`shape_of`)."""
 
     hidden: int
-    intermediate: int
     layers: int
     vocab: int
     kv_per_token: int  # K and V values one token holds in the engine's cache, all layers
+    saved: tuple  # values the activation rule saves per token in each decoder layer
     params: int  # every parameter (a tied output head counted once)
     numels: dict  # {parameter name: elements}: what model.lora_also_train may name
     linears: dict  # {module name: (in, out)} of each nn.Linear: what LoRA may adapt
@@ -114,10 +114,10 @@ def shape_of(config, trust_remote_code=False):
     c = model.config.get_text_config()
     return Shape(
         hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
         layers=c.num_hidden_layers,
         vocab=c.vocab_size,
         kv_per_token=kv_values_per_token(model.config),
+        saved=saved_per_token(c, model.named_parameters()),
         params=sum(p.numel() for p in model.parameters()),  # each tied tensor once
         numels={name: p.numel() for name, p in model.named_parameters()},
         linears={
@@ -125,6 +125,39 @@ def shape_of(config, trust_remote_code=False):
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)
         },
+    )
+
+
+def saved_per_token(config, named_parameters):
+    """The values the activation rule of thumb saves per token in each decoder layer of a text
+    `config` with these parameters: norms, q/k/v/o and attention out, ~10 x hidden; then 4 x the
+    MLP width a token passes through (gate, up, their activation, product). A dense MLP's width is
+    its down_proj's input. A mixture of experts (transformers 5 keeps a layer's experts as one 3D
+    down_proj, [experts, hidden, width]) sends each token through num_experts_per_tok experts:
+    that many widths, and 2 x hidden per copy (the token gathered in, and each expert's output
+    before the weighted sum: grouped_mm_experts_forward in transformers' integrations/moe.py,
+    the default experts implementation). A shared expert adds its own width. On CPU, what autograd
+    saves is 1.0-1.3x this rule for dense and MoE layers alike (tests/test_estimates.py); a
+    dense rule gave Qwen3 MoE and Mixtral layers 1.8-2.1x. The router's probabilities (experts
+    values a token) are left out. A layer with no down_proj (a family naming its MLP otherwise)
+    gets the config's intermediate_size."""
+    width, copies = {}, {}
+    for name, p in named_parameters:
+        parts = name.split(".")
+        if "layers" not in parts or "down_proj" not in parts[-2:]:
+            continue
+        layer = int(parts[parts.index("layers") + 1])
+        if p.dim() == 3:  # the experts: [experts, hidden, width], or [experts, width, hidden]
+            top_k = config.num_experts_per_tok
+            expert = p.shape[2] if p.shape[1] == config.hidden_size else p.shape[1]
+            width[layer] = width.get(layer, 0) + top_k * expert
+            copies[layer] = top_k
+        else:  # nn.Linear's weight: [hidden, width]
+            width[layer] = width.get(layer, 0) + p.shape[1]
+    hidden = config.hidden_size
+    return tuple(
+        10 * hidden + 4 * width.get(i, config.intermediate_size) + 2 * copies.get(i, 0) * hidden
+        for i in range(config.num_hidden_layers)
     )
 
 
@@ -180,15 +213,14 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     # rows x longest
     tokens = max(budget, seq_len) if budget else t.micro_batch_size * seq_len
     batch = f"{tokens} tokens, packed" if budget else f"{t.micro_batch_size} x {seq_len} tokens"
-    # saved per token per layer: norms, q/k/v/o, attention out, gate/up/act/product, down (~10 H + 4
-    # I values)
+    # saved per token in each layer: `saved_per_token`'s values, scaled by what the GPU runs held;
     # compiled layers (train.compile) save less
     factor = LORA_COMPILED_FACTOR if t.compile and lora_rank else ACTIVATION_FACTOR[t.compile]
-    per_token_layer = (10 * shape.hidden + 4 * shape.intermediate) * compute * factor
+    per_token_layer = [values * compute * factor for values in shape.saved]
     if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
-        activations = tokens * (shape.layers * shape.hidden * compute + per_token_layer)
+        activations = tokens * (shape.layers * shape.hidden * compute + max(per_token_layer))
     else:
-        activations = tokens * shape.layers * per_token_layer
+        activations = tokens * sum(per_token_layer)
     kv_per_token = shape.kv_per_token * engine
     weights_engine = params * engine
     contexts = 2 * CONTEXT_GIB * 2**30

@@ -281,6 +281,71 @@ def test_the_estimate_counts_each_architecture_as_transformers_builds_it(family)
     assert parts["AdamW state (fp32, sharded)"] / 8 == trained
 
 
+def saved_values_per_token(config, tokens=128):
+    """What autograd saves in an fp32 forward through the decoder layers of the model `config`
+    describes, in values per token per layer: each storage once, the model's own parameters
+    left out."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    own = {p.data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.data_ptr() not in own:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(input_ids=torch.randint(0, config.vocab_size, (1, tokens)))
+    return sum(kept.values()) / 4 / tokens / config.num_hidden_layers
+
+
+def test_the_activation_rule_follows_what_a_mixture_of_experts_saves():
+    """estimate.saved_per_token against what autograd saves (CPU, fp32): each mixture of experts
+    (Qwen3 MoE as Qwen3-30B-A3B, 8 experts of 96 a token where the dense width is 768; Qwen2 MoE
+    with a shared expert; Mixtral, 2 of 8 experts of the dense width) is within 8% of its dense
+    family's measured / rule ratio (the GPU-fitted ACTIVATION_FACTOR is that ratio's). The dense
+    rule, which read the config's intermediate_size, had them 1.6-2.0x their family's: 8 routed
+    widths, and each routed copy's hidden states gathered in and out."""
+    import transformers
+
+    from runtime.estimate import shape_of
+
+    common = dict(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        intermediate_size=768,
+    )
+    moe = dict(num_experts_per_tok=8, moe_intermediate_size=96, num_experts=16)
+    pairs = {
+        "qwen3": (
+            transformers.Qwen3Config(head_dim=64, **common),
+            transformers.Qwen3MoeConfig(head_dim=64, **common, **moe),
+        ),
+        "qwen2": (
+            transformers.Qwen2Config(**common),
+            transformers.Qwen2MoeConfig(shared_expert_intermediate_size=384, **common, **moe),
+        ),
+        "llama": (
+            transformers.LlamaConfig(**common),
+            transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **common),
+        ),
+    }
+    for family, (dense, experts) in pairs.items():
+        ratio = {}
+        for name, config in (("dense", dense), ("experts", experts)):
+            rule = shape_of(config).saved
+            assert len(rule) == config.num_hidden_layers
+            ratio[name] = saved_values_per_token(config) / (sum(rule) / len(rule))
+        assert abs(ratio["experts"] / ratio["dense"] - 1) < 0.08, (family, ratio)
+
+
 def test_fsdp_keep_gathered_off_counts_the_root_and_two_layers_and_is_offered_when_over():
     """With train.fsdp_keep_gathered off, an FSDP2 rank holds gathered the root unit (everything
     outside the decoder layers, kept from its forward to its backward) and two decoder layers

@@ -149,3 +149,23 @@ def test_the_weight_push_sends_the_tensors_of_the_checkpoint_the_engine_loaded(f
     assert all(torch.equal(pushed[name], saved[name]) for name in saved)
     if family == "qwen3_moe":
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in pushed
+
+
+def test_mfu_counts_the_experts_a_token_is_routed_through():
+    """bench/train_step.py's MFU counts 6 x matmul_params per token. For a mixture of experts
+    that is what a token multiplies, num_experts_per_tok of each layer's experts (it counted them
+    all: 2 of 4 routed, twice the experts' FLOPs): matmul_params, less the 1-D norm weights,
+    equals the FLOPs torch's counter sees in a forward of one-token rows, over 2 per token
+    (transformers' eager experts, whose per-expert matmuls the counter sees; one token, so no
+    attention FLOPs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train_step import matmul_params
+
+    policy = build("qwen3_moe")
+    policy.set_experts_implementation("eager")
+    rows = 64
+    with FlopCounterMode(display=False) as counted, torch.no_grad():
+        policy(input_ids=torch.randint(0, 300, (rows, 1)))
+    vectors = sum(p.numel() for p in policy.parameters() if p.dim() == 1)
+    assert matmul_params(policy) - vectors == counted.get_total_flops() / 2 / rows
