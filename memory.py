@@ -357,8 +357,10 @@ class LogprobGapError(HealthError):
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # a mixture of experts: SGLang's FusedMoE holds all experts' gate and up projections as w13_weight
 # [experts, 2 x intermediate, hidden] (gate first) and their down projections as w2_weight
-# (sglang/srt/layers/moe/fused_moe_triton/layer.py), the layout transformers 5 trains them in
-# (modeling_qwen3_moe.py, Qwen3MoeExperts)
+# (sglang/srt/layers/moe/fused_moe_triton/layer.py), the layout transformers 5 trains Qwen3 MoE,
+# Qwen2 MoE, Mixtral and DeepSeek-V3 in (modeling_qwen3_moe.py, Qwen3MoeExperts). Llama 4 and
+# GPT-OSS hold theirs [experts, hidden, 2 x intermediate], and some SGLang backends put the up
+# half first: their first check stops the run as different weights (not rehearsed here)
 EXPERTS = {"experts.w13_weight": "experts.gate_up_proj", "experts.w2_weight": "experts.down_proj"}
 # the vocabulary tensors, whose rows SGLang pads with zeros to a multiple of 64 where it holds them
 # as a VocabParallelEmbedding (sglang/srt/layers/vocab_parallel_embedding.py, weight_loader), but

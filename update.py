@@ -546,8 +546,9 @@ def flex_mask(model, batch):
     if model.config._attn_implementation != "flex_attention":
         return None
     if "block_mask" not in batch:
-        window = getattr(model.config, "sliding_window", None)  # None where no layer has one
-        kinds = getattr(model.config, "layer_types", None)
+        text = model.config.get_text_config()  # (a composite config keeps these in its text part)
+        window = getattr(text, "sliding_window", None)  # None where no layer has one
+        kinds = getattr(text, "layer_types", None)  # other kinds: refused, model.check_family
         position_ids = batch["position_ids"]
         if not window:
             batch["block_mask"] = document_mask(position_ids)

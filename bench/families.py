@@ -39,12 +39,34 @@ CPU_SIZES = [
     "run.check_weights_every=1",
     f"data.reward={os.path.abspath(__file__)}:digit_share",
 ]
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+# Phi-3.5's rope scaling at the small shape's 8 frequencies: a factor per frequency for sequences
+# within original_max_position_embeddings (a Phi3Config field of its own), larger ones past it
+LONGROPE = {
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+    }
+}
+
+
 # (transformers config class, its own fields): Qwen2 without tied embeddings (as Qwen2.5-7B),
 # Qwen3 with a head_dim that is not hidden / heads (as Qwen3-4B), Llama, Mistral, Gemma 3 (a
 # sliding window on every other layer, its embedding scaled, an unpadded vocabulary in the
 # engine), Phi-3 (q, k, v and gate, up fused in the checkpoint), OLMo 2 (norms after attention
 # and MLP), a Qwen3 mixture of experts (as Qwen3-30B-A3B: untied, 4 experts, 2 routed a token);
-# Gemma 2 (logits soft-capped) and Granite (logits scaled) are refused at setup (REFUSED)
+# three rotary scalings (Llama 3's, YaRN, Phi-3.5's longrope within its original window).
+# Refused at setup (REFUSED): Gemma 2 (logits soft-capped), Granite (logits scaled), longrope past
+# its original window and dynamic NTK rope (the engine rotates otherwise: model.rope_refusal)
 FAMILIES = {
     "qwen2_untied": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
@@ -65,6 +87,29 @@ FAMILIES = {
         "Qwen3MoeConfig",
         {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2},
     ),
+    "llama3_rope": (  # as Llama 3.x, its low frequencies stretched from this window on
+        "LlamaConfig",
+        {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE},
+    ),
+    "qwen2_yarn": (  # as Qwen2.5's long-context setting, a quarter of the positions trained
+        "Qwen2Config",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+    ),
+    "phi3_longrope": (  # as Phi-3.5: every sequence within its original window, short factors
+        "Phi3Config",
+        {"max_position_embeddings": 4096, "original_max_position_embeddings": 1024, **LONGROPE},
+    ),
+    "phi3_longrope_past": ("Phi3Config", {"original_max_position_embeddings": 64, **LONGROPE}),
+    "llama_dynamic": (
+        "LlamaConfig",
+        {"tie_word_embeddings": True, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    ),
     "gemma2": (
         "Gemma2Config",
         # hidden_act: SGLang's Gemma 2 reads it, and Gemma 2's released config.json holds it
@@ -80,8 +125,9 @@ LORA_SETS = {
     "qwen3_moe": ["model.lora_targets=[q_proj,k_proj,v_proj,o_proj]"],
     "phi3": ["model.lora_targets=[qkv_proj,o_proj,gate_up_proj,down_proj]"],
 }
+LORA_SETS["phi3_longrope"] = LORA_SETS["phi3"]
 # the families setup refuses with a named error: the run is expected to stop, before its engine
-REFUSED = {"gemma2", "granite"}
+REFUSED = {"gemma2", "granite", "phi3_longrope_past", "llama_dynamic"}
 
 
 def digit_share(response_text, answer, finished=True):
@@ -118,9 +164,9 @@ def family_config(family, vocab_size, end=0):
     import qwen_tiny
 
     name, own = FAMILIES[family]
-    shape = qwen_tiny.SHAPE | ({"moe_intermediate_size": 64} if "num_experts" in own else {})
+    fields = qwen_tiny.SHAPE | ({"moe_intermediate_size": 64} if "num_experts" in own else {})
     return getattr(transformers, name)(
-        vocab_size=vocab_size, bos_token_id=end, eos_token_id=end, pad_token_id=end, **shape, **own
+        vocab_size=vocab_size, bos_token_id=end, eos_token_id=end, pad_token_id=end, **fields | own
     )
 
 

@@ -290,13 +290,18 @@ def bf16_peak(device, dtype, override):
 
 
 def matmul_params(policy):
-    """Parameters that multiply every token (an untied input embedding is a lookup, not a
-    matmul); of a mixture of experts' 3D weights ([experts, ...] a layer), the share a token is
+    """N of the 6N convention: the parameters a token meets (norms and biases included, as the
+    anchors count them; an untied input embedding left out: a lookup, not a matmul), and of a
+    mixture of experts' 3D weights ([experts, ...] a layer, named `experts`) the share a token is
     routed through, num_experts_per_tok of the experts."""
     top_k = getattr(policy.config.get_text_config(), "num_experts_per_tok", None)
     total = sum(
-        p.numel() * top_k // p.shape[0] if p.dim() == 3 and top_k else p.numel()
-        for p in policy.parameters()
+        (
+            p.numel() * top_k // p.shape[0]
+            if ".experts." in name and p.dim() == 3 and top_k
+            else p.numel()
+        )
+        for name, p in policy.named_parameters()
     )
     embedding = policy.get_input_embeddings().weight
     tied = embedding is policy.get_output_embeddings().weight

@@ -148,7 +148,9 @@ def saved_per_token(config, named_parameters):
             continue
         layer = int(parts[parts.index("layers") + 1])
         if p.dim() == 3:  # the experts: [experts, hidden, width], or [experts, width, hidden]
-            top_k = config.num_experts_per_tok
+            # (a family that names its top-k otherwise: counted as if every expert ran, an upper
+            # bound; transformers' Llama 4 does run every expert on every token)
+            top_k = getattr(config, "num_experts_per_tok", None) or p.shape[0]
             expert = p.shape[2] if p.shape[1] == config.hidden_size else p.shape[1]
             width[layer] = width.get(layer, 0) + top_k * expert
             copies[layer] = top_k
@@ -281,7 +283,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         "engine KV cache": kv_cache,
         "engine CUDA graphs": CUDA_GRAPH_GIB * 2**30,
         # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the
-        # largest tensor, all in the engine's dtype (sglang_engine.weight_buckets casts each shard
+        # largest tensor, all in the engine's dtype (runtime/engine.weight_buckets casts each shard
         # before gathering it)
         # (LoRA: the adapter, pushed whole into the engine's pool)
         "weight-sync bucket": (
@@ -386,8 +388,7 @@ def sharded_over(ranks):
 
 def longest_sequence(cfg):
     """The longest sequence a step can train: the prompt limit plus the response budget."""
-    r = cfg.rollout
-    return cfg.data.max_prompt_len + (r.max_response_tokens or r.max_new_tokens * r.max_turns)
+    return cfg.data.max_prompt_len + cfg.rollout.max_trajectory_tokens()
 
 
 def auto_budget(cfg, ranks, gpu_bytes, shape=None):

@@ -214,10 +214,19 @@ def check_family(cfg, model):
     """Refuse, before the engine starts, a model this trainer would train wrongly or not at all:
     - the decoder layers must be `model.model.layers` (compile_layers, FSDP2's units, the weight
       check's names): GPT-2's `transformer.h` is not;
+    - no dropout: the update's forwards run in train mode, the engine samples without it;
     - its forward must return what its output head computes: the update replaces the head with
       one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
       after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
-      changed instead. One forward of 4 tokens, so a family never seen here is caught too.
+      changed instead. One forward of 4 tokens, so a family never seen here is caught too;
+    - with packing (train.max_tokens_per_micro_batch), a sequence must score the same packed
+      behind another as alone: the update tells each layer where a sequence starts only by
+      position_ids restarting (update.pack_rows), so a layer that carries state along the row
+      (Qwen3-Next's linear attention: 5e-2 off) would mix them. Two forwards of 3 + 4 tokens;
+    - with FlexAttention, only full and sliding-window layers (update.flex_mask builds their
+      masks; Llama 4's chunked attention would attend across its chunks);
+    - its rotary embedding must be the engine's at every length this config trains
+      (`rope_refusal`).
     (Layers with a sliding window, Gemma 3's, get their own packed mask: update.flex_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -225,7 +234,29 @@ def check_family(cfg, model):
         raise ModelError(
             f"model.path={path!r} ({type(model).__name__}) keeps no decoder layers at "
             "model.model.layers, where this trainer compiles, shards and checks them (the layout "
-            "of Llama, Qwen, Mistral, Gemma 3, Phi-3, OLMo 2): not supported"
+            "of Llama, Qwen, Mistral, Phi-3, OLMo 2 and Gemma 3's text model, gemma3_text): not "
+            "supported"
+        )
+    if model.get_output_embeddings() is None:
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}) has no output head "
+            "(get_output_embeddings), where the update computes log-probs: not supported"
+        )
+    text = model.config.get_text_config()
+    # the engine samples without dropout, and the update's forwards run in train mode
+    dropout = {
+        field: value
+        for field, value in text.to_dict().items()
+        if ("dropout" in field or "pdrop" in field)
+        and "classifier" not in field
+        and isinstance(value, (int, float))
+        and value > 0
+    }
+    if dropout:
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): dropout {dropout} would make the "
+            "trainer's log-probs random where the engine's are not (no dropout in sampling), and "
+            "the policy ratio with them. Set these fields to 0 in its config.json"
         )
     head = []  # what the output head returns, kept by a hook during one forward
     hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: head.append(out))
@@ -242,6 +273,67 @@ def check_family(cfg, model):
             "the head's place (update.sequence_logprobs), so they would be changed instead: not "
             "supported"
         )
+    if cfg.train.max_tokens_per_micro_batch:
+        ids = torch.arange(7).unsqueeze(0)  # two sequences in one row: 3 tokens, then 4
+        with torch.no_grad():
+            packed = model(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), use_cache=False)
+            alone = model(ids[:, 3:], use_cache=False)
+        gap = (packed.logits[:, 3:].log_softmax(-1) - alone.logits.log_softmax(-1)).abs().max()
+        if gap > 1e-4:  # the step-0 gap check's fp32 threshold
+            raise ModelError(
+                f"model.path={path!r} ({type(model).__name__}): a sequence packed behind another "
+                f"scores otherwise than alone (log-probs {gap:.1e} apart): a layer carries state "
+                "across the restart of position_ids by which the update packs. Set "
+                "train.max_tokens_per_micro_batch=0 (padded rows)"
+            )
+    kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if kinds and cfg.model.attn_implementation == "flex_attention":
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): layers of kind {sorted(kinds)}, where "
+            "update.flex_mask builds FlexAttention masks for full and sliding-window attention "
+            "only. Set model.attn_implementation=sdpa"
+        )
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_trajectory_tokens()  # prompt + response
+    refusal = rope_refusal(text, longest)
+    if refusal:
+        raise ModelError(f"model.path={path!r} ({type(model).__name__}): {refusal}: not supported")
+
+
+def rope_refusal(config, longest):
+    """Why SGLang's rotary embedding would turn queries and keys otherwise than transformers' for a
+    text `config` whose sequences reach `longest` tokens, or None. The rope types default, linear,
+    llama3 and yarn give both the same rotations, bit for bit (tests/test_families.py); read in
+    sglang/srt/layers/rotary_embedding/ (factory.py, rope_variant.py) and transformers'
+    modeling_rope_utils.py, two do not:
+    - dynamic (NTK): SGLang scales the base once, for every position; transformers keeps it
+      unscaled up to original_max_position_embeddings and rescales per forward past it;
+    - longrope (Phi-3.5): each switches a whole forward to the long factors once one position is
+      past original_max_position_embeddings, at lengths one apart (SGLang: a position > it,
+      transformers: the largest position + 1 > it), and the engine's batches are not the
+      trainer's micro-batches. So a sequence's rotations would depend on what it was batched with.
+      Where every sequence fits original_max_position_embeddings, both take the short factors."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if all(isinstance(value, dict) for value in parameters.values()) and parameters:
+        kinds = list(parameters.values())  # per layer type (Gemma 3's sliding and full)
+    else:
+        kinds = [parameters]
+    for rope in kinds:
+        kind = rope.get("rope_type", "default")
+        if kind == "dynamic":
+            return (
+                "its rope_type 'dynamic' scales the rotary base for every position in SGLang and "
+                "only past original_max_position_embeddings in transformers, so the engine samples "
+                "from other rotations than the trainer scores"
+            )
+        original = rope.get("original_max_position_embeddings")
+        if kind == "longrope" and original and longest > original:
+            return (
+                f"its rope_type 'longrope' switches a whole batch to the long factors once a "
+                f"position passes original_max_position_embeddings ({original}), which sequences "
+                f"of this config reach ({longest} tokens: data.max_prompt_len plus the response "
+                "budget), and the engine's batches are not the trainer's: keep them within it"
+            )
+    return None
 
 
 def build_reference(cfg, policy, chars=TINY_CHARS):

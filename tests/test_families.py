@@ -38,15 +38,63 @@ def build(family, **fields):
     [
         ("gemma2", r"changes the output head's logits \({'final_logit_softcapping': 30.0}\)"),
         ("granite", r"changes the output head's logits \({'logits_scaling': 4.0}\)"),
+        ("llama_dynamic", r"rope_type 'dynamic' scales the rotary base for every position"),
+        ("phi3_longrope_past", r"original_max_position_embeddings \(64\), which sequences"),
     ],
 )
 def test_setup_refuses_a_family_it_would_train_wrongly(family, refusal, tmp_path):
     """Gemma 2 soft-caps its logits and Granite scales them after the output head, where the
     update puts log-probs: they would be changed (the step-0 gap check stopped Granite only after
-    the first rollout, blaming dtypes or rope). Each is a ModelError from the check build_policy
-    runs before the engine starts."""
+    the first rollout, blaming dtypes or rope). Dynamic NTK rope, and longrope past its original
+    window, turn positions otherwise in the engine (the test below). Each is a ModelError from
+    the check build_policy runs before the engine starts."""
     with pytest.raises(model.ModelError, match=refusal):
         model.check_family(tiny_config(tmp_path), build(family))
+
+
+def test_setup_refuses_packing_for_a_model_that_carries_state_across_packed_sequences(tmp_path):
+    """Qwen3-Next's linear-attention layers learn where a sequence starts from kernel arguments
+    the trainer does not pass, not from position_ids restarting: packed behind another, a
+    sequence scores otherwise than alone, which no later check names (the gap check blames
+    dtypes, if a random model's gap shows it at all). Refused with packing, by name; padded rows
+    (train.max_tokens_per_micro_batch=0) pass. The families that train pass packed (above)."""
+    config = transformers.Qwen3NextConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    hybrid = transformers.AutoModelForCausalLM.from_config(config).float()
+    cfg = tiny_config(tmp_path)
+    assert cfg.train.max_tokens_per_micro_batch  # the demo packs
+    with pytest.raises(model.ModelError, match=r"a sequence packed behind another scores"):
+        model.check_family(cfg, hybrid)
+    cfg.train.max_tokens_per_micro_batch = 0
+    model.check_family(cfg, hybrid)
+    cfg.model.attn_implementation = "flex_attention"  # (a GPU's): no mask for its linear layers
+    with pytest.raises(model.ModelError, match=r"layers of kind \['linear_attention'\], where"):
+        model.check_family(cfg, hybrid)
+
+
+def test_setup_refuses_dropout(tmp_path):
+    """A config with dropout would train on random log-probs (the update's forwards run in train
+    mode; the engine samples without): named, with the fields."""
+    policy = build("llama", attention_dropout=0.1)
+    with pytest.raises(model.ModelError, match=r"dropout {'attention_dropout': 0.1}"):
+        model.check_family(tiny_config(tmp_path), policy)
 
 
 def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_them(tmp_path):
@@ -169,3 +217,62 @@ def test_mfu_counts_the_experts_a_token_is_routed_through():
         policy(input_ids=torch.randint(0, 300, (rows, 1)))
     vectors = sum(p.numel() for p in policy.parameters() if p.dim() == 1)
     assert matmul_params(policy) - vectors == counted.get_total_flops() / 2 / rows
+
+
+def rotations(config, length):
+    """Queries turned by transformers' rotary embedding (the trainer's) and by SGLang's (the
+    engine's, built as its llama.py and qwen2.py build it: get_rope with the config's
+    rope_parameters) at positions 0..length-1: the largest difference."""
+    from sglang.srt.layers.rotary_embedding import base
+    from sglang.srt.layers.rotary_embedding.factory import get_rope
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    head = config.hidden_size // config.num_attention_heads
+    rope = dict(config.rope_parameters)
+    # the engine's processes run with SGLANG_USE_CPU_ENGINE=1 (runtime/engine.py), which SGLang
+    # reads once, at import, into base._is_cpu; without it, its rotary layer imports vLLM's kernels
+    base._is_cpu = True
+    engine = get_rope(head, head, config.max_position_embeddings, rope["rope_theta"], True, rope)
+    torch.manual_seed(0)
+    queries = torch.randn(1, config.num_attention_heads, length, head)
+    cos, sin = model.model.rotary_emb(queries, torch.arange(length)[None])
+    trainer, _ = apply_rotary_pos_emb(queries, queries, cos, sin)
+    flat = queries[0].transpose(0, 1).reshape(length, -1)
+    turn = getattr(engine, "forward_native", engine.forward)  # longrope's has forward only
+    turned, _ = turn(torch.arange(length), flat.clone(), flat.clone())
+    return (trainer - turned.reshape(length, -1, head).transpose(0, 1)[None]).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "family, rope",
+    [
+        ("llama", None),
+        ("llama", {"rope_type": "linear", "factor": 4.0}),
+        ("llama3_rope", None),
+        ("qwen2_yarn", None),
+        ("phi3_longrope", None),
+        ("phi3_longrope_past", None),
+        ("llama_dynamic", None),
+    ],
+)
+def test_setup_lets_through_exactly_the_rotary_scalings_the_engine_turns_alike(family, rope):
+    """For each rope type, SGLang's rotary embedding against transformers' at the lengths a run
+    trains: bit for bit equal where model.rope_refusal lets the config through (default, linear,
+    Llama 3's, YaRN, longrope within its original window), different where it refuses (dynamic
+    NTK at any length; longrope one position past its window, where SGLang keeps the short
+    factors and transformers takes the long ones; further past it both take the long ones, but
+    for a whole batch, which is not the same batch in the engine and the trainer). The step-0
+    log-prob gap check did not stop them: the small random models' log-probs barely depend on
+    positions (bench/families.py ran dynamic NTK with a gap of 7.6e-4)."""
+    config = families.family_config(family, vocab_size=300)
+    if rope:
+        config = transformers.LlamaConfig(**{**config.to_dict(), "rope_scaling": rope})
+    text = config.get_text_config()
+    original = text.rope_parameters.get("original_max_position_embeddings")
+    for length in sorted({40, 300} if not original else {40, original + 1}):
+        differ = rotations(text, length) > 0
+        refused = model.rope_refusal(text, length) is not None
+        assert differ == refused, (family, length, differ)
+    if family in families.REFUSED:
+        assert refused
