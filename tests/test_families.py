@@ -223,16 +223,12 @@ def rotations(config, length):
     """Queries turned by transformers' rotary embedding (the trainer's) and by SGLang's (the
     engine's, built as its llama.py and qwen2.py build it: get_rope with the config's
     rope_parameters) at positions 0..length-1: the largest difference."""
-    from sglang.srt.layers.rotary_embedding import base
     from sglang.srt.layers.rotary_embedding.factory import get_rope
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     model = transformers.AutoModelForCausalLM.from_config(config)
     head = config.hidden_size // config.num_attention_heads
     rope = dict(config.rope_parameters)
-    # the engine's processes run with SGLANG_USE_CPU_ENGINE=1 (runtime/engine.py), which SGLang
-    # reads once, at import, into base._is_cpu; without it, its rotary layer imports vLLM's kernels
-    base._is_cpu = True
     engine = get_rope(head, head, config.max_position_embeddings, rope["rope_theta"], True, rope)
     torch.manual_seed(0)
     queries = torch.randn(1, config.num_attention_heads, length, head)
@@ -256,7 +252,9 @@ def rotations(config, length):
         ("llama_dynamic", None),
     ],
 )
-def test_setup_lets_through_exactly_the_rotary_scalings_the_engine_turns_alike(family, rope):
+def test_setup_lets_through_exactly_the_rotary_scalings_the_engine_turns_alike(
+    family, rope, monkeypatch
+):
     """For each rope type, SGLang's rotary embedding against transformers' at the lengths a run
     trains: bit for bit equal where model.rope_refusal lets the config through (default, linear,
     Llama 3's, YaRN, longrope within its original window), different where it refuses (dynamic
@@ -265,6 +263,11 @@ def test_setup_lets_through_exactly_the_rotary_scalings_the_engine_turns_alike(f
     for a whole batch, which is not the same batch in the engine and the trainer). The step-0
     log-prob gap check did not stop them: the small random models' log-probs barely depend on
     positions (bench/families.py ran dynamic NTK with a gap of 7.6e-4)."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    # the engine's processes run with SGLANG_USE_CPU_ENGINE=1 (runtime/engine.py), which SGLang
+    # reads once, at import, into base._is_cpu; without it, its rotary layer imports vLLM's kernels
+    monkeypatch.setattr(base, "_is_cpu", True)
     config = families.family_config(family, vocab_size=300)
     if rope:
         config = transformers.LlamaConfig(**{**config.to_dict(), "rope_scaling": rope})
