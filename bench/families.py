@@ -12,6 +12,18 @@ One line per run: families: family=<f> lora=<rank> rc=<n> steps=<n> weight_check
 gap_max=<f> grad_norm_max=<f> seconds=<f>; a REFUSED family's run must stop at setup (rc 2) with
 its ModelError, printed below its line. `--build FAMILY --folder DIR` only writes that model's
 folder (tests/test_own_task.py trains the countdown example on a Qwen3 MoE so).
+
+Adding a family: an entry in FAMILIES (and LORA_SETS where its projections are named otherwise),
+then this script. Where a family differs, what it meets, and the SGLang file to read for it:
+- setup's refusals, runtime/model.check_family: the layer layout, logits changed after the head
+  (LOGIT_FIELDS), dropout, packed sequences that mix, attention kinds FlexAttention has no mask
+  for, rotary scalings the engine turns otherwise (`rope_refusal`; srt/layers/rotary_embedding/);
+- the weight check's names, memory.py: FUSED projections, the EXPERTS layout
+  (srt/models/<family>.py, stacked_params_mapping, and the FusedMoE loader), VOCAB_TENSORS padded;
+- the push's layout, runtime/engine.checkpoint_layout (transformers' own conversion);
+- the packed mask, update.flex_mask (sliding windows per layer type);
+- the memory estimate, runtime/estimate.py: `kv_values_per_token` (the engine's cache; MLA),
+  `saved_per_token` (MLP widths, routed experts).
 """
 
 import argparse

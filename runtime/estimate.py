@@ -92,8 +92,13 @@ def kv_values_per_token(config):
     """K and V values one token holds in a KV cache, over all layers, for a HF model config:
     layers x 2 x KV heads x head_dim. head_dim where the config gives it (Qwen3's 128 is not
     hidden / heads), else hidden / heads; the KV heads are the attention heads where the config
-    names none (plain multi-head attention, as GPT-2's). memory.Ledger and `shape_of` read it."""
+    names none (plain multi-head attention, as GPT-2's); a latent (MLA) cache where the config has
+    one. memory.Ledger and `shape_of` read it."""
     c = config.get_text_config()
+    if getattr(c, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek-V2/V3): SGLang
+        # caches one compressed latent and the rope part a token per layer (sglang/srt/mem_cache/
+        # memory_pool.py, MLATokenToKVPool: kv_lora_rank + qk_rope_head_dim)
+        return c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return c.num_hidden_layers * 2 * kv_heads * head_dim

@@ -11,6 +11,7 @@ import logging
 import math
 
 import torch
+import torch.nn.functional as F
 
 from config import ConfigError, refuse_unread
 import runtime.lora as lora
@@ -258,14 +259,25 @@ def check_family(cfg, model):
             "trainer's log-probs random where the engine's are not (no dropout in sampling), and "
             "the policy ratio with them. Set these fields to 0 in its config.json"
         )
-    head = []  # what the output head returns, kept by a hook during one forward
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: head.append(out))
+    # what the output head returns, and what its weight and bias give (the update computes with
+    # those: a head whose forward is more than a linear layer would be skipped), by a hook
+    head = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, i, out: head.append((out, F.linear(i[0], m.weight, getattr(m, "bias", None))))
+    )
     try:
         with torch.no_grad():
             logits = model(input_ids=torch.arange(4).unsqueeze(0), use_cache=False).logits
     finally:
         hook.remove()
-    if not torch.equal(logits, head[0]):
+    if not torch.equal(head[0][0], head[0][1]):
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): its output head "
+            f"({type(model.get_output_embeddings()).__name__}) computes more than its weight and "
+            "bias give, and the update computes log-probs from those (update.sequence_logprobs): "
+            "not supported"
+        )
+    if not torch.equal(logits, head[0][0]):
         fields = {f: getattr(model.config, f) for f in LOGIT_FIELDS if hasattr(model.config, f)}
         raise ModelError(
             f"model.path={path!r} ({type(model).__name__}): its forward changes the output head's "

@@ -279,3 +279,32 @@ def test_setup_lets_through_exactly_the_rotary_scalings_the_engine_turns_alike(
         assert differ == refused, (family, length, differ)
     if family in families.REFUSED:
         assert refused
+
+
+def test_setup_refuses_an_output_head_that_computes_more_than_its_weights(tmp_path):
+    """The update computes log-probs from the head's weight and bias (update.sequence_logprobs),
+    never calling its forward: a head whose forward does more (here, doubles its logits) would
+    be skipped, and the logits-after-the-head check saw nothing, as the model's logits are the
+    head's."""
+
+    class DoubledHead(torch.nn.Linear):
+        def forward(self, hidden):
+            return 2 * super().forward(hidden)
+
+    policy = build("llama")
+    old = policy.lm_head
+    policy.lm_head = DoubledHead(old.in_features, old.out_features, bias=False)
+    policy.lm_head.weight = old.weight
+    with pytest.raises(model.ModelError, match=r"its output head \(DoubledHead\) computes more"):
+        model.check_family(tiny_config(tmp_path), policy)
+
+
+def test_a_latent_attention_cache_is_counted_as_sglang_keeps_it():
+    """DeepSeek-V3's multi-head latent attention: SGLang caches kv_lora_rank + qk_rope_head_dim
+    values a token per layer (MLATokenToKVPool), not K and V per head (128 heads of 64: 28x)."""
+    from runtime.estimate import kv_values_per_token
+
+    config = transformers.DeepseekV3Config(
+        num_hidden_layers=3, kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128
+    )
+    assert kv_values_per_token(config) == 3 * (512 + 64)
