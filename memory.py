@@ -408,9 +408,11 @@ def check_weights(engine, named_params, gather=lambda tensor: tensor):
 
 
 def trainer_name(engine_name, params):
-    """A name, or for a tensor SGLang fuses (`FUSED`) a list of its parts' names, under which the
-    trainer's `params` would hold one of the engine's tensors (`trainer_tensor` refuses a name
-    they do not hold)."""
+    """Where the trainer's `params` would hold one of the engine's tensors, tried in this order:
+    the engine's own name (a model that holds it so: Phi-3's fused qkv_proj); a mixture of
+    experts' w13 / w2 under the trainer's 3D experts name (`EXPERTS`); for a tensor SGLang fuses
+    from parts (`FUSED`), a list of the parts' names, concatenated in that order. A name, or that
+    list (`trainer_tensor` refuses a name they do not hold)."""
     if engine_name in params:
         return engine_name
     for engine_part, part in EXPERTS.items():

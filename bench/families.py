@@ -97,7 +97,12 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", {"tie_word_embeddings": False}),
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2},
+        {
+            "tie_word_embeddings": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+        },
     ),
     "llama3_rope": (  # as Llama 3.x, its low frequencies stretched from this window on
         "LlamaConfig",
@@ -169,16 +174,20 @@ def build_folder(family, folder):
 
 
 def family_config(family, vocab_size, end=0):
-    """`family`'s transformers config at the suite's small Qwen2's shape (tests/qwen_tiny.py)."""
+    """`family`'s transformers config at the suite's small Qwen2's shape (tests/qwen_tiny.py),
+    changed by its FAMILIES fields (a mixture of experts names its experts' width there)."""
     import transformers
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import qwen_tiny
 
     name, own = FAMILIES[family]
-    fields = qwen_tiny.SHAPE | ({"moe_intermediate_size": 64} if "num_experts" in own else {})
-    return getattr(transformers, name)(
-        vocab_size=vocab_size, bos_token_id=end, eos_token_id=end, pad_token_id=end, **fields | own
+    return getattr(transformers, name)(  # the family's own fields over the small shape's
+        vocab_size=vocab_size,
+        bos_token_id=end,
+        eos_token_id=end,
+        pad_token_id=end,
+        **qwen_tiny.SHAPE | own,
     )
 
 

@@ -290,11 +290,13 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # weight sync: a bucket grows until it reaches bucket_mb, so it can hold bucket_mb + the
         # largest tensor, all in the engine's dtype (runtime/engine.weight_buckets casts each shard
         # before gathering it)
-        # (LoRA: the adapter, pushed whole into the engine's pool)
+        # (LoRA: the adapter, pushed whole into the engine's pool); a mixture of experts' fused
+        # tensor is held twice while engine.checkpoint_layout splits it (its gate and up halves
+        # are copies)
         "weight-sync bucket": (
             adapters * 4
             if lora_rank
-            else cfg.memory.bucket_mb * 2**20 + max(shape.numels.values()) * engine
+            else cfg.memory.bucket_mb * 2**20 + largest_pushed(shape.numels) * engine
         ),
         "CUDA contexts (trainer + engine)": contexts,
     }
@@ -342,6 +344,13 @@ def largest_layer(shape):
             index = name.split(".layers.")[1].split(".")[0]
             layers[index] = layers.get(index, 0) + n
     return max(layers.values(), default=0)
+
+
+def largest_pushed(numels):
+    """Values of the largest tensor one push holds at once: the largest parameter, or twice a
+    mixture of experts' fused one (named `.experts.`), held whole beside its per-expert copies."""
+    experts = max((n for name, n in numels.items() if ".experts." in name), default=0)
+    return max(max(numels.values()), 2 * experts)
 
 
 def levers(cfg, phase, ranks=1):
