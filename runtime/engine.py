@@ -36,6 +36,11 @@ class EngineDiedError(RolloutError):
     it."""
 
 
+def as_trained(name, tensor):
+    """The layout of a model whose checkpoint holds its tensors as it trains them."""
+    return [(name, tensor)]
+
+
 class Engine:
     """An SGLang `Engine` in this process (its scheduler runs in child processes), used by the
     trainer."""
@@ -205,11 +210,12 @@ class Engine:
         version,
         bucket_bytes=256 << 20,
         gather=lambda tensor: tensor,
-        layout=lambda name, tensor: [(name, tensor)],
+        layout=as_trained,
     ):
         """Push the trainer's parameters bucket by bucket (`weight_buckets`), then stamp `version`.
-        `layout` turns each into the checkpoint's tensors, which the engine loaded
-        (`checkpoint_layout`).
+        `layout`, (name, tensor) -> [(name, tensor)], turns each into the tensors the engine
+        loaded from the checkpoint: `checkpoint_layout(model)` for a model from from_pretrained
+        (it reads the conversions loading recorded), `as_trained` where they are the same.
 
         sglang 0.5.23 requires begin_weight_update()/end_weight_update() around the pushes. The
         prefix cache is flushed once, with the last bucket: KV computed with the old weights must
@@ -431,9 +437,7 @@ def stop_token_ids(tokenizer_manager):
     return frozenset(ids)
 
 
-def weight_buckets(
-    named_params, dtype, bucket_bytes, gather, layout=lambda name, tensor: [(name, tensor)]
-):
+def weight_buckets(named_params, dtype, bucket_bytes, gather, layout=as_trained):
     """([(name, whole tensor in `dtype`)], is_last) buckets of about `bucket_bytes`, for the engine,
     each tensor in the engine's checkpoint `layout` (views of the gathered tensor, but where
     transformers' inverse op copies: a mixture of experts' gate and up halves, one tensor more).
