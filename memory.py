@@ -58,7 +58,8 @@ class Ledger:
     CUDA), so peaks are *modelled* from these; on GPU they are measured as well."""
 
     engine_weights: int  # the engine's copy of the model, in the engine's dtype
-    # KV pool: token capacity x layers x (K and V) x kv heads x head dim x dtype
+    # KV pool: token capacity x layers x (K and V) x kv heads x head dim x dtype (or an MLA
+    # model's latent: estimate.kv_values_per_token)
     kv_cache: int
     trainer_params: int
     trainer_grads: int

@@ -142,19 +142,20 @@ def saved_per_token(config, named_parameters):
     that many widths, and 2 x hidden per copy (the token gathered in, and each expert's output
     before the weighted sum: grouped_mm_experts_forward in transformers' integrations/moe.py,
     the default experts implementation). A shared expert adds its own width. On CPU, what autograd
-    saves is 1.0-1.3x this rule for dense and MoE layers alike (tests/test_estimates.py); a
-    dense rule gave Qwen3 MoE and Mixtral layers 1.8-2.1x. The router's probabilities (experts
-    values a token) are left out. A layer with no down_proj (a family naming its MLP otherwise)
-    gets the config's intermediate_size."""
+    saves is 1.0-1.3x this rule for dense and MoE layers alike; the dense rule had MoE layers at
+    1.6-2.0x their dense family's ratio (tests/test_estimates.py). The router's probabilities
+    (experts values a token) are left out. A layer with no down_proj (a family naming its MLP
+    otherwise) gets the config's intermediate_size."""
     width, copies = {}, {}
     for name, p in named_parameters:
         parts = name.split(".")
-        if "layers" not in parts or "down_proj" not in parts[-2:]:
+        if "layers" not in parts or "down_proj" not in parts[-2:] or p.dim() < 2:  # (a bias)
             continue
         layer = int(parts[parts.index("layers") + 1])
         if p.dim() == 3:  # the experts: [experts, hidden, width], or [experts, width, hidden]
             # (a family that names its top-k otherwise: counted as if every expert ran, an upper
-            # bound; transformers' Llama 4 does run every expert on every token)
+            # bound. Not caught: transformers' Llama 4 runs every expert on every token, while its
+            # config says 1)
             top_k = getattr(config, "num_experts_per_tok", None) or p.shape[0]
             expert = p.shape[2] if p.shape[1] == config.hidden_size else p.shape[1]
             width[layer] = width.get(layer, 0) + top_k * expert
@@ -163,7 +164,9 @@ def saved_per_token(config, named_parameters):
             width[layer] = width.get(layer, 0) + p.shape[1]
     hidden = config.hidden_size
     return tuple(
-        10 * hidden + 4 * width.get(i, config.intermediate_size) + 2 * copies.get(i, 0) * hidden
+        10 * hidden
+        + 4 * (width[i] if i in width else config.intermediate_size)
+        + 2 * copies.get(i, 0) * hidden
         for i in range(config.num_hidden_layers)
     )
 

@@ -132,13 +132,14 @@ class ModelError(RuntimeError):
     """The policy model cannot be built or loaded."""
 
 
-def build_policy(cfg, init_dir, chars=TINY_CHARS):
+def build_policy(cfg, init_dir, chars=TINY_CHARS, check=True):
     """(policy, tokenizer), parameters in float32 whatever the compute dtype: they are the master
     weights AdamW updates (compute runs in `model.compute_dtype`, the engine in
     `model.engine_dtype`). The dtype is explicit: transformers 5 would load "auto" (bfloat16 for
     Qwen). `model.path: tiny` builds the demo model from the config (random init, seeded);
     anything else loads a HF checkpoint. `init_dir` (a resumed checkpoint) wins over both.
-    `chars`: the tiny model's characters (task.data.vocabulary: the task's)."""
+    `chars`: the tiny model's characters (task.data.vocabulary: the task's). `check`:
+    `check_family` first (build_reference's second copy of the same model skips it)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     path = init_dir or cfg.model.path
@@ -181,7 +182,8 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS):
             )
     except OSError as e:
         raise unloadable(path, e) from None
-    check_family(cfg, model)
+    if check:
+        check_family(cfg, model)
     model.set_attn_implementation(cfg.model.attn_implementation)
     if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
         m = cfg.model
@@ -215,15 +217,16 @@ def check_family(cfg, model):
     """Refuse, before the engine starts, a model this trainer would train wrongly or not at all:
     - the decoder layers must be `model.model.layers` (compile_layers, FSDP2's units, the weight
       check's names): GPT-2's `transformer.h` is not;
-    - no dropout: the update's forwards run in train mode, the engine samples without it;
+    - no randomness in train mode (dropout, router jitter): the update's forwards run in it, the
+      engine samples without;
     - its forward must return what its output head computes: the update replaces the head with
       one that returns log-probs (update.sequence_logprobs), so a family that changes its logits
       after the head (Gemma 2 soft-caps them, Granite scales them) would get those log-probs
       changed instead. One forward of 4 tokens, so a family never seen here is caught too;
-    - with packing (train.max_tokens_per_micro_batch), a sequence must score the same packed
-      behind another as alone: the update tells each layer where a sequence starts only by
-      position_ids restarting (update.pack_rows), so a layer that carries state along the row
-      (Qwen3-Next's linear attention: 5e-2 off) would mix them. Two forwards of 3 + 4 tokens;
+    - with packing (train.max_tokens_per_micro_batch), a sequence must score the same behind
+      any other: the update tells each layer where a sequence starts only by position_ids
+      restarting (update.pack_rows), so a layer that carries state along the row (Qwen3-Next's
+      linear attention: 5e-2 off) would mix them. Two forwards of 3 + 4 tokens;
     - with FlexAttention, only full and sliding-window layers (update.flex_mask builds their
       masks; Llama 4's chunked attention would attend across its chunks);
     - its rotary embedding must be the engine's at every length this config trains
@@ -244,20 +247,29 @@ def check_family(cfg, model):
             "(get_output_embeddings), where the update computes log-probs: not supported"
         )
     text = model.config.get_text_config()
-    # the engine samples without dropout, and the update's forwards run in train mode
-    dropout = {
-        field: value
-        for field, value in text.to_dict().items()
-        if ("dropout" in field or "pdrop" in field)
-        and "classifier" not in field
-        and isinstance(value, (int, float))
-        and value > 0
-    }
-    if dropout:
+    # the update's forwards run in train mode, the engine samples without randomness of its own:
+    # two train-mode forwards must agree (dropout, Mixtral's router jitter, PhiMoE's sampled
+    # experts would not)
+    mode = model.training
+    model.train()
+    with torch.no_grad():
+        twice = [
+            model(input_ids=torch.arange(4).unsqueeze(0), use_cache=False).logits for _ in "ab"
+        ]
+    model.train(mode)
+    if not torch.equal(*twice):
+        fields = {
+            field: value
+            for field, value in text.to_dict().items()
+            if any(word in field for word in ("dropout", "pdrop", "jitter", "noise"))
+            and isinstance(value, (int, float))
+            and value > 0
+        }
         raise ModelError(
-            f"model.path={path!r} ({type(model).__name__}): dropout {dropout} would make the "
-            "trainer's log-probs random where the engine's are not (no dropout in sampling), and "
-            "the policy ratio with them. Set these fields to 0 in its config.json"
+            f"model.path={path!r} ({type(model).__name__}): its forward in train mode is random "
+            f"({fields or 'by a rule of its own'}): the trainer's log-probs would be, where the "
+            "engine's are not, and the policy ratio with them. Set these fields to 0 in its "
+            "config.json"
         )
     # what the output head returns, and what its weight and bias give (the update computes with
     # those: a head whose forward is more than a linear layer would be skipped), by a hook
@@ -286,16 +298,27 @@ def check_family(cfg, model):
             "supported"
         )
     if cfg.train.max_tokens_per_micro_batch:
-        ids = torch.arange(7).unsqueeze(0)  # two sequences in one row: 3 tokens, then 4
+        # one 4-token sequence packed behind two different 3-token ones: the same shapes, so
+        # rounding is the same (bit for bit for the dense families, 5e-7 apart for a MoE's
+        # grouped experts); what leaks from the sequence before moves it (Qwen3-Next: 5e-2)
+        position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
         with torch.no_grad():
-            packed = model(ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), use_cache=False)
-            alone = model(ids[:, 3:], use_cache=False)
-        gap = (packed.logits[:, 3:].log_softmax(-1) - alone.logits.log_softmax(-1)).abs().max()
-        if gap > 1e-4:  # the step-0 gap check's fp32 threshold
+            scored = [
+                model(
+                    torch.tensor([first + [6, 7, 8, 9]]),
+                    position_ids=position_ids,
+                    use_cache=False,  # with a cache, no packing read (masking_utils.py)
+                )
+                .logits[:, 3:]
+                .log_softmax(-1)
+                for first in ([0, 1, 2], [3, 4, 5])
+            ]
+        gap = (scored[0] - scored[1]).abs().max()
+        if gap > 1e-3:
             raise ModelError(
-                f"model.path={path!r} ({type(model).__name__}): a sequence packed behind another "
-                f"scores otherwise than alone (log-probs {gap:.1e} apart): a layer carries state "
-                "across the restart of position_ids by which the update packs. Set "
+                f"model.path={path!r} ({type(model).__name__}): a packed sequence scores "
+                f"otherwise behind another sequence (log-probs {gap:.1e} apart): a layer carries "
+                "state across the restart of position_ids by which the update packs. Set "
                 "train.max_tokens_per_micro_batch=0 (padded rows)"
             )
     kinds = set(getattr(text, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
@@ -305,6 +328,8 @@ def check_family(cfg, model):
             "update.flex_mask builds FlexAttention masks for full and sliding-window attention "
             "only. Set model.attn_implementation=sdpa"
         )
+    # (estimate.longest_sequence's sum, written out: importing runtime/estimate here would make
+    # the longest import chain 7)
     longest = cfg.data.max_prompt_len + cfg.rollout.max_trajectory_tokens()  # prompt + response
     refusal = rope_refusal(text, longest)
     if refusal:
@@ -314,7 +339,9 @@ def check_family(cfg, model):
 def rope_refusal(config, longest):
     """Why SGLang's rotary embedding would turn queries and keys otherwise than transformers' for a
     text `config` whose sequences reach `longest` tokens, or None. The rope types default, linear,
-    llama3 and yarn give both the same rotations, bit for bit (tests/test_families.py); read in
+    llama3 and yarn give both the same rotations, bit for bit (tests/test_families.py, with full
+    rotary dimensions; neither YaRN's mscale fields nor a partial rotary factor compared), and any
+    other type is refused as never compared; read in
     sglang/srt/layers/rotary_embedding/ (factory.py, rope_variant.py) and transformers'
     modeling_rope_utils.py, two do not:
     - dynamic (NTK): SGLang scales the base once, for every position; transformers keeps it
@@ -331,6 +358,11 @@ def rope_refusal(config, longest):
         kinds = [parameters]
     for rope in kinds:
         kind = rope.get("rope_type", "default")
+        if kind not in ("default", "linear", "llama3", "yarn", "longrope", "dynamic"):
+            return (
+                f"its rope_type {kind!r} was never compared with SGLang's (default, linear, "
+                "llama3, yarn and longrope were: tests/test_families.py)"
+            )
         if kind == "dynamic":
             return (
                 "its rope_type 'dynamic' scales the rotary base for every position in SGLang and "
@@ -357,7 +389,7 @@ def build_reference(cfg, policy, chars=TINY_CHARS):
         return None
     if cfg.model.lora_rank and not cfg.model.lora_also_train:
         return lora.Base(policy)
-    return build_policy(cfg, None, chars)[0].requires_grad_(False).eval()
+    return build_policy(cfg, None, chars, check=False)[0].requires_grad_(False).eval()
 
 
 def compile_layers(model):

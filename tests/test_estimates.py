@@ -427,3 +427,15 @@ def test_a_run_that_cannot_fit_the_card_is_warned_with_what_lowers_it(caplog):
     (everything,), _ = setup_warnings(seven_b, "memory.mode=off")
     assert "memory.mode: off holds it all" in everything
     assert everything.endswith("memory.mode: staged would lower it")
+
+
+def test_an_mlp_with_biases_is_counted_as_without():
+    """A down_proj bias (Llama's mlp_bias) is no MLP width: the rule reads the weight (the bias
+    made shape_of raise an IndexError at every GPU setup)."""
+    import transformers
+
+    from runtime.estimate import shape_of
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    biased = shape_of(transformers.LlamaConfig(mlp_bias=True, **small)).saved
+    assert biased == shape_of(transformers.LlamaConfig(**small)).saved == (10 * 64 + 4 * 128,) * 2

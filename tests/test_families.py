@@ -7,6 +7,7 @@ experts, in tests/test_own_task.py's countdown rehearsal."""
 
 import functools
 import os
+import re
 import sys
 import warnings
 
@@ -80,7 +81,7 @@ def test_setup_refuses_packing_for_a_model_that_carries_state_across_packed_sequ
     hybrid = transformers.AutoModelForCausalLM.from_config(config).float()
     cfg = tiny_config(tmp_path)
     assert cfg.train.max_tokens_per_micro_batch  # the demo packs
-    with pytest.raises(model.ModelError, match=r"a sequence packed behind another scores"):
+    with pytest.raises(model.ModelError, match=r"a packed sequence scores otherwise behind"):
         model.check_family(cfg, hybrid)
     cfg.train.max_tokens_per_micro_batch = 0
     model.check_family(cfg, hybrid)
@@ -89,12 +90,25 @@ def test_setup_refuses_packing_for_a_model_that_carries_state_across_packed_sequ
         model.check_family(cfg, hybrid)
 
 
-def test_setup_refuses_dropout(tmp_path):
-    """A config with dropout would train on random log-probs (the update's forwards run in train
-    mode; the engine samples without): named, with the fields."""
-    policy = build("llama", attention_dropout=0.1)
-    with pytest.raises(model.ModelError, match=r"dropout {'attention_dropout': 0.1}"):
+@pytest.mark.parametrize(
+    "family, field",
+    [("LlamaConfig", {"attention_dropout": 0.1}), ("MixtralConfig", {"router_jitter_noise": 0.01})],
+)
+def test_setup_refuses_a_forward_that_is_random_in_train_mode(family, field, tmp_path):
+    """Dropout, or Mixtral's router jitter (which a scan of dropout fields missed), would make the
+    trainer's log-probs random (the update's forwards run in train mode; the engine samples
+    without): two train-mode forwards differ, refused with the fields that do it. A model in eval
+    mode is put back in it."""
+    from qwen_tiny import SHAPE
+
+    config = getattr(transformers, family)(vocab_size=300, **SHAPE, **field)
+    torch.manual_seed(0)
+    policy = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with pytest.raises(
+        model.ModelError, match=r"in train mode is random \(" + re.escape(str(field))
+    ):
         model.check_family(tiny_config(tmp_path), policy)
+    assert not policy.training
 
 
 def test_setup_refuses_a_layout_without_decoder_layers_where_the_trainer_keeps_them(tmp_path):
@@ -204,8 +218,9 @@ def test_mfu_counts_the_experts_a_token_is_routed_through():
     that is what a token multiplies, num_experts_per_tok of each layer's experts (it counted them
     all: 2 of 4 routed, twice the experts' FLOPs): matmul_params, less the 1-D norm weights,
     equals the FLOPs torch's counter sees in a forward of one-token rows, over 2 per token
-    (transformers' eager experts, whose per-expert matmuls the counter sees; one token, so no
-    attention FLOPs)."""
+    (transformers' eager experts, whose per-expert matmuls the counter sees; attention's own
+    FLOPs, which the MFU leaves out, are not in the count either: the counter has no formula for
+    CPU SDPA)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from train_step import matmul_params
@@ -308,3 +323,14 @@ def test_a_latent_attention_cache_is_counted_as_sglang_keeps_it():
         num_hidden_layers=3, kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128
     )
     assert kv_values_per_token(config) == 3 * (512 + 64)
+
+
+def test_a_rope_type_never_compared_with_the_engines_is_refused():
+    """transformers has rope types beyond those the test above compares (proportional, Gemma
+    4's): refused as never compared, not let through; the compared ones, per layer type too."""
+    from types import SimpleNamespace
+
+    unknown = SimpleNamespace(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4})
+    assert "rope_type 'proportional' was never compared" in model.rope_refusal(unknown, 100)
+    per_layer = {"full_attention": {"rope_type": "default"}, "sliding_attention": {}}
+    assert model.rope_refusal(SimpleNamespace(rope_parameters=per_layer), 100) is None
