@@ -254,7 +254,7 @@ def check_family(cfg, model):
     model.train()
     with torch.no_grad():
         twice = [
-            model(input_ids=torch.arange(4).unsqueeze(0), use_cache=False).logits for _ in "ab"
+            model(input_ids=torch.arange(4).unsqueeze(0), use_cache=False).logits for _ in range(2)
         ]
     model.train(mode)
     if not torch.equal(*twice):
