@@ -254,6 +254,7 @@ def start_engine(cfg, model_dir, start_step):
         local_rank=parallel.local_rank(),
         trust_remote_code=cfg.model.trust_remote_code,
         lora=lora_engine(cfg.model),
+        routing_replay=cfg.train.routing_replay,
     )
     engine.set_version(start_step)  # the weights it loaded are version start_step
     return engine

@@ -204,7 +204,7 @@ class Rollout:
         self.current_rid[request.index] = rid
         timeout_s = self.cfg.request_timeout_s or None
         try:
-            output_ids, logprobs, reason, detail, version = await asyncio.wait_for(
+            output_ids, logprobs, reason, detail, version, routes = await asyncio.wait_for(
                 self.engine.request(rid, prompt_ids, sampling), timeout=timeout_s
             )
         except asyncio.TimeoutError:
@@ -248,6 +248,7 @@ class Rollout:
             masked=reason in ("abort", "error"),
             weight_version=version,
             latency_s=time.perf_counter() - self.start,
+            routed_experts=routes,
         )
 
     def failed(self, request, reason="error", prompt_ids=None, turn=0):

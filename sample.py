@@ -66,12 +66,24 @@ class Sample:
     # multi-turn: 1 = this turn ended in a well-formed tool call (the tool ran, whatever it
     # returned), -1 = a malformed one
     tool_call: int = 0
+    # routing replay (train.routing_replay, runtime/routing.py): int16, the experts the engine
+    # routed each token to, [tokens - 1, layers, top-k] flattened (it computes every token but the
+    # last). A continuation's, or a merged sequence's last turn's, covers the whole sequence: its
+    # prompt held everything before
+    routed_experts: array.array = dataclasses.field(default_factory=lambda: array.array("h"))
 
     def __post_init__(self):
         for name, typecode in PER_TOKEN_TYPECODES.items():
             value = getattr(self, name)
             if not (isinstance(value, array.array) and value.typecode == typecode):
                 setattr(self, name, array.array(typecode, value))
+        routes = self.routed_experts
+        if not isinstance(routes, array.array):
+            self.routed_experts = array.array("h")
+            if isinstance(routes, bytes):  # as `to_state` writes them
+                self.routed_experts.frombytes(routes)
+            elif routes is not None:
+                self.routed_experts.extend(routes)
         if not self.versions and self.response_ids:
             self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
 
@@ -98,6 +110,9 @@ class Sample:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             state[field.name] = value.tolist() if isinstance(value, array.array) else value
+        # layers x top-k numbers a token: as bytes, and none as None (empty bytes pickle as a call
+        # of `bytes`, which weights_only refuses)
+        state["routed_experts"] = self.routed_experts.tobytes() or None
         return state
 
     @classmethod

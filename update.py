@@ -24,6 +24,7 @@ from config import ConfigError, refuse_unread
 from metrics import TokenMeans, masked_mean, ratio, summed
 import runtime.parallel as parallel
 from runtime.model import build_optimizer
+from runtime.routing import NO_ROUTE, RouteReplay
 from sample import Sample
 
 log = logging.getLogger("update")
@@ -48,6 +49,8 @@ class Trainer:
     autocast_dtype: torch.dtype | None = None  # one rank computing in bf16; None for fp32 or FSDP2
     first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
     bad_steps: int = 0  # steps in a row with an update skipped as non-finite
+    # the policy's routers, replaying the engine's routes in its forwards (train.routing_replay)
+    routes: RouteReplay | None = None
 
     @classmethod
     def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):
@@ -63,6 +66,7 @@ class Trainer:
             reference=reference,
             autocast_dtype=autocast_dtype,
             first_step=first_step,
+            routes=RouteReplay(policy, cfg.train.routing_replay),
         )
 
     @property
@@ -179,6 +183,8 @@ def update_policy(trainer, sequences, step):
     if source != "engine":  # engine vs trainer: only where the trainer computed pi_old
         stats |= logprob_gap(every_mb)
     stats |= offpolicy_stats(every_mb, t.tis_cap)
+    if t.routing_replay:  # trained sequences the engine sent no routes for (their own routing)
+        stats["train/unrouted_sequences"] = summed(sum(mb["unrouted"] for mb in every_mb))
     stats["train/skipped_updates"] = skipped
     stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
     stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
@@ -205,15 +211,16 @@ def pi_old_before_update(trainer, micro_batches, source):
     cfg = trainer.cfg
     with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
-            logprobs, _, full = sequence_logprobs(
-                trainer.policy,
-                mb,
-                cfg.rollout.temperature,
-                trainer.autocast_dtype,
-                top_p=cfg.rollout.top_p,
-                full=True,
-                compiled_head=cfg.train.compile,
-            )
+            with trainer.routes.replaying(mb):
+                logprobs, _, full = sequence_logprobs(
+                    trainer.policy,
+                    mb,
+                    cfg.rollout.temperature,
+                    trainer.autocast_dtype,
+                    top_p=cfg.rollout.top_p,
+                    full=True,
+                    compiled_head=cfg.train.compile,
+                )
             mb["old_logprobs"] = logprobs
             if full is not None:  # top_p < 1
                 engine_logprobs_on_nucleus(mb, logprobs, full)
@@ -328,6 +335,23 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
     """The forward and backward of one micro-batch, its loss weighted by its share of the
     minibatch's denominator (`count` of `total`: accumulation == one big batch). Returns the
     weighted loss (a detached device scalar); adds its token statistics to `token_stats`."""
+    # routing replay: the engine's experts in the forward, and in its recompute in the backward
+    with trainer.routes.replaying(mb) as routes:
+        mb_loss, loss_stats, entropy = micro_batch_loss(trainer, mb, terms, pi_old_detached)
+        weighted = mb_loss * count / total
+        weighted.backward()
+    num_tokens = mb["loss_mask"].sum()
+    token_stats.add("train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]), num_tokens)
+    for name, value in loss_stats.items():
+        token_stats.add(f"train/{name}", value.detach(), num_tokens)
+    if (agreement := routes.agreement()) is not None:  # (tokens x layers replayed, share)
+        token_stats.add("train/route_agreement", agreement[1], agreement[0])
+    return weighted.detach()
+
+
+def micro_batch_loss(trainer, mb, terms, pi_old_detached):
+    """The forward of one micro-batch and its loss: (loss, the loss's token statistics, the
+    entropies). With `pi_old_detached`, its log-probs, detached, are pi_old."""
     t = trainer.cfg.train
     clip_low, clip_high = loss.clip_range(t)
     logprobs, entropy, full_logprobs = sequence_logprobs(
@@ -361,19 +385,13 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
         kl_estimator=t.kl_estimator,
         entropy=entropy,
     )
-    weighted = mb_loss * count / total
-    weighted.backward()
-    num_tokens = mb["loss_mask"].sum()
-    token_stats.add("train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]), num_tokens)
-    for name, value in loss_stats.items():
-        token_stats.add(f"train/{name}", value.detach(), num_tokens)
-    return weighted.detach()
+    return mb_loss, loss_stats, entropy
 
 
 # ---------------------------------------------------------------- the tensor layout
 
 # array typecode -> tensor dtype
-TORCH_DTYPES = {"i": torch.int32, "f": torch.float32, "B": torch.uint8}
+TORCH_DTYPES = {"i": torch.int32, "f": torch.float32, "B": torch.uint8, "h": torch.int16}
 
 
 def tensor_view(values):
@@ -383,7 +401,7 @@ def tensor_view(values):
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def collate(samples, pad_id, rows=None):
+def collate(samples, pad_id, rows=None, routes=False):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t.
 
     With `rows` (how many of the samples, in order, share each packed row; `pack_rows` chooses
@@ -391,7 +409,8 @@ def collate(samples, pad_id, rows=None):
     row), and its output head only at `head_index`, the positions that predict a response token
     (no loss reads a prompt token's log-prob). `gather` [B, T-1] says where each padded
     position's prediction sits in the head's output and `gathered` marks those positions, so the
-    loss reads the same [B, T-1] layout."""
+    loss reads the same [B, T-1] layout. With `routes` (train.routing_replay): `route_table`'s
+    routes of the tokens the model computes on, in its input's order."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     # a rank with nothing to train still runs padding micro-batches
     width = max(map(len, full), default=2)
@@ -410,6 +429,7 @@ def collate(samples, pad_id, rows=None):
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
+    starts = [row * width for row in range(len(samples))]  # each sample's, in input_ids.flatten()
     batch = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,  # the padded model's mask; packed, only a token count
@@ -442,6 +462,7 @@ def collate(samples, pad_id, rows=None):
                 gather[i, first : first + n] = torch.arange(done, done + n)
                 gathered[i, first : first + n] = True
                 head_index.append(torch.arange(start + first, start + first + n))
+                starts[i] = start  # in packed_ids.flatten()
                 start, done = start + lengths[i], done + n
         batch |= dict(
             packed_ids=packed_ids,
@@ -450,7 +471,32 @@ def collate(samples, pad_id, rows=None):
             gather=gather,
             gathered=gathered,
         )
+    if routes:
+        positions = (batch["packed_ids"] if rows else input_ids).numel()
+        batch["routes"], batch["unrouted"] = route_table(samples, starts, positions)
     return batch
+
+
+def route_table(samples, starts, positions):
+    """Routing replay's routes for a micro-batch whose model input holds `positions` tokens,
+    sample i's from flat position starts[i]: [positions, layers x top-k] int16, each token's
+    experts as the engine routed them (Sample.routed_experts), runtime.routing.NO_ROUTE where the
+    router keeps its own choice: padding, each sequence's last token (the engine never computes
+    it; no loss reads its output) and a sample without routes of its length. Returns (the table,
+    how many unmasked samples had none: a count that should stay 0)."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
+    # layers x top-k: one figure per model (0 columns where no sample has routes)
+    width = next(
+        (len(s.routed_experts) // n for s, n in zip(samples, lengths) if s.routed_experts), 0
+    )
+    table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
+    unrouted = 0
+    for s, start, n in zip(samples, starts, lengths):
+        if width and len(s.routed_experts) == n * width:
+            table[start : start + n] = tensor_view(s.routed_experts).view(n, width)
+        else:
+            unrouted += not s.masked
+    return table, torch.tensor(unrouted)
 
 
 def sequence_logprobs(
@@ -638,13 +684,13 @@ def document_mask(position_ids, window=None):
     )
 
 
-def micro_batches(samples, size, pad_id, max_tokens=0):
+def micro_batches(samples, size, pad_id, max_tokens=0, routes=False):
     """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions
     (`pack_rows`), else padded ones of at most `size` samples, each padded only to its own
     longest row. Then padding micro-batches (one row, nothing trained) up to the count of the
     rank that needs the most: with FSDP every forward and backward is a collective, so every rank
     must run the same number (verl equalises the same way). Returns (micro-batches, how many
-    samples were longer than the budget: each got one of its own)."""
+    samples were longer than the budget: each got one of its own). `routes`: collate's."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if max_tokens:
         layout = pack_rows(lengths, max_tokens)  # [micro-batch][row][sample index]
@@ -658,7 +704,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0):
         row_sizes = [None] * len(indices)  # padded: one sample per row
     out = []
     for mb_indices, mb_row_sizes in zip(indices, row_sizes):
-        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes)
+        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes, routes)
         mb["advantages"] = torch.tensor([samples[i].advantage for i in mb_indices])
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
@@ -667,6 +713,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0):
             [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)],
             pad_id,
             [1] if max_tokens else None,
+            routes,
         )
         mb["advantages"] = torch.zeros(1)
         out.append(mb)
@@ -788,6 +835,7 @@ def make_minibatches(samples, cfg, pad_id, device):
             cfg.micro_batch_size,
             pad_id,
             max_tokens=cfg.max_tokens_per_micro_batch,
+            routes=cfg.routing_replay,
         )
         out.append([{key: value.to(device) for key, value in mb.items()} for mb in batches])
         over_budget += over

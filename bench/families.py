@@ -152,8 +152,9 @@ def digit_share(response_text, answer, finished=True):
     return sum(c.isdigit() for c in response_text) / max(len(response_text), 1)
 
 
-def build_folder(family, folder):
-    """A random model of `family` with the GSM8K tokenizer, saved as a HF folder."""
+def build_folder(family, folder, **fields):
+    """A random model of `family` (its config's `fields` changed) with the GSM8K tokenizer, saved
+    as a HF folder."""
     import torch
     import transformers
 
@@ -166,9 +167,10 @@ def build_folder(family, folder):
     tokenizer = qwen_tiny.build_tokenizer([f"{r['question']}\n{r['answer']}" for r in rows])
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        family_config(family, len(tokenizer), end)
-    )
+    config = family_config(family, len(tokenizer), end)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.float().save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

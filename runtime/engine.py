@@ -6,7 +6,9 @@ and aborts, weight pushes, and memory release/wake. Does not own what is generat
 cancelled (rollout.py, inflight.py), nor when memory moves (memory.py).
 """
 
+import array
 import asyncio
+import base64
 import hashlib
 import logging
 import os
@@ -17,6 +19,7 @@ import threading
 import time
 import warnings
 
+import numpy
 import torch
 import tqdm
 
@@ -55,14 +58,25 @@ class Engine:
         local_rank=0,
         trust_remote_code=False,
         lora=None,
+        routing_replay=False,
     ):
         self.cfg = cfg
+        self.routing_replay = routing_replay  # each request returns the experts it routed to
         self.dtype = getattr(torch, dtype)  # weight sync casts the trainer's fp32 masters to this
         self.weight_version = 0
         self.adapter = None  # the LoRA adapter every request is served with (`load_adapter`)
         on_gpu = torch.cuda.is_available()
         self.engine = start_sglang(
-            model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu, lora
+            model_path,
+            cfg,
+            dtype,
+            seed,
+            gpu_id,
+            local_rank,
+            trust_remote_code,
+            on_gpu,
+            lora,
+            routing_replay,
         )
         self.tokenizer_manager = self.engine.tokenizer_manager
         # An engine process that dies must end the step with EngineDiedError (and a checkpoint),
@@ -160,24 +174,34 @@ class Engine:
     # ------------------------------------------------------------------ requests
     async def request(self, rid, input_ids, sampling):
         """One generation from token ids: (output ids, their log-probs, finish reason type, the
-        engine's finish reason, weight version). With `skip_tokenizer_init` the output ids
-        include a matched stop token."""
+        engine's finish reason, weight version, routed experts). With `skip_tokenizer_init` the
+        output ids include a matched stop token. The routed experts (with `routing_replay`, else
+        empty): int16, [input + output tokens - 1, layers, top-k] flattened, every token the
+        engine computed (managers/scheduler_components/batch_result_processor.py,
+        _maybe_collect_routed_experts); empty where SGLang collected none."""
         out = await self.engine.async_generate(
             input_ids=list(input_ids),
             sampling_params=sampling,
             return_logprob=True,
             rid=rid,
             lora_path=self.adapter,
+            return_routed_experts=self.routing_replay,
         )
         meta = out["meta_info"]
         logprobs = [lp for lp, _token, _ in meta["output_token_logprobs"]]
         version = meta.get("weight_version", "0")
+        routes = array.array("h")
+        if meta.get("routed_experts"):  # base64 of int32 (srt/state_capturer/routed_experts.py,
+            # its decoder); kept as int16: an expert id is < 32,768
+            wide = numpy.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=numpy.int32)
+            routes.frombytes(wide.astype(numpy.int16).tobytes())
         return (
             out["output_ids"],
             logprobs,
             (meta.get("finish_reason") or {}).get("type", "error"),
             meta.get("finish_reason"),
             int(version) if str(version).isdigit() else 0,
+            routes,
         )
 
     def abort(self, rids):
@@ -475,12 +499,22 @@ def trainer_signals(sglang_signal_handler, rollout_engine):
 
 
 def start_sglang(
-    model_path, cfg, dtype, seed, gpu_id, local_rank, trust_remote_code, on_gpu, lora=None
+    model_path,
+    cfg,
+    dtype,
+    seed,
+    gpu_id,
+    local_rank,
+    trust_remote_code,
+    on_gpu,
+    lora=None,
+    routing_replay=False,
 ):
     """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes)
     for this rank: the environment its processes inherit, its device, its port; returns it.
     `Engine` then takes it over. `lora` ({"rank", "targets"}): with SGLang's LoRA pool, which
-    `Engine.load_adapter` fills."""
+    `Engine.load_adapter` fills. `routing_replay`: it records the experts of every token it
+    computes (a host buffer of KV tokens x layers x top-k int32: srt/state_capturer/)."""
     # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
     # being oversubscribed (measured 70x faster generation than the default thread count).
     os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
@@ -535,6 +569,7 @@ def start_sglang(
             # each request then samples with its own seed (a request without one would get 42:
             # every member of a group the same tokens; the trainer sends one per request)
             enable_deterministic_inference=cfg.deterministic,
+            enable_return_routed_experts=routing_replay,
             **device_args,
         )
     finally:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from config import ConfigError, refuse_unread
 import runtime.lora as lora
+import runtime.routing as routing
 import runtime.seeds as seeds
 
 log = logging.getLogger("model")
@@ -230,7 +231,8 @@ def check_family(cfg, model):
     - with FlexAttention, only full and sliding-window layers (update.flex_mask builds their
       masks; Llama 4's chunked attention would attend across its chunks);
     - its rotary embedding must be the engine's at every length this config trains
-      (`rope_refusal`).
+      (`rope_refusal`);
+    - with train.routing_replay, routers whose gates runtime/routing.py computes.
     (Layers with a sliding window, Gemma 3's, get their own packed mask: update.flex_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -334,6 +336,13 @@ def check_family(cfg, model):
     refusal = rope_refusal(text, longest)
     if refusal:
         raise ModelError(f"model.path={path!r} ({type(model).__name__}): {refusal}: not supported")
+    if cfg.train.routing_replay and not routing.routers(model):
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): train.routing_replay replays a "
+            "mixture of experts' routing through the routers runtime/routing.ROUTERS knows "
+            f"({', '.join(routing.ROUTERS)}); this model's: "
+            f"{routing.router_classes(model) or 'none (a dense model)'}"
+        )
 
 
 def rope_refusal(config, longest):

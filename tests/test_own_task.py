@@ -318,6 +318,7 @@ COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     "run.nproc=1",
     "train.compile=false",  # the GSM8K rehearsals compile on CPU already (tests/test_gpu_readiness)
     "run.check_weights_every=1",
+    "train.routing_replay=true",  # the engine's routes replayed in the update (runtime/routing.py)
 ]
 COUNTDOWN_COMMAND = " ".join(
     [
@@ -355,7 +356,10 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     another family than the other rehearsals' Qwen2: a random Qwen3 mixture of experts
     (bench/families.py: Qwen3's head_dim that is not hidden / heads and q and k norms, 4 experts
     in one 3D tensor per layer, pushed one tensor per expert as its checkpoint holds them), each
-    weight push checked bit for bit."""
+    weight push checked bit for bit. With routing replay: every trained sequence came with the
+    engine's routes, in the packed rows the trainer's own routers agree with nearly all of them
+    (routes one token off agree with 0.3: tests/test_routing.py), and the engine's log-probs
+    match the trainer's."""
     background_runs.lines("countdown")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
     # budget, compile and attention, and TinyZero's 1,024 new tokens
@@ -366,3 +370,6 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     assert len(logged["train/reward_mean"]) == 2 and "val/reward_mean" in logged
     assert logged["rollout/reward_errors"] == [0, 0]
     assert len(logged["timing/check_weights_s"]) == 2  # every push checked, none refused
+    assert logged["train/unrouted_sequences"] == [0, 0]
+    assert min(logged["train/route_agreement"]) > 0.98
+    assert max(logged["train/logprob_gap"]) < 0.01

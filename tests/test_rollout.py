@@ -176,7 +176,7 @@ def test_an_abort_cuts_only_its_own_requests(engine, policy):
         engine.abort([cut, uuid.uuid4().hex])
         return await asyncio.gather(*running)
 
-    (kept_ids, _, kept_reason, _, _), (_, _, cut_reason, _, _) = engine._run(two_requests())
+    (kept_ids, _, kept_reason, *_), (_, _, cut_reason, *_) = engine._run(two_requests())
     assert (kept_reason, len(kept_ids), cut_reason) == ("length", 64, "abort")
     assert engine.num_in_flight() == 0
 

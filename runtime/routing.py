@@ -1,0 +1,124 @@
+"""Rollout routing replay (R3, `train.routing_replay`): a mixture of experts' routers in the trainer
+send each token to the experts the engine sent it to when it sampled.
+
+Why: engine and trainer compute the router's logits with different kernels (and in bf16), so a
+token whose top-k experts nearly tie can go to another expert in each; the trainer then scores a
+different network than the one that sampled, and the policy ratio carries that gap (a few nats on
+such tokens). Replaying the engine's choice removes it. Only the choice is replayed: each chosen
+expert's gate weight is still the trainer's router's softmax at it, so the router trains (as
+Megatron's `moe_enable_routing_replay`, verl's and slime's R3 do).
+
+Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
+replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
+routes come from (runtime/engine.py asks SGLang, sample.Sample carries them) nor their layout in
+a micro-batch (update.collate: one row of layers x top-k expert ids per input token, -1 where the
+router keeps its own choice).
+"""
+
+import contextlib
+import functools
+
+import torch
+
+NO_ROUTE = -1  # a token the router routes itself (padding, a sequence's last token, no route)
+
+
+def softmax_gates(router, logits, experts):
+    """Qwen2 MoE, Qwen3 MoE and OLMoE (their TopKRouter.forward in transformers): a softmax over
+    every expert in fp32, the chosen experts' shares, renormalised with `norm_topk_prob`, in the
+    logits' dtype."""
+    gates = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, experts)
+    if router.norm_topk_prob:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates.to(logits.dtype)
+
+
+def mixtral_gates(router, logits, experts):
+    """Mixtral (MixtralTopKRouter.forward): always renormalised, kept in fp32."""
+    gates = torch.softmax(logits.float(), dim=-1).gather(-1, experts)
+    return gates / gates.sum(dim=-1, keepdim=True)
+
+
+# router class -> its gate weights at given experts; every one returns (logits, gates, experts).
+# A family is added here after reading its router's forward: the test replays a model's own
+# choice and must get its outputs and gradients bit for bit (tests/test_routing.py)
+ROUTERS = {
+    "Qwen2MoeTopKRouter": softmax_gates,
+    "Qwen3MoeTopKRouter": softmax_gates,
+    "OlmoeTopKRouter": softmax_gates,
+    "MixtralTopKRouter": mixtral_gates,
+}
+
+
+def routers(model):
+    """(decoder layer index, router) of every known router, by layer: SGLang numbers a route's
+    layers so (srt/state_capturer/routed_experts.py: one slot per decoder layer, a dense
+    layer's left 0)."""
+    return [
+        (index, module)
+        for index, layer in enumerate(model.model.layers)
+        for module in layer.modules()
+        if type(module).__name__ in ROUTERS
+    ]
+
+
+def router_classes(model):
+    """Names of the classes in `model` that look like a router (for the refusal's message)."""
+    return sorted(
+        {type(m).__name__ for m in model.modules() if "router" in type(m).__name__.lower()}
+    )
+
+
+class RouteReplay:
+    """The policy's routers, hooked once when `on`; a forward inside `replaying(batch)` routes
+    each token as batch["routes"] says ([tokens, layers x top-k], NO_ROUTE: its own choice).
+    Off, or outside `replaying`, the hooks return the router's own output untouched."""
+
+    def __init__(self, model, on):
+        self.routes = None  # the routes of the forward in progress
+        self.counts = {}  # layer -> (tokens replayed, of them the trainer's choice agreed)
+        self.num_layers = len(model.model.layers)
+        self.hooks = []
+        if on:
+            for index, router in routers(model):
+                self.hooks.append(router.register_forward_hook(functools.partial(self.hook, index)))
+
+    @contextlib.contextmanager
+    def replaying(self, batch):
+        """Replay batch["routes"] (if it has them) in every forward inside, and in the
+        recomputed forwards of gradient checkpointing: enclose the backward too."""
+        routes = batch.get("routes") if self.hooks else None
+        self.routes = routes if routes is not None and routes.shape[1] else None  # 0: none came
+        self.counts = {}
+        try:
+            yield self
+        finally:
+            self.routes = None
+
+    def hook(self, layer, router, args, output):
+        if self.routes is None:
+            return output
+        logits, _, own = output
+        k = own.shape[-1]
+        if self.routes.shape != (own.shape[0], self.num_layers * k):
+            raise RuntimeError(
+                f"routing replay: routes of shape {tuple(self.routes.shape)} for the "
+                f"{own.shape[0]} tokens that {type(router).__name__} routes to {k} experts in each "
+                f"of {self.num_layers} layers (layer {layer})"
+            )
+        given = self.routes[:, layer * k : (layer + 1) * k].long()
+        replayed = given[:, :1] != NO_ROUTE
+        experts = torch.where(replayed, given, own)
+        agree = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
+        # stored, not added: a recomputed forward (gradient checkpointing) overwrites its own
+        self.counts[layer] = (replayed.sum(), (agree & replayed[:, 0]).sum())
+        return logits, ROUTERS[type(router).__name__](router, logits, experts), experts
+
+    def agreement(self):
+        """(tokens x layers replayed, the share where the trainer's router chose the same experts)
+        of the last forward inside `replaying`, as device tensors; None where none replayed."""
+        if not self.counts:
+            return None
+        replayed = sum(c[0] for c in self.counts.values())
+        agreed = sum(c[1] for c in self.counts.values())
+        return replayed, agreed / replayed.clamp(min=1)

@@ -1,0 +1,208 @@
+"""Rollout routing replay (train.routing_replay, runtime/routing.py) in the trainer, on small random
+mixtures of experts (no engine): replaying a model's own choice changes nothing, bit for bit, in
+each family ROUTERS knows; a replayed choice is the one the experts compute with, its gates are
+the trainer's router's (which trains), also through gradient checkpointing's recompute; routes
+sit where the model reads each token, packed and padded; a dense model is refused. The engine's
+routes reach the update in tests/test_own_task.py's countdown run (a Qwen3 MoE)."""
+
+import array
+
+import pytest
+import torch
+import transformers
+
+from conftest import tiny_config
+import merge
+import runtime.model as model
+import runtime.routing as routing
+import update
+from sample import Sample
+
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
+FAMILIES = {  # config class, its own fields: 4 experts, 2 a token
+    # renormalised, as Qwen3-30B-A3B
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=4, moe_intermediate_size=16, norm_topk_prob=True),
+    ),
+    # no renormalisation (norm_topk_prob false, its default) and a shared expert
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    ),
+    "olmoe": ("OlmoeConfig", dict(num_experts=4)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4)),
+}
+
+
+def build(family):
+    name, own = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(**SMALL | own)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def own_routes(moe, input_ids):
+    """[tokens, layers x top-k] int16: the experts `moe`'s routers choose for `input_ids`."""
+    chosen = {}
+    hooks = [
+        router.register_forward_hook(lambda m, a, out, i=i: chosen.__setitem__(i, out[2]))
+        for i, router in routing.routers(moe)
+    ]
+    with torch.no_grad():
+        moe(input_ids=input_ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    return torch.cat([chosen[i] for i in sorted(chosen)], dim=-1).to(torch.int16)
+
+
+def loss_and_grads(moe, input_ids, replay=None, routes=None):
+    """The summed log-softmax of the next tokens and every parameter's gradient, with `routes`
+    replayed (forward and backward inside the replay, as the update runs them)."""
+    moe.zero_grad()
+    batch = {} if routes is None else {"routes": routes}
+    context = replay.replaying(batch) if replay else torch.enable_grad()
+    with context:
+        logits = moe(input_ids=input_ids, use_cache=False).logits
+        value = logits[:, :-1].log_softmax(-1).gather(-1, input_ids[:, 1:, None]).sum()
+        value.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in moe.named_parameters()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_replaying_a_models_own_routes_changes_nothing(family, bf16):
+    """Replaying the experts a model's routers choose gives its logits and every gradient bit
+    for bit (in fp32 and under bf16 autocast, whose logits are bf16): each family's gates are
+    computed as its router computes them, and replay agrees everywhere."""
+    moe = build(family)
+    input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    replay = routing.RouteReplay(moe, on=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        routes = own_routes(moe, input_ids)
+        plain = loss_and_grads(moe, input_ids)
+        replayed = loss_and_grads(moe, input_ids, replay, routes)
+    assert torch.equal(plain[0], replayed[0])
+    assert all(torch.equal(plain[1][n], replayed[1][n]) for n in plain[1])
+    replayed_count, share = replay.agreement()
+    assert (int(replayed_count), float(share)) == (24 * 2, 1.0)  # 24 tokens, 2 layers
+
+
+def test_replayed_experts_compute_and_the_router_trains_also_through_checkpointing():
+    """Routes other than the router's own (each expert id moved by one): the experts compute
+    with exactly those, each gate is the router's softmax at them renormalised, the trainer's own
+    choice agrees nowhere, the router's weight gets a gradient, and gradient checkpointing's
+    recompute (inside the replay) gives the same gradients as keeping the activations."""
+    moe = build("qwen3_moe")
+    input_ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
+    moved = (own_routes(moe, input_ids) + 1) % 4
+    seen = {}
+    block = moe.model.layers[1].mlp
+    block.experts.register_forward_hook(lambda m, args, out: seen.update(args=args))
+    block.gate.register_forward_hook(lambda m, args, out: seen.update(logits=out[0]))
+    replay = routing.RouteReplay(moe, on=True)
+    logits, grads = loss_and_grads(moe, input_ids, replay, moved)
+    _, experts, gates = seen["args"]
+    assert torch.equal(experts, moved[:, 2:4].long())
+    probs = seen["logits"].softmax(-1).gather(-1, experts)
+    assert torch.allclose(gates, probs / probs.sum(-1, keepdim=True), atol=1e-6)
+    assert float(replay.agreement()[1]) == 0.0
+    assert not torch.equal(logits, loss_and_grads(moe, input_ids)[0])
+    assert grads["model.layers.1.mlp.gate.weight"].abs().sum() > 0
+    moe.gradient_checkpointing_enable()
+    moe.train()  # transformers recomputes only in train mode
+    _, recomputed = loss_and_grads(moe, input_ids, replay, moved)
+    assert all(torch.allclose(grads[n], recomputed[n], atol=1e-6) for n in grads)
+
+
+def routed_sample(moe, ids, prompt_len, group_id=0):
+    """A Sample of `ids` whose routes are `moe`'s own choice for its tokens but the last, as the
+    engine returns them."""
+    routes = own_routes(moe, torch.tensor([ids]))[:-1]
+    return Sample(
+        ids[:prompt_len],
+        ids[prompt_len:],
+        [0.0] * (len(ids) - prompt_len),
+        [1] * (len(ids) - prompt_len),
+        group_id=group_id,
+        routed_experts=array.array("h", routes.flatten().tolist()),
+    )
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_routes_sit_where_the_model_reads_each_token(packed):
+    """Three sequences of different lengths, each with its own routing recorded alone: collated
+    (padded rows, or packed into one row), the trainer's own choice agrees with every replayed
+    route and the log-probs are the unreplayed ones; the same routes one token off agree far
+    less (what the check would see of a misplaced route). A sample without routes is counted and
+    routes itself."""
+    moe = build("qwen3_moe")
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (7, 11, 5)]
+    samples = [routed_sample(moe, ids, 3) for ids in seqs]
+    samples.append(Sample(seqs[0][:3], seqs[0][3:], [0.0] * 4, [1] * 4, group_id=0))
+    rows = [len(samples)] if packed else None
+    mb = update.collate(samples, 0, rows, routes=True)
+    assert int(mb["unrouted"]) == 1
+    replay = routing.RouteReplay(moe, on=True)
+    with torch.no_grad():
+        plain = update.sequence_logprobs(moe, mb, 1.0)[0]
+        with replay.replaying(mb):
+            replayed = update.sequence_logprobs(moe, mb, 1.0)[0]
+    count, share = replay.agreement()
+    assert int(count) == 2 * sum(n - 1 for n in map(len, seqs)) and float(share) == 1.0
+    assert torch.equal(plain, replayed)
+    shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))
+    with torch.no_grad(), replay.replaying(shifted):
+        update.sequence_logprobs(moe, shifted, 1.0)
+    assert float(replay.agreement()[1]) < 0.5  # 0.3 here
+
+
+def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
+    """Two turns with a tool observation between: the merged sequence carries the second turn's
+    routes (that request's prompt held the first turn and the observation), and they sit on its
+    tokens; a continuation (partial rollout) carries its own, which cover the resumed tokens."""
+    moe = build("qwen3_moe")
+    ids = torch.randint(1, 64, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    first = routed_sample(moe, ids[:9], 4)  # prompt 4, response 5
+    second = routed_sample(moe, ids, 11)  # prompt: turn one, an observation of 2; response 5
+    second.turn = 1
+    (merged,), _ = merge.merge_trajectory([first, second], max_seq_len=64)
+    assert merged.routed_experts == second.routed_experts
+    assert first.continued_by(second).routed_experts == second.routed_experts
+    mb = update.collate([merged], 0, [1], routes=True)
+    replay = routing.RouteReplay(moe, on=True)
+    with torch.no_grad(), replay.replaying(mb):
+        update.sequence_logprobs(moe, mb, 1.0)
+    assert (int(replay.agreement()[0]), float(replay.agreement()[1])) == (2 * 15, 1.0)
+
+
+def test_routes_survive_a_checkpoint_of_their_sample():
+    """A sample's routes, and a sample without, as partial rollout's checkpoint writes them (read
+    back with weights_only) and back."""
+    import io
+
+    for routes in ([0, 3, -1, 2], []):
+        sample = Sample([1, 2], [3, 4], [0.0, 0.0], [1, 1], group_id=0, routed_experts=routes)
+        buffer = io.BytesIO()
+        torch.save(sample.to_state(), buffer)
+        buffer.seek(0)
+        assert Sample.from_state(torch.load(buffer, weights_only=True)) == sample
+
+
+def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
+    """train.routing_replay with the demo's dense Qwen2: refused at setup, naming what it
+    replays through."""
+    cfg = tiny_config(tmp_path, "train.routing_replay=true")
+    with pytest.raises(model.ModelError, match=r"routing_replay .* none \(a dense model\)"):
+        model.build_policy(cfg, None)
