@@ -23,7 +23,9 @@ then this script. Where a family differs, what it meets, and the SGLang file to 
 - the push's layout, runtime/engine.checkpoint_layout (transformers' own conversion);
 - the packed mask, update.flex_mask (sliding windows per layer type);
 - the memory estimate, runtime/estimate.py: `kv_values_per_token` (the engine's cache; MLA),
-  `saved_per_token` (MLP widths, routed experts).
+  `saved_per_token` (MLP widths, routed experts);
+- a mixture of experts' router, for train.routing_replay: runtime/routing.ROUTERS (its gates at
+  given experts, read from its router's forward; srt/layers/moe/topk.py records the engine's).
 """
 
 import argparse

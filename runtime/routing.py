@@ -6,7 +6,8 @@ token whose top-k experts nearly tie can go to another expert in each; the train
 different network than the one that sampled, and the policy ratio carries that gap (a few nats on
 such tokens). Replaying the engine's choice removes it. Only the choice is replayed: each chosen
 expert's gate weight is still the trainer's router's softmax at it, so the router trains (as
-Megatron's `moe_enable_routing_replay`, verl's and slime's R3 do).
+Megatron's `moe_enable_routing_replay`, verl's and slime's R3 do). The KL reference routes itself:
+it is another model, whose routing the engine never saw.
 
 Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
 replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
