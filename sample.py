@@ -69,7 +69,7 @@ class Sample:
     # routing replay (train.routing_replay, runtime/routing.py): int16, the experts the engine
     # routed each token to, [tokens - 1, layers, top-k] flattened (it computes every token but the
     # last). A continuation's, or a merged sequence's last turn's, covers the whole sequence: its
-    # prompt held everything before
+    # prompt held everything before (a continuation's: prefilled under the newer weights)
     routed_experts: array.array = dataclasses.field(default_factory=lambda: array.array("h"))
 
     def __post_init__(self):
@@ -78,12 +78,12 @@ class Sample:
             if not (isinstance(value, array.array) and value.typecode == typecode):
                 setattr(self, name, array.array(typecode, value))
         routes = self.routed_experts
-        if not isinstance(routes, array.array):
+        if not (isinstance(routes, array.array) and routes.typecode == "h"):
             self.routed_experts = array.array("h")
             if isinstance(routes, bytes):  # as `to_state` writes them
                 self.routed_experts.frombytes(routes)
             elif routes is not None:
-                self.routed_experts.extend(routes)
+                self.routed_experts.fromlist(list(routes))
         if not self.versions and self.response_ids:
             self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
 
@@ -109,10 +109,12 @@ class Sample:
         state = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            state[field.name] = value.tolist() if isinstance(value, array.array) else value
-        # layers x top-k numbers a token: as bytes, and none as None (empty bytes pickle as a call
-        # of `bytes`, which weights_only refuses)
-        state["routed_experts"] = self.routed_experts.tobytes() or None
+            if field.name == "routed_experts":
+                # layers x top-k numbers a token: as bytes, and none as None (empty bytes pickle as
+                # a call of `bytes`, which weights_only refuses)
+                state[field.name] = value.tobytes() or None
+            else:
+                state[field.name] = value.tolist() if isinstance(value, array.array) else value
         return state
 
     @classmethod

@@ -50,7 +50,7 @@ class Trainer:
     first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
     bad_steps: int = 0  # steps in a row with an update skipped as non-finite
     # the policy's routers, replaying the engine's routes in its forwards (train.routing_replay)
-    routes: RouteReplay | None = None
+    route_replay: RouteReplay | None = None
 
     @classmethod
     def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):
@@ -66,7 +66,7 @@ class Trainer:
             reference=reference,
             autocast_dtype=autocast_dtype,
             first_step=first_step,
-            routes=RouteReplay(policy, cfg.train.routing_replay),
+            route_replay=RouteReplay(policy, cfg.train.routing_replay),
         )
 
     @property
@@ -148,7 +148,9 @@ def update_policy(trainer, sequences, step):
     combined batch, in every loss mode. Minibatch i is every rank's i-th slice of its own
     sequences. Raises NonFiniteError after `train.max_bad_updates` skipped steps in a row."""
     t = trainer.cfg.train
-    minibatches, over_budget = make_minibatches(sequences, t, trainer.pad_id, trainer.device)
+    minibatches, over_budget = make_minibatches(
+        sequences, t, trainer.pad_id, trainer.device, trainer.route_replay.width
+    )
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = mask_stale_tokens(every_mb, step, t.max_token_staleness)
     stats |= layout_stats(every_mb)
@@ -211,7 +213,7 @@ def pi_old_before_update(trainer, micro_batches, source):
     cfg = trainer.cfg
     with torch.no_grad(), compute_precision(trainer):
         for mb in micro_batches:
-            with trainer.routes.replaying(mb):
+            with trainer.route_replay.replaying(mb):
                 logprobs, _, full = sequence_logprobs(
                     trainer.policy,
                     mb,
@@ -336,7 +338,7 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
     minibatch's denominator (`count` of `total`: accumulation == one big batch). Returns the
     weighted loss (a detached device scalar); adds its token statistics to `token_stats`."""
     # routing replay: the engine's experts in the forward, and in its recompute in the backward
-    with trainer.routes.replaying(mb) as routes:
+    with trainer.route_replay.replaying(mb) as replay:
         mb_loss, loss_stats, entropy = micro_batch_loss(trainer, mb, terms, pi_old_detached)
         weighted = mb_loss * count / total
         weighted.backward()
@@ -344,8 +346,8 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
     token_stats.add("train/entropy", masked_mean(entropy.detach(), mb["loss_mask"]), num_tokens)
     for name, value in loss_stats.items():
         token_stats.add(f"train/{name}", value.detach(), num_tokens)
-    if (agreement := routes.agreement()) is not None:  # (tokens x layers replayed, share)
-        token_stats.add("train/route_agreement", agreement[1], agreement[0])
+    if replay.width:  # routing replay: on every rank, even one that replayed nothing
+        token_stats.add("train/route_agreement", *replay.agreement())
     return weighted.detach()
 
 
@@ -401,7 +403,7 @@ def tensor_view(values):
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def collate(samples, pad_id, rows=None, routes=False):
+def collate(samples, pad_id, rows=None, route_width=0):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t.
 
     With `rows` (how many of the samples, in order, share each packed row; `pack_rows` chooses
@@ -409,8 +411,8 @@ def collate(samples, pad_id, rows=None, routes=False):
     row), and its output head only at `head_index`, the positions that predict a response token
     (no loss reads a prompt token's log-prob). `gather` [B, T-1] says where each padded
     position's prediction sits in the head's output and `gathered` marks those positions, so the
-    loss reads the same [B, T-1] layout. With `routes` (train.routing_replay): `route_table`'s
-    routes of the tokens the model computes on, in its input's order."""
+    loss reads the same [B, T-1] layout. With `route_width` (train.routing_replay: layers x
+    top-k), `route_table`'s routes of the tokens the model computes on, in its input's order."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     # a rank with nothing to train still runs padding micro-batches
     width = max(map(len, full), default=2)
@@ -471,28 +473,24 @@ def collate(samples, pad_id, rows=None, routes=False):
             gather=gather,
             gathered=gathered,
         )
-    if routes:
+    if route_width:
         positions = (batch["packed_ids"] if rows else input_ids).numel()
-        batch["routes"], batch["unrouted"] = route_table(samples, starts, positions)
+        batch["routes"], batch["unrouted"] = route_table(samples, starts, positions, route_width)
     return batch
 
 
-def route_table(samples, starts, positions):
+def route_table(samples, starts, positions, width):
     """Routing replay's routes for a micro-batch whose model input holds `positions` tokens,
-    sample i's from flat position starts[i]: [positions, layers x top-k] int16, each token's
-    experts as the engine routed them (Sample.routed_experts), runtime.routing.NO_ROUTE where the
-    router keeps its own choice: padding, each sequence's last token (the engine never computes
-    it; no loss reads its output) and a sample without routes of its length. Returns (the table,
-    how many unmasked samples had none: a count that should stay 0)."""
+    sample i's from flat position starts[i]: [positions, width (layers x top-k)] int16, each
+    token's experts as the engine routed them (Sample.routed_experts), runtime.routing.NO_ROUTE
+    where the router keeps its own choice: padding, each sequence's last token (the engine never
+    computes it; no loss reads its output) and a sample without routes of its length. Returns
+    (the table, how many unmasked samples had none: a count that should stay 0)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
-    # layers x top-k: one figure per model (0 columns where no sample has routes)
-    width = next(
-        (len(s.routed_experts) // n for s, n in zip(samples, lengths) if s.routed_experts), 0
-    )
     table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
     unrouted = 0
     for s, start, n in zip(samples, starts, lengths):
-        if width and len(s.routed_experts) == n * width:
+        if len(s.routed_experts) == n * width:
             table[start : start + n] = tensor_view(s.routed_experts).view(n, width)
         else:
             unrouted += not s.masked
@@ -684,13 +682,13 @@ def document_mask(position_ids, window=None):
     )
 
 
-def micro_batches(samples, size, pad_id, max_tokens=0, routes=False):
+def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0):
     """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions
     (`pack_rows`), else padded ones of at most `size` samples, each padded only to its own
     longest row. Then padding micro-batches (one row, nothing trained) up to the count of the
     rank that needs the most: with FSDP every forward and backward is a collective, so every rank
     must run the same number (verl equalises the same way). Returns (micro-batches, how many
-    samples were longer than the budget: each got one of its own). `routes`: collate's."""
+    samples were longer than the budget: each got one of its own). `route_width`: collate's."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if max_tokens:
         layout = pack_rows(lengths, max_tokens)  # [micro-batch][row][sample index]
@@ -704,7 +702,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0, routes=False):
         row_sizes = [None] * len(indices)  # padded: one sample per row
     out = []
     for mb_indices, mb_row_sizes in zip(indices, row_sizes):
-        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes, routes)
+        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes, route_width)
         mb["advantages"] = torch.tensor([samples[i].advantage for i in mb_indices])
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
@@ -713,7 +711,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0, routes=False):
             [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)],
             pad_id,
             [1] if max_tokens else None,
-            routes,
+            route_width,
         )
         mb["advantages"] = torch.zeros(1)
         out.append(mb)
@@ -817,14 +815,15 @@ def offpolicy_stats(micro_batches, tis_cap):
     return stats
 
 
-def make_minibatches(samples, cfg, pad_id, device):
+def make_minibatches(samples, cfg, pad_id, device, route_width=0):
     """The step's `cfg.num_minibatches` minibatches (`cfg`: TrainConfig), each a list of collated
     micro-batches on `device`: minibatch i is the i-th slice of this rank's samples. Collated
     once, read by every pass (a pi_old or reference forward where there is one, then the
     update). Every rank makes the same count
     (clip_grad_norm_ is a collective too). The slices differ by at most one sample (9 samples in 4
     minibatches: 2, 2, 2, 3; slices of ceil(9 / 4) left the last one empty, and 10 left it one
-    sample that took a whole optimizer step). Returns (minibatches, sequences over the budget)."""
+    sample that took a whole optimizer step). `route_width`: collate's. Returns (minibatches,
+    sequences over the budget)."""
     n = cfg.num_minibatches
     bounds = [len(samples) * i // n for i in range(n + 1)]
     out = []
@@ -835,7 +834,7 @@ def make_minibatches(samples, cfg, pad_id, device):
             cfg.micro_batch_size,
             pad_id,
             max_tokens=cfg.max_tokens_per_micro_batch,
-            routes=cfg.routing_replay,
+            route_width=route_width,
         )
         out.append([{key: value.to(device) for key, value in mb.items()} for mb in batches])
         over_budget += over

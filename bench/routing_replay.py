@@ -34,12 +34,13 @@ def gaps(trainer, micro_batches, replay):
     out, counts = [], []
     with torch.no_grad(), update.compute_precision(trainer):
         for mb in micro_batches:
-            with trainer.routes.replaying(mb if replay else {}):
+            with trainer.route_replay.replaying(mb if replay else {}):
                 logprobs = update.sequence_logprobs(
                     trainer.policy, mb, trainer.cfg.rollout.temperature, trainer.autocast_dtype
                 )[0]
             if replay:
-                counts.append([float(value) for value in trainer.routes.agreement()])
+                share, count = trainer.route_replay.agreement()
+                counts.append((float(count), float(share)))
             out.append((logprobs - mb["engine_logprobs"]).abs()[mb["loss_mask"].bool()])
     agreement = sum(c * s for c, s in counts) / sum(c for c, _ in counts) if replay else None
     return torch.cat(out), agreement
@@ -77,7 +78,9 @@ def main():
     finally:
         run.engine.shutdown()
     trainer = run.trainer
-    micro_batches, _ = update.make_minibatches(samples, cfg.train, trainer.pad_id, trainer.device)
+    micro_batches, _ = update.make_minibatches(
+        samples, cfg.train, trainer.pad_id, trainer.device, trainer.route_replay.width
+    )
     micro_batches = micro_batches[0]
     own, _ = gaps(trainer, micro_batches, replay=False)
     replayed, agreement = gaps(trainer, micro_batches, replay=True)

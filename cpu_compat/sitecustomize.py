@@ -40,4 +40,4 @@ if "multiprocessing.spawn" in " ".join(getattr(sys, "orig_argv", [])):
             def cudaHostUnregister(self, *args):
                 return 0
 
-        torch.cuda.cudart = _NoCudart
+        torch.cuda.cudart = _NoCudart  # called: `torch.cuda.cudart()` gives the object

@@ -1,13 +1,16 @@
 """Rollout routing replay (R3, `train.routing_replay`): a mixture of experts' routers in the trainer
-send each token to the experts the engine sent it to when it sampled.
+send each token to the experts the engine sent it to.
 
 Why: engine and trainer compute the router's logits with different kernels (and in bf16), so a
 token whose top-k experts nearly tie can go to another expert in each; the trainer then scores a
-different network than the one that sampled, and the policy ratio carries that gap (a few nats on
-such tokens). Replaying the engine's choice removes it. Only the choice is replayed: each chosen
-expert's gate weight is still the trainer's router's softmax at it, so the router trains (as
-Megatron's `moe_enable_routing_replay`, verl's and slime's R3 do). The KL reference routes itself:
-it is another model, whose routing the engine never saw.
+different network than the one that sampled, and the policy ratio carries that gap. Replaying the
+engine's choice removes it. Only the choice is replayed: each chosen expert's gate weight is still
+the trainer's router's softmax at it, so the router trains (as Megatron's
+`moe_enable_routing_replay`, verl's and slime's R3 do). The KL reference routes itself: it is
+another model, whose routing the engine never saw. A sample resumed across steps (partial
+rollout) has its earlier tokens' routes from the engine's prefill of the resumed request, under
+the newer weights (each push flushes its cache), not from when they were sampled: those tokens'
+log-probs are stale either way (TIS or the staleness mask).
 
 Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
 replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
@@ -72,42 +75,48 @@ def router_classes(model):
 
 class RouteReplay:
     """The policy's routers, hooked once when `on`; a forward inside `replaying(batch)` routes
-    each token as batch["routes"] says ([tokens, layers x top-k], NO_ROUTE: its own choice).
-    Off, or outside `replaying`, the hooks return the router's own output untouched."""
+    each token as batch["routes"] says ([tokens, `width`], NO_ROUTE: its own choice). Off, or
+    outside `replaying`, the hooks return the router's own output untouched."""
 
     def __init__(self, model, on):
-        self.routes = None  # the routes of the forward in progress
+        self.table = None  # the routes of the forward in progress
         self.counts = {}  # layer -> (tokens replayed, of them the trainer's choice agreed)
-        self.num_layers = len(model.model.layers)
-        self.hooks = []
-        if on:
-            for index, router in routers(model):
-                self.hooks.append(router.register_forward_hook(functools.partial(self.hook, index)))
+        found = routers(model) if on else []
+        # the numbers a token's route holds: layers x top-k (0: off)
+        self.width = len(model.model.layers) * found[0][1].top_k if found else 0
+        self.hooks = [
+            router.register_forward_hook(functools.partial(self.hook, index))
+            for index, router in found
+        ]
 
     @contextlib.contextmanager
     def replaying(self, batch):
         """Replay batch["routes"] (if it has them) in every forward inside, and in the
         recomputed forwards of gradient checkpointing: enclose the backward too."""
-        routes = batch.get("routes") if self.hooks else None
-        self.routes = routes if routes is not None and routes.shape[1] else None  # 0: none came
+        table = batch.get("routes") if self.hooks else None
+        self.table = table if table is not None and table.shape[1] else None  # 0: none came
         self.counts = {}
         try:
             yield self
         finally:
-            self.routes = None
+            self.table = None
 
+    # Run eagerly under train.compile: each layer's hook has its own `layer`, which Dynamo would
+    # make a constant, compiling the decoder layer once per layer (past its recompile limit, not at
+    # all). A break here costs little: transformers' experts break the graph next to it anyway.
+    @torch.compiler.disable
     def hook(self, layer, router, args, output):
-        if self.routes is None:
+        if self.table is None:
             return output
         logits, _, own = output
         k = own.shape[-1]
-        if self.routes.shape != (own.shape[0], self.num_layers * k):
+        if self.table.shape != (own.shape[0], self.width):
             raise RuntimeError(
-                f"routing replay: routes of shape {tuple(self.routes.shape)} for the "
-                f"{own.shape[0]} tokens that {type(router).__name__} routes to {k} experts in each "
-                f"of {self.num_layers} layers (layer {layer})"
+                f"routing replay: routes of shape {tuple(self.table.shape)} for the "
+                f"{own.shape[0]} tokens that {type(router).__name__} routes (layer {layer}), "
+                f"{self.width} numbers a token"
             )
-        given = self.routes[:, layer * k : (layer + 1) * k].long()
+        given = self.table[:, layer * k : (layer + 1) * k].long()
         replayed = given[:, :1] != NO_ROUTE
         experts = torch.where(replayed, given, own)
         agree = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
@@ -116,10 +125,9 @@ class RouteReplay:
         return logits, ROUTERS[type(router).__name__](router, logits, experts), experts
 
     def agreement(self):
-        """(tokens x layers replayed, the share where the trainer's router chose the same experts)
-        of the last forward inside `replaying`, as device tensors; None where none replayed."""
-        if not self.counts:
-            return None
-        replayed = sum(c[0] for c in self.counts.values())
-        agreed = sum(c[1] for c in self.counts.values())
-        return replayed, agreed / replayed.clamp(min=1)
+        """(the share of replayed token x layer choices the trainer's routers made too, how many
+        were replayed) in the last forward inside `replaying`, as tensors (0 and 0 where none
+        was): what metrics.TokenMeans.add takes, on every rank alike."""
+        replayed = sum((c[0] for c in self.counts.values()), torch.zeros((), dtype=torch.long))
+        agreed = sum((c[1] for c in self.counts.values()), torch.zeros((), dtype=torch.long))
+        return agreed / replayed.clamp(min=1), replayed

@@ -6,6 +6,7 @@ sit where the model reads each token, packed and padded; a dense model is refuse
 routes reach the update in tests/test_own_task.py's countdown run (a Qwen3 MoE)."""
 
 import array
+import dataclasses
 
 import pytest
 import torch
@@ -94,8 +95,8 @@ def test_replaying_a_models_own_routes_changes_nothing(family, bf16):
         replayed = loss_and_grads(moe, input_ids, replay, routes)
     assert torch.equal(plain[0], replayed[0])
     assert all(torch.equal(plain[1][n], replayed[1][n]) for n in plain[1])
-    replayed_count, share = replay.agreement()
-    assert (int(replayed_count), float(share)) == (24 * 2, 1.0)  # 24 tokens, 2 layers
+    share, replayed_count = replay.agreement()
+    assert (float(share), int(replayed_count)) == (1.0, 24 * 2)  # 24 tokens, 2 layers
 
 
 def test_replayed_experts_compute_and_the_router_trains_also_through_checkpointing():
@@ -116,7 +117,7 @@ def test_replayed_experts_compute_and_the_router_trains_also_through_checkpointi
     assert torch.equal(experts, moved[:, 2:4].long())
     probs = seen["logits"].softmax(-1).gather(-1, experts)
     assert torch.allclose(gates, probs / probs.sum(-1, keepdim=True), atol=1e-6)
-    assert float(replay.agreement()[1]) == 0.0
+    assert float(replay.agreement()[0]) == 0.0
     assert not torch.equal(logits, loss_and_grads(moe, input_ids)[0])
     assert grads["model.layers.1.mlp.gate.weight"].abs().sum() > 0
     moe.gradient_checkpointing_enable()
@@ -144,28 +145,31 @@ def test_routes_sit_where_the_model_reads_each_token(packed):
     """Three sequences of different lengths, each with its own routing recorded alone: collated
     (padded rows, or packed into one row), the trainer's own choice agrees with every replayed
     route and the log-probs are the unreplayed ones; the same routes one token off agree far
-    less (what the check would see of a misplaced route). A sample without routes is counted and
-    routes itself."""
+    less (what the check would see of a misplaced route). A sample without routes, or
+    with routes of another length, is counted and routes itself."""
     moe = build("qwen3_moe")
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (7, 11, 5)]
     samples = [routed_sample(moe, ids, 3) for ids in seqs]
     samples.append(Sample(seqs[0][:3], seqs[0][3:], [0.0] * 4, [1] * 4, group_id=0))
+    cut = samples[0].routed_experts[:-4]  # a token short (2 layers x 2 experts): not placed
+    samples.append(dataclasses.replace(samples[0], routed_experts=cut))
     rows = [len(samples)] if packed else None
-    mb = update.collate(samples, 0, rows, routes=True)
-    assert int(mb["unrouted"]) == 1
     replay = routing.RouteReplay(moe, on=True)
+    mb = update.collate(samples, 0, rows, replay.width)
+    assert int(mb["unrouted"]) == 2
     with torch.no_grad():
         plain = update.sequence_logprobs(moe, mb, 1.0)[0]
         with replay.replaying(mb):
             replayed = update.sequence_logprobs(moe, mb, 1.0)[0]
-    count, share = replay.agreement()
-    assert int(count) == 2 * sum(n - 1 for n in map(len, seqs)) and float(share) == 1.0
+    share, count = replay.agreement()
+    routed = sum(n - 1 for n in map(len, seqs))
+    assert int(count) == 2 * routed and float(share) == 1.0  # 2 layers
     assert torch.equal(plain, replayed)
     shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))
     with torch.no_grad(), replay.replaying(shifted):
         update.sequence_logprobs(moe, shifted, 1.0)
-    assert float(replay.agreement()[1]) < 0.5  # 0.3 here
+    assert float(replay.agreement()[0]) < 0.5  # 0.3 here
 
 
 def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
@@ -180,11 +184,13 @@ def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
     (merged,), _ = merge.merge_trajectory([first, second], max_seq_len=64)
     assert merged.routed_experts == second.routed_experts
     assert first.continued_by(second).routed_experts == second.routed_experts
-    mb = update.collate([merged], 0, [1], routes=True)
+    nothing = routing.RouteReplay(moe, on=True)  # no forward yet: 0 and 0, a rank's share of none
+    assert [float(value) for value in nothing.agreement()] == [0.0, 0.0]
     replay = routing.RouteReplay(moe, on=True)
+    mb = update.collate([merged], 0, [1], replay.width)
     with torch.no_grad(), replay.replaying(mb):
         update.sequence_logprobs(moe, mb, 1.0)
-    assert (int(replay.agreement()[0]), float(replay.agreement()[1])) == (2 * 15, 1.0)
+    assert [float(value) for value in replay.agreement()] == [1.0, 2 * 15]
 
 
 def test_routes_survive_a_checkpoint_of_their_sample():
