@@ -117,6 +117,11 @@ def setup(cfg, resume=False, engine=None):
     if engine is None:
         # before the trainer takes device memory: the engine sizes its KV cache from what is free
         engine = start_engine(cfg, engine_dir, start_step)
+    elif cfg.train.routing_replay and not engine.routing_replay:
+        raise ConfigError(
+            "train.routing_replay: the engine passed in records no routes (started without "
+            "routing_replay)"
+        )
     compute_dtype = getattr(torch, cfg.model.compute_dtype)
     policy, reference = place_models(cfg, policy, compute_dtype, device)
     trainer = update.Trainer.build(
@@ -243,8 +248,9 @@ def place_models(cfg, policy, compute_dtype, device):
     return models[0], reference if own else models[1]
 
 
-def start_engine(cfg, model_dir, start_step):
-    """This rank's SGLang engine, serving the weights in `model_dir` as version `start_step`."""
+def start_engine(cfg, model_dir, start_step, training=True):
+    """This rank's SGLang engine, serving the weights in `model_dir` as version `start_step`;
+    recording routes (train.routing_replay) only for `training`."""
     engine = RolloutEngine(
         model_dir,
         cfg.rollout,
@@ -254,7 +260,7 @@ def start_engine(cfg, model_dir, start_step):
         local_rank=parallel.local_rank(),
         trust_remote_code=cfg.model.trust_remote_code,
         lora=lora_engine(cfg.model),
-        routing_replay=cfg.train.routing_replay,
+        routing_replay=training and cfg.train.routing_replay,
     )
     engine.set_version(start_step)  # the weights it loaded are version start_step
     return engine

@@ -44,13 +44,14 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
+    # the policy's routers, replaying the engine's routes in its forwards (train.routing_replay;
+    # off: no hooks, width 0)
+    route_replay: RouteReplay
     # the frozen initial policy, for the KL (kept only when train.kl_coef > 0)
     reference: torch.nn.Module | None = None
     autocast_dtype: torch.dtype | None = None  # one rank computing in bf16; None for fp32 or FSDP2
     first_step: int = 0  # this process's first step (pi_old from the engine is checked there)
     bad_steps: int = 0  # steps in a row with an update skipped as non-finite
-    # the policy's routers, replaying the engine's routes in its forwards (train.routing_replay)
-    route_replay: RouteReplay | None = None
 
     @classmethod
     def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):

@@ -215,7 +215,7 @@ def main(argv=None):
     cfg, folder, step = model_folder(args)
     tokenizer = load_tokenizer(cfg, folder, vocabulary(cfg, TINY_CHARS))
     temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
-    engine = start_engine(cfg, folder, step)
+    engine = start_engine(cfg, folder, step, training=False)
     try:
         per_prompt, summary = run_eval(cfg, engine, tokenizer, args.samples, args.k, temperature)
     finally:

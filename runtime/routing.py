@@ -4,13 +4,16 @@ send each token to the experts the engine sent it to.
 Why: engine and trainer compute the router's logits with different kernels (and in bf16), so a
 token whose top-k experts nearly tie can go to another expert in each; the trainer then scores a
 different network than the one that sampled, and the policy ratio carries that gap. Replaying the
-engine's choice removes it. Only the choice is replayed: each chosen expert's gate weight is still
-the trainer's router's softmax at it, so the router trains (as Megatron's
-`moe_enable_routing_replay`, verl's and slime's R3 do). The KL reference routes itself: it is
-another model, whose routing the engine never saw. A sample resumed across steps (partial
-rollout) has its earlier tokens' routes from the engine's prefill of the resumed request, under
-the newer weights (each push flushes its cache), not from when they were sampled: those tokens'
-log-probs are stale either way (TIS or the staleness mask).
+engine's choice removes that part of the gap (the kernels' rounding stays). Only the choice is
+replayed: each chosen expert's gate weight is still the trainer's router's softmax at it, so the
+router trains (as Megatron's `moe_enable_routing_replay`, verl's and slime's R3 do).
+
+The KL reference routes itself: it is another model, whose routing the engine never saw. Partial
+rollout: a sample resumed across steps has its earlier tokens' routes from the engine's prefill of
+the resumed request, under the newer weights (each push flushes its cache), not from when they
+were sampled; a finished member of a group held across steps keeps routes from older weights.
+Their tokens are stale either way (weighted by train.tis_cap or masked by
+train.max_token_staleness, where set).
 
 Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
 replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
