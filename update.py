@@ -3,13 +3,14 @@ optimizer steps out, with the stage's metrics.
 
 Owns the trainer's half of a run (`Trainer`: policy, reference, optimizer, schedule), the tensor
 layout the loss reads ([B, T-1]: targets, loss mask, advantages, engine log-probs, token versions),
-the packed layout the model computes on (rows of whole sequences, padding only at row ends),
-micro-batching (by rows, or by a token budget; every rank runs the same count), pi_old (the
-trainer's, detached from the update's forward or recomputed, or the engine's: `pi_old_source`),
-the staleness mask of partial
+the packed layout the model computes on (rows of whole sequences, padding only at row ends) and
+the engine's routes laid out on it (routing replay: `route_table`), micro-batching (by rows, or
+by a token budget; every rank runs the same count), pi_old (the trainer's, detached from the
+update's forward or recomputed, or the engine's: `pi_old_source`), the staleness mask of partial
 rollout's older tokens and their off-policy statistics, gradient accumulation exact over
 micro-batches and ranks, and skipping non-finite updates. Does not own the loss math (loss.py),
-the advantages (advantages.py) or the weight push that follows (memory.py).
+the advantages (advantages.py), the routers' hooks (runtime/routing.py) or the weight push that
+follows (memory.py).
 """
 
 import dataclasses

@@ -4,11 +4,11 @@ the PYTHONPATH of the engine's processes on a CPU machine only: runtime/engine.p
 Pinned host memory needs a CUDA driver, yet SGLang's LoRA layers and its torch_native LoRA backend
 pin unconditionally (sglang/srt/lora/layers.py: torch.tensor(..., pin_memory=True);
 lora/backend/torch_backend.py: .pin_memory()), and so does the routed experts' host buffer
-(srt/state_capturer/base.py through srt/mem_cache/pool_host/common.py's cudaHostRegister), which
-raise without one; they are built before the
-engine first imports sgl_kernel, so the stand-in there is too late. Pinning only speeds
-host-to-GPU copies, and a CPU engine makes none: in the processes multiprocessing spawns (the
-engine's scheduler and detokenizer; the trainer's own process is left as it is) it is a no-op.
+(srt/state_capturer/base.py through srt/mem_cache/pool_host/common.py's cudaHostRegister): each
+raises without one. They are built before the engine first imports sgl_kernel, so the stand-in
+there is too late. Pinning only speeds host-to-GPU copies, and a CPU engine makes none: in the
+processes multiprocessing spawns (the engine's scheduler and detokenizer; the trainer's own
+process is left as it is) it is a no-op.
 """
 
 import sys
