@@ -309,7 +309,9 @@ class TrainConfig:
     # truncated importance sampling: weight tokens by min(pi_old / pi_engine, cap); 0 = off
     tis_cap: NonNegativeFloat = 0.0
     # a mixture of experts: the trainer routes each token to the experts the engine routed it to
-    # (rollout routing replay, R3: runtime/routing.py); its own gates still train
+    # (rollout routing replay, R3); its own gates still train. The path: Engine.request ->
+    # inflight.generate_one -> Sample.routed_experts -> update.route_table -> runtime/routing.py's
+    # RouteReplay.hook; logged: train/route_agreement, train/unrouted_sequences
     routing_replay: bool = False
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     max_token_staleness: Annotated[int, Range(ge=-1)] = -1

@@ -18,7 +18,9 @@ from config import refuse_unread
 from metrics import ratio, summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
-# What a merged sequence takes from the last turn it merged: every field but the per-token arrays.
+# What a merged sequence takes from the last turn it merged: every field but the per-token arrays
+# (PER_TOKEN_TYPECODES), the routing replay's `routed_experts` included: the last turn's cover
+# the whole merged sequence
 LAST_TURN_FIELDS = tuple(
     f.name for f in dataclasses.fields(Sample) if f.name not in PER_TOKEN_TYPECODES
 )

@@ -90,8 +90,9 @@ class Sample:
     def continued_by(self, more):
         """This unfinished sample followed by `more`, which the engine generated from prompt +
         this response: one sample holding every token with its own log-prob and version; scalars
-        but the group (finish reason, version, trajectory id, latency) are the continuation's.
-        Token ids are concatenated, never re-tokenised."""
+        but the group (finish reason, version, trajectory id, latency) and the routed experts
+        (which cover the whole sequence) are the continuation's. Token ids are concatenated, never
+        re-tokenised."""
         return dataclasses.replace(
             more,
             prompt_ids=self.prompt_ids,

@@ -17,9 +17,10 @@ train.max_token_staleness, where set).
 
 Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
 replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
-routes come from (runtime/engine.py asks SGLang, sample.Sample carries them) nor their layout in
-a micro-batch (update.collate: one row of layers x top-k expert ids per input token, -1 where the
-router keeps its own choice).
+routes come from (runtime/engine.py's Engine.request asks SGLang, inflight.generate_one puts them
+in sample.Sample) nor their layout in a micro-batch (update.route_table: one row per input token
+of a top-k slot per decoder layer, SGLang's numbering, dense layers included; a token's row whole,
+or NO_ROUTE throughout where the router keeps its own choice).
 """
 
 import contextlib
@@ -119,8 +120,8 @@ class RouteReplay:
                 f"{own.shape[0]} tokens that {type(router).__name__} routes (layer {layer}), "
                 f"{self.width} numbers a token"
             )
-        given = self.table[:, layer * k : (layer + 1) * k].long()
-        replayed = given[:, :1] != NO_ROUTE
+        given = self.table[:, layer * k : (layer + 1) * k].long()  # `layer`: the decoder layer's
+        replayed = given[:, :1] != NO_ROUTE  # a token's row is whole or NO_ROUTE throughout
         experts = torch.where(replayed, given, own)
         agree = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
         # stored, not added: a recomputed forward (gradient checkpointing) overwrites its own
