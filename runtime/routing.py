@@ -120,8 +120,9 @@ class RouteReplay:
                 f"{own.shape[0]} tokens that {type(router).__name__} routes (layer {layer}), "
                 f"{self.width} numbers a token"
             )
-        given = self.table[:, layer * k : (layer + 1) * k].long()  # `layer`: the decoder layer's
-        replayed = given[:, :1] != NO_ROUTE  # a token's row is whole or NO_ROUTE throughout
+        # this decoder layer's top-k slot of each token's row (whole, or NO_ROUTE throughout)
+        given = self.table[:, layer * k : (layer + 1) * k].long()
+        replayed = given[:, :1] != NO_ROUTE
         experts = torch.where(replayed, given, own)
         agree = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
         # stored, not added: a recomputed forward (gradient checkpointing) overwrites its own
