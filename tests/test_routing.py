@@ -80,6 +80,13 @@ def loss_and_grads(moe, input_ids, replay=None, routes=None):
     return logits.detach(), {n: p.grad.clone() for n, p in moe.named_parameters()}
 
 
+def test_every_known_router_has_a_family_here():
+    """A router added to ROUTERS needs a family in FAMILIES, which the exactness test below
+    replays (its gates must be its router's, bit for bit)."""
+    built = {type(router).__name__ for f in FAMILIES for _, router in routing.routers(build(f))}
+    assert built == set(routing.ROUTERS)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 def test_replaying_a_models_own_routes_changes_nothing(family, bf16):
