@@ -358,7 +358,7 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     in one 3D tensor per layer, pushed one tensor per expert as its checkpoint holds them), each
     weight push checked bit for bit. With routing replay: every trained sequence came with the
     engine's routes, in the packed rows the trainer's own routers agree with nearly all of them
-    (tests/test_routing.py: routes one token off agree on 0.3), and the engine's log-probs
+    (tests/test_routing.py: routes one token off agree on 0.15), and the engine's log-probs
     match the trainer's."""
     background_runs.lines("countdown")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch

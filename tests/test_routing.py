@@ -17,19 +17,11 @@ import merge
 import runtime.model as model
 import runtime.routing as routing
 import update
+import qwen_tiny
 from sample import Sample
 
-SMALL = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    num_experts_per_tok=2,
-    tie_word_embeddings=False,
-)
+# the suite's small shape (tests/qwen_tiny.py, as bench/families.py builds other families)
+SMALL = qwen_tiny.SHAPE | dict(vocab_size=64, num_experts_per_tok=2, tie_word_embeddings=False)
 FAMILIES = {  # config class, its own fields: 4 experts, 2 a token
     # renormalised, as Qwen3-30B-A3B
     "qwen3_moe": (
@@ -176,7 +168,7 @@ def test_routes_sit_where_the_model_reads_each_token(packed):
     shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))
     with torch.no_grad(), replay.replaying(shifted):
         update.sequence_logprobs(moe, shifted, 1.0)
-    assert float(replay.agreement()[0]) < 0.5  # 0.3 here
+    assert float(replay.agreement()[0]) < 0.5  # 0.15 here
 
 
 def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
