@@ -77,12 +77,17 @@ class Trainer:
 
 
 # config.refuse_unread's table: one rank trains no FSDP2 shard (runtime/parallel.py); run.nproc 0
-# (every visible GPU) may be several, and a config loads alike on every machine
+# (every visible GPU) may be several, and a config loads alike on every machine; a padded row
+# holds one sample, with a prompt of its own
 READ_WHEN = {
     "train.fsdp_keep_gathered": (
         lambda cfg: cfg.run.nproc != 1,
         "with several ranks (run.nproc), whose policy FSDP2 shards",
-    )
+    ),
+    "train.shared_prefix": (
+        lambda cfg: cfg.train.max_tokens_per_micro_batch != 0,
+        "with packed micro-batches (train.max_tokens_per_micro_batch), whose rows share prompts",
+    ),
 }
 
 
@@ -155,7 +160,7 @@ def update_policy(trainer, sequences, step):
     )
     every_mb = [mb for minibatch in minibatches for mb in minibatch]
     stats = mask_stale_tokens(every_mb, step, t.max_token_staleness)
-    stats |= layout_stats(every_mb)
+    stats |= layout_stats(every_mb, t.shared_prefix)
     stats["train/over_budget_sequences"] = summed(over_budget)
     source = pi_old_source(trainer, step)
     lr = trainer.scheduler.get_last_lr()[0]  # this step's (its first optimizer step's with several)
@@ -405,7 +410,7 @@ def tensor_view(values):
     return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def collate(samples, pad_id, rows=None, route_width=0):
+def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
     """Right-padded [B, T] tensors. Position t of `targets` is the token predicted from input t.
 
     With `rows` (how many of the samples, in order, share each packed row; `pack_rows` chooses
@@ -413,8 +418,11 @@ def collate(samples, pad_id, rows=None, route_width=0):
     row), and its output head only at `head_index`, the positions that predict a response token
     (no loss reads a prompt token's log-prob). `gather` [B, T-1] says where each padded
     position's prediction sits in the head's output and `gathered` marks those positions, so the
-    loss reads the same [B, T-1] layout. With `route_width` (train.routing_replay: layers x
-    top-k), `route_table`'s routes of the tokens the model computes on, in its input's order."""
+    loss reads the same [B, T-1] layout. With `shared_prefix` too, samples side by side in a row
+    with the same prompt compute it once (`row_segments`); such a batch says which segment each
+    position belongs to (`documents`) and which one it also reads (`prefix_of`, -1: none), for
+    `packed_mask`. With `route_width` (train.routing_replay: layers x top-k), `route_table`'s
+    routes of the tokens the model computes on, in its input's order."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     # a rank with nothing to train still runs padding micro-batches
     width = max(map(len, full), default=2)
@@ -433,7 +441,8 @@ def collate(samples, pad_id, rows=None, route_width=0):
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
-    starts = [row * width for row in range(len(samples))]  # each sample's, in input_ids.flatten()
+    # what the model's input holds, piece by piece: (sample, first token, end token, flat start)
+    pieces = [(i, 0, len(ids), i * width) for i, ids in enumerate(full)]
     batch = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,  # the padded model's mask; packed, only a token count
@@ -443,31 +452,44 @@ def collate(samples, pad_id, rows=None, route_width=0):
         versions=versions,
     )
     if rows:
-        lengths = [len(ids) for ids in full]
         # row r holds samples bounds[r]:bounds[r + 1]
         bounds = list(itertools.accumulate(rows, initial=0))
-        row_width = max(sum(lengths[a:b]) for a, b in zip(bounds, bounds[1:]))
+        segments = [
+            row_segments(samples, range(a, b), shared_prefix) for a, b in zip(bounds, bounds[1:])
+        ]
+        row_width = max(sum(end - lo for _, lo, end, _ in row) for row in segments)
         # Positions restart at 0 for each sequence, and every pad slot is at 0 too (a one-token
         # segment of its own): transformers (>= 4.53) then builds a block-diagonal causal mask per
         # row (the SDPA path), but only with no attention_mask and no cache
-        # (masking_utils.find_packed_sequence_indices).
+        # (masking_utils.find_packed_sequence_indices). A shared prompt's segments go on from its
+        # positions instead, so such a batch brings its own mask (`packed_mask`).
         packed_ids = torch.full((len(rows), row_width), pad_id, dtype=torch.long)
         position_ids = torch.zeros((len(rows), row_width), dtype=torch.long)
+        documents = torch.zeros((len(rows), row_width), dtype=torch.long)
+        prefix_of = torch.full((len(rows), row_width), -1, dtype=torch.long)
         gather = torch.zeros((len(samples), width - 1), dtype=torch.long)
         gathered = torch.zeros((len(samples), width - 1), dtype=torch.bool)
         # flat positions in [R * W] whose hidden state predicts a response token
-        head_index, done = [], 0
-        for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        head_index, done, pieces = [], 0, []
+        for r, row in enumerate(segments):
             start = r * row_width
-            for i in range(a, b):
-                packed_ids.view(-1)[start : start + lengths[i]] = input_ids[i, : lengths[i]]
-                position_ids.view(-1)[start : start + lengths[i]] = torch.arange(lengths[i])
+            for document, (i, lo, end, reads) in enumerate(row):
+                flat = slice(start, start + end - lo)
+                packed_ids.view(-1)[flat] = input_ids[i, lo:end]
+                position_ids.view(-1)[flat] = torch.arange(lo, end)
+                documents.view(-1)[flat] = document
+                prefix_of.view(-1)[flat] = reads
+                pieces.append((i, lo, end, start))
                 first, n = len(samples[i].prompt_ids) - 1, len(samples[i].response_ids)
-                gather[i, first : first + n] = torch.arange(done, done + n)
-                gathered[i, first : first + n] = True
-                head_index.append(torch.arange(start + first, start + first + n))
-                starts[i] = start  # in packed_ids.flatten()
-                start, done = start + lengths[i], done + n
+                if end == len(full[i]):  # the segment with the response
+                    gather[i, first : first + n] = torch.arange(done, done + n)
+                    gathered[i, first : first + n] = True
+                    head_index.append(torch.arange(start + first - lo, start + first - lo + n))
+                    done += n
+                start += end - lo
+            # each pad slot a document of its own, as its restarting position makes it above
+            pads = (r + 1) * row_width - start
+            documents.view(-1)[start : start + pads] = torch.arange(len(row), len(row) + pads)
         batch |= dict(
             packed_ids=packed_ids,
             position_ids=position_ids,
@@ -475,27 +497,63 @@ def collate(samples, pad_id, rows=None, route_width=0):
             gather=gather,
             gathered=gathered,
         )
+        computed = sum(end - lo for row in segments for _, lo, end, _ in row)
+        batch["shared_prefix_tokens"] = torch.tensor(sum(map(len, full)) - computed)
+        if (prefix_of >= 0).any():
+            batch |= dict(documents=documents, prefix_of=prefix_of)
     if route_width:
         positions = (batch["packed_ids"] if rows else input_ids).numel()
-        batch["routes"], batch["unrouted"] = route_table(samples, starts, positions, route_width)
+        batch["routes"], batch["unrouted"] = route_table(samples, pieces, positions, route_width)
     return batch
 
 
-def route_table(samples, starts, positions, width):
-    """Routing replay's routes for a micro-batch whose model input holds `positions` tokens,
-    sample i's from flat position starts[i]: [positions, width (layers x top-k)] int16, each
-    token's experts as the engine routed them (Sample.routed_experts), runtime.routing.NO_ROUTE
-    where the router keeps its own choice: padding, each sequence's last token (the engine never
-    computes it; no loss reads its output) and a sample without routes of its length. Returns
-    (the table, how many unmasked samples had none: a count that should stay 0)."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]
-    table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
-    unrouted = 0
-    for s, start, n in zip(samples, starts, lengths):
-        if len(s.routed_experts) == n * width:
-            table[start : start + n] = tensor_view(s.routed_experts).view(n, width)
+def row_segments(samples, indices, shared_prefix=False):
+    """What one packed row holds, in order, as segments (sample, first token, end token, reads):
+    each of `samples[indices]`'s sequences whole (reads -1: no other segment), or, with
+    `shared_prefix` (train.shared_prefix), for each run of neighbours with the same prompt of 2+
+    tokens, that prompt but its last token once, then per sample a segment from that last token
+    on (reads: the prompt's segment index). The last prompt token is in each sample's segment
+    because its output predicts the sample's first response token; each segment keeps its tokens'
+    positions in the whole sequence. A run of G samples with prompt length L computes
+    (G - 1) x (L - 1) positions fewer."""
+    out, prefix = [], None  # prefix: (its segment index, its prompt) while a run goes on
+    indices = list(indices)
+    for k, i in enumerate(indices):
+        prompt, end = samples[i].prompt_ids, len(samples[i].prompt_ids) + len(
+            samples[i].response_ids
+        )
+        if prefix is not None and prompt == prefix[1]:
+            out.append((i, len(prompt) - 1, end, prefix[0]))
+            continue
+        prefix = None
+        following = samples[indices[k + 1]].prompt_ids if k + 1 < len(indices) else None
+        if shared_prefix and len(prompt) > 1 and prompt == following:
+            out.append((i, 0, len(prompt) - 1, -1))
+            prefix = (len(out) - 1, prompt)
+            out.append((i, len(prompt) - 1, end, prefix[0]))
         else:
-            unrouted += not s.masked
+            out.append((i, 0, end, -1))
+    return out
+
+
+def route_table(samples, pieces, positions, width):
+    """Routing replay's routes for a micro-batch whose model input holds `positions` tokens, as
+    `pieces` (sample index, first token, end token, flat start) lay out the samples' tokens:
+    [positions, width (layers x top-k)] int16, each token's experts as the engine routed them
+    (Sample.routed_experts), runtime.routing.NO_ROUTE where the router keeps its own choice:
+    padding, each sequence's last token (the engine never computes it; no loss reads its output)
+    and a sample without routes of its length. A shared prompt takes its first sample's routes.
+    Returns (the table, how many unmasked samples had none: a count that should stay 0)."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # routed tokens
+    routed = [len(s.routed_experts) == n * width for s, n in zip(samples, lengths)]
+    table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
+    for i, lo, end, start in pieces:
+        if routed[i]:
+            n = min(end, lengths[i]) - lo
+            table[start : start + n] = tensor_view(samples[i].routed_experts).view(-1, width)[
+                lo : lo + n
+            ]
+    unrouted = sum(not r and not s.masked for r, s in zip(routed, samples))
     return table, torch.tensor(unrouted)
 
 
@@ -551,7 +609,7 @@ def sequence_logprobs(
         # keeps every layer's K/V alive through the no-grad pass (transformers utils/generic.py),
         # and packing needs it off
         inputs = (
-            dict(position_ids=batch["position_ids"], attention_mask=flex_mask(model, batch))
+            dict(position_ids=batch["position_ids"], attention_mask=packed_mask(model, batch))
             if packed
             else dict(attention_mask=batch["attention_mask"])
         )
@@ -578,33 +636,46 @@ def sequence_logprobs(
     return logprobs, entropy, out[..., 2].detach() if top_p < 1 else None
 
 
-def flex_mask(model, batch):
-    """A packed micro-batch's FlexAttention BlockMask (`document_mask`), built at its first forward
-    and kept in `batch` for the others (pi_old, the reference, the update: 2-4 per micro-batch);
-    transformers would build one in every forward. None for other attention (SDPA reads the
-    packing from position_ids).
+def packed_mask(model, batch):
+    """A packed micro-batch's attention mask, built at its first forward and kept in `batch` for
+    the others (pi_old, the reference, the update: 2-4 per micro-batch); transformers would build
+    one in every forward. FlexAttention: a BlockMask (`document_mask`). SDPA: None, where
+    transformers reads the packing from position_ids, but for a shared prompt
+    (train.shared_prefix), which position_ids cannot say: a dense [R, 1, W, W] boolean mask
+    (transformers takes a 4D mask as it is: masking_utils.py, _preprocess_mask_arguments).
 
     A model whose layers attend within a sliding window (`config.sliding_window`) gets a mask per
     layer type, {"full_attention": ..., "sliding_attention": ...} (Gemma 3, by
     `config.layer_types`), or the windowed one for every layer where it names none (Mistral):
     transformers hands a BlockMask to every layer as it is (masking_utils.py,
-    _preprocess_mask_arguments), so one mask would let a windowed layer attend past its window."""
-    if model.config._attn_implementation != "flex_attention":
-        return None
-    if "block_mask" not in batch:
-        text = model.config.get_text_config()  # (a composite config keeps these in its text part)
-        window = getattr(text, "sliding_window", None)  # None where no layer has one
-        kinds = getattr(text, "layer_types", None)  # other kinds: refused, model.check_family
-        position_ids = batch["position_ids"]
-        if not window:
-            batch["block_mask"] = document_mask(position_ids)
-        elif kinds is None:
-            batch["block_mask"] = document_mask(position_ids, window)
+    _preprocess_mask_arguments), so one mask would let a windowed layer attend past its window.
+    (A shared prompt with a window is refused: runtime/model.py check_family.)"""
+    flex = model.config._attn_implementation == "flex_attention"
+    if "block_mask" in batch or not (flex or "prefix_of" in batch):
+        return batch.get("block_mask")
+    position_ids = batch["position_ids"]
+    if "prefix_of" in batch:
+        documents, prefix_of = batch["documents"], batch["prefix_of"]
+        if flex:
+            batch["block_mask"] = document_mask(position_ids, None, documents, prefix_of)
         else:
-            batch["block_mask"] = {
-                kind: document_mask(position_ids, window if kind == "sliding_attention" else None)
-                for kind in set(kinds)
-            }
+            queries = torch.arange(position_ids.shape[1], device=position_ids.device)
+            causal = queries[:, None] >= queries[None, :]
+            own = (documents[:, :, None] == documents[:, None, :]) & causal
+            batch["block_mask"] = (own | (prefix_of[:, :, None] == documents[:, None, :]))[:, None]
+        return batch["block_mask"]
+    text = model.config.get_text_config()  # (a composite config keeps these in its text part)
+    window = getattr(text, "sliding_window", None)  # None where no layer has one
+    kinds = getattr(text, "layer_types", None)  # other kinds: refused, model.check_family
+    if not window:
+        batch["block_mask"] = document_mask(position_ids)
+    elif kinds is None:
+        batch["block_mask"] = document_mask(position_ids, window)
+    else:
+        batch["block_mask"] = {
+            kind: document_mask(position_ids, window if kind == "sliding_attention" else None)
+            for kind in set(kinds)
+        }
     return batch["block_mask"]
 
 
@@ -621,10 +692,11 @@ def document_ids(position_ids):
     return (position_ids - previous != 1).cumsum(-1)
 
 
-def causal_in_document(document, window=None):
+def causal_in_document(document, window=None, prefix_of=None):
     """FlexAttention's mask_mod for `document_ids`: a query sees the keys of its own sequence up
     to itself; with `window`, only the last `window` of them, itself included (transformers'
-    sliding mask: masking_utils.py, sliding_window_overlay)."""
+    sliding mask: masking_utils.py, sliding_window_overlay); with `prefix_of` (a shared prompt,
+    `collate`), also every key of the segment prefix_of names (-1: none)."""
 
     def mask_mod(b, h, q, kv):
         return (document[b, q] == document[b, kv]) & (q >= kv)
@@ -632,12 +704,16 @@ def causal_in_document(document, window=None):
     def windowed(b, h, q, kv):
         return mask_mod(b, h, q, kv) & (q - kv < window)
 
-    return windowed if window else mask_mod
+    def shared(b, h, q, kv):
+        return mask_mod(b, h, q, kv) | (prefix_of[b, q] == document[b, kv])
+
+    return windowed if window else shared if prefix_of is not None else mask_mod
 
 
-def document_mask(position_ids, window=None):
-    """Causal attention within each packed sequence of `position_ids` [B, T] (`document_ids`), as a
-    BlockMask: what transformers' own packed mask allows (with `window`, its sliding one's).
+def document_mask(position_ids, window=None, document=None, prefix_of=None):
+    """Causal attention within each packed sequence of `position_ids` [B, T] (`document_ids`, or
+    `document` given), as a BlockMask: what transformers' own packed mask allows (with `window`,
+    its sliding one's; with `prefix_of`, each segment also reads its shared prompt).
 
     Built from each block's first and last sequence, never as tokens x tokens: torch's
     create_block_mask (uncompiled) evaluates the mask at every pair first, 2.2 G booleans at the
@@ -645,29 +721,52 @@ def document_mask(position_ids, window=None):
     (135 k there). Sequences are contiguous and their ids rise along a row, so a key block j may
     hold a query block i's sequence only if their id ranges overlap; j < i, and both whole blocks
     of one sequence: every pair allowed (a "full" block, no mask_mod call); j == i, or ranges that
-    overlap otherwise: some pairs (a partial block, `causal_in_document` decides per token).
-    Equal to create_block_mask's, block for block (tests/test_packing.py)."""
+    overlap otherwise: some pairs (a partial block, `causal_in_document` decides per token). A
+    shared prompt lies before its segments: key block j holds one a query of block i reads if one
+    of i's prefix_of values is in j's id range; whole blocks, each query of i in or reading each
+    sequence of j: full. Equal to create_block_mask's, block for block
+    (tests/test_packing.py)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if window and prefix_of is not None:
+        raise ValueError("a shared prompt under a sliding window is not supported")
     batch_size, width = position_ids.shape
-    document = document_ids(position_ids)
+    document = document_ids(position_ids) if document is None else document
     blocks = -(-width // MASK_BLOCK)
+
+    def per_block(values, fill):  # [B, T] -> [B, blocks, MASK_BLOCK], `fill` past the last token
+        padded = torch.nn.functional.pad(values, (0, blocks * MASK_BLOCK - width), value=fill)
+        return padded.view(batch_size, blocks, MASK_BLOCK)
+
     # past the last token: -1, below every id, so a block's max is its last real token's
-    padded = torch.nn.functional.pad(document, (0, blocks * MASK_BLOCK - width), value=-1)
-    padded = padded.view(batch_size, blocks, MASK_BLOCK)
+    padded = per_block(document, -1)
     first, last = padded[..., 0], padded.max(-1).values  # [B, blocks]
     index = torch.arange(blocks, device=position_ids.device)
     whole = (index + 1) * MASK_BLOCK <= width  # the last block may be cut short: never full
     q_first, q_last = first[:, :, None], last[:, :, None]
     kv_first, kv_last = first[:, None, :], last[:, None, :]
-    overlap = (index[None, :] <= index[:, None]) & (kv_last >= q_first) & (kv_first <= q_last)
+    causal = index[None, :] <= index[:, None]
+    overlap = causal & (kv_last >= q_first) & (kv_first <= q_last)
     one_sequence = (q_first == q_last) & (kv_first == kv_last) & (q_first == kv_first)
-    full = one_sequence & (index[None, :] < index[:, None]) & whole[:, None] & whole[None, :]
+    below = (index[None, :] < index[:, None]) & whole[:, None] & whole[None, :]
+    full = one_sequence & below
     if window:  # query block i, key block j <= i: their nearest tokens are (i - j - 1) blocks + 1
         # apart, their farthest (i - j + 1) blocks - 1
         apart = index[:, None] - index[None, :]
         overlap &= (apart - 1) * MASK_BLOCK + 1 < window
         full &= (apart + 1) * MASK_BLOCK - 1 < window
+    if prefix_of is not None:  # each query of block i against key block j's id range [c, d]:
+        # [B, blocks, blocks, MASK_BLOCK] booleans
+        own, reads = per_block(document, -1)[..., None, :], per_block(prefix_of, -1)[..., None, :]
+        c, d = kv_first[..., None], kv_last[..., None]
+        # some query reads a prompt in j (its ids run contiguous)
+        overlap |= causal & ((reads >= c) & (reads <= d)).any(-1)
+
+        def seen(ids):  # every query of i in that sequence or reading it
+            return ((own == ids) | (reads == ids)).all(-1)
+
+        # every pair: j holds at most two sequences (a prompt, then a segment reading it)
+        full |= below & (kv_last - kv_first <= 1) & seen(c) & seen(d)
     partial = overlap & ~full
 
     def ordered(dense):  # [B, Q blocks, KV blocks] -> counts and indices, allowed ones first
@@ -679,21 +778,38 @@ def document_mask(position_ids, window=None):
         *ordered(partial),
         *ordered(full),
         BLOCK_SIZE=MASK_BLOCK,
-        mask_mod=causal_in_document(document, window),
+        mask_mod=causal_in_document(document, window, prefix_of),
         seq_lengths=(width, width),
     )
 
 
-def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0):
+def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_prefix=False):
     """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions
     (`pack_rows`), else padded ones of at most `size` samples, each padded only to its own
     longest row. Then padding micro-batches (one row, nothing trained) up to the count of the
     rank that needs the most: with FSDP every forward and backward is a collective, so every rank
     must run the same number (verl equalises the same way). Returns (micro-batches, how many
-    samples were longer than the budget: each got one of its own). `route_width`: collate's."""
+    samples were longer than the budget: each got one of its own). `route_width`: collate's.
+    `shared_prefix` (packed only): the samples that share a prompt are packed side by side
+    (`prefix_units`), so collate computes it once for them."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     if max_tokens:
-        layout = pack_rows(lengths, max_tokens)  # [micro-batch][row][sample index]
+        units = (
+            prefix_units(samples, max_tokens)
+            if shared_prefix
+            else [[i] for i in range(len(samples))]
+        )
+        # a unit's positions as collate lays it out: the first sample whole, each other one its
+        # response and the prompt's last token
+        sizes = [
+            lengths[unit[0]] + sum(len(samples[i].response_ids) + 1 for i in unit[1:])
+            for unit in units
+        ]
+        # [micro-batch][row][sample index]
+        layout = [
+            [[i for u in row for i in units[u]] for row in mb]
+            for mb in pack_rows(sizes, max_tokens)
+        ]
         indices = [[i for row in mb for i in row] for mb in layout]
         row_sizes = [[len(row) for row in mb] for mb in layout]
     else:
@@ -704,7 +820,9 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0):
         row_sizes = [None] * len(indices)  # padded: one sample per row
     out = []
     for mb_indices, mb_row_sizes in zip(indices, row_sizes):
-        mb = collate([samples[i] for i in mb_indices], pad_id, mb_row_sizes, route_width)
+        mb = collate(
+            [samples[i] for i in mb_indices], pad_id, mb_row_sizes, route_width, shared_prefix
+        )
         mb["advantages"] = torch.tensor([samples[i].advantage for i in mb_indices])
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
@@ -718,6 +836,32 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0):
         mb["advantages"] = torch.zeros(1)
         out.append(mb)
     return out, sum(n > max_tokens for n in lengths) if max_tokens else 0
+
+
+def prefix_units(samples, max_tokens):
+    """train.shared_prefix's packing units: the indices of the samples with the same prompt (a
+    GRPO group's), in the order they first come, each group cut where its next sample would take
+    the unit past `max_tokens` positions as collate lays it out (the prompt once, then per sample
+    its response and the prompt's last token). A cut group's units each compute the prompt. A
+    unit sets its row's width (pack_rows): under FlexAttention a wide row costs only what its
+    segments read, under SDPA's dense mask rows x width^2 whatever they hold (docs/RESULTS.md,
+    "A group's prompt computed once": where each pays)."""
+    groups = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.prompt_ids.tobytes(), []).append(i)
+    units = []
+    for members in groups.values():
+        unit, size = [], 0
+        for i in members:
+            whole = len(samples[i].prompt_ids) + len(samples[i].response_ids)
+            more = len(samples[i].response_ids) + 1
+            if unit and size + more > max_tokens:
+                units.append(unit)
+                unit = []
+            size = size + more if unit else whole
+            unit.append(i)
+        units.append(unit)
+    return units
 
 
 def pack_rows(lengths, max_tokens):
@@ -755,11 +899,14 @@ def pack_rows(lengths, max_tokens):
     return over + [rows[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def layout_stats(micro_batches):
-    """What the model computed on: real tokens, the share of padding among the positions it ran
-    (`padded_fraction`), the positions its output head ran on (packed: response tokens only),
-    micro-batch count and real tokens per micro-batch."""
+def layout_stats(micro_batches, shared_prefix=False):
+    """What the model computed on: the sequences' tokens, the share of padding among the positions
+    it ran (`padded_fraction`), the positions its output head ran on (packed: response tokens
+    only), micro-batch count and sequence tokens per micro-batch. With train.shared_prefix, the
+    positions a shared prompt saved (`shared_prefix_tokens`: tokens the model did not compute)."""
     tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    # positions a shared prompt saved (collate counts them)
+    saved = sum(int(mb.get("shared_prefix_tokens", 0)) for mb in micro_batches)
     positions = sum(
         (mb["packed_ids"] if "packed_ids" in mb else mb["attention_mask"]).numel()
         for mb in micro_batches
@@ -768,13 +915,16 @@ def layout_stats(micro_batches):
         len(mb["head_index"]) if "head_index" in mb else mb["targets"].numel()
         for mb in micro_batches
     )
-    return {
+    stats = {
         "train/tokens": summed(tokens),
-        "train/padded_fraction": ratio(positions - tokens, positions),
+        "train/padded_fraction": ratio(positions - tokens + saved, positions),
         "train/head_positions": summed(head),
         "train/micro_batches": summed(len(micro_batches)),
         "train/tokens_per_micro_batch": ratio(tokens, len(micro_batches)),
     }
+    if shared_prefix:
+        stats["train/shared_prefix_tokens"] = summed(saved)
+    return stats
 
 
 def mask_stale_tokens(micro_batches, version, max_staleness):
@@ -837,6 +987,7 @@ def make_minibatches(samples, cfg, pad_id, device, route_width=0):
             pad_id,
             max_tokens=cfg.max_tokens_per_micro_batch,
             route_width=route_width,
+            shared_prefix=cfg.shared_prefix,
         )
         out.append([{key: value.to(device) for key, value in mb.items()} for mb in batches])
         over_budget += over

@@ -21,7 +21,7 @@ then this script. Where a family differs, what it meets, and the SGLang file to 
 - the weight check's names, memory.py: FUSED projections, the EXPERTS layout
   (srt/models/<family>.py, stacked_params_mapping, and the FusedMoE loader), VOCAB_TENSORS padded;
 - the push's layout, runtime/engine.checkpoint_layout (transformers' own conversion);
-- the packed mask, update.flex_mask (sliding windows per layer type);
+- the packed mask, update.packed_mask (sliding windows per layer type);
 - the memory estimate, runtime/estimate.py: `kv_values_per_token` (the engine's cache; MLA),
   `saved_per_token` (MLP widths, routed experts);
 - a mixture of experts' router, for train.routing_replay: runtime/routing.ROUTERS (its gates at

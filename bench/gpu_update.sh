@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The trainer half on one GPU, as issues 42 and 44 measure it: bench/train_step.py --shape at
-# Qwen2.5-1.5B (FSDP2 on one rank, the one-rank path, top_p 0.9 on peaked logits; with the
-# profiler's matmul share and top ops), rank-64 LoRA at Qwen2.5-7B, and Qwen2.5-3B (FSDP2, the
-# one-rank path). Arms run in the order named, the most wanted first, so a timeout cuts the least.
+# Qwen2.5-1.5B (FSDP2 on one rank, the one-rank path, top_p 0.9 on peaked logits, each group's
+# prompt shared; with the profiler's matmul share and top ops), rank-64 LoRA at Qwen2.5-7B, and
+# Qwen2.5-3B (FSDP2, the one-rank path). Arms run in the order named, the most wanted first, so a
+# timeout cuts the least.
 # Run from the repo root on a machine with torch >= 2.6 and transformers >= 4.56 (no SGLang
 # needed); logs go to $OUT. SHAPES=tiny ATTENTION=sdpa runs every line at the tiny shape (the dry
 # run on a CPU).
@@ -22,7 +23,7 @@ bench() {  # seconds, log name, then train_step.py's arguments
 }
 tiny=${SHAPES:-}
 bench "${SECONDS_1_5B:-320}" shape-1.5b --shape "${tiny:-qwen2.5-1.5b}" --fsdp --profile \
-    --arms "now-${ATTENTION:-flex_attention},top_p-peaked,fsdp"
+    --arms "now-${ATTENTION:-flex_attention},top_p-peaked,fsdp,shared"
 bench "${SECONDS_7B:-130}" lora-7b --shape "${tiny:-qwen2.5-7b}" --lora 64 --arms lora
 bench "${SECONDS_3B:-90}" shape-3b --shape "${tiny:-qwen2.5-3b}" --top-p 1 --fsdp \
     --arms "fsdp,now-${ATTENTION:-flex_attention}"

@@ -33,23 +33,26 @@ mixes).
 model's shape, on a GPU where there is one: the model built from the public config's numbers with
 random weights (no download) and its real vocabulary, fp32 masters with bf16 compute and one
 rank's GSM8K-shaped batch (`gsm8k_samples`) at configs/gsm8k.yaml's budget, as that config trains.
-The arms (`shape_arms`; `--arms` picks some, in order), each on the same samples after
-`--warmups` untimed updates: `baseline` (the update before issue 42: 4,096-token micro-batches,
-eager, pi_old from a forward of its own), `now-<attention>` (the config as shipped, with sdpa and,
-on a GPU, FlexAttention), `top_p` and `top_p-peaked` (top_p 0.9 on random and on peaked logits:
-PEAKED_NORM; each times top_p 1 too on the same model, the two in turns, and prints their ratio,
-`top_p_ratio`), `lora` (`--lora R`), `fsdp` and `fsdp-eager` (`--fsdp`: FSDP2 on one rank, what
-each of N ranks computes). Each prints train tokens/s (the real tokens of its timed updates over
-their total time; `update_s`: their mean), `mfu` by the issue's 6N convention (6 x matmul
-parameters x those tokens / time / the card's dense bf16 peak, named on the line; the output head
-counted at every token, as the anchors are; neither attention's own FLOPs nor a baseline's pi_old
-forward counted), `mfu_run` (the same with the head counted only where it ran, at
+The arms (`shape_arms`; `--arms` picks some, in order), each on the same samples after `--warmups`
+untimed updates: `baseline` (the update before issue 42: 4,096-token micro-batches, eager, pi_old
+from a forward of its own), `now-<attention>` (the config as shipped, with sdpa and, on a GPU,
+FlexAttention), `top_p` and `top_p-peaked` (top_p 0.9 on random and on peaked logits: PEAKED_NORM;
+each times top_p 1 too on the same model, the two in turns, and prints their ratio, `top_p_ratio`),
+`lora` (`--lora R`), `shared` (train.shared_prefix: each group's prompt computed once, timed against
+it computed per sample on the same model, in turns, `shared_prefix_ratio`; its tok_s counts the
+sequences' tokens, its mfu the positions computed, `computed`), `fsdp` and `fsdp-eager` (`--fsdp`:
+FSDP2 on one rank, what each of N ranks computes). Each prints train tokens/s (the real tokens of
+its timed updates over their total time; `update_s`: their mean), `mfu` by the issue's 6N convention
+(6 x matmul parameters x those tokens / time / the card's dense bf16 peak, named on the line; the
+output head counted at every token, as the anchors are; neither attention's own FLOPs nor a
+baseline's pi_old forward counted), `mfu_run` (the same with the head counted only where it ran, at
 `head_positions`: lower, by the prompts' share of the head's FLOPs), recompiles after the warm-up,
-and the update's peak memory (`torch.cuda.max_memory_allocated`; nan on CPU, where nothing
-measures it) beside bench/estimate_memory.py's train phase for the same config on one rank
-(sharded for the FSDP2 arms), less the CUDA contexts it adds (the allocator never sees them). On
-a GPU it first checks that one update of a small fp32 model with FlexAttention's packed rows gives
-the padded update's gradients (`parity`; on CPU, packed sdpa's).
+and the update's peak memory (`torch.cuda.max_memory_allocated`; nan on CPU, where nothing measures
+it) beside bench/estimate_memory.py's train phase for the same config on one rank (sharded for the
+FSDP2 arms), less the CUDA contexts it adds (the allocator never sees them). On a GPU it first
+checks that one update of a small fp32 model with FlexAttention's packed rows, each sample whole
+and with its group's prompt shared, gives the padded update's gradients (`parity`; on CPU, packed
+sdpa's).
 `--lora R` adds an arm training rank-R adapters on every projection of a bf16 base
 (runtime/lora.py), its peak beside the estimate for model.lora_rank=R; its MFU counts 4 x
 parameters per token, as a frozen weight gets no gradient. For Qwen2.5-7B on one 80 GB card,
@@ -57,12 +60,14 @@ where full fine-tuning does not fit: `--shape qwen2.5-7b --lora 64 --arms lora`.
 It imports nothing from SGLang: `python bench/train_step.py --shape qwen2.5-1.5b` runs where torch
 (>= 2.6) and transformers (>= 4.56) are installed. The last line: train_step_gpu: device=<name>
 shape=<s> best=<the now- arm of highest mfu> baseline_mfu=<f> mfu=<f> fsdp_mfu=<f> tok_s=<f>
-peak_gib=<f> estimate_gib=<f> (nan for an arm not run); before it, each top_p arm's ratio.
+peak_gib=<f> estimate_gib=<f> (nan for an arm not run); before it, each top_p arm's ratio and
+the shared arm's.
 """
 
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -123,9 +128,10 @@ def demo_samples(out_dir, num_prompts=0, seed=0):
     return samples
 
 
-def gsm8k_samples(num_samples=64, seed=0, vocab=VOCAB):
-    """Groups of 8 sharing a prompt of ~N(150, 30) tokens, responses log-normal (median 250) cut
-    at the 1,024-token budget."""
+def gsm8k_samples(num_samples=64, seed=0, vocab=VOCAB, response_median=None):
+    """Groups of 8 sharing a prompt of ~N(150, 30) tokens, responses log-normal (median
+    `response_median`; by default e^5.5, ~245, as GSM8K's) cut at the 1,024-token budget."""
+    mu = 5.5 if response_median is None else math.log(response_median)
     rng = random.Random(seed)
     samples = []
     for i in range(num_samples):
@@ -133,7 +139,7 @@ def gsm8k_samples(num_samples=64, seed=0, vocab=VOCAB):
             prompt = [
                 rng.randrange(vocab) for _ in range(min(max(int(rng.gauss(150, 30)), 40), 512))
             ]
-        num_response = min(max(int(rng.lognormvariate(5.5, 0.7)), 1), 1024)
+        num_response = min(max(int(rng.lognormvariate(mu, 0.7)), 1), 1024)
         samples.append(
             Sample(
                 prompt,
@@ -391,19 +397,25 @@ CUPTI_OVERHEADS = {
 
 def parity(device, attention):
     """One update of a small fp32 Qwen2 (tiny's shape) on the same samples, padded with sdpa
-    against packed with `attention`: the same loss and gradients, or exit. FlexAttention on a GPU
-    (on CPU it has no backward: the suite checks its forward, tests/test_packing.py), sdpa on
-    CPU."""
+    against packed with `attention`, each sample whole and with each group's prompt shared
+    (train.shared_prefix): the same loss and gradients, or exit. FlexAttention on a GPU (on CPU it
+    has no backward: the suite checks its forward, tests/test_packing.py and
+    tests/test_shared_prefix.py), sdpa on CPU."""
     samples = gsm8k_samples(16, seed=1, vocab=SHAPES["tiny"][5])
     advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(1))
     results = []
-    for arm_attention, budget in (("sdpa", 0), (attention, 4096)):
+    for arm_attention, budget, shared in (
+        ("sdpa", 0, False),
+        (attention, 4096, False),
+        (attention, 4096, True),
+    ):
         cfg = shape_config(
             [
                 "model.compute_dtype=float32",
                 "train.compile=false",
                 f"model.attn_implementation={arm_attention}",
                 f"train.max_tokens_per_micro_batch={budget}",
+                f"train.shared_prefix={str(shared).lower()}",
             ]
         )
         policy = shape_policy(SHAPES["tiny"], device)
@@ -411,17 +423,19 @@ def parity(device, attention):
         run = setup_run.trainer_only(cfg, policy, device)
         stats = train_on(run, samples, advantages)
         results.append((stats["train/loss"], [p.grad.clone() for p in policy.parameters()]))
-    (padded_loss, padded), (packed_loss, packed) = results
-    # relative to the largest gradient: a mask that leaks between sequences moves log-probs by
-    # ~0.1 (tests/test_packing.py), far above fp32 kernels' rounding
-    diff = max((a - b).abs().max().item() for a, b in zip(padded, packed))
-    scale = max(a.abs().max().item() for a in padded)
-    print(
-        f"parity: packed {attention} vs padded sdpa, one fp32 update: loss {packed_loss:.6f} vs "
-        f"{padded_loss:.6f}, max gradient difference {diff / scale:.2e} of the largest"
-    )
-    if diff > 1e-2 * scale or abs(packed_loss - padded_loss) > 1e-3 * max(abs(padded_loss), 1):
-        raise SystemExit(f"parity: packed {attention} does not make the padded update")
+    (padded_loss, padded), *packed_arms = results
+    for (packed_loss, packed), how in zip(packed_arms, ("", ", prompt shared,")):
+        # relative to the largest gradient: a mask that leaks between sequences moves log-probs
+        # by ~0.1 (tests/test_packing.py), far above fp32 kernels' rounding
+        diff = max((a - b).abs().max().item() for a, b in zip(padded, packed))
+        scale = max(a.abs().max().item() for a in padded)
+        print(
+            f"parity: packed {attention}{how} vs padded sdpa, one fp32 update: loss "
+            f"{packed_loss:.6f} vs {padded_loss:.6f}, max gradient difference "
+            f"{diff / scale:.2e} of the largest"
+        )
+        if diff > 1e-2 * scale or abs(packed_loss - padded_loss) > 1e-3 * max(abs(padded_loss), 1):
+            raise SystemExit(f"parity: packed {attention}{how} does not make the padded update")
 
 
 def shape_config(sets):
@@ -460,6 +474,8 @@ def shape_arms(args, device, shipped):
     if args.lora:  # the base frozen in bf16, fp32 adapters on every projection (runtime/lora.py)
         lora_sets = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"]
         arms["lora"] = (shipped_attention + lora_sets, compiled, None, False)
+    # each group's prompt computed once; timed against it computed per sample, in turns
+    arms["shared"] = (shipped_attention + ["train.shared_prefix=true"], compiled, None, False)
     if args.fsdp:
         arms["fsdp"] = (shipped_attention, compiled, None, True)
         if compiled:  # with --compile false every arm is eager
@@ -531,7 +547,9 @@ def shape_main(args):
     # the first `warmups` mixes warm up (compiles, autotunes); the 3 after are timed, each a new
     # set of lengths
     mixes = [
-        gsm8k_samples(args.gsm8k_samples, seed=seed, vocab=shape[5])
+        gsm8k_samples(
+            args.gsm8k_samples, seed=seed, vocab=shape[5], response_median=args.response_median
+        )
         for seed in range(args.warmups + 3)
     ]
     advantages = torch.randn(args.gsm8k_samples, generator=torch.Generator().manual_seed(0))
@@ -572,31 +590,39 @@ def shape_main(args):
                     norm.fill_(PEAKED_NORM)
             trainer = setup_run.trainer_only(cfg, policy, device, None if fsdp else autocast)
             budget = cfg.train.max_tokens_per_micro_batch
-            # a top_p arm times top_p 1 too, on the same model, the two in turns (ABBA): their
-            # ratio is then side by side, free of the drift between arms run minutes apart
-            settings = (
-                (cfg.rollout.top_p, 1.0) if name.startswith("top_p") else (cfg.rollout.top_p,)
+            # a top_p arm times top_p 1 too, on the same model, the two in turns (ABBA), and the
+            # shared arm its prompts computed per sample: their ratio is then side by side, free
+            # of the drift between arms run minutes apart
+            section, field = (
+                (cfg.train, "shared_prefix") if name == "shared" else (cfg.rollout, "top_p")
             )
+            settings = (getattr(section, field),)
+            settings += (1.0,) if name.startswith("top_p") else (False,) if name == "shared" else ()
             for samples in mixes[: args.warmups]:  # warm-up: compiles, autotunes
-                for top_p in settings:
-                    cfg.rollout.top_p = top_p
+                for value in settings:
+                    setattr(section, field, value)
                     timed_update(trainer, samples, advantages, device, pi_old)
             graphs = counters["stats"]["unique_graphs"]
-            seconds = {top_p: [] for top_p in settings}  # per timed update
-            tokens, heads = [], []  # per timed update: trained tokens, head positions
+            seconds = {value: [] for value in settings}  # per timed update
+            # per timed update of the arm's own setting: trained tokens, positions the model
+            # computed (fewer where a prompt is shared), head positions
+            tokens, computed, heads = [], [], []
             peak = ran = 0  # the most bytes held; the largest micro-batch's positions
             for turn, samples in enumerate(mixes[args.warmups :] * args.repeats):
-                for top_p in settings if turn % 2 == 0 else settings[::-1]:
-                    cfg.rollout.top_p = top_p
+                for value in settings if turn % 2 == 0 else settings[::-1]:
+                    setattr(section, field, value)
                     elapsed, stats, arm_peak = timed_update(
                         trainer, samples, advantages, device, pi_old
                     )
-                    seconds[top_p].append(elapsed)
+                    seconds[value].append(elapsed)
                     peak = max(peak, arm_peak)
-                tokens.append(stats["train/tokens"])
-                heads.append(stats["train/head_positions"])
+                    if value == settings[0]:
+                        tokens.append(stats["train/tokens"])
+                        saved = stats.get("train/shared_prefix_tokens", 0)
+                        computed.append(stats["train/tokens"] - saved)
+                        heads.append(stats["train/head_positions"])
                 ran = max(ran, largest_micro_batch(samples, budget))
-            cfg.rollout.top_p = settings[0]
+            setattr(section, field, settings[0])
             recompiles = counters["stats"]["unique_graphs"] - graphs
             card_bytes = card or 80 * 2**30
             estimate = estimate_memory.estimate(
@@ -604,7 +630,7 @@ def shape_main(args):
             )[1]["train"]
             timed = seconds[settings[0]]
             tok_s = sum(tokens) / sum(timed)
-            mfu, mfu_run = model_flops(policy, adapters, sum(tokens), sum(heads), sum(timed))
+            mfu, mfu_run = model_flops(policy, adapters, sum(computed), sum(heads), sum(timed))
             mfu, mfu_run = mfu / peak_flops, mfu_run / peak_flops
             share, kernels, ops = (
                 gpu_profile(trainer, mixes[-1], advantages, device, pi_old)
@@ -617,9 +643,9 @@ def shape_main(args):
                 update_s=sum(timed) / len(timed),
                 peak=peak if device.type == "cuda" else float("nan"),
                 estimate=estimate - contexts,
-                top_p_ratio=sum(timed) / sum(seconds[1.0]) if len(settings) > 1 else None,
+                ratio=sum(timed) / sum(seconds[settings[1]]) if len(settings) > 1 else None,
             )
-            paired = figures[name]["top_p_ratio"]
+            paired = figures[name]["ratio"]
             print(
                 f"train_step_gpu: device={device_name} shape={args.shape} arm={name} "
                 f"attention={cfg.model.attn_implementation} budget={budget} compile={compiled} "
@@ -627,11 +653,11 @@ def shape_main(args):
                 f"top_p={cfg.rollout.top_p} "
                 f"tok_s={tok_s:.1f} mfu={mfu:.3f} mfu_run={mfu_run:.3f} "
                 f"update_s={figures[name]['update_s']:.3f} "
-                + (f"top_p_ratio={paired:.3f} " if paired else "")
+                + (f"{field}_ratio={paired:.3f} " if paired else "")
                 + f"peak_gib={figures[name]['peak'] / 2**30:.3f} "
                 f"estimate_gib={(estimate - contexts) / 2**30:.3f} "
                 f"recompiles={recompiles} matmul_share={share:.3f} kernels={kernels} "
-                f"tokens={sum(tokens) // len(tokens)}",
+                f"tokens={sum(tokens) // len(tokens)} computed={sum(computed) // len(computed)}",
                 flush=True,
             )
             if ops:
@@ -656,8 +682,13 @@ def shape_main(args):
         if arm in figures:
             print(
                 f"{arm}: update time at top_p {args.top_p} / at 1 = "
-                f"{figures[arm]['top_p_ratio']:.3f} (one model, the two in turns)"
+                f"{figures[arm]['ratio']:.3f} (one model, the two in turns)"
             )
+    if "shared" in figures:
+        print(
+            "shared: update time with each group's prompt computed once / per sample = "
+            f"{figures['shared']['ratio']:.3f} (one model, the two in turns)"
+        )
     # an arm not run (or failed) prints nan, never a figure it did not measure
     baseline, fsdp = (figures.get(arm, {}).get("mfu", float("nan")) for arm in ("baseline", "fsdp"))
     f = figures[best]
@@ -673,6 +704,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--repeats", type=int, default=3, help="alternated padded/packed pairs per mix"
+    )
+    parser.add_argument(
+        "--response-median",
+        type=float,
+        default=None,
+        help="--shape: the responses' median length (default ~245, GSM8K's; a short answer to a "
+        "long prompt, as countdown's, is where a shared prompt saves most)",
     )
     parser.add_argument(
         "--gsm8k-samples", type=int, default=64, help="one rank's batch in configs/gsm8k.yaml"

@@ -228,12 +228,13 @@ def check_family(cfg, model):
       any other: the update tells each layer where a sequence starts only by position_ids
       restarting (update.pack_rows), so a layer that carries state along the row (Qwen3-Next's
       linear attention: 5e-2 off) would mix them. Two forwards of 3 + 4 tokens;
-    - with FlexAttention, only full and sliding-window layers (update.flex_mask builds their
+    - with FlexAttention, only full and sliding-window layers (update.packed_mask builds their
       masks; Llama 4's chunked attention would attend across its chunks);
     - its rotary embedding must be the engine's at every length this config trains
       (`rope_refusal`);
-    - with train.routing_replay, routers whose gates runtime/routing.py computes.
-    (Layers with a sliding window, Gemma 3's, get their own packed mask: update.flex_mask.)"""
+    - with train.routing_replay, routers whose gates runtime/routing.py computes;
+    - with train.shared_prefix, no sliding window (`update.packed_mask`).
+    (Layers with a sliding window, Gemma 3's, get their own packed mask: update.packed_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -327,8 +328,16 @@ def check_family(cfg, model):
     if kinds and cfg.model.attn_implementation == "flex_attention":
         raise ModelError(
             f"model.path={path!r} ({type(model).__name__}): layers of kind {sorted(kinds)}, where "
-            "update.flex_mask builds FlexAttention masks for full and sliding-window attention "
+            "update.packed_mask builds FlexAttention masks for full and sliding-window attention "
             "only. Set model.attn_implementation=sdpa"
+        )
+    window = getattr(text, "sliding_window", None)
+    if cfg.train.shared_prefix and window:
+        raise ModelError(
+            f"model.path={path!r} ({type(model).__name__}): layers attend within a sliding window "
+            f"({window} tokens), and a shared prompt's segments sit past other segments in their "
+            "row, farther than their positions say: update.packed_mask has no windowed mask for "
+            "them. Set train.shared_prefix=false"
         )
     # (estimate.longest_sequence's sum, written out: importing runtime/estimate here would make
     # the longest import chain 7)
@@ -448,7 +457,7 @@ def check_attention(cfg, device):
     if cfg.model.attn_implementation == "flex_attention":
         # transformers compiles flex_attention once (integrations/flex_attention.py) and Dynamo
         # compiles a variant per grad mode and mask layout it meets (the update's micro-batches
-        # vary in width; one BlockMask per micro-batch, update.flex_mask, keeps them few). Past
+        # vary in width; one BlockMask per micro-batch, update.packed_mask, keeps them few). Past
         # recompile_limit (8 by default) it would silently run the unfused path that builds the
         # full [T, T] scores: raised deliberately, a process-wide setting
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)

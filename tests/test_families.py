@@ -132,7 +132,7 @@ def test_the_families_that_train_pass_the_setup_check(tmp_path):
 def test_sliding_window_layers_get_their_window_in_packed_flexattention(family, monkeypatch):
     """Packed rows under FlexAttention: transformers hands a BlockMask to every layer as it is, so
     one document mask let Gemma 3's sliding-window layers (window 24 here; sequences up to 38
-    tokens) attend past their window. update.flex_mask now gives each layer type its own mask (a
+    tokens) attend past their window. update.packed_mask now gives each layer type its own mask (a
     Mistral with a window and no layer types: the windowed one for every layer), and the
     log-probs equal padded sdpa's, where transformers builds each layer's mask itself (forward:
     FlexAttention has no backward on CPU)."""

@@ -319,6 +319,7 @@ COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     "train.compile=false",  # the GSM8K rehearsals compile on CPU already (tests/test_gpu_readiness)
     "run.check_weights_every=1",
     "train.routing_replay=true",  # the engine's routes replayed in the update (runtime/routing.py)
+    "train.shared_prefix=true",  # each group's prompt computed once in the update, routes and all
 ]
 COUNTDOWN_COMMAND = " ".join(
     [
@@ -359,7 +360,8 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     weight push checked bit for bit. With routing replay: every trained sequence came with the
     engine's routes, in the packed rows the trainer's own routers agree with nearly all of them
     (tests/test_routing.py: routes one token off agree on 0.15), and the engine's log-probs
-    match the trainer's."""
+    match the trainer's. With the prompt shared (train.shared_prefix): its routes are the
+    first sample's, and the agreement and the gap say they sit where the model reads them."""
     background_runs.lines("countdown")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
     # budget, compile and attention, and TinyZero's 1,024 new tokens
@@ -373,3 +375,5 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     assert logged["train/unrouted_sequences"] == [0, 0]
     assert min(logged["train/route_agreement"]) > 0.98
     assert max(logged["train/logprob_gap"]) < 0.01
+    # the prompts shared: at most (group_size - 1) of every group's prompt but one token saved
+    assert all(saved > 0 for saved in logged["train/shared_prefix_tokens"])

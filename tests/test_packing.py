@@ -133,6 +133,18 @@ def packed_positions(seed, rows, width):
     return position_ids
 
 
+def assert_same_blocks(got, expected):
+    """Two BlockMasks allow the same partial and full blocks, on the key and the query side, in
+    the same order."""
+    for side in ("kv", "full_kv", "q", "full_q"):
+        counts = getattr(got, f"{side}_num_blocks")
+        assert torch.equal(counts, getattr(expected, f"{side}_num_blocks").to(counts.dtype)), side
+        for index in torch.cartesian_prod(*[torch.arange(n) for n in counts.shape]):
+            n, at = int(counts[tuple(index)]), tuple(index)
+            want = getattr(expected, f"{side}_indices")[at][:n]
+            assert torch.equal(getattr(got, f"{side}_indices")[at][:n], want.to(torch.int32))
+
+
 @pytest.mark.parametrize(
     "rows, width, window",
     [(1, 77, None), (2, 128, None), (3, 300, None), (2, 1024, None), (4, 1000, None)]
@@ -156,13 +168,7 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width, wi
     if window == 130 and rows == 1 and width > 3 * 128:
         assert int(got.kv_num_blocks.max()) == 3 and int(got.full_kv_num_blocks.sum()) == 0
     assert got.seq_lengths == expected.seq_lengths == (width, width)
-    for side in ("kv", "full_kv", "q", "full_q"):
-        counts = getattr(got, f"{side}_num_blocks")
-        assert torch.equal(counts, getattr(expected, f"{side}_num_blocks").to(counts.dtype)), side
-        for index in torch.cartesian_prod(*[torch.arange(n) for n in counts.shape]):
-            n, at = int(counts[tuple(index)]), tuple(index)
-            want = getattr(expected, f"{side}_indices")[at][:n]
-            assert torch.equal(getattr(got, f"{side}_indices")[at][:n], want.to(torch.int32))
+    assert_same_blocks(got, expected)
     assert int(got.full_kv_num_blocks.sum()) > 0 or width < 256 or window == 130  # full ones
     x = torch.randn(rows, 2, width, 16, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
@@ -191,7 +197,7 @@ def test_every_forward_of_a_micro_batch_reads_the_same_dict(
     tmp_path, monkeypatch, minibatches, forwards
 ):
     """pi_old's forward and the update's read each packed micro-batch from one dict, so the
-    BlockMask update.flex_mask keeps there is built once per micro-batch, not per forward. With
+    BlockMask update.packed_mask keeps there is built once per micro-batch, not per forward. With
     one minibatch pi_old is the update's own forward (update.pi_old_source): one forward each."""
     cfg = dist_worker.parity_config(
         tmp_path,
@@ -348,16 +354,17 @@ def test_train_step_bench_times_both_mixes_and_reports_its_figures(background_ru
 def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs):
     """bench/train_step.py --shape, the command a GPU user runs, at the tiny shape on CPU (eager:
     compiling its arms would cost minutes here): its parity check passes (packed sdpa here,
-    FlexAttention on a GPU), FlexAttention is named as not run (no backward on CPU), every arm
-    (the baseline, the path as shipped, top_p on random and on peaked logits, rank-8 LoRA, FSDP2
-    on one rank) trains the same tokens with no recompile after its warm-up and an estimate in GiB
-    (LoRA's below the full model's), and the last line is the issue's."""
+    FlexAttention on a GPU; each sample whole and with its group's prompt shared), FlexAttention is
+    named as not run (no backward on CPU), every arm (the baseline, the path as shipped, top_p on
+    random and on peaked logits, rank-8 LoRA, the prompt shared, FSDP2 on one rank) trains the
+    same tokens with no recompile after its warm-up and an estimate in GiB (LoRA's below the full
+    model's), and the last line is the issue's."""
     lines = background_runs.lines("train_step_shape_bench")
     assert lines[0].startswith("parity: packed sdpa vs padded sdpa, one fp32 update"), lines[0]
     assert "packed flex_attention: not run (FlexAttention has no backward on CPU)" in lines
     arms = [line for line in lines if " arm=" in line]
     names = [re.search(r"arm=(\S+)", line)[1] for line in arms]
-    assert names == ["baseline", "now-sdpa", "top_p", "top_p-peaked", "lora", "fsdp"], arms
+    assert names == ["baseline", "now-sdpa", "top_p", "top_p-peaked", "lora", "shared", "fsdp"]
     assert len({re.search(r"tokens=(\d+)", line)[1] for line in arms}) == 1
     assert all(" recompiles=0 " in line for line in arms)
     estimates = [float(re.search(r"estimate_gib=([\d.]+)", line)[1]) for line in arms]
@@ -367,6 +374,14 @@ def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs)
     # each top_p arm timed against top_p 1 on its own model, in turns; mfu_run (the head only
     # where it ran) below the 6N convention's
     assert all(re.search(r" top_p_ratio=[\d.]+ ", line) for line in arms if "arm=top_p" in line)
+    # the shared arm against its prompts computed per sample, in turns: the same tokens trained,
+    # fewer positions computed (the samples' groups of 8 share a prompt of ~150 tokens)
+    shared = arms[names.index("shared")]
+    assert re.search(r" shared_prefix_ratio=[\d.]+ ", shared), shared
+    computed = [int(re.search(r" computed=(\d+)", line)[1]) for line in arms]
+    tokens = [int(re.search(r" tokens=(\d+)", line)[1]) for line in arms]
+    assert [c < t for c, t in zip(computed, tokens)] == [name == "shared" for name in names]
+    assert any(line.startswith("parity: packed sdpa, prompt shared, vs padded") for line in lines)
     assert all(
         float(re.search(r"mfu_run=([\d.]+)", line)[1]) < float(re.search(r" mfu=([\d.]+)", line)[1])
         for line in arms

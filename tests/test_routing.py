@@ -139,30 +139,35 @@ def routed_sample(moe, ids, prompt_len, group_id=0):
     )
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_routes_sit_where_the_model_reads_each_token(packed):
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_routes_sit_where_the_model_reads_each_token(layout):
     """Three sequences of different lengths, each with its own routing recorded alone: collated
-    (padded rows, or packed into one row), the trainer's own choice agrees with every replayed
-    route and the log-probs are the unreplayed ones; the same routes one token off agree far
-    less (what the check would see of a misplaced route). A sample without routes, or
-    with routes of another length, is counted and routes itself."""
+    (padded rows, packed into one row, or packed with their common 3-token prompt computed once,
+    train.shared_prefix, which takes the first sample's routes), the trainer's own choice agrees
+    with every replayed route and the log-probs are the unreplayed ones; the same routes one
+    token off agree far less (what the check would see of a misplaced route). A sample without
+    routes, or with routes of another length, is counted and routes itself."""
     moe = build("qwen3_moe")
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (7, 11, 5)]
+    if layout == "shared":
+        seqs = [seqs[0][:3] + ids[3:] for ids in seqs]
     samples = [routed_sample(moe, ids, 3) for ids in seqs]
     samples.append(Sample(seqs[0][:3], seqs[0][3:], [0.0] * 4, [1] * 4, group_id=0))
     cut = samples[0].routed_experts[:-4]  # a token short (2 layers x 2 experts): not placed
     samples.append(dataclasses.replace(samples[0], routed_experts=cut))
-    rows = [len(samples)] if packed else None
+    rows = None if layout == "padded" else [len(samples)]
     replay = routing.RouteReplay(moe, on=True)
-    mb = update.collate(samples, 0, rows, replay.width)
-    assert int(mb["unrouted"]) == 2
+    mb = update.collate(samples, 0, rows, replay.width, shared_prefix=layout == "shared")
+    assert int(mb["unrouted"]) == 2 and ("prefix_of" in mb) == (layout == "shared")
     with torch.no_grad():
         plain = update.sequence_logprobs(moe, mb, 1.0)[0]
         with replay.replaying(mb):
             replayed = update.sequence_logprobs(moe, mb, 1.0)[0]
     share, count = replay.agreement()
     routed = sum(n - 1 for n in map(len, seqs))
+    if layout == "shared":  # the prompt's 2 routed tokens once, not three times
+        routed -= 2 * 2
     assert int(count) == 2 * routed and float(share) == 1.0  # 2 layers
     assert torch.equal(plain, replayed)
     shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))
