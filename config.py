@@ -326,8 +326,8 @@ class TrainConfig:
     # (runtime/estimate.py auto_budget; 4,096 without a GPU), chosen and logged at setup
     max_tokens_per_micro_batch: NonNegativeInt | typing.Literal["auto"] = 0
     # packed only: the samples of a GRPO group sit side by side in a row and compute their prompt
-    # once, each response reading it through the attention mask (update.row_segments; AReaL's tree
-    # training and verl's prefix grouper do the same); logged: train/shared_prefix_tokens
+    # once, each response reading it through the attention mask (update.row_segments); on a GPU
+    # with FlexAttention only (SDPA's dense mask: CPU). Logged: train/shared_prefix_tokens
     shared_prefix: bool = False
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False

@@ -454,6 +454,16 @@ def check_attention(cfg, device):
             "model.attn_implementation=flex_attention trains on a GPU only: torch's FlexAttention "
             "has no backward on CPU. Set model.attn_implementation=sdpa on this machine."
         )
+    if cfg.train.shared_prefix and cfg.model.attn_implementation != "flex_attention":
+        if device.type == "cuda":
+            # a row holds whole groups, up to the budget wide (update.prefix_units): SDPA's dense
+            # mask costs rows x width^2 (47,104^2 booleans at a 1.5B model's budget on an H200),
+            # where FlexAttention's blocks cost what each segment reads
+            raise ModelError(
+                "train.shared_prefix under model.attn_implementation=sdpa would attend over dense "
+                "rows as wide as the token budget: on a GPU set "
+                "model.attn_implementation=flex_attention (or train.shared_prefix=false)"
+            )
     if cfg.model.attn_implementation == "flex_attention":
         # transformers compiles flex_attention once (integrations/flex_attention.py) and Dynamo
         # compiles a variant per grad mode and mask layout it meets (the update's micro-batches

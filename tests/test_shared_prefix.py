@@ -148,10 +148,12 @@ def test_prefix_units_keep_groups_whole_under_the_budget():
     assert update.prefix_units(samples, 100) == [[0, 2, 3, 4], [1, 5]]
 
 
-def test_a_shared_prompt_is_refused_where_nothing_would_share_it(tmp_path):
+def test_a_shared_prompt_is_refused_where_nothing_would_share_it(tmp_path, monkeypatch):
     """Padded micro-batches (one sample a row) would never read train.shared_prefix: refused at
     load, by name. A model with a sliding window is refused before the engine starts: its
-    segments sit farther from their prompt than their positions say."""
+    segments sit farther from their prompt than their positions say. SDPA is refused on a GPU
+    (only the device is named here: nothing is allocated), where its dense mask over rows as wide
+    as the budget would cost width^2; FlexAttention there, and SDPA on CPU, pass."""
     with pytest.raises(ConfigError, match="train.shared_prefix=True is read only with packed"):
         dist_worker.parity_config(
             tmp_path,
@@ -176,6 +178,12 @@ def test_a_shared_prompt_is_refused_where_nothing_would_share_it(tmp_path):
     mistral = transformers.MistralForCausalLM(config)
     with pytest.raises(model.ModelError, match="sliding window .*train.shared_prefix=false"):
         model.check_family(cfg, mistral)
+    model.check_attention(cfg, torch.device("cpu"))
+    with pytest.raises(model.ModelError, match="on a GPU set model.attn_implementation=flex"):
+        model.check_attention(cfg, torch.device("cuda"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # what flex raises, undone
+    cfg.model.attn_implementation = "flex_attention"
+    model.check_attention(cfg, torch.device("cuda"))
 
 
 def shared_positions(prompt_lengths, response_lengths, seed=0):
