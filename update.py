@@ -441,8 +441,9 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
-    # what the model's input holds, piece by piece: (sample, first token, end token, flat start)
-    pieces = [(i, 0, len(ids), i * width) for i, ids in enumerate(full)]
+    # what the model's input holds, piece by piece: (the samples whose tokens it is, first token,
+    # end token, flat start)
+    pieces = [([i], 0, len(ids), i * width) for i, ids in enumerate(full)]
     batch = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,  # the padded model's mask; packed, only a token count
@@ -473,13 +474,17 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         head_index, done, pieces = [], 0, []
         for r, row in enumerate(segments):
             start = r * row_width
+            # the samples that read each shared prompt: any one's routes are the prompt's
+            readers = {reads: [] for *_, reads in row}
+            for i, *_, reads in row:
+                readers[reads].append(i)
             for document, (i, lo, end, reads) in enumerate(row):
                 flat = slice(start, start + end - lo)
                 packed_ids.view(-1)[flat] = input_ids[i, lo:end]
                 position_ids.view(-1)[flat] = torch.arange(lo, end)
                 documents.view(-1)[flat] = document
                 prefix_of.view(-1)[flat] = reads
-                pieces.append((i, lo, end, start))
+                pieces.append((readers.get(document) or [i], lo, end, start))
                 first, n = len(samples[i].prompt_ids) - 1, len(samples[i].response_ids)
                 if end == len(full[i]):  # the segment with the response
                     gather[i, first : first + n] = torch.arange(done, done + n)
@@ -538,17 +543,19 @@ def row_segments(samples, indices, shared_prefix=False):
 
 def route_table(samples, pieces, positions, width):
     """Routing replay's routes for a micro-batch whose model input holds `positions` tokens, as
-    `pieces` (sample index, first token, end token, flat start) lay out the samples' tokens:
-    [positions, width (layers x top-k)] int16, each token's experts as the engine routed them
-    (Sample.routed_experts), runtime.routing.NO_ROUTE where the router keeps its own choice:
-    padding, each sequence's last token (the engine never computes it; no loss reads its output)
-    and a sample without routes of its length. A shared prompt takes its first sample's routes.
-    Returns (the table, how many unmasked samples had none: a count that should stay 0)."""
+    `pieces` (the samples whose tokens a piece is, first token, end token, flat start) lay out the
+    samples' tokens: [positions, width (layers x top-k)] int16, each token's experts as the engine
+    routed them (Sample.routed_experts), runtime.routing.NO_ROUTE where the router keeps its own
+    choice: padding, each sequence's last token (the engine never computes it; no loss reads its
+    output) and a sample without routes of its length. A shared prompt takes the routes of the
+    first of its samples that has them. Returns (the table, how many unmasked samples had none: a
+    count that should stay 0)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # routed tokens
     routed = [len(s.routed_experts) == n * width for s, n in zip(samples, lengths)]
     table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
-    for i, lo, end, start in pieces:
-        if routed[i]:
+    for candidates, lo, end, start in pieces:
+        i = next((i for i in candidates if routed[i]), None)
+        if i is not None:
             n = min(end, lengths[i]) - lo
             table[start : start + n] = tensor_view(samples[i].routed_experts).view(-1, width)[
                 lo : lo + n
@@ -724,8 +731,8 @@ def document_mask(position_ids, window=None, document=None, prefix_of=None):
     overlap otherwise: some pairs (a partial block, `causal_in_document` decides per token). A
     shared prompt lies before its segments: key block j holds one a query of block i reads if one
     of i's prefix_of values is in j's id range; whole blocks, each query of i in or reading each
-    sequence of j: full. Equal to create_block_mask's, block for block
-    (tests/test_packing.py)."""
+    sequence of j: full. Equal to create_block_mask's, block for block (tests/test_packing.py,
+    tests/test_shared_prefix.py)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if window and prefix_of is not None:
@@ -839,13 +846,13 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
 
 
 def prefix_units(samples, max_tokens):
-    """train.shared_prefix's packing units: the indices of the samples with the same prompt (a
-    GRPO group's), in the order they first come, each group cut where its next sample would take
-    the unit past `max_tokens` positions as collate lays it out (the prompt once, then per sample
-    its response and the prompt's last token). A cut group's units each compute the prompt. A
-    unit sets its row's width (pack_rows): under FlexAttention a wide row costs only what its
-    segments read, under SDPA's dense mask rows x width^2 whatever they hold (docs/RESULTS.md,
-    "A group's prompt computed once": where each pays)."""
+    """train.shared_prefix's packing units: the indices of the samples with the same prompt (a GRPO
+    group's), in the order they first come, each group cut where its next sample would take the unit
+    past `max_tokens` positions as collate lays it out (the prompt once, then per sample its
+    response and the prompt's last token). A cut group's units each compute the prompt (but where
+    two land side by side in a row). A unit sets its row's width (pack_rows): under FlexAttention a
+    wide row costs only what its segments read, under SDPA's dense mask rows x width^2 whatever they
+    hold (docs/RESULTS.md, "A group's prompt computed once": where each pays)."""
     groups = {}
     for i, s in enumerate(samples):
         groups.setdefault(s.prompt_ids.tobytes(), []).append(i)
@@ -865,14 +872,14 @@ def prefix_units(samples, max_tokens):
 
 
 def pack_rows(lengths, max_tokens):
-    """Sample indices laid out as [micro-batch][row][sample]. First-fit decreasing over the whole
-    minibatch (longest first, each into the first row with room) into rows as wide as its longest
-    sequence, then as few micro-batches as the budget allows (rows x width <= max_tokens, so the
-    budget bounds the positions computed, hence memory), the rows shared out evenly. Rows come
-    out nearly full (a few % padding at GRPO's 64 samples per rank; fewer samples leave more
-    gaps), and none is wider
-    than its longest sequence needs alone: with a dense block-diagonal mask (SDPA) attention
-    costs width^2 per row whatever the row holds. A sequence longer than the budget gets a
+    """Indices of `lengths` (the samples' sequences; with train.shared_prefix, prefix_units'
+    units) laid out as [micro-batch][row][index]. First-fit decreasing over the whole minibatch
+    (longest first, each into the first row with room) into rows as wide as its longest item,
+    then as few micro-batches as the budget allows (rows x width <= max_tokens, so the budget
+    bounds the positions computed, hence memory), the rows shared out evenly. Rows come out
+    nearly full (a few % padding at GRPO's 64 samples per rank; fewer samples leave more gaps),
+    and none is wider than its longest item needs alone: with a dense block-diagonal mask (SDPA)
+    attention costs width^2 per row whatever the row holds. An item longer than the budget gets a
     micro-batch of its own."""
     over = [[[i]] for i, n in enumerate(lengths) if n > max_tokens]
     fitting = sorted(

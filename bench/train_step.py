@@ -496,10 +496,13 @@ def shape_arms(args, device, shipped):
 PEAKED_NORM = 8.0
 
 
-def largest_micro_batch(samples, budget):
+def largest_micro_batch(samples, budget, shared=False):
     """Positions (rows x width, padding included) of the largest packed micro-batch of `samples`
     at `budget`: what the memory estimate is taken at, less than a budget the batch does not
-    fill."""
+    fill. `shared` (train.shared_prefix): as collate lays out a group's prompt once."""
+    if shared:
+        batches, _ = update_stage.micro_batches(samples, 1, 0, budget, shared_prefix=True)
+        return max(mb["packed_ids"].numel() for mb in batches)
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     layout = update_stage.pack_rows(lengths, budget)
     return max(len(mb) * max(lengths[i] for row in mb for i in row) for mb in layout)
@@ -621,7 +624,7 @@ def shape_main(args):
                         saved = stats.get("train/shared_prefix_tokens", 0)
                         computed.append(stats["train/tokens"] - saved)
                         heads.append(stats["train/head_positions"])
-                ran = max(ran, largest_micro_batch(samples, budget))
+                ran = max(ran, largest_micro_batch(samples, budget, cfg.train.shared_prefix))
             setattr(section, field, settings[0])
             recompiles = counters["stats"]["unique_graphs"] - graphs
             card_bytes = card or 80 * 2**30

@@ -29,7 +29,8 @@ DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
 # mask, which keeps torch's SDPA off its flash kernel, and "flex_attention" as FlexAttention's
 # block mask, whose compiled kernel skips the blocks no query attends to. FlexAttention has no
 # backward on CPU (torch/nn/attention/flex_attention.py, _validate_device): there it can only
-# compute log-probs, so a CPU run trains with sdpa (`check_attention`).
+# compute log-probs, so a CPU run trains with sdpa (`check_attention`). With train.shared_prefix a
+# batch brings its own mask instead (update.packed_mask): a segment reads its group's prompt.
 ATTENTION = ("sdpa", "flex_attention")
 # the tiny model's characters: the demo tasks' (task/tiny.py, tiny_tool.py); a task needing more
 # adds them after these (task.data.vocabulary), so the demo's token ids never move
@@ -233,7 +234,7 @@ def check_family(cfg, model):
     - its rotary embedding must be the engine's at every length this config trains
       (`rope_refusal`);
     - with train.routing_replay, routers whose gates runtime/routing.py computes;
-    - with train.shared_prefix, no sliding window (`update.packed_mask`).
+    - with train.shared_prefix, no sliding window or other layer kind (`update.packed_mask`).
     (Layers with a sliding window, Gemma 3's, get their own packed mask: update.packed_mask.)"""
     path = cfg.model.path
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -331,13 +332,15 @@ def check_family(cfg, model):
             "update.packed_mask builds FlexAttention masks for full and sliding-window attention "
             "only. Set model.attn_implementation=sdpa"
         )
+    # every layer must attend to all it precedes: one mask serves them all
     window = getattr(text, "sliding_window", None)
-    if cfg.train.shared_prefix and window:
+    others = set(getattr(text, "layer_types", None) or ()) - {"full_attention"}
+    if cfg.train.shared_prefix and (window or others):
         raise ModelError(
-            f"model.path={path!r} ({type(model).__name__}): layers attend within a sliding window "
-            f"({window} tokens), and a shared prompt's segments sit past other segments in their "
-            "row, farther than their positions say: update.packed_mask has no windowed mask for "
-            "them. Set train.shared_prefix=false"
+            f"model.path={path!r} ({type(model).__name__}): layers attend within a window or "
+            f"chunk ({window or sorted(others)}), and a shared prompt's segments sit past other "
+            "segments in their row, farther than their positions say: update.packed_mask has no "
+            "such mask for them. Set train.shared_prefix=false"
         )
     # (estimate.longest_sequence's sum, written out: importing runtime/estimate here would make
     # the longest import chain 7)

@@ -143,10 +143,10 @@ def routed_sample(moe, ids, prompt_len, group_id=0):
 def test_routes_sit_where_the_model_reads_each_token(layout):
     """Three sequences of different lengths, each with its own routing recorded alone: collated
     (padded rows, packed into one row, or packed with their common 3-token prompt computed once,
-    train.shared_prefix, which takes the first sample's routes), the trainer's own choice agrees
-    with every replayed route and the log-probs are the unreplayed ones; the same routes one
-    token off agree far less (what the check would see of a misplaced route). A sample without
-    routes, or with routes of another length, is counted and routes itself."""
+    train.shared_prefix: its routes from the first sample that has them), the trainer's own
+    choice agrees with every replayed route and the log-probs are the unreplayed ones; the same
+    routes one token off agree far less (what the check would see of a misplaced route). A
+    sample without routes, or with routes of another length, is counted and routes itself."""
     moe = build("qwen3_moe")
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(1, 64, (n,), generator=g).tolist() for n in (7, 11, 5)]
@@ -168,6 +168,9 @@ def test_routes_sit_where_the_model_reads_each_token(layout):
     routed = sum(n - 1 for n in map(len, seqs))
     if layout == "shared":  # the prompt's 2 routed tokens once, not three times
         routed -= 2 * 2
+        # a run whose first sample came without routes: the prompt's are the next one's
+        led = update.collate([samples[3], *samples[:3]], 0, [4], replay.width, shared_prefix=True)
+        assert (led["routes"][:2] != routing.NO_ROUTE).all() and int(led["unrouted"]) == 1
     assert int(count) == 2 * routed and float(share) == 1.0  # 2 layers
     assert torch.equal(plain, replayed)
     shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))

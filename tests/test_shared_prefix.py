@@ -176,7 +176,7 @@ def test_a_shared_prompt_is_refused_where_nothing_would_share_it(tmp_path, monke
         sliding_window=8,
     )
     mistral = transformers.MistralForCausalLM(config)
-    with pytest.raises(model.ModelError, match="sliding window .*train.shared_prefix=false"):
+    with pytest.raises(model.ModelError, match=r"window or chunk \(8\).*shared_prefix=false"):
         model.check_family(cfg, mistral)
     model.check_attention(cfg, torch.device("cpu"))
     with pytest.raises(model.ModelError, match="on a GPU set model.attn_implementation=flex"):
@@ -186,42 +186,44 @@ def test_a_shared_prompt_is_refused_where_nothing_would_share_it(tmp_path, monke
     model.check_attention(cfg, torch.device("cuda"))
 
 
-def shared_positions(prompt_lengths, response_lengths, seed=0):
-    """A packed row's position_ids, documents and prefix_of, as collate lays out groups of these
-    prompt lengths, with a response of each length in turn: long prompts whose shared blocks
-    are whole (full blocks), short ones, and 1-token prompts (nothing shared)."""
+def shared_positions(prompt_lengths, response_lengths, rows=None, seed=0):
+    """Packed rows' position_ids, documents and prefix_of, as collate lays out groups of these
+    prompt lengths, with a response of each length in turn, `rows` samples a row (default: one
+    row): long prompts whose shared blocks are whole (full blocks), short ones, 1-token prompts
+    (nothing shared), a group cut by a row's end (its prompt again in the next row)."""
     rng = random.Random(seed)
     samples = []
     for group, length in enumerate(prompt_lengths):
         prompt = [rng.randint(4, 24) for _ in range(length)]
         for n in response_lengths[group]:
             samples.append(Sample(prompt, [5] * n, [0.0] * n, [1] * n, group_id=group))
-    batch = update.collate(samples, 0, [len(samples)], shared_prefix=True)
+    batch = update.collate(samples, 0, rows or [len(samples)], shared_prefix=True)
     return batch["position_ids"], batch["documents"], batch["prefix_of"]
 
 
 @pytest.mark.parametrize(
-    "prompt_lengths, response_lengths",
+    "prompt_lengths, response_lengths, rows",
     [
-        ((300, 5), ([40, 300, 1, 128], [7, 7])),
-        ((2, 257, 1, 129), ([1, 2], [500, 3, 260], [10, 4], [127, 128, 129])),
+        ((300, 5), ([40, 300, 1, 128], [7, 7]), None),
+        ((2, 257, 1, 129), ([1, 2], [500, 3, 260], [10, 4], [127, 128, 129]), None),
+        ((2, 257, 1, 129), ([1, 2], [500, 3, 260], [10, 4], [127, 128, 129]), [3, 4, 3]),
     ],
 )
-def test_the_shared_prompt_block_mask_is_create_block_masks(prompt_lengths, response_lengths):
+def test_the_shared_prompt_block_mask_is_create_block_masks(prompt_lengths, response_lengths, rows):
     """update.document_mask with a shared prompt, from each block's id ranges, is the BlockMask
     create_block_mask makes from every token pair: the same partial and full blocks on both
     sides, full ones where whole key blocks of a prompt meet whole query blocks reading only it;
     and FlexAttention (forward, CPU) gives the same output under both."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    position_ids, documents, prefix_of = shared_positions(prompt_lengths, response_lengths)
-    width = position_ids.shape[1]
+    position_ids, documents, prefix_of = shared_positions(prompt_lengths, response_lengths, rows)
+    batch_size, width = position_ids.shape
     mask_mod = update.causal_in_document(documents, None, prefix_of)
-    expected = create_block_mask(mask_mod, 1, None, width, width, device="cpu")
+    expected = create_block_mask(mask_mod, batch_size, None, width, width, device="cpu")
     got = update.document_mask(position_ids, None, documents, prefix_of)
     assert_same_blocks(got, expected)
     assert int(got.full_kv_num_blocks.sum()) > 0
-    x = torch.randn(1, 2, width, 16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(batch_size, 2, width, 16, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
         warnings.simplefilter("ignore")
         torch.testing.assert_close(
