@@ -419,7 +419,7 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
     (no loss reads a prompt token's log-prob). `gather` [B, T-1] says where each padded
     position's prediction sits in the head's output and `gathered` marks those positions, so the
     loss reads the same [B, T-1] layout. With `shared_prefix` too, samples side by side in a row
-    with the same prompt compute it once (`row_segments`); such a batch says which segment each
+    with the same prompt compute it once (`row_segments`), and the batch says which segment each
     position belongs to (`documents`) and which one it also reads (`prefix_of`, -1: none), for
     `packed_mask`. With `route_width` (train.routing_replay: layers x top-k), `route_table`'s
     routes of the tokens the model computes on, in its input's order."""
@@ -504,7 +504,8 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         )
         computed = sum(end - lo for row in segments for _, lo, end, _ in row)
         batch["shared_prefix_tokens"] = torch.tensor(sum(map(len, full)) - computed)
-        if (prefix_of >= 0).any():
+        if shared_prefix:  # every micro-batch then the same mask function, shared or not (a
+            # compiled FlexAttention would compile again for another)
             batch |= dict(documents=documents, prefix_of=prefix_of)
     if route_width:
         positions = (batch["packed_ids"] if rows else input_ids).numel()
@@ -839,6 +840,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
             pad_id,
             [1] if max_tokens else None,
             route_width,
+            shared_prefix,
         )
         mb["advantages"] = torch.zeros(1)
         out.append(mb)

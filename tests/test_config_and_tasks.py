@@ -842,6 +842,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         **{key: [] for key in model.TINY_SHAPE},  # tiny.yaml's model
         "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
         "train.fsdp_keep_gathered": ["run.nproc=2"],
+        "train.shared_prefix": [],  # tiny.yaml packs
     }
     other = {
         "train.kl_estimator": "k1",
@@ -867,6 +868,8 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             off += ["train.lr_schedule=constant"]
         if key == "train.fsdp_keep_gathered":
             off += ["run.nproc=1"]
+        if key == "train.shared_prefix":
+            off += ["train.max_tokens_per_micro_batch=0"]
         if key == "train.scale_by_std":  # read by grpo: off with any other estimator
             advantages.ESTIMATORS["other"] = advantages.grpo
             off += ["train.advantage=other"]

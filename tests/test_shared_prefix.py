@@ -83,6 +83,9 @@ def test_shared_prompt_scores_every_token_as_packed_whole(tmp_path, attention, m
     assert torch.equal(shared["gathered"], whole["gathered"])
     # every segment keeps its tokens' positions in the whole sequence
     assert shared["position_ids"].max() == whole["position_ids"].max()
+    # with the switch on, a micro-batch with nothing to share keeps the same mask function
+    alone = update.collate([samples[0]], 0, [1], shared_prefix=True)
+    assert (alone["prefix_of"] == -1).all() and "prefix_of" not in whole
     with torch.no_grad():
         expected, expected_entropy = update.sequence_logprobs(policy, whole, 1.0)
         policy.set_attn_implementation(attention)
