@@ -36,28 +36,31 @@ from task.data import PromptStream  # noqa: E402
 from sample import Sample  # noqa: E402
 
 MODES = losses.LOSS_AGG_MODES
-# (loss mode, packed, train.compile): the parity runs, each loss mode padded, two of them packed
-# under a 20-token budget, and one packed with whole decoder layers compiled under FSDP2, as
-# configs/gsm8k.yaml does on 8 GPUs (Inductor on CPU: ~25 s cold)
-PARITY_RUNS = [(mode, False, False) for mode in MODES] + [
-    ("token-mean", True, False),
-    ("seq-mean-token-mean", True, False),
-    ("token-mean", True, True),
+# (loss mode, layout, train.compile): the parity runs, each loss mode padded, two of them packed
+# under a 20-token budget, one packed with whole decoder layers compiled under FSDP2, as
+# configs/gsm8k.yaml does on 8 GPUs (Inductor on CPU: ~25 s cold), and one packed with each
+# group's prompt shared (train.shared_prefix)
+PARITY_RUNS = [(mode, "padded", False) for mode in MODES] + [
+    ("token-mean", "packed", False),
+    ("seq-mean-token-mean", "packed", False),
+    ("token-mean", "packed", True),
+    ("token-mean", "shared", False),
 ]
 PACKED = "train.max_tokens_per_micro_batch=20"
+LAYOUTS = {"padded": [], "packed": [PACKED], "shared": [PACKED, "train.shared_prefix=true"]}
 LORA = ("model.lora_rank=4", "model.lora_alpha=8")
 
 
 def fixed_batch(num_groups=4, group_size=4, seed=0):
-    """Samples with uneven lengths and aborted rows, and their advantages: the same on every
-    rank."""
+    """GRPO groups (a prompt each) of responses of uneven lengths, aborted rows among them, and
+    their advantages: the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for group_id in range(num_groups):
+        prompt = torch.randint(
+            4, 25, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
+        ).tolist()
         for member in range(group_size):
-            prompt = torch.randint(
-                4, 25, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
-            ).tolist()
             response = torch.randint(
                 4, 25, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g
             ).tolist()
@@ -97,8 +100,8 @@ def update_once(cfg, samples, advantages, shard):
     return policy, run.optimizer, stats
 
 
-def parity_file(mode, packed, compiled):
-    return f"params_{mode}{'_packed' if packed else ''}{'_compiled' if compiled else ''}.pt"
+def parity_file(mode, layout, compiled):
+    return f"params_{mode}{'' if layout == 'padded' else '_' + layout}{'_compiled' * compiled}.pt"
 
 
 def parity_config(out_dir, mode, *sets):
@@ -136,8 +139,8 @@ def check_ranks(out_dir):
     samples, advantages = fixed_batch()
     mine, my_advantages = local_share(samples, advantages)
     # one update from the same start, this rank's share of the fixed batch
-    for mode, packed, compiled in PARITY_RUNS:
-        cfg = parity_config(out_dir, mode, *[PACKED] * packed, f"train.compile={compiled}")
+    for mode, layout, compiled in PARITY_RUNS:
+        cfg = parity_config(out_dir, mode, *LAYOUTS[layout], f"train.compile={compiled}")
         policy, _, stats = update_once(cfg, mine, my_advantages, shard=True)
         params, grads = full_params(policy), full_grads(policy)
         if rank == 0:
@@ -148,7 +151,7 @@ def check_ranks(out_dir):
                     "loss": stats["train/loss"],
                     "grad_norm": stats["train/grad_norm"],
                 },
-                os.path.join(out_dir, parity_file(mode, packed, compiled)),
+                os.path.join(out_dir, parity_file(mode, layout, compiled)),
             )
 
     lora_under_fsdp(out_dir, mine, my_advantages, results)

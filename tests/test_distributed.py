@@ -40,13 +40,14 @@ def two_ranks(tmp_path_factory):
     return out, results, str(failure.value)
 
 
-@pytest.mark.parametrize("mode, packed, compiled", dist_worker.PARITY_RUNS)
+@pytest.mark.parametrize("mode, layout, compiled", dist_worker.PARITY_RUNS)
 def test_two_ranks_update_equals_one_rank_on_the_combined_batch(
-    two_ranks, tmp_path, mode, packed, compiled
+    two_ranks, tmp_path, mode, layout, compiled
 ):
-    """Two ranks with uneven shares (rank 1 runs padding micro-batches), padded or packed, eager
-    or with train.compile (whole layers under FSDP2), end one update with the loss, gradients and
-    parameters of one eager padded rank on the combined batch."""
+    """Two ranks with uneven shares (rank 1 runs padding micro-batches), padded, packed or packed
+    with each group's prompt shared, eager or with train.compile (whole layers under FSDP2), end
+    one update with the loss, gradients and parameters of one eager padded rank on the combined
+    batch."""
     out, _, _ = two_ranks
     samples, advantages = dist_worker.fixed_batch()
     assert any(s.masked for s in samples)
@@ -54,7 +55,7 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(
         dist_worker.parity_config(tmp_path, mode), samples, advantages, shard=False
     )
     initial, _ = model.build_policy(dist_worker.parity_config(tmp_path, mode), None)
-    sharded = torch.load(out / dist_worker.parity_file(mode, packed, compiled), weights_only=True)
+    sharded = torch.load(out / dist_worker.parity_file(mode, layout, compiled), weights_only=True)
     assert sharded["loss"] == pytest.approx(stats["train/loss"], rel=1e-5, abs=1e-7)
     assert sharded["grad_norm"] == pytest.approx(stats["train/grad_norm"], rel=1e-5)
     for name, p in policy.named_parameters():
