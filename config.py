@@ -320,15 +320,16 @@ class TrainConfig:
     micro_batch_size: PositiveInt = 64  # samples per forward/backward (gradient accumulation)
     # > 0: padding-free training: micro-batches of packed rows, at most this many positions (rows x
     # width; a longer sequence gets one of its own), rows no wider than the longest sequence (with
-    # shared_prefix below, the widest group: up to the budget) (update.py); micro_batch_size then
-    # sizes only the KL-in-reward reference pass (advantages.py, padded to keep the samples' order).
-    # 0: padded micro-batches of micro_batch_size rows. auto: the largest budget whose estimated
-    # train phase fits the card with a margin (runtime/estimate.py auto_budget; 4,096 without a
-    # GPU), chosen and logged at setup
+    # shared_prefix below, the widest group's unit: up to the budget) (update.py); micro_batch_size
+    # then sizes only the KL-in-reward reference pass (advantages.py, padded to keep the samples'
+    # order). 0: padded micro-batches of micro_batch_size rows. auto: the largest budget whose
+    # estimated train phase fits the card with a margin (runtime/estimate.py auto_budget; 4,096
+    # without a GPU), chosen and logged at setup
     max_tokens_per_micro_batch: NonNegativeInt | typing.Literal["auto"] = 0
     # packed only: the samples of a GRPO group sit side by side in a row and compute their prompt
     # once, each response reading it through the attention mask (update.row_segments); on a GPU
-    # with FlexAttention only (SDPA's dense mask: CPU). Logged: train/shared_prefix_tokens
+    # with FlexAttention only (SDPA, whose mask is dense: CPU only). Logged:
+    # train/shared_prefix_tokens (train/tokens and perf/train_tokens_per_s count every token)
     shared_prefix: bool = False
     # recompute decoder activations in backward: less memory, ~1/3 more compute
     gradient_checkpointing: bool = False

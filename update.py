@@ -441,8 +441,8 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)
         versions[row, first : first + len(s.response_ids)] = tensor_view(s.versions)
-    # what the model's input holds, piece by piece: (the samples whose tokens it is, first token,
-    # end token, flat start)
+    # what the model's input holds, piece by piece: (the samples whose routes it may take, first
+    # token, end token, flat start); a shared prompt's piece lists every sample reading it
     pieces = [([i], 0, len(ids), i * width) for i, ids in enumerate(full)]
     batch = dict(
         input_ids=input_ids,
@@ -474,7 +474,7 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         head_index, done, pieces = [], 0, []
         for r, row in enumerate(segments):
             start = r * row_width
-            # the samples that read each shared prompt: any one's routes are the prompt's
+            # the samples that read each shared prompt (route_table takes the first with routes)
             readers = {reads: [] for *_, reads in row}
             for i, *_, reads in row:
                 readers[reads].append(i)
@@ -516,12 +516,14 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
 def row_segments(samples, indices, shared_prefix=False):
     """What one packed row holds, in order, as segments (sample, first token, end token, reads):
     each of `samples[indices]`'s sequences whole (reads -1: no other segment), or, with
-    `shared_prefix` (train.shared_prefix), for each run of neighbours with the same prompt of 2+
-    tokens, that prompt but its last token once, then per sample a segment from that last token
-    on (reads: the prompt's segment index). The last prompt token is in each sample's segment
-    because its output predicts the sample's first response token; each segment keeps its tokens'
-    positions in the whole sequence. A run of G samples with prompt length L computes
-    (G - 1) x (L - 1) positions fewer."""
+    `shared_prefix` (train.shared_prefix), for each run of 2+ neighbours with the same prompt (of
+    2+ tokens), that prompt except its last token once, then per sample a segment from that last
+    token on (reads: the prompt's segment index, its index in the returned list). Three samples
+    with prompt p0 p1 p2: [p0 p1], [p2 a...], [p2 b...], [p2 c...], the last three reading
+    segment 0. The last prompt token is in each sample's segment because its output predicts the
+    sample's first response token; each segment keeps its tokens' positions in the whole
+    sequence. A run of G samples with prompt length L computes (G - 1) x (L - 1) positions
+    fewer."""
     out, prefix = [], None  # prefix: (its segment index, its prompt) while a run goes on
     indices = list(indices)
     for k, i in enumerate(indices):
@@ -773,7 +775,7 @@ def document_mask(position_ids, window=None, document=None, prefix_of=None):
         def seen(ids):  # every query of i in that sequence or reading it
             return ((own == ids) | (reads == ids)).all(-1)
 
-        # every pair: j holds at most two sequences (a prompt, then a segment reading it)
+        # every pair, where j holds at most two sequences (a prompt, then a segment reading it)
         full |= below & (kv_last - kv_first <= 1) & seen(c) & seen(d)
     partial = overlap & ~full
 

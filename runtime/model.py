@@ -23,11 +23,11 @@ log = logging.getLogger("model")
 LR_SCHEDULES = ("constant", "cosine")  # train.lr_schedule: see lr_factor
 DTYPES = ("float32", "bfloat16")  # model.compute_dtype, model.engine_dtype
 # model.attn_implementation: the trainer's attention kernels (the engine has its own). With packed
-# rows (train.max_tokens_per_micro_batch) transformers finds each sequence's bounds from the
-# position ids (they restart at 0) and masks attention between sequences either way
-# (masking_utils.find_packed_sequence_indices): "sdpa" as a dense [rows, width, width] boolean
-# mask, which keeps torch's SDPA off its flash kernel, and "flex_attention" as FlexAttention's
-# block mask, whose compiled kernel skips the blocks no query attends to. FlexAttention has no
+# rows (train.max_tokens_per_micro_batch) attention is masked between sequences: "sdpa" by a dense
+# [rows, width, width] boolean mask that transformers builds from the position ids (they restart
+# at 0: masking_utils.find_packed_sequence_indices), which keeps torch's SDPA off its flash
+# kernel, and "flex_attention" by FlexAttention's block mask (update.packed_mask builds it, once
+# per micro-batch), whose compiled kernel skips the blocks no query attends to. FlexAttention has no
 # backward on CPU (torch/nn/attention/flex_attention.py, _validate_device): there it can only
 # compute log-probs, so a CPU run trains with sdpa (`check_attention`). With train.shared_prefix a
 # batch brings its own mask instead (update.packed_mask): a segment reads its group's prompt.
