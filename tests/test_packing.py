@@ -44,12 +44,17 @@ def random_samples(seed, lengths=None):
                 versions=[-rng.randint(0, 2) for _ in range(num_response)],
             )
         )
+    return samples, advantages_of(samples, seed)
+
+
+def advantages_of(samples, seed):
+    """GRPO advantages of seeded random rewards, the masked samples left out."""
     advantages, _ = group_advantages(
         torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
         torch.tensor([s.group_id for s in samples]),
         torch.tensor([not s.masked for s in samples]),
     )
-    return samples, advantages
+    return advantages
 
 
 def test_pack_rows_fills_rows_first_fit_decreasing_under_the_budget():

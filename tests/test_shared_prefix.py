@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from advantages import group_advantages
 
 import dist_worker
 import loss as losses
@@ -18,7 +17,7 @@ import runtime.model as model
 import update
 from config import ConfigError
 from sample import Sample
-from test_packing import assert_same_blocks
+from test_packing import advantages_of, assert_same_blocks
 
 
 def grouped_samples(seed, prompt_lengths=(5, 1, 9, 3, 2), group_size=4, response=(1, 20)):
@@ -45,12 +44,7 @@ def grouped_samples(seed, prompt_lengths=(5, 1, 9, 3, 2), group_size=4, response
                     versions=[-rng.randint(0, 2) for _ in range(n)],
                 )
             )
-    advantages, _ = group_advantages(
-        torch.randn(len(samples), generator=torch.Generator().manual_seed(seed)),
-        torch.tensor([s.group_id for s in samples]),
-        torch.tensor([not s.masked for s in samples]),
-    )
-    return samples, advantages
+    return samples, advantages_of(samples, seed)
 
 
 def saved_positions(samples):
