@@ -527,9 +527,8 @@ def row_segments(samples, indices, shared_prefix=False):
     out, prefix = [], None  # prefix: (its segment index, its prompt) while a run goes on
     indices = list(indices)
     for k, i in enumerate(indices):
-        prompt, end = samples[i].prompt_ids, len(samples[i].prompt_ids) + len(
-            samples[i].response_ids
-        )
+        prompt = samples[i].prompt_ids
+        end = len(prompt) + len(samples[i].response_ids)
         if prefix is not None and prompt == prefix[1]:
             out.append((i, len(prompt) - 1, end, prefix[0]))
             continue
@@ -767,7 +766,7 @@ def document_mask(position_ids, window=None, document=None, prefix_of=None):
         full &= (apart + 1) * MASK_BLOCK - 1 < window
     if prefix_of is not None:  # each query of block i against key block j's id range [c, d]:
         # [B, blocks, blocks, MASK_BLOCK] booleans
-        own, reads = per_block(document, -1)[..., None, :], per_block(prefix_of, -1)[..., None, :]
+        own, reads = padded[..., None, :], per_block(prefix_of, -1)[..., None, :]
         c, d = kv_first[..., None], kv_last[..., None]
         # some query reads a prompt in j (its ids run contiguous)
         overlap |= causal & ((reads >= c) & (reads <= d)).any(-1)
