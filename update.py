@@ -471,7 +471,8 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         gather = torch.zeros((len(samples), width - 1), dtype=torch.long)
         gathered = torch.zeros((len(samples), width - 1), dtype=torch.bool)
         # flat positions in [R * W] whose hidden state predicts a response token
-        head_index, done, pieces = [], 0, []
+        head_index, done = [], 0  # head positions so far, and their count
+        pieces = []
         for r, row in enumerate(segments):
             start = r * row_width
             # the samples that read each shared prompt (route_table takes the first with routes)

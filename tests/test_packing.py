@@ -140,7 +140,10 @@ def packed_positions(seed, rows, width):
 
 def assert_same_blocks(got, expected):
     """Two BlockMasks allow the same partial and full blocks, on the key and the query side, in
-    the same order."""
+    the same order, and FlexAttention (forward, CPU) gives the same output under both."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch_size, _, width, _ = got.shape
     for side in ("kv", "full_kv", "q", "full_q"):
         counts = getattr(got, f"{side}_num_blocks")
         assert torch.equal(counts, getattr(expected, f"{side}_num_blocks").to(counts.dtype)), side
@@ -148,6 +151,15 @@ def assert_same_blocks(got, expected):
             n, at = int(counts[tuple(index)]), tuple(index)
             want = getattr(expected, f"{side}_indices")[at][:n]
             assert torch.equal(getattr(got, f"{side}_indices")[at][:n], want.to(torch.int32))
+    x = torch.randn(batch_size, 2, width, 16, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(
+            flex_attention(x, x, x, block_mask=got),
+            flex_attention(x, x, x, block_mask=expected),
+            rtol=0,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize(
@@ -162,7 +174,7 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width, wi
     gives the same output under both. With a sliding window too (Gemma 3's layers): 300 tokens
     (a key block one back can be full), 130 (over one 700-token sequence: key blocks 3 back and
     beyond left out, none full)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     position_ids = packed_positions(width, rows, width)
     if window == 130 and rows == 1:  # one sequence of every position: blocks 3 back left out
@@ -175,15 +187,6 @@ def test_the_document_mask_is_create_block_masks_block_for_block(rows, width, wi
     assert got.seq_lengths == expected.seq_lengths == (width, width)
     assert_same_blocks(got, expected)
     assert int(got.full_kv_num_blocks.sum()) > 0 or width < 256 or window == 130  # full ones
-    x = torch.randn(rows, 2, width, 16, generator=torch.Generator().manual_seed(0))
-    with warnings.catch_warnings():  # eager FlexAttention on CPU says to compile it: a reference
-        warnings.simplefilter("ignore")
-        torch.testing.assert_close(
-            flex_attention(x, x, x, block_mask=got),
-            flex_attention(x, x, x, block_mask=expected),
-            rtol=0,
-            atol=0,
-        )
 
 
 def test_the_block_mask_bench_checks_both_masks_and_times_them():
