@@ -163,38 +163,72 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
 
     logits: [B, T, V], target_ids: [B, T] -> (logprobs [B, T] fp32, entropy [B, T] fp32, no
     autograd). The engine samples from softmax(logits / temperature), cut to its top-p nucleus
-    when top_p < 1 (`nucleus_edge`), so the trainer scores that same distribution; otherwise the
+    when top_p < 1 (`nucleus_scores`), so the trainer scores that same distribution; otherwise the
     ratio and the engine/trainer gap would compare different policies, and the gradient would push
     on tokens that could never be sampled. The entropy is a statistic, computed without a graph so
     it keeps nothing alive, unless `entropy_grad` (train.entropy_coef > 0 differentiates it). With
     `full`, a third value: the targets' log-probs under the full softmax (no graph), which the
     engine reports with top_p < 1 (update.engine_logprobs_on_nucleus), from the same pass.
 
-    One pass over the vocabulary as far as eager kernels allow: one log-sum-exp (two with top_p),
-    one shifted copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).
+    One pass over the vocabulary as far as eager kernels allow: one log-sum-exp, one shifted
+    copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).
     """
-    # top_p < 1: the nucleus's edge first, from the logits alone. Compiled, its search breaks the
-    # graph (a nonzero read on the host), and what lives across a break is written to memory:
-    # here the logits, which the projection wrote anyway, and no fp32 copy of them (RESULTS)
-    edge, lse = nucleus_edge(logits, temperature, top_p) if top_p < 1 else (None, None)
-    scaled = scaled_logits(logits, temperature)
-    target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    lse = scaled.logsumexp(-1) if lse is None else lse  # the full softmax's (top_p: no graph)
-    full_logprobs = target - lse
-    if top_p < 1:  # the nucleus: every token outside it at -inf
-        scaled = scaled.masked_fill(outside_nucleus(logits, edge, target_ids), float("-inf"))
-        lse = scaled.logsumexp(-1)
-    logprobs = target - lse
+    if top_p < 1:
+        scores = nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p)
+    else:
+        scaled = scaled_logits(logits, temperature)
+        target = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+        scores = softmax_scores(scaled, target, scaled.logsumexp(-1), entropy_grad)
+    logprobs, entropy, full_logprobs = scores
+    return (logprobs, entropy, full_logprobs.detach()) if full else (logprobs, entropy)
+
+
+def softmax_scores(scaled, target, full_lse, entropy_grad, nucleus=False):
+    """(log-probs, entropies, the full softmax's log-probs), each [...]: of the targets' scaled
+    logits `target` [...] under the softmax of `scaled` [..., S] (the scaled logits of the whole
+    vocabulary, or of a nucleus's slots), whose log-sum-exp over the whole vocabulary is
+    `full_lse` [...]. With `nucleus`, the tokens outside it are at -inf in `scaled` and the
+    log-probs are the nucleus's."""
+    lse = scaled.logsumexp(-1) if nucleus else full_lse
     # with `entropy_grad` (an entropy bonus in the loss) the entropy keeps its graph
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         log_probs = scaled - lse.unsqueeze(-1)
         # a token outside the nucleus has p = 0 and log p = -inf: it adds 0, not 0 x -inf = NaN
         # (masked before the product, so no NaN reaches the backward either)
-        finite = log_probs.masked_fill(scaled.isneginf(), 0.0) if top_p < 1 else log_probs
+        finite = log_probs.masked_fill(scaled.isneginf(), 0.0) if nucleus else log_probs
         entropy = -(log_probs.exp() * finite).sum(-1)
-    if full:
-        return logprobs, entropy, full_logprobs.detach()
-    return logprobs, entropy
+    return target - lse, entropy, target - full_lse
+
+
+def nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p):
+    """softmax_scores of each position's top-p nucleus (logits [..., V], target_ids [...] ->
+    three [...]), found first from the logits alone (`nucleus_edge`). Where it lies among the
+    position's NUCLEUS_TOP_K likeliest tokens, as a trained model's does nearly everywhere, it is
+    scored from those K and the sampled token (`nucleus_slots`): past the edge's search, nothing
+    more over the vocabulary, forward or backward, but a gather and its scatter. Elsewhere (a
+    near-uniform row), from the whole vocabulary with every token outside the nucleus at -inf."""
+    shape = target_ids.shape
+    logits, target_ids = logits.flatten(0, -2), target_ids.flatten()  # [N, V], [N]
+    # Compiled, the edge's search breaks the graph (a nonzero read on the host), and what lives
+    # across a break is written to memory: here the logits, which the projection wrote anyway,
+    # and no fp32 copy of them (RESULTS)
+    edge, lse, top, wide = nucleus_edge(logits, temperature, top_p)
+    scores = None
+    if len(wide) < len(logits):  # some rows' nucleus inside their top k: its slots
+        slots, target = nucleus_slots(logits, top, edge, target_ids, temperature)
+        scores = softmax_scores(slots, target, lse, entropy_grad, nucleus=True)
+    if len(wide):  # the rest: the whole vocabulary
+        wide = wide if scores is not None else slice(None)  # every row: a view, no copy
+        rows, ids = logits[wide], target_ids[wide]
+        scaled = scaled_logits(rows, temperature)
+        target = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        scaled = scaled.masked_fill(outside_nucleus(rows, edge[wide], ids), float("-inf"))
+        whole = softmax_scores(scaled, target, lse[wide], entropy_grad, nucleus=True)
+        if scores is None:
+            scores = whole
+        else:  # each wide row's scores in its place (out of place: the graph flows to both)
+            scores = [part.index_put((wide,), value) for part, value in zip(scores, whole)]
+    return [score.view(shape) for score in scores]
 
 
 def scaled_logits(logits, temperature):
@@ -209,9 +243,11 @@ NUCLEUS_TOP_K = 256
 
 
 def nucleus_edge(logits, temperature, top_p):
-    """(edge, lse) from logits [..., V], each [...] without a graph: the least logit the engine's
-    top-p nucleus keeps at each position (in the logits' dtype), and the log-sum-exp of the
-    scaled logits (the full softmax's, fp32). SGLang's rule (sglang/srt/layers/sampler.py,
+    """(edge, lse, top, wide) from logits [..., V], without a graph: `edge` [...], the least logit
+    the engine's top-p nucleus keeps at each position (in the logits' dtype); `lse` [...], the
+    log-sum-exp of the scaled logits (the full softmax's, fp32); `top` [..., NUCLEUS_TOP_K], the
+    indices of each position's likeliest tokens; `wide` [W], the positions (flattened) whose
+    nucleus may reach beyond them. SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
     same nucleus up to ties, not read here): in descending probability, a token stays while the
     mass before it is <= top_p. So the nucleus is every token whose logit is at least the edge
@@ -222,21 +258,43 @@ def nucleus_edge(logits, temperature, top_p):
     Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k of the
     logits in their compute dtype, bf16: half the bytes, and the order of the probabilities),
     which holds it wherever they weigh more than top_p, as a trained model's do nearly
-    everywhere; only the positions where they do not (a near-uniform distribution) sort their
-    whole row (one host read per call decides; a checkpointed head's recompute reuses the
-    forward's: keep_nucleus_search). Only the logits are read, and no vocabulary-wide tensor
-    outlives the call (compiled, nothing of [..., V] crosses its graph break but the logits)."""
+    everywhere. The positions where they do not (a near-uniform distribution) sort their whole
+    row; they and those whose k-th token reaches the edge (a token beyond the top k tied with it
+    would be kept) are `wide`. One host read per call decides; a checkpointed head's recompute
+    reuses the forward's (keep_nucleus_search). Only the logits are read, and no
+    vocabulary-wide tensor outlives the call (compiled, nothing of [..., V] crosses its graph
+    break but the logits)."""
     with torch.no_grad():
         flat = logits.flatten(0, -2)  # [N, V], in the compute dtype
         lse = scaled_logits(flat, temperature).logsumexp(-1, keepdim=True)  # [N, 1]
-        top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1).values  # descending
-        edge, mass = nucleus_cut(top, lse, temperature, top_p)
-        # the rows whose top k hold too little: their edge is beyond
-        wide = (mass <= top_p).nonzero().squeeze(-1)
+        top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1)  # descending
+        edge, mass = nucleus_cut(top.values, lse, temperature, top_p)
+        # too little mass in the top k (the edge is beyond), or the k-th kept (a tie beyond?)
+        wide = ((mass <= top_p) | (top.values[:, -1] >= edge)).nonzero().squeeze(-1)
         if len(wide):
             ordered = flat[wide].sort(-1, descending=True).values
             edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
-    return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1])
+    indices = top.indices.view(*logits.shape[:-1], -1)
+    return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1]), indices, wide
+
+
+def nucleus_slots(logits, top, edge, target_ids, temperature):
+    """(slots [..., K + 1], target [...]), fp32 with the graph: the scaled logits of each
+    position's top k tokens (`top`, from nucleus_edge) and, last, of its sampled token, those
+    outside the nucleus at -inf, so each nucleus token is in one slot: a top-k token below the
+    edge, or the sampled one among the top k (its last slot has it), is out; the sampled token
+    always stays (as in outside_nucleus). `target` is its scaled logit. Where the nucleus lies
+    inside the top k (a position not `wide`), the log-softmax of these K + 1 slots equals the
+    whole vocabulary's masked to the nucleus, at a fraction of the work: no fp32 copy, mask, exp
+    or gradient over the vocabulary, only a gather of K + 1 logits and, backward, its scatter."""
+    ids = torch.cat([top, target_ids.unsqueeze(-1)], -1)
+    chosen = logits.gather(-1, ids)  # [..., K + 1], in the logits' dtype
+    with torch.no_grad():
+        slot = torch.arange(ids.shape[-1], device=ids.device)
+        below = (chosen < edge.unsqueeze(-1)) | (ids == target_ids.unsqueeze(-1))
+        outside = below & (slot < ids.shape[-1] - 1)
+    scaled = scaled_logits(chosen, temperature)
+    return scaled.masked_fill(outside, float("-inf")), scaled[..., -1]
 
 
 def nucleus_cut(ordered, lse, temperature, top_p):
@@ -292,9 +350,10 @@ def keep_nucleus_search():
     11), and the recompute's nonzero stopped the host in the middle of the backward.
 
     Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus_edge` calls
-    each op once, its one branch decided by the saved nonzero: the recompute makes the same calls
-    in the same order. A second topk or nonzero (a boolean index, torch.where(mask)) in a chunk
-    must keep that order; an extra call in the recompute is torch's error, not a wrong value.
+    each op once, every branch (its sort, nucleus_scores's slots or whole vocabulary) decided by
+    the saved nonzero: the recompute makes the same calls in the same order. A second topk or
+    nonzero (a boolean index, torch.where(mask)) in a chunk must keep that order; an extra call
+    in the recompute is torch's error, not a wrong value.
     Under autocast, so must the weight's cast: the backward runs inside the forward's autocast
     context (update.compute_precision spans both), whose cache still holds the cast weight.
     Outside it, a later chunk's recompute would cast it where its forward found it cached, and

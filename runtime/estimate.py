@@ -277,9 +277,10 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         "KL reference (sharded)": (
             reference_bytes(t.kl_coef, lora_rank, also, params, compute, adapters) / ranks
         ),
-        # top_p < 1 (loss.nucleus_edge, loss.outside_nucleus), eager, per chunk: the search's fp32
-        # copy, the masked logits (fp32), the drop mask, and for rows whose top k hold too little
-        # a sort's values and int64 indices;
+        # top_p < 1 (loss.nucleus_scores), eager, per chunk, at worst (every row's nucleus beyond
+        # its top k, a near-uniform model's; a row inside it scores K + 1 slots, not V): the
+        # search's fp32 copy, the masked logits (fp32), the drop mask, a sort's values and int64
+        # indices;
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (

@@ -170,12 +170,18 @@ def test_nucleus_from_the_top_k_equals_a_sort_of_the_vocabulary(top_p, monkeypat
     )
     dropped.scatter_(-1, targets.unsqueeze(-1), False)
     expected = logits.masked_fill(dropped, float("-inf"))
-    edge, _ = losses.nucleus_edge(logits, 1.0, top_p)
+    edge, _, _, wide = losses.nucleus_edge(logits, 1.0, top_p)
     assert torch.equal(losses.outside_nucleus(logits, edge, targets), dropped)
-    logprobs, _, full = losses.token_logprobs(logits, targets, top_p=top_p, full=True)
     want = expected.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logprobs, want)
-    torch.testing.assert_close(full, logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0])
+    want_full = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    # the flat rows (35 of 70) sort theirs and are scored over the whole vocabulary; at top_p 0.3
+    # and 0.9 some peaked ones from their top k's slots, in the same call (at 0.999 their top 8
+    # hold too little); all rows, and the peaked rows alone
+    assert len(wide) >= 35 and (len(wide) < 70) == (top_p < 0.99)
+    for rows in (slice(None), slice(0, 5)):
+        scored = losses.token_logprobs(logits[rows], targets[rows], top_p=top_p, full=True)
+        torch.testing.assert_close(scored[0], want[rows])
+        torch.testing.assert_close(scored[2], want_full[rows])
 
 
 def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monkeypatch):
@@ -201,14 +207,63 @@ def test_nucleus_ranked_by_bf16_logits_equals_a_sort_with_the_same_gradient(monk
     reference = logits.float() / temperature
     want = reference.masked_fill(dropped, float("-inf")).log_softmax(-1)
     want = want.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    (want_grad,) = torch.autograd.grad(want.sum(), logits)
-    logprobs, _ = losses.token_logprobs(logits, targets, temperature, top_p=top_p)
-    (grad,) = torch.autograd.grad(logprobs.sum(), logits)
     assert 0 < dropped.float().mean() < 1
-    edge, _ = losses.nucleus_edge(logits.detach(), temperature, top_p)
+    edge, _, _, wide = losses.nucleus_edge(logits.detach(), temperature, top_p)
     assert torch.equal(losses.outside_nucleus(logits.detach(), edge, targets), dropped)
-    torch.testing.assert_close(logprobs, want)  # to rounding: log_softmax against target - lse
-    torch.testing.assert_close(grad, want_grad)
+    # all rows (the flat ones over the whole vocabulary), and the peaked ones alone (all from
+    # their top k's slots)
+    assert 0 < len(wide) < 48 and len(losses.nucleus_edge(logits[:4], temperature, top_p)[3]) == 0
+    for rows in (slice(None), slice(0, 4)):
+        (want_grad,) = torch.autograd.grad(want[rows].sum(), logits, retain_graph=True)
+        logprobs, _ = losses.token_logprobs(logits[rows], targets[rows], temperature, top_p=top_p)
+        (grad,) = torch.autograd.grad(logprobs.sum(), logits)
+        torch.testing.assert_close(logprobs, want[rows])  # to rounding: the sums' order differs
+        torch.testing.assert_close(grad, want_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nucleus_inside_the_top_k_is_scored_from_those_tokens_alone(dtype, monkeypatch):
+    """Where every position's nucleus lies among its NUCLEUS_TOP_K likeliest tokens,
+    token_logprobs scores K + 1 slots (loss.nucleus_slots: the top k and the sampled token), not
+    the vocabulary: the log-probs, the entropies and their gradients (an entropy bonus's graph
+    too) are the vocabulary's masked to the nucleus, to rounding, with sampled tokens inside the
+    nucleus, outside it and outside the top k, at temperature 0.7. A row whose k-th token ties
+    with one beyond the top k, both kept, scores the whole vocabulary: its nucleus is K + 1 wide."""
+    torch.manual_seed(4)
+    vocab, k, top_p, temperature = 300, 8, 0.8, 0.7
+    monkeypatch.setattr(losses, "NUCLEUS_TOP_K", k)
+    logits = (torch.randn(3, 10, vocab) * 5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (3, 10))
+    targets[0] = logits.detach()[0].argmax(-1)  # a row of sampled tokens inside the nucleus
+    edge, lse, top, wide = losses.nucleus_edge(logits.detach(), temperature, top_p)
+    assert len(wide) == 0 and top.shape == (3, 10, k)
+    drop = losses.outside_nucleus(logits.detach(), edge, targets)
+    assert not drop.gather(-1, targets[..., None]).any() and drop[1:].gather(-1, top[1:]).any()
+    for entropy_grad in (False, True):
+        masked = (logits.float() / temperature).masked_fill(drop, float("-inf"))
+        log_p = masked.log_softmax(-1)
+        want = log_p.gather(-1, targets[..., None])[..., 0]
+        want_entropy = -(log_p.exp() * log_p.masked_fill(drop, 0)).sum(-1)
+        objective = want.sum() + (want_entropy.sum() if entropy_grad else 0)
+        (want_grad,) = torch.autograd.grad(objective, logits)
+        logprobs, entropy, full = losses.token_logprobs(
+            logits, targets, temperature, entropy_grad, top_p, full=True
+        )
+        (grad,) = torch.autograd.grad(logprobs.sum() + entropy.sum() * entropy_grad, logits)
+        torch.testing.assert_close(logprobs, want)
+        torch.testing.assert_close(entropy, want_entropy.detach())
+        torch.testing.assert_close(grad, want_grad)
+        scaled = logits.detach().float() / temperature
+        torch.testing.assert_close(
+            full, scaled.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+        )
+    # k + 1 equal logits, each 1 / (k + 1) of the mass: at top_p 0.8 the top k hold enough and
+    # the k-th is the last one kept, yet the tie rule keeps all k + 1
+    tied = torch.full((1, vocab), -10.0).to(dtype)
+    tied[0, : k + 1] = 5.0
+    assert losses.nucleus_edge(tied, 1.0, 0.8)[3].tolist() == [0]
+    logprob = losses.token_logprobs(tied, torch.tensor([0]), top_p=0.8)[0]
+    torch.testing.assert_close(logprob, torch.tensor([-math.log(k + 1)]), atol=1e-4, rtol=0)
 
 
 class OpCounter(TorchDispatchMode):
@@ -251,7 +306,9 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
     scale = torch.cat([torch.full((1, 100, 1), 4.0), torch.full((1, 50, 1), 0.02)], 1)
     hidden = torch.randn(1, tokens, dim) * scale
     weight = torch.randn(vocab, dim)
-    index = torch.randperm(tokens)[:120]  # packed: the trained positions, in 3 chunks of 50
+    # packed: the trained positions, in 3 chunks of 50 (the first all peaked, scored from the top
+    # k's slots; the others with flat rows, the whole vocabulary)
+    index = torch.cat([torch.randperm(100)[:50], torch.randperm(tokens)[:70]])
     targets = torch.randint(0, vocab, (120,))
     topk, nonzero = torch.ops.aten.topk, torch.ops.aten.nonzero
     sort = torch.ops.aten.sort  # the flat rows' (not kept: recomputed)
@@ -278,9 +335,9 @@ def test_the_head_recompute_takes_the_nucleus_search_from_its_forward(
                 out[0].sum().backward()
             assert counters["stats"]["unique_graphs"] == graphs
     (calls, *values), (plain_calls, *plain_values) = results[True], results[False]
-    # 3 chunks, each in the forward and the recompute, each with flat rows to sort
-    assert plain_calls == {topk: 6, nonzero: 6, sort: 6}
-    assert calls == {topk: 3, nonzero: 3, sort: 6}
+    # 3 chunks, each in the forward and the recompute, the last two with flat rows to sort
+    assert plain_calls == {topk: 6, nonzero: 6, sort: 4}
+    assert calls == {topk: 3, nonzero: 3, sort: 4}
     assert values[0].isfinite().all() and (values[3] != 0).any()
     for value, plain in zip(values, plain_values):
         assert torch.equal(value, plain)
@@ -321,12 +378,14 @@ def test_compiled_at_top_p_only_the_logits_cross_the_nucleus_graph_break(monkeyp
         crossing.append([v.shape for v in written if v.shape[-1:] == (vocab,)])
         return graph_module.forward
 
-    for top_p in (1.0, 0.9):
+    # top_p 0.9 on every row (some flat: the vocabulary masked) and on the peaked rows alone (the
+    # top k's slots scored)
+    for top_p, rows in ((1.0, tokens), (0.9, tokens), (0.9, 40)):
         crossing.clear()
         chunk = torch.compile(losses._linear_token_logprobs, backend=record, dynamic=False)
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        h, w = hidden[:, :rows].clone().requires_grad_(), weight.clone().requires_grad_()
         try:
-            chunk(h, w, None, targets, temperature, None, False, top_p)
+            chunk(h, w, None, targets[:, :rows], temperature, None, False, top_p)
         finally:
             torch._dynamo.reset()  # nothing compiled for `record` outlives the test
         crossed = [shape for graph in crossing for shape in graph]
@@ -334,7 +393,7 @@ def test_compiled_at_top_p_only_the_logits_cross_the_nucleus_graph_break(monkeyp
             assert len(crossing) == 1 and crossed == []
         else:  # the projection's output, and nothing else of [tokens, vocab]
             assert len(crossing) > 1, "no graph break at top_p < 1: nothing crosses one"
-            assert crossed == [(1, tokens, vocab)]
+            assert crossed == [(1, rows, vocab)]
     results = {}
     for compiled in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
