@@ -170,8 +170,9 @@ def token_logprobs(logits, target_ids, temperature=1.0, entropy_grad=False, top_
     `full`, a third value: the targets' log-probs under the full softmax (no graph), which the
     engine reports with top_p < 1 (update.engine_logprobs_on_nucleus), from the same pass.
 
-    One pass over the vocabulary as far as eager kernels allow: one log-sum-exp, one shifted
-    copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs).
+    At top_p 1, one pass over the vocabulary as far as eager kernels allow: one log-sum-exp, one
+    shifted copy, its exp and one product-sum; `train.compile` fuses them (head_logprobs). At
+    top_p < 1, a search over it and then, nearly everywhere, a few hundred tokens a position.
     """
     if top_p < 1:
         scores = nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p)
@@ -202,32 +203,30 @@ def softmax_scores(scaled, target, full_lse, entropy_grad, nucleus=False):
 
 def nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p):
     """softmax_scores of each position's top-p nucleus (logits [..., V], target_ids [...] ->
-    three [...]), found first from the logits alone (`nucleus_edge`). Where it lies among the
-    position's NUCLEUS_TOP_K likeliest tokens, as a trained model's does nearly everywhere, it is
-    scored from those K and the sampled token (`nucleus_slots`): past the edge's search, nothing
-    more over the vocabulary, forward or backward, but a gather and its scatter. Elsewhere (a
-    near-uniform row), from the whole vocabulary with every token outside the nucleus at -inf."""
+    three [...]), found first from the logits alone (`nucleus_edge`). Where the nucleus lies among
+    the position's NUCLEUS_TOP_K likeliest tokens (its k-th is below the edge: every token beyond
+    is too), as a trained model's does nearly everywhere, it is scored from those K and the
+    sampled token (`nucleus_slots`): past the edge's search, nothing more over the vocabulary,
+    forward or backward, but a gather and its scatter. Elsewhere (`wide`: a near-uniform row),
+    from the whole vocabulary with every token outside the nucleus at -inf. No branch on how many
+    rows are wide, so a compiled chunk has one graph for every mix (dynamo still specializes 0
+    and 1 wide rows)."""
     shape = target_ids.shape
     logits, target_ids = logits.flatten(0, -2), target_ids.flatten()  # [N, V], [N]
     # Compiled, the edge's search breaks the graph (a nonzero read on the host), and what lives
     # across a break is written to memory: here the logits, which the projection wrote anyway,
     # and no fp32 copy of them (RESULTS)
     edge, lse, top, wide = nucleus_edge(logits, temperature, top_p)
-    scores = None
-    if len(wide) < len(logits):  # some rows' nucleus inside their top k: its slots
-        slots, target = nucleus_slots(logits, top, edge, target_ids, temperature)
-        scores = softmax_scores(slots, target, lse, entropy_grad, nucleus=True)
-    if len(wide):  # the rest: the whole vocabulary
-        wide = wide if scores is not None else slice(None)  # every row: a view, no copy
-        rows, ids = logits[wide], target_ids[wide]
-        scaled = scaled_logits(rows, temperature)
-        target = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        scaled = scaled.masked_fill(outside_nucleus(rows, edge[wide], ids), float("-inf"))
-        whole = softmax_scores(scaled, target, lse[wide], entropy_grad, nucleus=True)
-        if scores is None:
-            scores = whole
-        else:  # each wide row's scores in its place (out of place: the graph flows to both)
-            scores = [part.index_put((wide,), value) for part, value in zip(scores, whole)]
+    slots, target = nucleus_slots(logits, top, edge, target_ids, temperature)
+    scores = softmax_scores(slots, target, lse, entropy_grad, nucleus=True)
+    # the wide rows over the whole vocabulary, their scores put in their places (out of place:
+    # the graph flows to both; a wide row's slot scores get no gradient)
+    rows, ids = logits[wide], target_ids[wide]
+    scaled = scaled_logits(rows, temperature)
+    target = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    scaled = scaled.masked_fill(outside_nucleus(rows, edge[wide], ids), float("-inf"))
+    whole = softmax_scores(scaled, target, lse[wide], entropy_grad, nucleus=True)
+    scores = [part.index_put((wide,), value) for part, value in zip(scores, whole)]
     return [score.view(shape) for score in scores]
 
 
@@ -245,9 +244,9 @@ NUCLEUS_TOP_K = 256
 def nucleus_edge(logits, temperature, top_p):
     """(edge, lse, top, wide) from logits [..., V], without a graph: `edge` [...], the least logit
     the engine's top-p nucleus keeps at each position (in the logits' dtype); `lse` [...], the
-    log-sum-exp of the scaled logits (the full softmax's, fp32); `top` [..., NUCLEUS_TOP_K], the
-    indices of each position's likeliest tokens; `wide` [W], the positions (flattened) whose
-    nucleus may reach beyond them. SGLang's rule (sglang/srt/layers/sampler.py,
+    log-sum-exp of the scaled logits (the full softmax's, fp32); `top` [..., K], the indices of
+    each position's K = min(NUCLEUS_TOP_K, V) likeliest tokens; `wide` [W], the positions
+    (flattened) whose nucleus may reach beyond them. SGLang's rule (sglang/srt/layers/sampler.py,
     top_k_top_p_min_p_sampling_from_probs_torch, the CPU's; a GPU's flashinfer sampler keeps the
     same nucleus up to ties, not read here): in descending probability, a token stays while the
     mass before it is <= top_p. So the nucleus is every token whose logit is at least the edge
@@ -258,10 +257,10 @@ def nucleus_edge(logits, temperature, top_p):
     Cost: the edge is found among each position's NUCLEUS_TOP_K likeliest tokens (a top-k of the
     logits in their compute dtype, bf16: half the bytes, and the order of the probabilities),
     which holds it wherever they weigh more than top_p, as a trained model's do nearly
-    everywhere. The positions where they do not (a near-uniform distribution) sort their whole
-    row; they and those whose k-th token reaches the edge (a token beyond the top k tied with it
-    would be kept) are `wide`. One host read per call decides; a checkpointed head's recompute
-    reuses the forward's (keep_nucleus_search). Only the logits are read, and no
+    everywhere. `wide` are the positions whose k-th token is kept: their top k hold too little (a
+    near-uniform distribution: the edge is beyond them), or a token beyond may tie with the edge.
+    They sort their whole row. One host read per call finds them (a nonzero); a checkpointed
+    head's recompute reuses the forward's (keep_nucleus_search). Only the logits are read, and no
     vocabulary-wide tensor outlives the call (compiled, nothing of [..., V] crosses its graph
     break but the logits)."""
     with torch.no_grad():
@@ -269,32 +268,31 @@ def nucleus_edge(logits, temperature, top_p):
         lse = scaled_logits(flat, temperature).logsumexp(-1, keepdim=True)  # [N, 1]
         top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1)  # descending
         edge, mass = nucleus_cut(top.values, lse, temperature, top_p)
-        # too little mass in the top k (the edge is beyond), or the k-th kept (a tie beyond?)
-        wide = ((mass <= top_p) | (top.values[:, -1] >= edge)).nonzero().squeeze(-1)
-        if len(wide):
-            ordered = flat[wide].sort(-1, descending=True).values
-            edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
-    indices = top.indices.view(*logits.shape[:-1], -1)
-    return edge.view(logits.shape[:-1]), lse.view(logits.shape[:-1]), indices, wide
+        # the k-th kept: the top k hold too little (the edge is beyond), or a token beyond may tie
+        wide = (top.values[:, -1] >= edge).nonzero().squeeze(-1)
+        ordered = flat[wide].sort(-1, descending=True).values  # (none wide: nothing sorted)
+        edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
+    shape = logits.shape[:-1]
+    return edge.view(shape), lse.view(shape), top.indices.unflatten(0, shape), wide
 
 
 def nucleus_slots(logits, top, edge, target_ids, temperature):
-    """(slots [..., K + 1], target [...]), fp32 with the graph: the scaled logits of each
-    position's top k tokens (`top`, from nucleus_edge) and, last, of its sampled token, those
-    outside the nucleus at -inf, so each nucleus token is in one slot: a top-k token below the
-    edge, or the sampled one among the top k (its last slot has it), is out; the sampled token
-    always stays (as in outside_nucleus). `target` is its scaled logit. Where the nucleus lies
-    inside the top k (a position not `wide`), the log-softmax of these K + 1 slots equals the
-    whole vocabulary's masked to the nucleus, at a fraction of the work: no fp32 copy, mask, exp
-    or gradient over the vocabulary, only a gather of K + 1 logits and, backward, its scatter."""
+    """(slots [..., K + 1], target [...]), fp32 with the graph: the scaled logits of
+    - slots 0 .. K-1: each position's top k tokens (`top`, from nucleus_edge), at -inf where the
+      token is below the edge or is the sampled one (the last slot has it);
+    - slot K: its sampled token, never at -inf (as in outside_nucleus: the engine drew it).
+    So the finite slots are the nucleus and the sampled token, each once, and `target` is the
+    sampled token's scaled logit. Where the nucleus lies inside the top k (a position not
+    `wide`), the log-softmax of these K + 1 slots is the whole vocabulary's masked to the nucleus,
+    at a fraction of the work: no fp32 copy, mask, exp or gradient over the vocabulary, only a
+    gather of K + 1 logits and, backward, its scatter."""
     ids = torch.cat([top, target_ids.unsqueeze(-1)], -1)
     chosen = logits.gather(-1, ids)  # [..., K + 1], in the logits' dtype
     with torch.no_grad():
-        slot = torch.arange(ids.shape[-1], device=ids.device)
-        below = (chosen < edge.unsqueeze(-1)) | (ids == target_ids.unsqueeze(-1))
-        outside = below & (slot < ids.shape[-1] - 1)
+        in_top = torch.arange(ids.shape[-1], device=ids.device) < ids.shape[-1] - 1
+        drop = in_top & ((chosen < edge.unsqueeze(-1)) | (ids == target_ids.unsqueeze(-1)))
     scaled = scaled_logits(chosen, temperature)
-    return scaled.masked_fill(outside, float("-inf")), scaled[..., -1]
+    return scaled.masked_fill(drop, float("-inf")), scaled[..., -1]
 
 
 def nucleus_cut(ordered, lse, temperature, top_p):
@@ -350,14 +348,14 @@ def keep_nucleus_search():
     11), and the recompute's nonzero stopped the host in the middle of the backward.
 
     Safe because torch hands the k-th call of an op its k-th saved output, and `nucleus_edge` calls
-    each op once, every branch (its sort, nucleus_scores's slots or whole vocabulary) decided by
-    the saved nonzero: the recompute makes the same calls in the same order. A second topk or
+    each op once, and the rows it sorts and nucleus_scores scores over the whole vocabulary are
+    the saved nonzero's: the recompute makes the same calls in the same order. A second topk or
     nonzero (a boolean index, torch.where(mask)) in a chunk must keep that order; an extra call
-    in the recompute is torch's error, not a wrong value.
-    Under autocast, so must the weight's cast: the backward runs inside the forward's autocast
-    context (update.compute_precision spans both), whose cache still holds the cast weight.
-    Outside it, a later chunk's recompute would cast it where its forward found it cached, and
-    torch 2.14 refuses that extra call (tests/test_update_passes.py)."""
+    in the recompute is torch's error, not a wrong value. Under autocast the weight's cast must
+    be the same call too: the backward runs inside the forward's autocast context
+    (update.compute_precision spans both), whose cache still holds the cast weight. Outside it, a
+    later chunk's recompute would cast it where its forward found it cached, and torch 2.14
+    refuses that extra call (tests/test_update_passes.py)."""
     return create_selective_checkpoint_contexts(NUCLEUS_SEARCH)
 
 

@@ -279,12 +279,13 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         ),
         # top_p < 1 (loss.nucleus_scores), eager, per chunk, at worst (every row's nucleus beyond
         # its top k, a near-uniform model's; a row inside it scores K + 1 slots, not V): the
-        # search's fp32 copy, the masked logits (fp32), the drop mask, a sort's values and int64
-        # indices;
+        # search's fp32 copy, the wide rows' logits (compute dtype) and masked fp32 copy, the
+        # drop mask, a sort's values and int64 indices;
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (
-            CHUNK_TOKENS * shape.vocab * (4 + 4 + 1 + 12) + tokens * NUCLEUS_TOP_K * (compute + 8)
+            CHUNK_TOKENS * shape.vocab * (4 + compute + 4 + 1 + 12)
+            + tokens * NUCLEUS_TOP_K * (compute + 8)
             if r.top_p < 1
             else 0
         ),

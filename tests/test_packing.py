@@ -438,16 +438,18 @@ def test_pack_rows_of_nothing_or_only_over_budget_sequences():
     assert [len(mb) for mb in layout] == [4, 5]  # shared evenly, no 1-row remainder
 
 
-def test_a_packed_micro_batch_with_no_response_token_scores_zeros(tmp_path):
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_packed_micro_batch_with_no_response_token_scores_zeros(top_p, tmp_path):
     """A packed micro-batch whose samples have empty responses (aborted before their first token,
     or one alone over the budget) runs the head on nothing: its log-probs are zeros in the [B, T-1]
-    layout the padded path gives (the gather from an empty head output raised IndexError)."""
+    layout the padded path gives (the gather from an empty head output raised IndexError), at
+    top_p < 1 too (an empty nucleus search raised RuntimeError)."""
     policy, _ = model.build_policy(dist_worker.parity_config(tmp_path, "token-mean"), None)
     empty = Sample([5, 6, 7], [], [], [], group_id=0, masked=True, finish_reason="abort")
     shapes = []
     for budget in (0, 100):  # padded, packed
         (batch,), _ = update.micro_batches([empty], 3, 0, max_tokens=budget)
         with torch.no_grad():
-            logprobs, _ = update.sequence_logprobs(policy, batch, 1.0)
+            logprobs, _ = update.sequence_logprobs(policy, batch, 1.0, top_p=top_p)
         shapes.append(logprobs.shape)
     assert shapes[0] == shapes[1] and torch.equal(logprobs, torch.zeros(1, 2))
