@@ -208,9 +208,9 @@ def nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p):
     is too), as a trained model's does nearly everywhere, it is scored from those K and the
     sampled token (`nucleus_slots`): past the edge's search, nothing more over the vocabulary,
     forward or backward, but a gather and its scatter. Elsewhere (`wide`: a near-uniform row),
-    from the whole vocabulary with every token outside the nucleus at -inf. No branch on how many
-    rows are wide, so a compiled chunk has one graph for every mix (dynamo still specializes 0
-    and 1 wide rows)."""
+    from the whole vocabulary with every token outside the nucleus at -inf, its scores put in
+    its place. A compiled chunk has a graph for none, one and several wide rows (dynamo
+    specializes sizes 0 and 1 anyway)."""
     shape = target_ids.shape
     logits, target_ids = logits.flatten(0, -2), target_ids.flatten()  # [N, V], [N]
     # Compiled, the edge's search breaks the graph (a nonzero read on the host), and what lives
@@ -219,14 +219,14 @@ def nucleus_scores(logits, target_ids, temperature, entropy_grad, top_p):
     edge, lse, top, wide = nucleus_edge(logits, temperature, top_p)
     slots, target = nucleus_slots(logits, top, edge, target_ids, temperature)
     scores = softmax_scores(slots, target, lse, entropy_grad, nucleus=True)
-    # the wide rows over the whole vocabulary, their scores put in their places (out of place:
-    # the graph flows to both; a wide row's slot scores get no gradient)
-    rows, ids = logits[wide], target_ids[wide]
-    scaled = scaled_logits(rows, temperature)
-    target = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    scaled = scaled.masked_fill(outside_nucleus(rows, edge[wide], ids), float("-inf"))
-    whole = softmax_scores(scaled, target, lse[wide], entropy_grad, nucleus=True)
-    scores = [part.index_put((wide,), value) for part, value in zip(scores, whole)]
+    if len(wide):  # none in nearly every chunk of a trained model: no second gradient over V
+        rows, ids = logits[wide], target_ids[wide]
+        scaled = scaled_logits(rows, temperature)
+        target = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        scaled = scaled.masked_fill(outside_nucleus(rows, edge[wide], ids), float("-inf"))
+        whole = softmax_scores(scaled, target, lse[wide], entropy_grad, nucleus=True)
+        # out of place: the graph flows to both, and a wide row's slot scores get no gradient
+        scores = [part.index_put((wide,), value) for part, value in zip(scores, whole)]
     return [score.view(shape) for score in scores]
 
 

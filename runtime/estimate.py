@@ -284,7 +284,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
         "top-p nucleus (chunked head)": (
-            CHUNK_TOKENS * shape.vocab * (4 + compute + 4 + 1 + 12)
+            CHUNK_TOKENS * shape.vocab * (4 + compute + 4 + 1 + compute + 8)
             + tokens * NUCLEUS_TOP_K * (compute + 8)
             if r.top_p < 1
             else 0

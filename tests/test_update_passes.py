@@ -246,9 +246,13 @@ def test_a_nucleus_inside_the_top_k_is_scored_from_those_tokens_alone(dtype, mon
         want_entropy = -(log_p.exp() * log_p.masked_fill(drop, 0)).sum(-1)
         objective = want.sum() + (want_entropy.sum() if entropy_grad else 0)
         (want_grad,) = torch.autograd.grad(objective, logits)
-        logprobs, entropy, full = losses.token_logprobs(
-            logits, targets, temperature, entropy_grad, top_p, full=True
-        )
+        # no wide row: the whole vocabulary's path does not run (nothing put in place), whose
+        # backward would add [rows, vocabulary] buffers to the slots' scatter
+        with OpCounter(torch.ops.aten.index_put) as ops:
+            logprobs, entropy, full = losses.token_logprobs(
+                logits, targets, temperature, entropy_grad, top_p, full=True
+            )
+        assert ops.calls == {torch.ops.aten.index_put: 0}
         (grad,) = torch.autograd.grad(logprobs.sum() + entropy.sum() * entropy_grad, logits)
         torch.testing.assert_close(logprobs, want)
         torch.testing.assert_close(entropy, want_entropy.detach())
