@@ -267,11 +267,11 @@ def nucleus_edge(logits, temperature, top_p):
         flat = logits.flatten(0, -2)  # [N, V], in the compute dtype
         lse = scaled_logits(flat, temperature).logsumexp(-1, keepdim=True)  # [N, 1]
         top = flat.topk(min(NUCLEUS_TOP_K, flat.shape[-1]), -1)  # descending
-        edge, mass = nucleus_cut(top.values, lse, temperature, top_p)
+        edge = nucleus_cut(top.values, lse, temperature, top_p)
         # the k-th kept: the top k hold too little (the edge is beyond), or a token beyond may tie
         wide = (top.values[:, -1] >= edge).nonzero().squeeze(-1)
         ordered = flat[wide].sort(-1, descending=True).values  # (none wide: nothing sorted)
-        edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)[0]
+        edge[wide] = nucleus_cut(ordered, lse[wide], temperature, top_p)
     shape = logits.shape[:-1]
     return edge.view(shape), lse.view(shape), top.indices.unflatten(0, shape), wide
 
@@ -296,13 +296,12 @@ def nucleus_slots(logits, top, edge, target_ids, temperature):
 
 
 def nucleus_cut(ordered, lse, temperature, top_p):
-    """(the least logit kept, the probability mass of all K) per row of `ordered` [N, K], logits
-    in descending order (`lse` [N, 1]: their rows' log-sum-exp): the j-th stays while the mass
-    before it, cumsum - p, is <= top_p (the first always does)."""
+    """The least logit kept, per row of `ordered` [N, K], logits in descending order (`lse`
+    [N, 1]: their rows' log-sum-exp): the j-th stays while the mass before it, cumsum - p, is
+    <= top_p (the first always does)."""
     probs = (scaled_logits(ordered, temperature) - lse).exp()
-    mass = probs.cumsum(-1)
-    kept = ((mass - probs) <= top_p).sum(-1, keepdim=True)
-    return ordered.gather(-1, kept.clamp(min=1) - 1).squeeze(-1), mass[:, -1]
+    kept = ((probs.cumsum(-1) - probs) <= top_p).sum(-1, keepdim=True)
+    return ordered.gather(-1, kept.clamp(min=1) - 1).squeeze(-1)
 
 
 def outside_nucleus(logits, edge, target_ids):
