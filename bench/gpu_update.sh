@@ -2,8 +2,8 @@
 # The trainer half on one GPU, as issues 42 and 44 measure it: bench/train_step.py --shape at
 # Qwen2.5-1.5B (FSDP2 on one rank, the one-rank path, top_p 0.9 on peaked logits, each group's
 # prompt shared; with the profiler's matmul share and top ops), rank-64 LoRA at Qwen2.5-7B, and
-# Qwen2.5-3B (FSDP2, the one-rank path). Arms run in the order named, the most wanted first, so a
-# timeout cuts the least.
+# Qwen2.5-3B (FSDP2, the one-rank path); then the packed mask and the head at top_p alone. Arms
+# run in the order named, the most wanted first, so a timeout cuts the least.
 # Run from the repo root on a machine with torch >= 2.6 and transformers >= 4.56 (no SGLang
 # needed); logs go to $OUT. SHAPES=tiny ATTENTION=sdpa runs every line at the tiny shape (the dry
 # run on a CPU).
@@ -31,3 +31,9 @@ bench "${SECONDS_3B:-90}" shape-3b --shape "${tiny:-qwen2.5-3b}" --top-p 1 --fsd
 # create_block_mask over every token pair), up to the 47,104-token auto budget
 timeout "${SECONDS_MASK:-30}" python3 bench/block_mask.py 2>&1 | grep -v -e Warning -e warn \
     | tee "$OUT/block-mask.log"
+# the output head alone, top_p 0.9 against top_p 1 on peaked logits (loss.nucleus_slots): bf16 at
+# Qwen2.5-1.5B's hidden size and vocabulary (the dry run: fp32 on the CPU)
+if [ -n "$tiny" ]; then head=(--tokens 256); else
+    head=(--device cuda --dtype bfloat16 --hidden 1536 --tokens 16384 --chunk 1024); fi
+timeout "${SECONDS_HEAD:-20}" python3 bench/nucleus_head.py "${head[@]}" 2>&1 \
+    | tee "$OUT/nucleus-head.log"
