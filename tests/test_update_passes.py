@@ -230,7 +230,8 @@ def test_a_nucleus_inside_the_top_k_is_scored_from_those_tokens_alone(dtype, mon
     nucleus, outside it and outside the top k, at temperature 0.7. A row whose k-th token ties
     with one beyond the top k, both kept, scores the whole vocabulary: its nucleus is K + 1 wide."""
     torch.manual_seed(4)
-    vocab, k, top_p, temperature = 300, 8, 0.8, 0.7
+    vocab, k = 300, 8  # the top k small against the vocabulary
+    top_p, temperature = 0.8, 0.7
     monkeypatch.setattr(losses, "NUCLEUS_TOP_K", k)
     logits = (torch.randn(3, 10, vocab) * 5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (3, 10))
