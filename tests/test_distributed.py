@@ -36,7 +36,11 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     with pytest.raises(parallel.RankError) as failure:
         parallel.launch(2, dist_worker.check_ranks, str(out))
-    results = [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(2)]
+    written = [out / f"results_rank{r}.json" for r in range(2)]
+    if not all(path.exists() for path in written):
+        # the job failed before its planned end: its ranks' errors are the only clue, so show them
+        pytest.fail(f"the 2-rank job ended early: {failure.value}")
+    results = [json.loads(path.read_text()) for path in written]
     return out, results, str(failure.value)
 
 
