@@ -282,7 +282,12 @@ def partial_buffer(cfg, state, multi_turn):
                 len(state["groups"]),
             )
         return None
-    buffer = PartialBuffer(cfg.rollout.group_size, cfg.rollout.max_staleness, multi_turn)
+    buffer = PartialBuffer(
+        cfg.rollout.group_size,
+        cfg.rollout.max_staleness,
+        cfg.rollout.max_trajectory_tokens(),
+        multi_turn,
+    )
     if state:
         buffer.load_state_dict(share_state(state, parallel.rank(), parallel.world_size()))
     return buffer

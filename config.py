@@ -209,7 +209,8 @@ class RolloutConfig:
     # partial rollout (partial.py): a cancelled sample is suspended, not dropped, and continued in
     # the next step under the new weights; its group is trained once every member finished
     partial: bool = False
-    # weight versions a resumed sample's oldest token may lag; older restarts (0 = plain drop)
+    # weight versions a resumed sample's oldest token may lag; older restarts from its prompt, once
+    # (too old again: given up, its group trained on the members that finished); 0 = plain drop
     max_staleness: NonNegativeInt = 4
     # dynamic sampling (DAPO): train only groups whose rewards differ, judged as each group's last
     # member finishes; the rollout ends once prompts_per_step such groups finished, whatever

@@ -3,9 +3,10 @@ GRPO groups they hold back until every member has finished.
 
 Owns what a training rollout launches when partial rollout is on (unfinished samples first, in the
 order they were suspended, then new prompts up to the batch), the staleness rule (too old: restart
-from the prompt), when a group is complete, the counters, and the buffer's checkpoint form. Does not
-own the engine (inflight.Rollout.continue_partial continues a sample from its token ids) nor how
-old tokens are weighted or masked in the loss (update.py, loss.py). Validation never comes here:
+from the prompt, once; too old again: given up), when a group is complete, the counters, and the
+buffer's checkpoint form. Does not own the engine (inflight.Rollout.continue_partial continues a
+sample from its token ids) nor how old tokens are weighted or masked in the loss (update.py,
+loss.py). Validation never comes here:
 only rollout.collect uses this buffer.
 """
 
@@ -21,6 +22,7 @@ COUNTERS = (
     "suspended",
     "resumed",
     "restarts",
+    "given_up",
     "wasted_tokens",
     "dropped_multi_turn",
     "trained_groups",
@@ -42,17 +44,18 @@ class PartialBuffer:
     Each step: `launch` says which unfinished samples to continue (and restarts the stale ones) and
     which new prompts fill the batch; the engine generates; `collect` files every returned
     trajectory under its group, suspends the ones cancelled again, and hands back the groups now
-    complete. A group is trained once, whole, however many steps its slowest member took; a finished
-    member is never regenerated. Multi-turn trajectories are not resumed: a cancelled one is dropped
-    (counted).
+    complete. A group is trained once, whole, when its slowest member has finished or been given up
+    (`give_up`); a finished member is never regenerated. Multi-turn trajectories are not resumed: a
+    cancelled one is dropped (counted).
     """
 
-    def __init__(self, group_size, max_staleness, multi_turn=False):
-        # multi_turn: the task has a tool, so even a trajectory cancelled in its first turn is not
-        # resumed (the engine continues one request; a tool call in the continuation would go
-        # unanswered)
+    def __init__(self, group_size, max_staleness, budget, multi_turn=False):
+        # budget: the tokens a response may hold (rollout.max_trajectory_tokens); multi_turn: the
+        # task has a tool, so even a trajectory cancelled in its first turn is not resumed (the
+        # engine continues one request; a tool call in the continuation would go unanswered)
         self.group_size = group_size
         self.max_staleness = max_staleness
+        self.budget = budget
         self.multi_turn = multi_turn
         self.groups = []  # HeldGroup, in arrival order
         # (group, member index) of unfinished single-turn samples, in suspension order
@@ -72,19 +75,25 @@ class PartialBuffer:
 
         Continued samples go first; new prompts fill the batch of `num_prompts` groups, so the
         launched request count stays about the same. A sample whose oldest token is more than
-        `max_staleness` versions old is restarted from its prompt (an empty response), counted.
-        Group ids: the new prompts' are 0.., and each held group gets one after them, in the order
-        of the held prompts returned, so the engine never mixes it with a fresh group and dynamic
-        sampling judges it whole (`prior_rewards`). The rollout's refills number on from there.
+        `max_staleness` versions old is restarted from its prompt (an empty response), counted;
+        so is one whose tokens already fill the budget (a run resumed with a smaller one). A
+        restarted sample that grows too old again is given up (`give_up`). Group ids: the new
+        prompts' are 0.., and each held group gets one after them, in the order of the held
+        prompts returned, so the engine never mixes it with a fresh group and dynamic sampling
+        judges it whole (`prior_rewards`). The rollout's refills number on from there.
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # first, so that new prompts take the places of the samples given up
+        self.waiting = [
+            (g, i) for g, i in self.waiting if not self.give_up(g.members[i][-1], version)
+        ]
         new_prompts = stream.take(self.new_prompts_needed(num_prompts))
         resumes = []
         self.resumed = {}
         group_ids = {}  # id(held group) -> its group id this step
         for group, index in self.waiting:
             sample = group.members[index][-1]
-            if sample.versions and version - min(sample.versions) > self.max_staleness:
+            if self.too_old(sample, version) or len(sample.response_ids) >= self.budget:
                 self.counters["restarts"] += 1
                 self.counters["wasted_tokens"] += len(sample.response_ids)
                 # unfinished, like the sample it replaces: should the rollout cancel it before
@@ -96,6 +105,7 @@ class PartialBuffer:
                     [],
                     sample.group_id,
                     times_resumed=sample.times_resumed,
+                    times_restarted=sample.times_restarted + 1,
                     finish_reason="abort",
                     masked=True,
                 )
@@ -107,6 +117,25 @@ class PartialBuffer:
         self._launched = self.waiting
         self.waiting = []
         return resumes, new_prompts, [group.prompt for group in self.resumed.values()]
+
+    def too_old(self, sample, version):
+        """Whether a waiting sample's oldest token is over `max_staleness` versions older than
+        `version` (a restarted sample not yet sent holds none)."""
+        return bool(sample.versions) and version - min(sample.versions) > self.max_staleness
+
+    def give_up(self, sample, version):
+        """Whether to give up a waiting sample (counted): one restarted already and too old again.
+        It needs more rollouts than `max_staleness` allows its tokens, and restarting it once more
+        would hold its group, and a place in every batch, forever. It stays as it is, cancelled
+        and masked: out of the loss and of its group's statistics, as a cancelled sample is
+        without partial rollout. Its group is complete once no other member waits, and trains on
+        the members that finished; they waited for it, so their tokens are at most
+        2 x (max_staleness + 1) versions old."""
+        if not (sample.times_restarted and self.too_old(sample, version)):
+            return False
+        self.counters["given_up"] += 1
+        self.counters["wasted_tokens"] += len(sample.response_ids)
+        return True
 
     def prior_rewards(self):
         """{group id: rewards of its finished members} of the held groups this step resumes: the

@@ -61,8 +61,10 @@ class Sample:
     # int32 per response token: the weight version that sampled it. A sample resumed across steps
     # (partial rollout, partial.py) mixes versions; left empty, every token gets `weight_version`.
     versions: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
-    # partial rollout: steps this sample was continued in after a cancellation
+    # partial rollout: steps this sample was continued in after a cancellation, and times it was
+    # restarted from its prompt (partial.py: a sample restarts once at most)
     times_resumed: int = 0
+    times_restarted: int = 0
     # multi-turn: 1 = this turn ended in a well-formed tool call (the tool ran, whatever it
     # returned), -1 = a malformed one
     tool_call: int = 0
@@ -90,7 +92,8 @@ class Sample:
     def continued_by(self, more):
         """This unfinished sample followed by `more`, which the engine generated from prompt +
         this response: one sample holding every token with its own log-prob and version; scalars
-        but the group (finish reason, version, trajectory id, latency) and the routed experts
+        but the group and the resume and restart counts (finish reason, version, trajectory id,
+        latency) and the routed experts
         (which cover the whole sequence) are the continuation's. Token ids are concatenated, never
         re-tokenised."""
         return dataclasses.replace(
@@ -102,6 +105,7 @@ class Sample:
             versions=self.versions + more.versions,
             group_id=self.group_id,
             times_resumed=self.times_resumed + 1,
+            times_restarted=self.times_restarted,
         )
 
     def to_state(self):

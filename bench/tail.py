@@ -254,7 +254,7 @@ def multi_step(engine, policy, tokenizer, cfg, plan, args):
     vs_drop = []
     partial_wasted = []
     for repeat in range(args.repeats):
-        buffer = PartialBuffer(args.group_size, args.max_staleness)
+        buffer = PartialBuffer(args.group_size, args.max_staleness, args.max_new_tokens)
         seconds = {arm: [] for arm in arms}
         useful, wasted = dict.fromkeys(arms, 0), dict.fromkeys(arms, 0)
         for step in range(args.steps + 1):

@@ -131,7 +131,7 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
     only unfinished samples and new prompts are launched, no sample exceeds the budget, a group is
     handed back only when complete, and every trained sample is the one that finished, once."""
     plan = cancelling_plan(tmp_path, num_prompts=2)
-    buffer = PartialBuffer(group_size=8, max_staleness=10)
+    buffer = PartialBuffer(group_size=8, max_staleness=10, budget=BUDGET)
     stream = Handout(sample.Prompt(ids, str(i)) for i, ids in enumerate(PROMPTS * 3))
     finished_seen = {}
     trained = []
@@ -175,7 +175,7 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
     its prompt (counted, its tokens wasted) and then holds current-version tokens only;
     max_staleness 0 turns the buffer off."""
     partial = aborted_samples(engine, tmp_path)
-    buffer = PartialBuffer(group_size=8, max_staleness=2)
+    buffer = PartialBuffer(group_size=8, max_staleness=2, budget=BUDGET)
     buffer.collect(partial, [sample.Prompt(ids, "1") for ids in PROMPTS])  # group ids index PROMPTS
     assert len(buffer.waiting) == len(partial)
     state = buffer.state_dict()
@@ -205,6 +205,86 @@ def test_staleness_bound_restarts_old_samples(engine, policy, tmp_path):
         "rollout.max_staleness=0",
     )
     assert not plan_launch(cfg.rollout, 8).partial
+
+
+def continue_and_cancel(resumes, version, tokens=10):
+    """What the engine hands back for `resumes` when the cancel cuts each again after `tokens`
+    more (as inflight.Rollout.continue_partial returns them: the launch index as trajectory id)."""
+    return [
+        r.continued_by(
+            Sample(
+                r.prompt_ids + r.response_ids,
+                [7] * tokens,
+                [-1.0] * tokens,
+                [1] * tokens,
+                r.group_id,
+                trajectory_id=i,
+                weight_version=version,
+                finish_reason="abort",
+                masked=True,
+            )
+        )
+        for i, r in enumerate(resumes)
+    ]
+
+
+def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
+    """A member that needs more rollouts than max_staleness allows restarts once; too old again,
+    it is given up (masked, counted, its tokens wasted) and its group trains on the member that
+    finished, whose tokens are then 2 x (max_staleness + 1) versions old, instead of being held
+    (with a slot of every batch) forever. Restarting it again and again was the bug."""
+    prompt = sample.Prompt([1, 2], "1")
+    buffer = PartialBuffer(group_size=2, max_staleness=2, budget=BUDGET)
+    finished = Sample([1, 2], [5] * 10, [-1.0] * 10, [1] * 10, 0, reward=1.0)
+    cut = Sample([1, 2], [6] * 10, [-1.0] * 10, [1] * 10, 0, trajectory_id=1)
+    cut = dataclasses.replace(cut, finish_reason="abort", masked=True)
+    assert buffer.collect([finished, cut], [prompt]) == []
+    counters = []
+    for version in range(1, 6):
+        resumes, new, held = buffer.launch(Handout([]), 0, version)
+        assert (
+            len(resumes) == 1 and buffer.collect(continue_and_cancel(resumes, version), held) == []
+        )
+        counters.append(dict(buffer.counters))
+    # version 6, a batch of one group: the sample is given up, not launched, and a new prompt takes
+    # its place
+    other = sample.Prompt([1, 3], "2")
+    resumes, new, held = buffer.launch(Handout([other]), 1, 6)
+    assert resumes == [] and new == [other] and held == []
+    counters.append(dict(buffer.counters))
+    answers = [Sample([1, 3], [8], [-1.0], [1], 0, trajectory_id=t) for t in range(2)]
+    [[[kept], [given_up]], fresh] = buffer.collect(answers, new)
+    assert fresh == [[a] for a in answers] and not buffer.waiting and not buffer.groups
+    # versions 1, 2: continued; 3: restarted (30 tokens of versions 0-2 wasted); 4, 5: continued;
+    # 6: given up (the 30 tokens since its restart wasted)
+    assert [c["resumed"] for c in counters] == [1, 1, 0, 1, 1, 0]
+    assert [c["restarts"] for c in counters] == [0, 0, 1, 0, 0, 0]
+    assert [c["given_up"] for c in counters] == [0, 0, 0, 0, 0, 1]
+    assert [c["wasted_tokens"] for c in counters] == [0, 0, 30, 0, 0, 30]
+    assert kept is finished and not kept.masked and set(kept.versions) == {0}
+    assert given_up.masked and given_up.finish_reason == "abort"
+    assert given_up.times_restarted == 1 and set(given_up.versions) == {3, 4, 5}
+    # the count survives a checkpoint (Sample.to_state), and a state from before it loads as 0
+    assert Sample.from_state(given_up.to_state()).times_restarted == 1
+    state = given_up.to_state()
+    del state["times_restarted"]
+    assert Sample.from_state(state).times_restarted == 0
+
+
+def test_a_sample_that_fills_a_smaller_budget_restarts():
+    """A run resumed with a smaller response budget than its buffered samples already hold
+    restarts them from their prompts (counted), instead of the rollout refusing the resume."""
+    prompt = sample.Prompt([1, 2], "1")
+    larger = PartialBuffer(group_size=1, max_staleness=4, budget=BUDGET)
+    cut = Sample([1, 2], [6] * 40, [-1.0] * 40, [1] * 40, 0, finish_reason="abort", masked=True)
+    larger.collect([cut], [prompt])
+    smaller = PartialBuffer(group_size=1, max_staleness=4, budget=32)
+    smaller.load_state_dict(larger.state_dict())
+    [restarted], _, _ = smaller.launch(Handout([]), 0, version=1)
+    assert len(restarted.response_ids) == 0 and restarted.times_restarted == 1
+    assert smaller.counters["restarts"] == 1 and smaller.counters["wasted_tokens"] == 40
+    [resumed], _, _ = larger.launch(Handout([]), 0, version=1)  # within its own budget: continued
+    assert len(resumed.response_ids) == 40 and larger.counters["resumed"] == 1
 
 
 def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
@@ -348,7 +428,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     """With a tool, a cancelled trajectory is dropped (counted, its tokens wasted), never
     suspended, whether it was cancelled in its first turn or a later one; its group trains on its
     finished members."""
-    buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
+    buffer = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET, multi_turn=True)
     # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
     turns = [
         Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, masked=True),
@@ -374,7 +454,7 @@ def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
     assert [s.masked for s in out] == [True, True, False]
     # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
     # refuses it)
-    tool_buffer = PartialBuffer(group_size=2, max_staleness=4, multi_turn=True)
+    tool_buffer = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET, multi_turn=True)
     first_turn = [
         Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", masked=True),
         Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
