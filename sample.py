@@ -91,10 +91,10 @@ class Sample:
 
     def continued_by(self, more):
         """This unfinished sample followed by `more`, which the engine generated from prompt +
-        this response: one sample holding every token with its own log-prob and version; scalars
-        but the group and the resume and restart counts (finish reason, version, trajectory id,
-        latency) and the routed experts
-        (which cover the whole sequence) are the continuation's. Token ids are concatenated, never
+        this response: one sample holding every token with its own log-prob and version. The
+        group and the restart count are this sample's (the resume count goes up by one); the other
+        scalars (finish reason, version, trajectory id, latency) and the routed experts (which
+        cover the whole sequence) are the continuation's. Token ids are concatenated, never
         re-tokenised."""
         return dataclasses.replace(
             more,
