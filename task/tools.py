@@ -108,12 +108,12 @@ def _eval(node: ast.AST) -> int | float:
 
 
 def _format(value: int | float) -> str:
-    # Integral floats print as ints ("7/1" -> "7"); others with 12 significant digits, which hides
-    # binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07) that rounding to decimals would
-    # zero.
+    # Integral floats print as ints ("7/1" -> "7"); others with 15 significant digits (a float's
+    # decimal precision), which hides binary noise (0.1+0.2 -> "0.3") yet keeps tiny values (1e-07)
+    # that rounding to decimals would zero. 12 rounded 0.5+123456789012 to "123456789012".
     if isinstance(value, float) and value.is_integer() and abs(value) < MAX_OPERAND:
         value = int(value)
-    return str(value) if isinstance(value, int) else format(value, ".12g")
+    return str(value) if isinstance(value, int) else format(value, ".15g")
 
 
 def calculator(expression: str) -> str:
@@ -201,6 +201,20 @@ def arguments_schema(schema):
         properties[name] = spec
     parameters = schema["function"]["parameters"]
     return {**parameters, "properties": properties, "additionalProperties": False}
+
+
+def not_json(constant):
+    """json.loads's `parse_constant`: NaN, Infinity and -Infinity are Python's extensions of
+    JSON, not JSON."""
+    raise ValueError(f"{constant} is not JSON")
+
+
+def finite_float(text):
+    """json.loads's `parse_float`: a number too large for a float (1e999) would be inf."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a float")
+    return value
 
 
 def result_text(result):
@@ -350,7 +364,9 @@ class QwenTools:
         """(the tool's name, or UNPARSED; its result, or "error: ..."; whether the tool ran) for
         one call's text."""
         try:
-            parsed = json.loads(call)  # json.loads never executes anything
+            # json.loads never executes anything; it does take NaN, Infinity and 1e999 (as inf),
+            # which JSON has not and a schema's "number" would pass: refused here
+            parsed = json.loads(call, parse_constant=not_json, parse_float=finite_float)
         except ValueError:
             return UNPARSED, "error: the tool call is not valid JSON", False
         except RecursionError:  # model-written text nested deeper than Python's parser recurses

@@ -24,14 +24,16 @@ from task.tools import CalcError, _eval, calculator
         ("1.5*4", "6"),  # integral float prints as an int
         ("0.1+0.2", "0.3"),  # binary noise hidden
         ("2.5-0.25", "2.25"),
-        ("1/3", "0.333333333333"),
+        ("1/3", "0.333333333333333"),
+        ("0.5+123456789012", "123456789012.5"),  # 15 digits: 12 rounded this to an integer
+        ("1.1*1.1", "1.21"),
         ("2**-1", "0.5"),
-        ("2**0.5", "1.41421356237"),
+        ("2**0.5", "1.4142135623731"),
         ("1e-7", "1e-07"),  # small values are kept, not rounded to 0
         (" 10 ** 15 ", "1000000000000000"),
         ("1e15+1", "1000000000000001"),  # an integral literal computes as an int: exact
         ("71e13*8.2", "5.822e+15"),  # a float result past 1e15: its binary noise still hidden
-        ("12e12/11e-3", "1.09090909091e+15"),
+        ("12e12/11e-3", "1.09090909090909e+15"),
         ("-(2*(3+4))", "-14"),
     ],
 )

@@ -185,6 +185,22 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
             "percent_of",
             "'ten' is not of type 'number'",
         ),
+        # Python's json takes NaN, Infinity and 1e999 (as inf), and "number" would pass them
+        (
+            '{"name": "percent_of", "arguments": {"percent": NaN, "value": 2}}',
+            tools.UNPARSED,
+            "JSON",
+        ),
+        (
+            '{"name": "percent_of", "arguments": {"percent": 1, "value": -Infinity}}',
+            tools.UNPARSED,
+            "JSON",
+        ),
+        (
+            '{"name": "percent_of", "arguments": {"percent": 1e999, "value": 2}}',
+            tools.UNPARSED,
+            "JSON",
+        ),
         (
             '{"name": "repeat", "arguments": {"word": "a", "times": 2.5}}',
             "repeat",
