@@ -77,8 +77,10 @@ def plan_launch(r, num_prompts):
         plan.num_prompts = ceil(num_prompts * (1 + r.over_sample_rate))
     elif r.cancel != "none":
         keep = 1 - r.drop_rate
-        plan.target_samples = ceil(batch * keep)
-        plan.target_groups = ceil(num_prompts * keep)
+        # at least one: a drop_rate so near 1 that batch x (1 - drop_rate) rounds (`ceil`) to 0
+        # would stop the rollout before anything returned
+        plan.target_samples = max(ceil(batch * keep), 1)
+        plan.target_groups = max(ceil(num_prompts * keep), 1)
     return plan
 
 

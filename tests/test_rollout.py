@@ -286,6 +286,9 @@ def test_plan_launch_arithmetic():
     drop = plan_launch(dataclasses.replace(cfg, cancel="count", drop_rate=0.2), 32)
     # ceil(0.8 x 256)
     assert (drop.num_prompts, drop.target_samples, drop.target_groups) == (32, 205, 26)
+    # a drop_rate a hair under 1 still waits for one sample and one group (rounded, it was 0)
+    nearly_all = plan_launch(dataclasses.replace(cfg, cancel="count", drop_rate=1 - 1e-12), 32)
+    assert (nearly_all.target_samples, nearly_all.target_groups) == (1, 1)
     over = plan_launch(dataclasses.replace(cfg, cancel="group", over_sample_rate=0.25), 32)
     # keeps the batch size
     assert (over.num_prompts, over.target_samples, over.target_groups) == (40, 256, 32)
