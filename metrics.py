@@ -1,8 +1,8 @@
 """Stage 6 of the step: metrics reduced over ranks, and where they go (TensorBoard events, one
 console line per step, config.yaml in the run directory).
 
-Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, `quantile`, else
-averaged: declared where the metric is made), masked means, pass@k, and the logger. Each stage
+Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, `quantile`, `spread`,
+else averaged: declared where the metric is made), masked means, pass@k, and the logger. Each stage
 computes its own metrics (the rollout's in rollout.py, the update's in update.py, ...); none of
 the training math is here.
 A metric's prefix says what it measures, not which stage made it: train/ the batch trained on (its
@@ -72,6 +72,22 @@ class Quantile:
         return torch.tensor(self.values or [0], dtype=torch.float64).quantile(self.q).item()
 
 
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """The standard deviation (unbiased) of items the ranks hold in different numbers (rewards),
+    made by `spread(values)`: reduced over every rank's items pooled (the ranks' own deviations
+    averaged miss the differences between ranks). Not a number, as Summed."""
+
+    values: tuple
+
+    @property
+    def value(self):
+        """The standard deviation of these items (0 with fewer than two)."""
+        if len(self.values) < 2:
+            return 0.0
+        return torch.tensor(self.values, dtype=torch.float64).std().item()
+
+
 def summed(value):
     """`value` (a number, or a one-element tensor), marked to be summed over ranks."""
     return Summed(value.item() if torch.is_tensor(value) else value)
@@ -93,11 +109,17 @@ def quantile(values, q):
     return Quantile(tuple(float(v) for v in values), q)
 
 
+def spread(values):
+    """The standard deviation of `values` (numbers), marked to be reduced over ranks as a
+    Spread."""
+    return Spread(tuple(float(v) for v in values))
+
+
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
-    declared it: Summed, Slowest, Ratio, Quantile, else averaged. A collective: every rank calls
-    it. With several ranks, `timing/rollout_s_min` beside the max shows how unevenly their
-    rollouts ended."""
+    declared it: Summed, Slowest, Ratio, Quantile, Spread, else averaged. A collective: every
+    rank calls it. With several ranks, `timing/rollout_s_min` beside the max shows how unevenly
+    their rollouts ended."""
     per_rank = parallel.gather_objects(scalars)
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
@@ -111,6 +133,8 @@ def reduce_metrics(scalars):
             out[key] = sum(v.total for v in values) / count if count else 0.0
         elif isinstance(values[0], Quantile):
             out[key] = quantile([x for v in values for x in v.values], values[0].q).value
+        elif isinstance(values[0], Spread):
+            out[key] = spread([x for v in values for x in v.values]).value
         else:
             out[key] = sum(values) / len(values)
     if len(per_rank) > 1:

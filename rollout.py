@@ -11,12 +11,10 @@ how text becomes a reward (rewards.py), which samples are suspended (partial.py)
 API (runtime/engine.py), or the loss.
 """
 
-import torch
-
 from cancel import GroupFilter, informative_groups, plan_launch
 from config import max_trajectory_tokens
 from inflight import Request, Rollout, Settings, check_launch
-from metrics import length_stats, pass_at_k, ratio, slowest, summed, trajectory_texts
+from metrics import length_stats, pass_at_k, ratio, slowest, spread, summed, trajectory_texts
 import runtime.parallel as parallel
 from runtime.engine import Engine
 import runtime.seeds as seeds
@@ -254,13 +252,11 @@ def rollout_metrics(trajectories, stats):
     # turns cut by cancellation
     aborted = [s for s in samples if s.masked and s.finish_reason not in failed]
     num_aborted = sum(s.masked and s.finish_reason not in failed for s in launched)
-    rewards = torch.tensor([s.reward for s in finished] or [0.0])
     reward_sum = sum(s.reward for s in finished)
-    num_tokens = sum(len(s.response_ids) for s in samples)
     out = {
         "train/reward_mean_completed": ratio(reward_sum, len(finished)),
         "train/reward_mean_launched": ratio(reward_sum, len(launched)),
-        "train/reward_std": rewards.std().item() if len(finished) > 1 else 0.0,
+        "train/reward_std": spread([s.reward for s in finished]),
         "train/accuracy": ratio(sum(s.reward >= 1.0 for s in finished), len(finished)),
         "rollout/launched": summed(len(launched)),
         "rollout/aborted": summed(num_aborted),
@@ -271,7 +267,9 @@ def rollout_metrics(trajectories, stats):
             sum(s.finish_reason == "length" for s in finished), len(finished)
         ),
         "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
-        "perf/rollout_tokens_per_s": summed(num_tokens / max(stats.rollout_s, 1e-9)),
+        # what the engine generated in this rollout: with partial rollout the trajectories here
+        # are the complete groups', which hold earlier steps' tokens and not this step's suspended
+        "perf/rollout_tokens_per_s": summed(stats.generated_tokens / max(stats.rollout_s, 1e-9)),
         "timing/rollout_s": slowest(stats.rollout_s),
         "rollout/cancel_decision_s": slowest(stats.decision_s),  # launch -> enough finished
         # decision -> every aborted request returned

@@ -30,14 +30,18 @@ def sample(trajectory_id, reward, length, masked=False, finish_reason="stop", tu
 def test_completed_vs_launched_reward_means():
     """The completed reward mean averages survivors only, the launched mean counts aborted and
     failed samples as 0; counts, ratios, wasted tokens, lengths and throughput come out as
-    computed by hand."""
+    computed by hand. The throughput is what the engine generated in the rollout
+    (`RolloutStats.generated_tokens`), not the tokens of the trajectories handed back: with
+    partial rollout those are the complete groups', earlier steps' tokens in, this step's
+    suspended out (an all-held step logged 0 tokens/s)."""
     samples = [
         sample(0, 1.0, 4),
         sample(1, 0.5, 6),
         sample(2, 0.0, 30, masked=True, finish_reason="abort"),
         sample(3, 0.0, 0, masked=True, finish_reason="error"),
     ]
-    out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=2.0)))
+    stats = RolloutStats(rollout_s=2.0, generated_tokens=40)
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
     assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
     assert out["train/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
     assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
@@ -45,6 +49,8 @@ def test_completed_vs_launched_reward_means():
     assert out["rollout/wasted_tokens"] == 30 and out["rollout/aborted_len_max"] == 30
     assert out["rollout/response_len_mean"] == pytest.approx(5.0)
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(40 / 2.0)
+    held = RolloutStats(rollout_s=2.0, generated_tokens=5000)
+    assert reduce_metrics(rollout_metrics([], held))["perf/rollout_tokens_per_s"] == 2500
 
 
 def test_multi_turn_trajectories_count_once():
@@ -58,8 +64,9 @@ def test_multi_turn_trajectories_count_once():
 def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     """Two ranks' rollouts reduced: rank 0 finished 8 samples of reward 1, rank 1 one of reward
     0 and cancelled 7. The means over samples are those of the 16 launched together (9 finished:
-    8/9, not the ranks' means averaged, (1 + 0) / 2), and so are the length quantiles; a rank
-    with no finished sample adds nothing to them."""
+    8/9, not the ranks' means averaged, (1 + 0) / 2), and so are the length quantiles and the
+    reward's standard deviation (1/3; each rank's own is 0); a rank with no finished sample adds
+    nothing to them."""
     import metrics
 
     rank0 = [sample(i, 1.0, 4) for i in range(8)]
@@ -79,6 +86,7 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     assert out["rollout/response_len_mean"] == pytest.approx((8 * 4 + 2) / 9)
     # the 9 lengths' quantiles: each rank's averaged, they were (4 + 2) / 2
     assert out["rollout/response_len_p50"] == out["rollout/response_len_p90"] == 4.0
+    assert out["train/reward_std"] == pytest.approx(1 / 3)
     per_rank[1] = rollout_metrics(trajectories_of(rank1[1:]), RolloutStats(rollout_s=1.0))
     assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
 
