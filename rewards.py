@@ -129,7 +129,8 @@ async def call_async_reward(reward_fn, response_text, answer, finished):
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     try:
         value = await reward_fn(response_text, answer, finished=finished)
-    except Exception as e:  # noqa: BLE001 - the user's function: counted, never a crash
+    # the user's function: counted, never a crash (SystemExit too: sys.exit() in code it runs)
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         raise RewardError(f"the reward function raised {e!r} {where}") from e
     return checked(value, where)
 
@@ -164,8 +165,9 @@ def call_reward(reward_fn, response_text, answer, finished):
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     try:
         value = reward_fn(response_text, answer, finished=finished)
-    # the user's function: any error is counted, never a crash mid-rollout
-    except Exception as e:  # noqa: BLE001
+    # the user's function: any error is counted, never a crash mid-rollout; SystemExit too (a
+    # reward that runs model-written code may meet its sys.exit())
+    except (Exception, SystemExit) as e:  # noqa: BLE001
         raise RewardError(f"the reward function raised {e!r} {where}") from e
     if inspect.isawaitable(value):  # a plain function returning a coroutine: never awaited here
         if inspect.iscoroutine(value):
@@ -232,6 +234,12 @@ def parse_number(text):
     no number."""
     match = _NUMBER.search(plain_digits(text).replace("$", ""))
     return decimal.Decimal(match.group().replace(",", "")) if match else None
+
+
+def is_number(text):
+    """Whether `text` is one number as parse_number reads it, whole (after its LaTeX or
+    typographic separators and dollar signs): "1,000" and "-5" are, "1/2" and "3-4" are not."""
+    return _NUMBER.fullmatch(plain_digits(text).replace("$", "").strip()) is not None
 
 
 def plain_digits(text):

@@ -150,18 +150,19 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
     """Unparseable lines and rows of the wrong shape are skipped and counted in warnings: for
     GSM8K also an answer that is no solution ending in '#### <number>' (a number, no '####', no
-    number after it); for any chat task a row its chat template refuses. The good rows load."""
+    number after it, more than one number after it: "1/2" read 1 and "3-4" read 3); for any
+    chat task a row its chat template refuses. The good rows load."""
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
-    bad_answers = [7, "2 + 3 is 5", "2 + 3 = five\n#### five"]
+    bad_answers = [7, "2 + 3 is 5", "2 + 3 = five\n#### five", "#### 1/2", "#### 3-4"]
     rows = [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
     rows += [json.dumps({"question": "What is 2 + 3?", "answer": a}) for a in bad_answers]
     path.write_text("\n".join(rows))
     prompts = gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert [p.answer for p in prompts] == ["5", "5"]
     assert (
-        "skipped 1 unparseable rows of 8" in caplog.text
-        and "skipped 5 malformed rows" in caplog.text
+        "skipped 1 unparseable rows of 10" in caplog.text
+        and "skipped 7 malformed rows" in caplog.text
     )
     tokenizer = _wide_char_tokenizer()  # a template with rules: no system message
     tokenizer.chat_template = (
@@ -469,6 +470,23 @@ def test_any_finite_real_number_is_a_reward_and_nothing_else():
     for value in refused + (10**400, decimal.Decimal("NaN")):
         with pytest.raises(rewards.RewardError, match="not a finite number"):
             rewards.checked(value, "here")
+
+
+def test_a_reward_that_exits_is_a_reward_error():
+    """sys.exit() inside a reward (one that runs model-written code may meet it), plain or async,
+    is a RewardError like any raise: SystemExit is no Exception, and it ended the run."""
+    import asyncio
+
+    def exits(response_text, answer, finished):
+        sys.exit(3)
+
+    async def exits_later(response_text, answer, finished):
+        sys.exit(0)
+
+    with pytest.raises(rewards.RewardError, match="SystemExit"):
+        rewards.call_reward(exits, "5", "5", True)
+    with pytest.raises(rewards.RewardError, match="SystemExit"):
+        asyncio.run(rewards.call_async_reward(exits_later, "5", "5", True))
 
 
 def test_gsm8k_answers_compare_exactly():
