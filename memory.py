@@ -122,13 +122,17 @@ class MemoryPhases:
         # phase -> {"modelled": ledger bytes, "measured": device-wide bytes in use, "trainer": this
         # process's allocator peak}; the last two on GPU only. Reset each step.
         self.peaks = {}
+        # each phase's peaks as they were when it last ended: what `metrics` reports (the rollout
+        # phase has just begun again when the step's metrics are read)
+        self.ended = {}
 
     def start(self):
         """setup -> rollout, once: the trainer's memory goes to the CPU, since the first step's
         rollout comes first."""
         self._expect("setup", "start")
-        self._enter("rollout")
         self._offload("params", "optimizer")
+        self._enter("rollout")
+        self._note()
 
     # ------------------------------------------------------------------ transitions
     def to_train(self):
@@ -139,6 +143,8 @@ class MemoryPhases:
                 f"cannot release engine memory with {self.engine.num_in_flight()} requests in "
                 "flight"
             )
+        # the rollout phase's peak, noted after the rollout (its KV cache filled, on GPU)
+        self._note()
         self._enter("train")
         if self.mode != "off":
             self._release(list(self.engine.memory_tags))
@@ -182,8 +188,11 @@ class MemoryPhases:
             )
 
     def _enter(self, phase):
-        """Start a phase's peaks afresh (the allocator's too); usage is noted after each action
+        """End the current phase (its peaks kept in `ended`, but setup's, which no step repeats)
+        and start `phase`'s peaks afresh (the allocator's too); usage is noted after each action
         inside it (not before the first, which still belongs to the previous phase)."""
+        if self.phase != "setup" and self.phase in self.peaks:
+            self.ended[self.phase] = self.peaks[self.phase]
         self.phase = phase
         self.peaks[phase] = {"modelled": 0, "measured": 0, "trainer": 0}
         if self.device.type == "cuda":
@@ -274,14 +283,16 @@ class MemoryPhases:
         return "measured" if self.device.type == "cuda" else "modelled"
 
     def metrics(self):
+        """Each phase's peaks as it last ended (read after the weight sync: this step's train
+        and sync, and the rollout that began it), and what is resident now."""
         out = {
             f"memory/{phase}_peak_bytes_{self.source}": slowest(peak[self.source])
-            for phase, peak in self.peaks.items()
+            for phase, peak in self.ended.items()
         }
         if self.device.type == "cuda":
             out |= {
                 f"memory/{phase}_trainer_peak_bytes": slowest(peak["trainer"])
-                for phase, peak in self.peaks.items()
+                for phase, peak in self.ended.items()
             }
         for name in ("engine_weights", "kv_cache", "trainer_params", "optimizer_state"):
             out[f"memory/resident_{name}"] = slowest(name in self.resident)

@@ -40,7 +40,7 @@ def one_step(run, phases, step):
     policy = run.trainer.policy
     run.engine.update_weights(policy.named_parameters(), step + 1, phases.bucket_bytes)
     phases.to_rollout()
-    return {phase: peak[phases.source] for phase, peak in phases.peaks.items()}
+    return {phase: peak[phases.source] for phase, peak in phases.ended.items()}
 
 
 def main():

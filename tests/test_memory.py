@@ -97,6 +97,30 @@ def test_the_memory_benchmark_steps_on_the_shared_engine(run, monkeypatch):
     assert peaks["all_at_once"]["sync"] - peaks["staged"]["sync"] >= phases.ledger.engine_weights
 
 
+def test_the_rollout_peak_is_the_rollout_as_it_ended(run):
+    """The step's memory/rollout_peak (read after the weight sync) is the rollout phase as it
+    ended: what it held at the end of its rollout, when the KV cache has filled on a GPU, is in
+    it (here: a ledger that grew while it ran). It was the phase begun just before the read,
+    noted only as its KV cache woke, and the rollout's end was never noted."""
+    import dataclasses
+
+    from metrics import local_values
+
+    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged")
+    ledger = phases.ledger
+    grown = ledger.engine_weights + ledger.kv_cache + 10**12
+    phases.ledger = dataclasses.replace(ledger, kv_cache=ledger.kv_cache + 10**12)
+    phases.to_train()  # the rollout ends
+    phases.ledger = ledger
+    sync(run, phases, 1)
+    assert phases.phase == "rollout" and phases.peaks["rollout"]["modelled"] < grown
+    reported = local_values(phases.metrics())
+    assert reported["memory/rollout_peak_bytes_modelled"] == grown
+    assert set(k for k in reported if "_peak_bytes_" in k) == {
+        f"memory/{phase}_peak_bytes_modelled" for phase in ("rollout", "train", "sync")
+    }
+
+
 def test_illegal_transitions_raise_named_errors(run):
     """Out-of-order transitions (sync before to_train, to_train twice, resuming what was not
     released, releasing twice, releasing while a request runs) raise a PhaseError naming the
