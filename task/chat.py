@@ -158,9 +158,10 @@ def read_jsonl(source):
 def row_problem(row, prompt_field, answer_field, max_chars):
     """Why a row cannot be used (None if it can): not a mapping; a missing answer, or one not a
     string or a finite number (JSON's NaN and Infinity would be the answers "nan" and "inf"); a
-    prompt that is neither a string nor a list of {role, content} string messages; or a prompt
-    longer than `max_chars` (checked before tokenizing: a huge field is never tokenized; the
-    answer, never tokenized, may be long: a code task's tests)."""
+    prompt that is neither a string nor a list of {role, content} string messages; an empty or
+    blank prompt (the model would answer nothing but the template); or a prompt longer than
+    `max_chars` (checked before tokenizing: a huge field is never tokenized; the answer, never
+    tokenized, may be long: a code task's tests)."""
     if not isinstance(row, dict):
         return f"expected an object, got {type(row).__name__}"
     answer, prompt = row.get(answer_field), row.get(prompt_field)
@@ -183,6 +184,8 @@ def row_problem(row, prompt_field, answer_field, max_chars):
         texts = [prompt]
     else:
         return f"needs a string (or message list) field {prompt_field!r}"
+    if not any(text.strip() for text in texts):
+        return f"an empty field {prompt_field!r}"
     length = sum(map(len, texts))
     if length > max_chars:
         return f"a prompt of {length} characters (limit {max_chars})"

@@ -25,6 +25,8 @@ def row(row):
     solution ending in '#### <number>': its gold would be some other number, or none that a
     response could ever match."""
     solution = row["answer"]
+    if not isinstance(row["question"], str):  # a list of chat messages would print as Python's
+        raise ValueError("its question is not a text")
     if not isinstance(solution, str) or "####" not in solution:
         raise ValueError("its answer is not a solution text ending in '#### <number>'")
     gold = solution.rsplit("####", 1)[-1].strip()

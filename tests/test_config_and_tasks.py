@@ -150,19 +150,22 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
     """Unparseable lines and rows of the wrong shape are skipped and counted in warnings: for
     GSM8K also an answer that is no solution ending in '#### <number>' (a number, no '####', no
-    number after it, more than one number after it: "1/2" read 1 and "3-4" read 3); for any
-    chat task a row its chat template refuses. The good rows load."""
+    number after it, more than one number after it: "1/2" read 1 and "3-4" read 3) and a
+    question that is no text; for any chat task a row its chat template refuses and an empty or
+    blank prompt. The good rows load."""
     path = tmp_path / "rows.jsonl"
     good = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
     bad_answers = [7, "2 + 3 is 5", "2 + 3 = five\n#### five", "#### 1/2", "#### 3-4"]
     rows = [json.dumps(good), "{not json", json.dumps({"question": 1}), "[]", json.dumps(good)]
     rows += [json.dumps({"question": "What is 2 + 3?", "answer": a}) for a in bad_answers]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    rows += [json.dumps({"question": q, "answer": "#### 5"}) for q in (messages, "", "  ")]
     path.write_text("\n".join(rows))
     prompts = gsm8k.read(_wide_char_tokenizer(), str(path), "train", max_prompt_len=512)
     assert [p.answer for p in prompts] == ["5", "5"]
     assert (
-        "skipped 1 unparseable rows of 10" in caplog.text
-        and "skipped 7 malformed rows" in caplog.text
+        "skipped 1 unparseable rows of 13" in caplog.text
+        and "skipped 10 malformed rows" in caplog.text
     )
     tokenizer = _wide_char_tokenizer()  # a template with rules: no system message
     tokenizer.chat_template = (
@@ -170,9 +173,12 @@ def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
         "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}"
     )
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
-    path.write_text("\n".join(json.dumps({"prompt": p, "answer": "5"}) for p in ["2+3?", system]))
+    blank = [{"role": "user", "content": " "}]
+    rows = ["2+3?", system, "", blank]
+    path.write_text("\n".join(json.dumps({"prompt": p, "answer": "5"}) for p in rows))
     prompts = chat.chat_prompts(tokenizer, str(path), "train", max_prompt_len=512)
     assert len(prompts) == 1 and "no system role" in caplog.text
+    assert "skipped 3 malformed rows" in caplog.text
 
 
 def _wide_char_tokenizer():
