@@ -530,7 +530,21 @@ class Yaml12Loader(yaml.SafeLoader):
     1.2 does, which PyYAML (a YAML 1.1 reader) does not: `010` is 10, not 8 (1.1's octal), `1e-3`
     a float, not a string; `1:30` is a string, not 90 (1.1's base 60), and so are `yes`, `no`,
     `on`, `off` and `2026-11-27` (1.1: booleans and a date). A seed or a count typed with a
-    leading zero must not change."""
+    leading zero must not change. A key written twice in one mapping is a ConfigError (PyYAML
+    keeps the last: the first value, or a whole section, would be lost unseen)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise ConfigError(
+                        f"{key!r} is written twice in one mapping (line "
+                        f"{key_node.start_mark.line + 1}): only the last would be read"
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _yaml12_int(loader, node):
@@ -598,6 +612,8 @@ def read_yaml(path):
         raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {shown(str(e), 300)}") from None
+    except ConfigError as e:  # a key written twice (Yaml12Loader)
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def read_config(path=None, sets=(), values=None):

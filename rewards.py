@@ -20,12 +20,21 @@ import re
 
 import numpy
 
-from config import ConfigError, load_function
+from config import ConfigError, load_function, refuse_unread
 
 
 class RewardError(ValueError):
     """A reward function raised, or returned something other than a finite number (the trajectory
     fails)."""
+
+
+# config.refuse_unread's table: what only DAPO's overlong penalty reads
+READ_WHEN = {
+    "train.overlong_buffer": (
+        lambda cfg: cfg.train.overlong_penalty > 0,
+        "with train.overlong_penalty > 0",
+    ),
+}
 
 
 def check(cfg):
@@ -42,6 +51,7 @@ def check(cfg):
             f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the generation "
             f"budget), got {t.overlong_buffer}"
         )
+    refuse_unread(cfg, READ_WHEN)
 
 
 class Rewards:

@@ -77,9 +77,16 @@ def save(out_dir, step, run):
             os.path.join(tmp, "trainer_state.pt"),
         )
         sync_to_disk(tmp)  # the files' bytes before the rename that makes them the checkpoint
-        shutil.rmtree(final, ignore_errors=True)
+        # a step saved again (train.save_after_engine_death, right after a resume): the old copy
+        # is renamed aside, not deleted in place, so no moment leaves a half-deleted step_N that
+        # `latest` would pick (a crash between the renames leaves the step before it the latest)
+        aside = final + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
         os.rename(tmp, final)
-        sync_to_disk(os.path.dirname(final), files=False)  # the rename itself
+        sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
+        shutil.rmtree(aside, ignore_errors=True)
         remove_old(out_dir, run.cfg.run.keep_checkpoints)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final

@@ -109,14 +109,21 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 def test_unknown_key_in_yaml(tmp_path):
-    """An unknown key in a YAML file, and a file that is not valid YAML, are ConfigErrors naming
-    the problem."""
+    """An unknown key in a YAML file, a file that is not valid YAML, and a key written twice in
+    one mapping (PyYAML kept the last: a value, or a whole section, was lost unseen) are
+    ConfigErrors naming the problem."""
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="train.learning_rate"):
         load_config(str(path))
     path.write_text("train: [unclosed\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(str(path))
+    path.write_text("train:\n  lr: 0.1\ntrain:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="'train' is written twice in one mapping \\(line 3\\)"):
+        load_config(str(path))
+    path.write_text("train: {lr: 0.1, lr: 0.2}\n")
+    with pytest.raises(ConfigError, match="bad.yaml: 'lr' is written twice"):
         load_config(str(path))
 
 
@@ -830,7 +837,7 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
 
 
 @pytest.mark.parametrize(
-    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update"]
+    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update", "rewards"]
 )
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
@@ -867,6 +874,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
         "train.fsdp_keep_gathered": ["run.nproc=2"],
         "train.shared_prefix": [],  # tiny.yaml packs
+        "train.overlong_buffer": ["train.overlong_penalty=1.0"],
     }
     other = {
         "train.kl_estimator": "k1",
@@ -879,6 +887,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "rollout.time_quantile": "0.5",
         "rollout.drop_rate": "0.25",
         "rollout.max_prompts_per_step": "256",
+        "train.overlong_buffer": "4",
         "train.fsdp_keep_gathered": "false",
     }
     for key, (is_read, _) in owner.READ_WHEN.items():

@@ -237,6 +237,33 @@ def test_checkpoints_beyond_keep_checkpoints_are_removed(engine, tmp_path):
     assert kept == ["step_000002", "step_000003", "step_000009.tmp"]
 
 
+def test_a_step_saved_again_is_never_left_half_deleted(engine, tmp_path, monkeypatch):
+    """A step saved a second time (train.save_after_engine_death right after a resume) that dies
+    while the old copy is being deleted leaves the new copy complete as the latest checkpoint. The
+    old copy was deleted in place, so a half-deleted step_N became the latest, and the resume
+    refused it instead of taking the step before."""
+    cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
+    run = train.setup(cfg, engine=engine)
+    for step in (1, 2):
+        checkpoint.save(str(tmp_path), step, run)
+    real = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):
+        state = os.path.join(path, "trainer_state.pt")
+        if not os.path.exists(state):  # (what is not a checkpoint goes as usual)
+            return real(path, *args, **kwargs)
+        os.remove(state)  # the first file to go
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 2, run)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    latest = checkpoint.latest(str(tmp_path))
+    assert latest.endswith("step_000002")
+    assert checkpoint.check_resume(latest, cfg)["step"] == 2
+
+
 class RunsCode:
     """What a hostile pickle holds: unpickling it calls os.system, which makes file `path`."""
 
