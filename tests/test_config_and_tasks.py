@@ -113,18 +113,18 @@ def test_unknown_key_in_yaml(tmp_path):
     one mapping (PyYAML kept the last: a value, or a whole section, was lost unseen) are
     ConfigErrors naming the problem."""
     path = tmp_path / "bad.yaml"
-    path.write_text("train:\n  learning_rate: 0.1\n")
-    with pytest.raises(ConfigError, match="train.learning_rate"):
-        load_config(str(path))
-    path.write_text("train: [unclosed\n")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
-        load_config(str(path))
-    path.write_text("train:\n  lr: 0.1\ntrain:\n  steps: 3\n")
-    with pytest.raises(ConfigError, match="'train' is written twice in one mapping \\(line 3\\)"):
-        load_config(str(path))
-    path.write_text("train: {lr: 0.1, lr: 0.2}\n")
-    with pytest.raises(ConfigError, match="bad.yaml: 'lr' is written twice"):
-        load_config(str(path))
+    for text, message in (
+        ("train:\n  learning_rate: 0.1\n", "train.learning_rate"),
+        ("train: [unclosed\n", "is not valid YAML"),
+        (
+            "train:\n  lr: 0.1\ntrain:\n  steps: 3\n",
+            "'train' is written twice in one mapping \\(line 3\\)",
+        ),
+        ("train: {lr: 0.1, lr: 0.2}\n", "bad.yaml: 'lr' is written twice"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(path))
 
 
 @pytest.mark.parametrize(
