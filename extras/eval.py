@@ -16,6 +16,7 @@ when `run.val_samples` > 1.
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -28,7 +29,7 @@ from metrics import pass_at_k
 import runtime.checkpoint as checkpoint
 from rollout import rollout_seed
 from runtime.checkpoint import CheckpointError
-from runtime.engine import strip_expandable_segments
+from runtime.engine import RolloutError, strip_expandable_segments
 from runtime.model import TINY_CHARS, ModelError, load_tokenizer
 from assemble import engine_only, load_config, start_engine
 from sample import trajectories_of
@@ -38,15 +39,18 @@ from task.data import DataError, build_task, task_module, vocabulary
 # ---------------------------------------------------------------- the metrics
 def majority_correct(answers, correct):
     """maj@k of one prompt: is the most frequent answer among `answers` (the first k samples'
-    extracted answers; None: no answer, never a winner) a correct one? Ties go to the answer seen
-    first."""
+    extracted answers; None: no answer, never a winner) a correct one? An answer is correct when
+    any sample that gave it scored >= 1: the reward judges a whole sample (its format, whether it
+    finished), the vote judges the answer, so the samples' order cannot change the result. Ties go
+    to the answer seen first."""
     counts = {}
     for answer, ok in zip(answers, correct):
         if answer is not None:
-            counts.setdefault(answer, [0, ok])[0] += 1
+            count, right = counts.get(answer, (0, False))
+            counts[answer] = (count + 1, right or ok)
     if not counts:
         return 0.0
-    return float(max(counts.values(), key=lambda count_ok: count_ok[0])[1])
+    return float(max(counts.values(), key=lambda count_right: count_right[0])[1])
 
 
 def answer_of(task, text):
@@ -126,7 +130,10 @@ def sample_prompts(run, prompts, num_samples, temperature):
                         "finish_reason": last.finish_reason,
                         "reward": last.reward,
                         "answer": prompts[last.group_id].answer,
-                        "answer_extracted": answer_of(run.cfg.data.task, text),
+                        # a failed sample (in the engine, or its reward) casts no vote
+                        "answer_extracted": (
+                            None if last.masked else answer_of(run.cfg.data.task, text)
+                        ),
                     }
                 )
     return per_prompt
@@ -204,6 +211,11 @@ def parse_args(argv=None):
         parser.error(f"--k {args.k!r}: expected comma-separated integers, such as 1,4,16")
     if min(args.k) < 1:
         parser.error(f"--k {min(args.k)}: each k must be >= 1")
+    # rollout.temperature's bound: below it SGLang samples greedily (pass@k would be pass@1)
+    if args.temperature is not None and not (
+        math.isfinite(args.temperature) and args.temperature >= 0.01
+    ):
+        parser.error(f"--temperature {args.temperature}: expected a finite value >= 0.01")
     if max(args.k) > args.samples:
         raise ConfigError(f"--k {max(args.k)} needs --samples >= {max(args.k)}")
     return args
@@ -213,6 +225,10 @@ def main(argv=None):
     strip_expandable_segments()  # before anything allocates CUDA memory
     args = parse_args(argv)
     cfg, folder, step = model_folder(args)
+    out = args.out or os.path.join(folder, "eval.jsonl")
+    # refused before the engine starts, not after every sample was drawn
+    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+        raise ConfigError(f"--out {out}: its folder does not exist or is not writable")
     tokenizer = load_tokenizer(cfg, folder, vocabulary(cfg, TINY_CHARS))
     temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
     engine = start_engine(cfg, folder, step, training=False)
@@ -220,11 +236,12 @@ def main(argv=None):
         per_prompt, summary = run_eval(cfg, engine, tokenizer, args.samples, args.k, temperature)
     finally:
         engine.shutdown()
-    out = args.out or os.path.join(folder, "eval.jsonl")
     write_records(out, per_prompt)
+    failed = sum(r["finish_reason"] in ("error", "reward_error") for p in per_prompt for r in p)
     print(
         f"{folder}: {len(per_prompt)} prompts x {args.samples} samples at T={temperature}, "
-        f"+1 greedy; every sample in {out}"
+        f"+1 greedy; every sample in {out}; {failed} failed (engine or reward error: "
+        "scored 0, no vote)"
     )
     print(eval_line(summary, len(per_prompt)))
 
@@ -232,6 +249,14 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError, ModelError, rewards.RewardError, CheckpointError) as e:
+    # RolloutError: more requests failed in the engine than rollout.max_failed_ratio allows
+    except (
+        ConfigError,
+        DataError,
+        ModelError,
+        rewards.RewardError,
+        CheckpointError,
+        RolloutError,
+    ) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -48,10 +48,18 @@ def dump(cfg, step, start_step, sequences, stats):
 def replay(folder):
     """Re-run the update dumped in `folder` (RUN/rollouts/step_N) on one rank; returns
     (loss, grad norm, the logged loss, the logged grad norm)."""
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--replay {folder}: no such folder (expected RUN/rollouts/step_N)")
     ranks = sorted(f for f in os.listdir(folder) if f.startswith("rank_"))
     if ranks != ["rank_0.pt"]:
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")
-    dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
+    try:
+        dumped = torch.load(os.path.join(folder, "rank_0.pt"), weights_only=True)
+    except Exception as e:  # truncated, or not torch.save's format: torch names no one error
+        raise ConfigError(f"--replay {folder}: rank_0.pt does not load: {e}") from e
+    needed = {"step", "start_step", "sequences", "loss", "grad_norm"}
+    if not isinstance(dumped, dict) or not needed <= set(dumped):
+        raise ConfigError(f"--replay {folder}: rank_0.pt is not a dump (it needs {sorted(needed)})")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(folder)))
     # the config the step trained with (a dump from before dumps held it: the run's config.yaml),
     # types and bounds read again (config.read_config); its choices were checked by

@@ -69,6 +69,8 @@ def read(tokenizer, source, split, max_prompt_len, tools=None, subset="main", te
 
 def answer_of(text):
     """What eval's maj@k votes on: the extracted number as its shortest exact text (1,234.50 and
-    1234.5 vote alike)."""
+    1234.5 vote alike, and -0 with 0)."""
     number = rewards.extract_answer(text)
-    return None if number is None else format(number.normalize(), "f")
+    if number is None:
+        return None
+    return "0" if number.is_zero() else format(number.normalize(), "f")  # -0 votes with 0

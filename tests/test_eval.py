@@ -10,6 +10,7 @@ import pytest
 import extras.eval as evaluation
 import extras.replay as replay
 import runtime.model as model
+import task.gsm8k as gsm8k
 import train
 from config import ConfigError
 from conftest import tiny_config
@@ -31,11 +32,16 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 
 def test_majority_vote_and_bootstrap_interval():
-    """maj@k: the most frequent answer decides (no answer never wins); the interval holds the
-    mean and narrows with more prompts."""
+    """maj@k: the most frequent answer decides (no answer never wins), and it is correct when any
+    sample that gave it scored 1, whatever their order (the first one's score decided); GSM8K's -0
+    votes with 0. The interval holds the mean and narrows with more prompts."""
     assert evaluation.majority_correct(["7", "8", "7", None], [True, False, True, False]) == 1.0
     assert evaluation.majority_correct(["8", "7", "8"], [False, True, False]) == 0.0
     assert evaluation.majority_correct([None, None], [False, False]) == 0.0
+    # one answer scored apart (a format, an unfinished sample): the answer is right in any order
+    for correct in ([True, False, False], [False, True, False], [False, False, True]):
+        assert evaluation.majority_correct(["7", "7", "7"], correct) == 1.0
+    assert gsm8k.answer_of("#### -0") == gsm8k.answer_of("#### 0.0") == "0"  # one vote
     few = evaluation.bootstrap_interval([0.0, 1.0] * 5)
     many = evaluation.bootstrap_interval([0.0, 1.0] * 200)
     assert few[0] < 0.5 < few[1] and many[0] < 0.5 < many[1]
@@ -104,17 +110,26 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
 
 
 def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
-    """--k a, --k 0, --k -3 and --samples 0 are usage errors (exit 2, a one-line reason) from the
-    argument parser, before any config, model or engine is touched."""
+    """--k a, --k 0, --k -3, --samples 0 and a --temperature below rollout.temperature's bound
+    (SGLang samples greedily under 1e-6, sglang/srt/sampling/sampling_params.py; -1 and nan fail
+    every request) are usage errors (exit 2, a one-line reason) from the argument parser, before
+    any config, model or engine is touched; an --out whose folder is missing is refused before
+    the engine starts (it was found after every sample was drawn)."""
     for argv, reason in (
         (["--k", "a"], "expected comma-separated integers"),
         (["--k", "0"], "each k must be >= 1"),
         (["--k", "-3"], "each k must be >= 1"),
         (["--samples", "0"], "--samples 0: expected a count >= 1"),
+        (["--temperature", "-1"], "--temperature -1.0: expected a finite value >= 0.01"),
+        (["--temperature", "nan"], "--temperature nan: expected a finite value >= 0.01"),
+        (["--temperature", "0.001"], "--temperature 0.001: expected a finite value >= 0.01"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             evaluation.parse_args(["--run", str(tmp_path), *argv])
         assert exit_info.value.code == 2 and reason in capsys.readouterr().err
+    out = tmp_path / "missing" / "eval.jsonl"
+    with pytest.raises(ConfigError, match="its folder does not exist or is not writable"):
+        evaluation.main(["--model", str(tmp_path), "--out", str(out)])
 
 
 def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
@@ -137,3 +152,19 @@ def test_eval_seeds_every_request(engine, policy, tmp_path, sent_seeds):
     evaluation.run_eval(cfg, engine, tokenizer, 4, [1, 2], 1.0)
     assert len(sent_seeds) == 2 * 4 + 2 and None not in sent_seeds
     assert len(set(sent_seeds)) == len(sent_seeds)
+
+
+def test_replay_refuses_what_is_not_a_dump(tmp_path):
+    """--replay of a missing folder, a truncated rank_0.pt and a file without a dump's keys each
+    give a ConfigError naming the folder (they were a traceback: FileNotFoundError,
+    UnpicklingError, KeyError). The file is read with weights_only, never unpickled."""
+    import torch
+
+    with pytest.raises(ConfigError, match="no such folder"):
+        replay.replay(str(tmp_path / "rollouts" / "step_000002"))
+    (tmp_path / "rank_0.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(ConfigError, match="rank_0.pt does not load"):
+        replay.replay(str(tmp_path))
+    torch.save({"step": 2, "loss": 0.5}, tmp_path / "rank_0.pt")
+    with pytest.raises(ConfigError, match="rank_0.pt is not a dump"):
+        replay.replay(str(tmp_path))
