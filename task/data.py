@@ -216,13 +216,18 @@ class PromptStream:
     @classmethod
     def for_rank(cls, prompts, seed, rank, world_size, positions=None):
         """This rank's stream, at its position in a checkpoint's `positions` (one per rank that
-        wrote it). The same world size reads on exactly; another one starts every rank where the
-        old ranks had read up to together. No positions (a new run, or a checkpoint from before
-        prompt streams): from the start."""
+        wrote it). The same world size reads on exactly. Another one cannot (the old ranks read
+        unevenly under dynamic sampling): every rank starts past the furthest prompt any old rank
+        read, so none is read twice in the epoch, and those a lagging rank had not reached wait
+        for the next. No positions (a new run, or a checkpoint from before prompt streams): from
+        the start."""
         if not positions:
             position = 0
         elif len(positions) == world_size:
             position = positions[rank]
         else:
-            position = math.ceil(sum(positions) / world_size)
+            # old rank r's prompts were r, r + W, r + 2W, ... of the shuffled stream (`take`)
+            old = len(positions)
+            after = max((r + old * (p - 1) + 1 for r, p in enumerate(positions) if p), default=0)
+            position = math.ceil(after / world_size)
         return cls(prompts, seed, rank, world_size, position)

@@ -8,6 +8,7 @@ name: the config fields it reads, the characters its text needs, its prompts, it
 eval votes on (task/reverse.py: the smallest complete one).
 """
 
+import logging
 import random
 
 import rewards
@@ -16,6 +17,7 @@ from sample import Prompt
 # the config fields it reads beyond those every task reads (task/data.py refuses the others)
 FIELDS = {"data.tiny_max_count", "data.num_tiny_prompts"}
 CHARS = "0123456789:a"  # its prompts' and answers' characters (the tiny model's vocabulary)
+log = logging.getLogger("task")
 
 
 def prompts(cfg, tokenizer, split, seed, tool=None):
@@ -36,6 +38,23 @@ def draw(tokenizer, number, max_count, seed):
         ids = [tokenizer.bos_token_id] + tokenizer(f"{n}:", add_special_tokens=False).input_ids
         out.append(Prompt(prompt_ids=ids, answer=str(n)))
     return out
+
+
+def check(cfg):
+    """Warn when some answers cannot fit what a sample may generate (N letters, then <eos>): they
+    always score 0. A warning, not an error: a short budget is a fair way to run a quick test."""
+    budget = cfg.rollout.max_trajectory_tokens()
+    counts = range(1, cfg.data.tiny_max_count + 1)
+    if budget <= counts[-1]:
+        share = sum(1 / n for n in counts if n >= budget) / sum(1 / n for n in counts)
+        log.warning(
+            "data.tiny_max_count=%d: answers of %d or more letters need more tokens than "
+            "rollout.max_new_tokens=%d allow with <eos>; about %.0f%% of prompts always score 0",
+            counts[-1],
+            budget,
+            cfg.rollout.max_new_tokens,
+            100 * share,
+        )
 
 
 def reward(response_text, answer, finished):

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import math
 import os
 import re
@@ -345,6 +346,18 @@ def test_tiny_task_and_reward():
     assert tiny.reward("aaa", "3", finished=False) == 0.0  # never emitted <eos>
     assert tiny.reward("aa", "4", finished=True) == 0.5
     assert tiny.reward("aa1aaa", "3", finished=True) == pytest.approx(2 / 6)
+
+
+def test_a_tiny_budget_too_short_for_the_longest_answers_is_named(caplog):
+    """data.tiny_max_count=200 with rollout.max_new_tokens=48: answers of 48 or more a's cannot
+    end in <eos>, so about 24% of prompts (by weight 1/N) always score 0; said at load. The
+    demo's own config (32 letters and <eos> in 48 tokens) says nothing."""
+    with caplog.at_level(logging.WARNING, logger="task"):
+        load_config("configs/tiny.yaml", [])
+        assert not caplog.text
+        load_config("configs/tiny.yaml", ["data.tiny_max_count=200"])
+    assert "answers of 48 or more letters" in caplog.text
+    assert "about 24% of prompts always score 0" in caplog.text
 
 
 def test_tiny_tool_task_needs_the_calculator_and_the_tool_answers_it():

@@ -4,6 +4,7 @@ without moving the demo's token ids, its prompts, reward and eval vote are right
 trains end to end on the real engine (3 steps, a background run: conftest.BackgroundRuns; its own
 engine, as its model's vocabulary differs from the shared engine's)."""
 
+import logging
 import os
 import sys
 import tempfile
@@ -27,7 +28,7 @@ for item in RUN_SETS:
     RUN_COMMAND += ["--set", item]
 
 
-def test_the_reverse_task_is_one_module_with_its_own_letters():
+def test_the_reverse_task_is_one_module_with_its_own_letters(caplog):
     cfg = load_config(CONFIG, ["data.num_tiny_prompts=300"])
     assert "reverse" in tasks.task_names()
     chars = tasks.vocabulary(cfg, model.TINY_CHARS)
@@ -42,11 +43,19 @@ def test_the_reverse_task_is_one_module_with_its_own_letters():
         text = tokenizer.decode(prompt.prompt_ids, skip_special_tokens=True)
         assert text.endswith("=") and prompt.answer == text[:-1][::-1]
         assert 1 <= len(prompt.answer) <= reverse.MAX_LENGTH
+    # validation strings are never training strings (drawn from one pool, 228 of 256 were)
+    trained = {p.answer for p in task.train_prompts}
+    assert not trained & {p.answer for p in task.val_prompts}
+    assert all(reverse.held_out(p.answer[::-1]) for p in task.val_prompts)
     assert task.reward_fn("cba", "cba", True) == 1.0
     assert task.reward_fn("cba", "cba", False) == 0.0  # never emitted <eos>
     assert task.reward_fn("cbd", "cba", True) == pytest.approx(2 / 3)
     assert task.tool is None
     assert evaluate.answer_of("reverse", "cba") == "cba"
+    # a budget too short for the longest answers is named at load (they would always score 0)
+    with caplog.at_level(logging.WARNING, logger="task"):
+        load_config(CONFIG, ["rollout.max_new_tokens=4"])
+    assert "answers of 4 or more letters need more tokens with <eos>" in caplog.text
     # a field only the demo tasks read is refused, named
     with pytest.raises(ConfigError, match="data.tiny_max_count=5 is read only by"):
         load_config(CONFIG, ["data.tiny_max_count=5"])

@@ -164,8 +164,8 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
 
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
     """Ranks read disjoint shares of one shuffled epoch; a stream rebuilt from saved positions
-    goes on where it was (into the next epoch alike), and one rank resuming an uneven 2-rank run
-    starts after what both read."""
+    goes on where it was (into the next epoch alike), and a resume on another number of ranks
+    reads no prompt of the epoch twice."""
     prompts = list(range(10))
     ranks = [tasks.PromptStream(prompts, seed=3, rank=r, world_size=2) for r in range(2)]
     first = [stream.take(5) for stream in ranks]
@@ -173,12 +173,19 @@ def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
     assert sorted(first[0] + first[1]) == prompts and first[0] != prompts[:5]
     resumed = tasks.PromptStream.for_rank(prompts, 3, rank=1, world_size=2, positions=[5, 5])
     assert resumed.take(7) == ranks[1].take(7)  # into the next epoch, reshuffled alike
-    # ranks that read unevenly (dynamic sampling), resumed on one rank: on from what they read
-    # together
-    assert (
-        tasks.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=[5, 7]).position
-        == 12
-    )
+    # ranks that read unevenly (dynamic sampling), resumed on one rank or three: no prompt of
+    # the epoch read twice (the mean of the positions read rank 1's last prompts again)
+    many = list(range(100))
+    old = [tasks.PromptStream(many, seed=3, rank=r, world_size=2) for r in range(2)]
+    read = old[0].take(5) + old[1].take(7)
+    for world_size in (1, 3):
+        new = [
+            tasks.PromptStream.for_rank(many, 3, rank=r, world_size=world_size, positions=[5, 7])
+            for r in range(world_size)
+        ]
+        assert not set(read) & {p for stream in new for p in stream.take(10)}
+    # past old rank 1's last prompt (index 1 + 2 x 6 = 13): rank 0 of 3 starts at index 15
+    assert new[0].position - 10 == 5
     assert (
         tasks.PromptStream.for_rank(prompts, 3, rank=0, world_size=1, positions=None).position == 0
     )
