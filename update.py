@@ -58,6 +58,9 @@ class Trainer:
     def build(cls, cfg, policy, device, reference=None, autocast_dtype=None, first_step=0):
         """The trainer of `policy` (already on `device`), with the AdamW optimizer and schedule
         `model.build_optimizer` makes."""
+        if reference is None and "kl" in loss.term_coefficients(cfg.train):
+            # the loss's KL term reads the reference's log-probs: without it, a TypeError mid-update
+            raise ConfigError("train.kl_coef > 0 with train.kl_in=loss needs a KL reference")
         optimizer, scheduler = build_optimizer(policy, cfg.train)
         return cls(
             cfg=cfg,
@@ -845,6 +848,7 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
             shared_prefix,
         )
         mb["advantages"] = torch.zeros(1)
+        mb["filler"] = torch.ones(())  # its two positions are padding (layout_stats)
         out.append(mb)
     return out, sum(n > max_tokens for n in lengths) if max_tokens else 0
 
@@ -915,7 +919,7 @@ def layout_stats(micro_batches, shared_prefix=False):
     it ran (`padded_fraction`), the positions its output head ran on (packed: response tokens
     only), micro-batch count and sequence tokens per micro-batch. With train.shared_prefix, the
     positions a shared prompt saved (`shared_prefix_tokens`: tokens the model did not compute)."""
-    tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches if "filler" not in mb)
     # positions a shared prompt saved (collate counts them)
     saved = sum(int(mb.get("shared_prefix_tokens", 0)) for mb in micro_batches)
     positions = sum(

@@ -219,19 +219,23 @@ def check_resume(folder, cfg):
                     f.keys()  # reads and checks the header against the file's size
     except UNREADABLE as e:
         raise CheckpointError(f"{folder} cannot be resumed: {type(e).__name__}: {e}") from None
-    saved = read_saved_model_fields(folder)
+    saved = read_saved_config(folder)
     # a HF model's shape is its folder's: only the tiny model's comes from these fields
-    compared = MODEL_SHAPE if cfg.model.path == "tiny" else ("path",)
-    compared += LORA_SHAPE if cfg.model.lora_rank else LORA_SHAPE[:1]
-    for name in compared if saved is not None else ():
-        if name not in saved:  # a field newer than the checkpoint
+    tiny, lora = cfg.model.path == "tiny", cfg.model.lora_rank > 0
+    names = (MODEL_SHAPE if tiny else ("path",)) + (LORA_SHAPE if lora else LORA_SHAPE[:1])
+    compared = [("model", name) for name in names]
+    # a LoRA checkpoint holds no base: the tiny one is built again from the seed, with the task's
+    # vocabulary (another would put the trained adapters on another random model)
+    compared += [("train", "seed"), ("data", "task")] if tiny and lora else []
+    for section, name in compared if saved is not None else ():
+        if name not in saved.get(section, {}):  # a field newer than the checkpoint
             continue
-        was, now = saved[name], getattr(cfg.model, name)
+        was, now = saved[section][name], getattr(getattr(cfg, section), name)
         if isinstance(was, list) and isinstance(now, list):  # names: their order does not count
             was, now = sorted(was), sorted(now)
         if was != now:
             raise CheckpointError(
-                f"--resume: model.{name}={now!r}, but {folder} was written with {was!r}: its "
+                f"--resume: {section}.{name}={now!r}, but {folder} was written with {was!r}: its "
                 "weights are that model's. Start a new run (another run.out) for a new model."
             )
     return state
@@ -259,21 +263,23 @@ def check_sharded(path):
                 torch.load(io.BytesIO(f.read(entry.length)), weights_only=True)
 
 
-def read_saved_model_fields(folder):
-    """The model section of the config a checkpoint was written with (its config.yaml, parsed
-    safely), or None for a checkpoint written before checkpoints held one."""
+def read_saved_config(folder):
+    """The config a checkpoint was written with (its config.yaml, parsed safely), or None for a
+    checkpoint written before checkpoints held one."""
     path = os.path.join(folder, "config.yaml")
     if not os.path.isfile(path):
         log.warning("%s holds no config.yaml: its model shape is not checked", folder)
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            model_fields = load_yaml(f)["model"]
-    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError) as e:
+            saved = load_yaml(f)
+    except (OSError, ValueError, yaml.YAMLError) as e:
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
-    if not isinstance(model_fields, dict):
+    if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
         raise CheckpointError(f"{path}: its model section is not a mapping")
-    return model_fields
+    if not all(isinstance(saved.get(section, {}), dict) for section in ("train", "data")):
+        raise CheckpointError(f"{path}: its train or data section is not a mapping")
+    return saved
 
 
 def read_trainer_state(folder):

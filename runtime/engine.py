@@ -475,7 +475,9 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather, layout=as_trained)
     next is gathered: two buckets at once): never a second copy of the model."""
     bucket, size = [], 0
     for i, (name, param) in enumerate(named_params):
-        tensor = gather(param.detach().to(dtype))
+        # a copy even where the dtype is the parameter's: serializing a CPU tensor for the push
+        # moves its storage into shared memory (torch's reduce_storage), for good
+        tensor = gather(param.detach().to(dtype, copy=True))
         bucket += layout(name, tensor)
         size += tensor.numel() * tensor.element_size()
         is_last = i == len(named_params) - 1

@@ -140,10 +140,12 @@ def adapter_tensors(model, gather=None):
     """{peft name: fp32 tensor} of the adapters (empty without): what SGLang's
     load_lora_adapter_from_tensors reads, named as peft saves them
     (base_model.model.<layer>.lora_A.weight). `gather` makes each whole (parallel.full_tensor,
-    a collective, under FSDP2: every rank calls it)."""
+    a collective, under FSDP2: every rank calls it). Copies, never the live parameters: the push
+    serializes them, which moves a CPU tensor's storage into shared memory, and the engine's
+    adapter would then be the trainer's, changing as it trains."""
     gather = gather or (lambda tensor: tensor)
     return {
-        f"base_model.model.{name}.weight": gather(parameter.detach())
+        f"base_model.model.{name}.weight": gather(parameter.detach().clone())
         for name, parameter in model.named_parameters()
         if ".lora_" in name
     }

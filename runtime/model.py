@@ -102,6 +102,8 @@ def check(cfg):
         raise ConfigError(
             f"model.lora_targets: {outside} are not adapted (the decoder layers' are)"
         )
+    if m.lora_rank and not m.lora_targets:  # it failed later: no adapter, an empty optimizer
+        raise ConfigError("model.lora_targets=[]: name the linear layers to adapt (q_proj, ...)")
     missing = missing_lora_targets(m.lora_targets) if m.lora_rank else []
     if missing:
         raise ConfigError(

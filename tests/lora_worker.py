@@ -62,6 +62,13 @@ def main(out):
         moved = {n for n, p in policy.named_parameters() if not torch.equal(p, base[n])}
         # step 2's checkpoint: the adapters and their AdamW state, in peft's folder too
         folder = checkpoint.latest(out)
+        try:  # it holds no base: the tiny one is built again from train.seed, so another is refused
+            checkpoint.check_resume(
+                folder, tiny_config(out, "train.steps=3", "train.seed=7", *sets)
+            )
+            other_seed = "accepted"
+        except checkpoint.CheckpointError as e:
+            other_seed = str(e)
         sharded = parallel.read_metadata(os.path.join(folder, "sharded")).state_dict_metadata
         saved = safetensors.torch.load_file(
             os.path.join(folder, "adapter/adapter_model.safetensors")
@@ -102,6 +109,7 @@ def main(out):
             and all(torch.equal(saved[n], t) for n, t in adapters.items()),
             "weights": os.path.relpath(weights, out),
             "merged_gap": merged_gap,
+            "other_seed": other_seed,
             "replay": replayed,
         }
         # last (it ends the engine): what arrives differs from what was hashed before the push;

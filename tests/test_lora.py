@@ -115,6 +115,8 @@ def test_lora_fields_are_refused_without_lora():
         with pytest.raises(ConfigError, match=re.escape(f"add {missing}")):
             load_config("configs/tiny.yaml", [*LORA, f"model.lora_targets={targets}"])
     load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,v_proj,gate_proj]"])
+    with pytest.raises(ConfigError, match="lora_targets=\\[\\]: name the linear layers"):
+        load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[]"])
     # the output head is the embedding itself in the tiny model: a merged head would rewrite both
     with pytest.raises(ConfigError, match=r"\['lm_head'\] are not adapted"):
         load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,lm_head]"])
@@ -162,7 +164,8 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     fp32 level), the base's checksums and the adapter's (on arrival, in the engine) hold every
     step, only the adapters move; its checkpoint holds the adapters alone (the merged model, what
     eval loads, on demand); step 1 replays exactly; a resume from the checkpoint makes the
-    uninterrupted run's next update."""
+    uninterrupted run's next update, and one with another train.seed (the tiny base is rebuilt
+    from it) is refused."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
     assert result["max_gap"] < 1e-4  # the engine serves base + adapter (its top-p nucleus too)
@@ -179,6 +182,9 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     assert result["sharded_model"] and all(".lora_" in k for k in result["sharded_model"])
     assert result["adapter_saved"]
     assert result["weights"] == "checkpoints/step_000002/merged" and result["merged_gap"] < 1e-5
+    # the tiny base is rebuilt from train.seed on resume: another seed would move it under the
+    # trained adapters, so it is refused
+    assert "train.seed=7, but" in result["other_seed"], result["other_seed"]
     loss, grad_norm, logged_loss, logged_grad_norm = result["replay"]  # bit for bit on CPU
     assert (loss, grad_norm) == (logged_loss, logged_grad_norm)
     # every push carried the adapter's checksums (run.check_weights_every=1) and passed; one whose

@@ -182,6 +182,26 @@ def test_the_weight_push_holds_one_bucket_at_a_time():
     assert alive_at_gather == [0, 1, 2] * 3
 
 
+def test_a_push_leaves_the_trainers_parameters_its_own(tmp_path):
+    """What a push sends is serialized as Engine.update_weights and load_adapter serialize it
+    (SGLang's MultiprocessingSerializer): on CPU that moves a tensor's storage into shared memory.
+    With an fp32 engine the buckets held the parameters themselves (a cast to the same dtype is
+    no copy), and the adapters always did: every parameter went to /dev/shm for good, the
+    adapter's shared with the engine's copy of it."""
+    import runtime.lora as lora
+    import runtime.model as model
+    from conftest import tiny_config
+    from runtime.engine import weight_buckets
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    policy, _ = model.build_policy(tiny_config(tmp_path, "model.lora_rank=4"), None)
+    named = list(policy.named_parameters())
+    for bucket, _ in weight_buckets(named, torch.float32, 4096, lambda tensor: tensor):
+        MultiprocessingSerializer.serialize(bucket)
+    MultiprocessingSerializer.serialize(lora.adapter_tensors(policy))
+    assert not [name for name, p in named if p.is_shared()]
+
+
 def test_a_lora_ledger_counts_gradients_and_adamw_state_of_the_adapters_alone(tmp_path):
     """With LoRA the frozen base has no gradient and no AdamW state: the ledger's (and so the
     modelled peaks') gradients and optimizer state are the adapters' (they counted the base's)."""

@@ -453,3 +453,14 @@ def test_a_packed_micro_batch_with_no_response_token_scores_zeros(top_p, tmp_pat
             logprobs, _ = update.sequence_logprobs(policy, batch, 1.0, top_p=top_p)
         shapes.append(logprobs.shape)
     assert shapes[0] == shapes[1] and torch.equal(logprobs, torch.zeros(1, 2))
+
+
+def test_a_padding_micro_batch_is_padding_in_the_layout_figures():
+    """A rank with no samples runs one padding micro-batch (every rank must run as many): the
+    model computed two positions and trained none, so train/tokens is 0 and all of it padding
+    (it read 2 tokens and no padding), packed or padded."""
+    for max_tokens in (0, 64):
+        batches, _ = update.micro_batches([], 4, 0, max_tokens)
+        stats = local_values(update.layout_stats(batches))
+        assert len(batches) == 1 and stats["train/tokens"] == 0, stats
+        assert stats["train/padded_fraction"] == 1.0, stats

@@ -19,6 +19,7 @@ import loss as losses
 import runtime.model as model
 import assemble as setup_run
 import update
+from config import ConfigError
 from conftest import train_on
 from test_packing import random_samples
 
@@ -92,7 +93,8 @@ def test_pi_old_from_the_update_forward_equals_a_forward_of_its_own(
     entropy, KL) of the two-forward path, whatever the layout and the loss terms."""
     sets = PATHS[path] + EXTRAS[extra]
     cfg = dist_worker.parity_config(tmp_path, "token-mean", *sets)
-    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    reference = model.build_policy(cfg, None)[0] if cfg.train.kl_coef else None
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0], reference=reference)
     assert update.pi_old_source(trainer, step=0) == "detached"
     one, one_grads = one_update(tmp_path, sets)
     two, two_grads = one_update(tmp_path, sets, source="recomputed", monkeypatch=monkeypatch)
@@ -670,3 +672,11 @@ def test_the_logged_lr_is_the_one_the_update_used(tmp_path):
     assert used == pytest.approx(1e-3 / 4) and stats["train/lr"] == pytest.approx(used)
     stats = train_on(trainer, *random_samples(3), step=1)
     assert stats["train/lr"] == pytest.approx(2e-3 / 4)
+
+
+def test_a_kl_term_without_a_reference_is_refused_at_build(tmp_path):
+    """train.kl_coef > 0 (kl_in=loss) for a trainer given no KL reference: named when it is built
+    (the update skipped the reference's pass and the loss failed on None, a TypeError)."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.kl_coef=0.1")
+    with pytest.raises(ConfigError, match="train.kl_coef > 0 with train.kl_in=loss needs"):
+        setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
