@@ -25,6 +25,7 @@ import tqdm
 
 import rewards
 from config import ConfigError
+from memory import push_weights
 from metrics import pass_at_k
 import runtime.checkpoint as checkpoint
 from rollout import rollout_seed
@@ -157,10 +158,12 @@ def eval_line(summary, num_prompts):
 
 # ---------------------------------------------------------------- command line
 def model_folder(args):
-    """(config, the folder the engine loads, its step or 0). A LoRA run's checkpoint holds its
-    adapters alone: its merged export then (checkpoint.merged_export, written once)."""
+    """(config, the checkpoint or model folder, its step or 0, and for a LoRA checkpoint (the
+    base's folder, the policy whose adapters the engine serves), else None). A LoRA checkpoint
+    holds its adapters alone: the engine loads the base and serves them as in training
+    (checkpoint.lora_served)."""
     if args.model:
-        return load_config(args.config, args.set), args.model, 0
+        return load_config(args.config, args.set), args.model, 0, None
     cfg = load_config(os.path.join(args.run, "config.yaml"), args.set)
     if args.step is None:
         folder = checkpoint.latest(args.run)
@@ -171,7 +174,9 @@ def model_folder(args):
         if not os.path.isdir(folder):
             raise ConfigError(f"--step {args.step}: no checkpoint {folder}")
     step = checkpoint.check_resume(folder, cfg)["step"]
-    return cfg, checkpoint.merged_export(folder, cfg, vocabulary(cfg, TINY_CHARS)), step
+    if not cfg.model.lora_rank:
+        return cfg, folder, step, None
+    return cfg, folder, step, checkpoint.lora_served(folder, cfg, vocabulary(cfg, TINY_CHARS))
 
 
 def run_eval(cfg, engine, tokenizer, num_samples, ks, temperature):
@@ -224,15 +229,18 @@ def parse_args(argv=None):
 def main(argv=None):
     strip_expandable_segments()  # before anything allocates CUDA memory
     args = parse_args(argv)
-    cfg, folder, step = model_folder(args)
+    cfg, folder, step, lora_served = model_folder(args)
     out = args.out or os.path.join(folder, "eval.jsonl")
     # refused before the engine starts, not after every sample was drawn
     if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
         raise ConfigError(f"--out {out}: its folder does not exist or is not writable")
     tokenizer = load_tokenizer(cfg, folder, vocabulary(cfg, TINY_CHARS))
     temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
-    engine = start_engine(cfg, folder, step, training=False)
+    engine_dir, adapted = lora_served or (folder, None)
+    engine = start_engine(cfg, engine_dir, step, training=False)
     try:
+        if adapted is not None:  # LoRA: the checkpoint's adapter into the engine's pool
+            push_weights(engine, adapted, step, cfg.memory.bucket_mb << 20)
         per_prompt, summary = run_eval(cfg, engine, tokenizer, args.samples, args.k, temperature)
     finally:
         engine.shutdown()

@@ -1,6 +1,7 @@
 """Checkpoints: writing one atomically (sharded trained parameters + optimizer state, an HF export
 or with LoRA the adapter in peft's format, the trainer state), finding the latest, and restoring a
-run from it; and the HF folders the engine starts from (`export_for_engine`, `merged_export`).
+run from it; and the HF folders the engine starts from (`export_for_engine`, `lora_served`,
+`merged_export`).
 
 Owns the layout of `checkpoints/step_N/`. Does not own the sharded state itself (parallel.py saves
 and reshards it with torch.distributed.checkpoint), partial rollout's buffer form (partial.py), nor
@@ -121,6 +122,7 @@ def sync_to_disk(folder, files=True):
 
 ADAPTER = "adapter"  # a LoRA checkpoint's adapter folder, in peft's format
 MERGED = "merged"  # a LoRA checkpoint's merged HF export, written by merged_export when asked
+BASE = "base"  # the tiny base a LoRA checkpoint's adapters sit on, written by lora_served for eval
 
 
 def init_folder(folder, cfg):
@@ -130,25 +132,48 @@ def init_folder(folder, cfg):
     return None if cfg.model.lora_rank else folder
 
 
+def lora_served(folder, cfg, chars):
+    """LoRA checkpoint `folder` as training's engine served it: (the HF folder of the base the
+    engine loads, the policy holding the checkpoint's adapters and what trained in full, which
+    memory.push_weights then pushes: the adapter into the engine's LoRA pool). The base is
+    model.path's, or the tiny one (built from train.seed) exported beside the checkpoint once, as
+    folder/base. What eval serves: the engine adds the adapter's output to the base's, where a
+    merged weight (`merged_export`) rounds W + scale x B A to the base's dtype (bf16 with bf16
+    compute), losing most of a small update."""
+    policy, tokenizer = model.build_policy(cfg, None, chars)  # the base, adapters at B = 0
+    base = cfg.model.path
+    if base == "tiny":
+        base = os.path.join(folder, BASE)
+        if not os.path.isdir(base):
+            shutil.rmtree(base + ".tmp", ignore_errors=True)
+            save_hf(policy, tokenizer, base + ".tmp")
+            os.rename(base + ".tmp", base)
+    load_trained(folder, policy)
+    return base, policy
+
+
 def merged_export(folder, cfg, chars):
-    """The HF folder holding checkpoint `folder`'s model as one set of weights (what the engine,
-    eval and `from_pretrained` load): the checkpoint itself, or for a LoRA run its merged export,
-    built once on the CPU (the base from model.path, the checkpoint's adapters and what trained in
-    full, W + scale x B A, each merged weight in the base's dtype: bf16 with bf16 compute, as the
-    engine serves it) and kept beside them as folder/merged."""
-    if not cfg.model.lora_rank:
-        return folder
+    """LoRA checkpoint `folder`'s model as one HF folder of merged weights, for a deployment that
+    wants one (`from_pretrained`, any engine), built once on the CPU and kept as folder/merged:
+    the base from model.path, the checkpoint's adapters and what trained in full, W + scale x B A
+    in the base's dtype. With bf16 compute that rounding loses part of a small update: eval
+    serves the adapter instead (`lora_served`)."""
     out = os.path.join(folder, MERGED)
     if not os.path.isdir(out):
         policy, tokenizer = model.build_policy(cfg, None, chars)
-        try:
-            parallel.load_state(os.path.join(folder, "sharded"), policy)
-        except CheckpointException as e:
-            raise CheckpointError(f"{folder} cannot be merged: {e}") from None
+        load_trained(folder, policy)
         shutil.rmtree(out + ".tmp", ignore_errors=True)
         save_hf(policy, tokenizer, out + ".tmp")
         os.rename(out + ".tmp", out)
     return out
+
+
+def load_trained(folder, policy):
+    """Checkpoint `folder`'s trained parameters (its sharded state) into `policy`."""
+    try:
+        parallel.load_state(os.path.join(folder, "sharded"), policy)
+    except CheckpointException as e:
+        raise CheckpointError(f"{folder} cannot be loaded: {e}") from None
 
 
 def complete_steps(out_dir):

@@ -1,9 +1,9 @@
 """The LoRA run that tests/test_lora.py checks, in a process of its own: it starts an engine with
 SGLang's LoRA pool, and an engine's shutdown kills every child process of its process (SGLang's
 Engine.shutdown: kill_process_tree of the caller), the shared engine's too. Two demo steps with
-adapters and a KL reference; then what their checkpoint holds, its merged export (what eval
-loads), a replay of step 1, an exact resume, and a corrupted adapter push refused by the engine;
-prints one JSON line of what the test asserts.
+adapters and a KL reference; then what their checkpoint holds, what eval serves from it, its
+merged export, a replay of step 1, an exact resume, and a corrupted adapter push refused by the
+engine; prints one JSON line of what the test asserts.
 Run: python tests/lora_worker.py OUT_DIR"""
 
 import json
@@ -23,10 +23,13 @@ from conftest import tiny_config, train_on  # noqa: E402
 from test_train import rollout_batch, scalars  # noqa: E402
 import extras.eval as evaluation  # noqa: E402
 import extras.replay as replay  # noqa: E402
+import memory  # noqa: E402
 import runtime.checkpoint as checkpoint  # noqa: E402
 import runtime.lora as lora  # noqa: E402
 import runtime.parallel as parallel  # noqa: E402
 from runtime.engine import EngineDiedError, adapter_checksums  # noqa: E402
+from runtime.model import TINY_CHARS  # noqa: E402
+from task.data import vocabulary  # noqa: E402
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
 
@@ -74,10 +77,20 @@ def main(out):
             os.path.join(folder, "adapter/adapter_model.safetensors")
         )
         adapters = {name: t.clone() for name, t in lora.adapter_tensors(policy).items()}
-        # what eval.py --run loads: the merged export, computing what the policy computes
-        _, weights, _ = evaluation.model_folder(evaluation.parse_args(["--run", out]))
-        merged = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        # what eval.py --run serves: the base the engine loads, the checkpoint's adapter pushed
+        # into its pool as training pushes it (checked as it arrives)
+        _, _, _, (base, adapted) = evaluation.model_folder(evaluation.parse_args(["--run", out]))
+        memory.push_weights(run.engine, adapted, 2, 1 << 20, check=True)
         ids = torch.randint(4, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), lora.adapters_off(policy):
+            base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            base_gap = (base_model(ids).logits - policy(ids).logits).abs().max().item()
+        served = all(
+            torch.equal(t, adapters[name]) for name, t in lora.adapter_tensors(adapted).items()
+        )
+        # the merged export, for a deployment (one HF folder): what the policy computes
+        weights = checkpoint.merged_export(folder, run.cfg, vocabulary(run.cfg, TINY_CHARS))
+        merged = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
         with torch.no_grad():
             merged_gap = (merged(ids).logits - policy(ids).logits).abs().max().item()
         replayed = replay.replay(os.path.join(out, "rollouts", "step_000001"))
@@ -109,6 +122,7 @@ def main(out):
             and all(torch.equal(saved[n], t) for n, t in adapters.items()),
             "weights": os.path.relpath(weights, out),
             "merged_gap": merged_gap,
+            "eval_served": [os.path.relpath(base, out), run.engine.adapter, base_gap, served],
             "other_seed": other_seed,
             "replay": replayed,
         }

@@ -86,8 +86,8 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     )
 
     args = evaluation.parse_args(["--run", str(tmp_path), "--samples", "4", "--k", "1,2,4"])
-    eval_cfg, folder, step = evaluation.model_folder(args)
-    assert folder.endswith("step_000003") and step == 3
+    eval_cfg, folder, step, lora_served = evaluation.model_folder(args)
+    assert folder.endswith("step_000003") and step == 3 and lora_served is None
     policy, tokenizer = model.build_policy(eval_cfg, folder)
     engine.update_weights(policy.named_parameters(), version=step)  # what start_engine loads
     per_prompt, summary = evaluation.run_eval(eval_cfg, engine, tokenizer, 4, args.k, 1.0)

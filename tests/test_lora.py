@@ -162,10 +162,10 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     cancelled tail is suspended; each step's sync loads the adapter alone (the engine loaded the
     base from its folder), the engine's log-probs through the adapter match the trainer's (gap at
     fp32 level), the base's checksums and the adapter's (on arrival, in the engine) hold every
-    step, only the adapters move; its checkpoint holds the adapters alone (the merged model, what
-    eval loads, on demand); step 1 replays exactly; a resume from the checkpoint makes the
-    uninterrupted run's next update, and one with another train.seed (the tiny base is rebuilt
-    from it) is refused."""
+    step, only the adapters move; its checkpoint holds the adapters alone, which eval serves on the
+    base as training did (the merged model on demand); step 1 replays exactly; a resume from the
+    checkpoint makes the uninterrupted run's next update, and one with another train.seed (the
+    tiny base is rebuilt from it) is refused."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
     assert result["max_gap"] < 1e-4  # the engine serves base + adapter (its top-p nucleus too)
@@ -181,6 +181,12 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     assert {"adapter", "sharded", "trainer_state.pt", "config.yaml"} <= set(result["files"])
     assert result["sharded_model"] and all(".lora_" in k for k in result["sharded_model"])
     assert result["adapter_saved"]
+    # eval serves the checkpoint as training served it: the base (the tiny one exported beside
+    # the checkpoint) and the adapter in the engine's pool, checked on arrival; the merged export
+    # (it was eval's: bf16 rounding of W + BA lost most of a small update) is for a deployment
+    base, adapter, base_gap, served = result["eval_served"]
+    assert base == "checkpoints/step_000002/base" and adapter == "policy_v2"
+    assert base_gap == 0 and served
     assert result["weights"] == "checkpoints/step_000002/merged" and result["merged_gap"] < 1e-5
     # the tiny base is rebuilt from train.seed on resume: another seed would move it under the
     # trained adapters, so it is refused
