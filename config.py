@@ -137,7 +137,10 @@ class DataConfig:
         default_factory=dict
     )
     max_prompt_len: PositiveInt = 512  # longer prompts are counted and skipped (every task)
-    tiny_max_count: PositiveInt = 32  # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
+    # tiny task: N is drawn from 1..tiny_max_count with weight 1/N
+    tiny_max_count: Annotated[
+        int, Range(ge=1, le=100_000, why="the task weighs every N: a longer list only stalls")
+    ] = 32
     # tiny_tool task: prompts "a*b-c=" with a, b of this many digits (1..7)
     tiny_operand_digits: Annotated[
         int, Range(ge=1, le=7, why="the calculator is exact below 1e15")
