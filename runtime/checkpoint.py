@@ -139,7 +139,7 @@ def lora_served(folder, cfg, chars):
     model.path's, or the tiny one (built from train.seed) exported beside the checkpoint once, as
     folder/base. What eval serves: the engine adds the adapter's output to the base's, where a
     merged weight (`merged_export`) rounds W + scale x B A to the base's dtype (bf16 with bf16
-    compute), losing most of a small update."""
+    compute), losing part of a small update."""
     policy, tokenizer = model.build_policy(cfg, None, chars)  # the base, adapters at B = 0
     base = cfg.model.path
     if base == "tiny":
