@@ -287,7 +287,7 @@ if __name__ == "__main__":
         sys.exit(2)
     except KeyboardInterrupt as e:
         print(
-            f"interrupted ({e or 'SIGINT'}): exited at once; the last checkpoint stands",
+            f"interrupted ({str(e) or 'SIGINT'}): exited at once; the last checkpoint stands",
             file=sys.stderr,
         )
         sys.exit(130)

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -578,6 +579,24 @@ def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_ctrl_c_during_setup_names_sigint_and_exits_130(monkeypatch, capsys):
+    """A Ctrl-C before the loop holds its signal (here while the config loads) is Python's own
+    KeyboardInterrupt, whose text is empty: the message names SIGINT, and train.py exits 130.
+    (train.py's command-line block run in this process: its modules are already imported.)"""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("assemble.load_config", interrupted)
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(
+            os.path.join(os.path.dirname(train.__file__), "train.py"), run_name="__main__"
+        )
+    assert exited.value.code == 130
+    assert "interrupted (SIGINT): exited at once" in capsys.readouterr().err
 
 
 def test_a_second_signal_exits_at_once_with_130(engine):

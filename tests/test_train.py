@@ -232,6 +232,30 @@ def test_checkpoint_is_written_atomically(engine, tmp_path, monkeypatch):
     )
 
 
+def test_a_checkpoint_before_the_first_update_leaves_adamw_as_fresh(tmp_path):
+    """Saved before its first step (an engine death in step 0; only skipped updates so far), the
+    optimizer makes exactly a fresh AdamW's first update, live and loaded from the checkpoint
+    (torch's get_state_dict had stepped it once: the next update was ~26% smaller)."""
+
+    def first_update(save=False, load=False):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=0.01, weight_decay=0.1)
+        if save:
+            parallel.save_state(str(tmp_path / "sharded"), layer, optimizer)
+        if load:
+            parallel.load_state(str(tmp_path / "sharded"), layer, optimizer)
+        layer(torch.ones(2, 4)).square().sum().backward()
+        before = layer.weight.detach().clone()
+        optimizer.step()
+        return layer.weight.detach() - before
+
+    fresh = first_update()
+    assert fresh.abs().min() > 0.005  # lr 0.01: a first AdamW step moves each weight by ~lr
+    assert torch.equal(first_update(save=True), fresh)
+    assert torch.equal(first_update(load=True), fresh)
+
+
 def test_checkpoints_beyond_keep_checkpoints_are_removed(engine, tmp_path):
     """run.keep_checkpoints=2: after each save only the two newest checkpoints remain (one of
     Qwen2.5-1.5B is ~25 GB; they piled up), and a half-written one is not counted or touched."""
