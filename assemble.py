@@ -102,6 +102,11 @@ def setup(cfg, resume=False, engine=None):
         )
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
+    if start_step > cfg.train.steps:  # the loop would run no step and exit as if it had finished
+        raise ConfigError(
+            f"--resume: {resume_dir} is at step {start_step}, past train.steps={cfg.train.steps}; "
+            f"to train on, set train.steps above {start_step}"
+        )
     init_dir = checkpoint.init_folder(resume_dir, cfg)
     chars = vocabulary(cfg, TINY_CHARS)
     # the task first (its rows read, its reward file loaded): a bad row file or reward is named in

@@ -95,8 +95,11 @@ def train(run, stop=None):
             steps, initial=run.start_step, total=cfg.train.steps, disable=not logger
         ):
             before = data_before_step(run)  # what an engine death before the update puts back
-            # the weights the engine holds before this step, every run.val_every steps
-            scalars, texts = validation(run) if step % cfg.run.val_every == 0 else ({}, {})
+            # the weights the engine holds before this step, every run.val_every steps and at a
+            # run's first step: a resumed run's TensorBoard drops what the earlier run logged from
+            # there on (metrics.Logger), a finished run's final validation included
+            first = step == run.start_step
+            scalars, texts = validation(run) if first or step % cfg.run.val_every == 0 else ({}, {})
             metrics, sequences = train_step(run, step)
             if logger:
                 logger.log(step, scalars | metrics, echo=tqdm.tqdm.write, texts=texts)

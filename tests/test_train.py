@@ -57,9 +57,9 @@ def test_collate_places_per_token_arrays():
 def test_three_steps_write_metrics(engine, tmp_path):
     """Three steps with cancellation, KL and importance sampling log every named metric (finite
     losses, validation at steps 0 and 2 and after the last, equal engine and trainer log-probs),
-    save the last step, and plot.py draws the named curves."""
-    cfg = tiny_config(
-        tmp_path,
+    save the last step, and plot.py draws the named curves. Extended by a step, it keeps its
+    validation at step 3."""
+    sets = [
         "train.steps=3",
         "run.val_every=2",
         "run.checkpoint_every=0",
@@ -67,7 +67,8 @@ def test_three_steps_write_metrics(engine, tmp_path):
         "rollout.drop_rate=0.2",
         "train.kl_coef=0.01",
         "train.tis_cap=2",
-    )
+    ]
+    cfg = tiny_config(tmp_path, *sets)
     train.train(train.setup(cfg, engine=engine))
     logged = scalars(tmp_path)
     for tag in [
@@ -120,6 +121,13 @@ def test_three_steps_write_metrics(engine, tmp_path):
         "timing/step_s",
     } <= set(drawn)
     assert "rollout/tool_calls_per_trajectory" not in drawn  # no tool: no tool panel
+    # extended by one step, the run still shows its validation at step 3: the resumed run's first
+    # step validates (its logger drops the earlier run's events from step 3 on, that one included)
+    longer = tiny_config(tmp_path, "train.steps=4", *sets[1:])
+    train.train(train.setup(longer, resume=True, engine=engine))
+    events = EventAccumulator(os.path.join(tmp_path, "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/reward_mean")] == [0, 2, 3, 4]
 
 
 def rollout_batch(run):
@@ -135,7 +143,8 @@ def rollout_batch(run):
 
 def test_resume_gives_the_same_next_step(engine, tmp_path):
     """A run resumed from its checkpoint reads on from the same prompt position and, on the same
-    samples, makes exactly the update and learning-rate step of the uninterrupted run."""
+    samples, makes exactly the update and learning-rate step of the uninterrupted run; a resume with
+    train.steps below its checkpoint's step is refused."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "train.warmup_steps=3")
     uninterrupted = train.setup(cfg, engine=engine)
     train.train(uninterrupted)  # step 0, then checkpoint step_000001
@@ -160,6 +169,10 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     ):
         assert torch.equal(a, b), name
     assert resumed.trainer.scheduler.get_last_lr() == uninterrupted.trainer.scheduler.get_last_lr()
+    # a resume with fewer steps than its checkpoint has done would train nothing and exit 0
+    checkpoint.save(cfg.run.out, 2, resumed)
+    with pytest.raises(ConfigError, match="is at step 2, past train.steps=1; to train on"):
+        train.setup(cfg, resume=True, engine=engine)
 
 
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
