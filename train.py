@@ -67,9 +67,13 @@ def train_step(run, step):
     # the engine-vs-trainer gap the update measured on this rank (none where pi_old came from the
     # engine)
     gap = update_metrics.get("train/logprob_gap")
-    sync_metrics = memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
+    metrics |= advantage_metrics | sequence_metrics | update_metrics
+    try:
+        metrics |= memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
+    except EngineDiedError as e:  # after the update, which the checkpoint that follows holds: the
+        e.trained = metrics, sequences  # step goes with the error, to be logged as any (`train`)
+        raise
     # 6. metrics, each reduced over ranks as its stage declared
-    metrics |= advantage_metrics | sequence_metrics | update_metrics | sync_metrics
     metrics["timing/train_s"] = slowest(train_s)
     metrics["timing/step_s"] = slowest(time.perf_counter() - start)
     metrics["perf/train_tokens_per_s"] = summed(update_metrics["train/tokens"].value / train_s)
@@ -101,10 +105,7 @@ def train(run, stop=None):
             first = step == run.start_step
             scalars, texts = validation(run) if first or step % cfg.run.val_every == 0 else ({}, {})
             metrics, sequences = train_step(run, step)
-            if logger:
-                logger.log(step, scalars | metrics, echo=tqdm.tqdm.write, texts=texts)
-            if cfg.run.dump_rollouts:  # what `train.py --replay` re-runs
-                replay.dump(cfg, step, run.start_step, sequences, metrics)
+            record(run, logger, step, scalars | metrics, texts, sequences)
             # every rank stops after the same step
             stopping = parallel.all_reduce([stop.received is not None], op="max")[0] > 0
             every = cfg.run.checkpoint_every
@@ -124,12 +125,24 @@ def train(run, stop=None):
     except EngineDiedError as e:
         if parallel.world_size() > 1:
             raise  # the other ranks wait in collectives: the last periodic checkpoint stands
+        if getattr(e, "trained", None):  # died in the weight sync, after the step's update
+            metrics, sequences = e.trained
+            record(run, logger, step, scalars | reduce_metrics(metrics), texts, sequences)
         raise save_after_engine_death(run, e, before) from None
     finally:
         if own_stop:
             stop.restore()
         if logger:
             logger.close()
+
+
+def record(run, logger, step, metrics, texts, sequences):
+    """A step's metrics to TensorBoard and the console (rank 0's `logger`), and its sequences to
+    run.out/rollouts, what `train.py --replay` re-runs (run.dump_rollouts)."""
+    if logger:
+        logger.log(step, metrics, echo=tqdm.tqdm.write, texts=texts)
+    if run.cfg.run.dump_rollouts:
+        replay.dump(run.cfg, step, run.start_step, sequences, metrics)
 
 
 def validation(run):

@@ -18,6 +18,8 @@ from config import ConfigError
 import update
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
+from runtime.engine import EngineDiedError
+import memory
 import sample
 import extras.plot as plot
 import loss as losses
@@ -173,6 +175,36 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     checkpoint.save(cfg.run.out, 2, resumed)
     with pytest.raises(ConfigError, match="is at step 2, past train.steps=1; to train on"):
         train.setup(cfg, resume=True, engine=engine)
+
+
+def test_an_engine_death_in_the_weight_sync_logs_the_step_it_checkpoints(
+    engine, tmp_path, monkeypatch
+):
+    """The engine dies in step 1's weight sync, after the update: the checkpoint is at step 2, and
+    step 1 is logged and dumped for replay as any step (they were lost: the resumed run starts
+    at step 2). The death is raised after the real sync, so the shared engine stays as a run
+    leaves it; a real death (its scheduler killed) is test_reliability's."""
+    cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=100", "run.dump_rollouts=true")
+    run = train.setup(cfg, engine=engine)
+    sync = memory.sync_weights
+
+    def dies_in_step_1(run, step, **kwargs):
+        metrics = sync(run, step, **kwargs)
+        if step == 1:
+            raise EngineDiedError("the SGLang engine died: scheduler_0")
+        return metrics
+
+    monkeypatch.setattr(memory, "sync_weights", dies_in_step_1)
+    with pytest.raises(EngineDiedError, match="after 2 updates is saved in"):
+        train.train(run)
+    state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
+    assert state["step"] == 2 and state["prompt_positions"] == [2 * cfg.rollout.prompts_per_step]
+    events = EventAccumulator(os.path.join(tmp_path, "tb"))
+    events.Reload()
+    losses_logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in losses_logged] == [0, 1]
+    dumped = torch.load(tmp_path / "rollouts" / "step_000001" / "rank_0.pt", weights_only=True)
+    assert dumped["sequences"] and dumped["loss"] == pytest.approx(losses_logged[1][1])
 
 
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
