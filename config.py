@@ -358,7 +358,8 @@ class TrainConfig:
 @dataclasses.dataclass
 class RunConfig:
     out: str = "runs/tiny"  # run directory: config.yaml, tb/, checkpoints/, model/
-    val_every: PositiveInt = 10  # steps between validations (greedy and sampled)
+    # steps between validations (greedy and sampled); each run also validates at its first step
+    val_every: PositiveInt = 10
     checkpoint_every: NonNegativeInt = 50  # steps between checkpoints (0 = only at the end)
     # the newest this many checkpoints are kept, older ones removed after each save (0: all; one
     # of Qwen2.5-1.5B is ~25 GB: fp32 weights, AdamW state and the HF export)
