@@ -53,6 +53,7 @@ class Shape(NamedTuple):
     params: int  # every parameter (a tied output head counted once)
     numels: dict  # {parameter name: elements}: what model.lora_also_train may name
     linears: dict  # {module name: (in, out)} of each nn.Linear: what LoRA may adapt
+    embedding: str = "model.embed_tokens.weight"  # the input embedding's parameter name
 
 
 def qwen2_config(numbers):
@@ -130,6 +131,11 @@ def shape_of(config, trust_remote_code=False):
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)
         },
+        embedding=next(
+            f"{name}.weight"
+            for name, m in model.named_modules()
+            if m is model.get_input_embeddings()
+        ),
     )
 
 
@@ -227,8 +233,11 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     # compiled layers (train.compile) save less
     factor = LORA_COMPILED_FACTOR if t.compile and lora_rank else ACTIVATION_FACTOR[t.compile]
     per_token_layer = [values * compute * factor for values in shape.saved]
-    if t.gradient_checkpointing:  # only each layer's input, plus one layer recomputed at a time
-        activations = tokens * (shape.layers * shape.hidden * compute + max(per_token_layer))
+    sharded = sharded_over(ranks) if sharded is None else sharded
+    if t.gradient_checkpointing:  # each layer's input and the final norm's, in the residual
+        # stream's dtype, plus one layer recomputed at a time
+        inputs = (shape.layers + 1) * shape.hidden * residual_bytes(m, shape, sharded, compute)
+        activations = tokens * (inputs + max(per_token_layer))
     else:
         activations = tokens * sum(per_token_layer)
     kv_per_token = shape.kv_per_token * engine
@@ -240,7 +249,6 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # SGLang: free memory before it loads (after both CUDA contexts) x mem_fraction_static, less
         # the weights (sglang mem_cache/kv_cache_configurator.py, `_profile_available_bytes`)
         kv_cache = max(r.mem_fraction_static * (gpu_bytes - contexts) - weights_engine, 0)
-    sharded = sharded_over(ranks) if sharded is None else sharded
     trainer_params = "trainer params (fp32, sharded)"
     if lora_rank:
         trainer_params = "trainer params (base in compute dtype, fp32 adapters)"
@@ -260,10 +268,13 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         ),
         # (LoRA: only what model.lora_also_train trains of the root)
         "root gradient, unsharded fp32 (reduce-scatter)": root_trained * 4 if sharded else 0,
-        # one rank: autocast caches a compute-dtype copy of every weight for the forward and
-        # backward
+        # one rank: autocast caches a compute-dtype copy of every fp32 leaf a matmul reads, for
+        # the forward and backward (aten/src/ATen/autocast_mode.cpp, cached_cast; LoRA: the
+        # adapters and what trains in full, an upper bound: an untied embedding is looked up)
         "autocast weight copies": (
-            params * compute if not sharded and compute < 4 and not lora_rank else 0
+            (adapters + also if lora_rank else params) * compute
+            if not sharded and compute < 4
+            else 0
         ),
         f"activations ({batch})": activations,
         # about 4 fp32 [chunk, vocab] tensors alive at once (the logits' fp32 copy, the shifted
@@ -339,6 +350,17 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
 AUTO_MARGIN = 0.15
 AUTO_STEP = 1024  # the budget is a multiple of this many tokens
 CPU_AUTO_TOKENS = 4096  # `auto` without a GPU (no card to fill): enough for the CPU demo's batch
+
+
+def residual_bytes(m, shape, sharded, compute):
+    """Bytes of one value of the residual stream (each decoder layer's input): the embedding's
+    output dtype. One rank in bf16 runs autocast over fp32 weights, and an embedding is not
+    autocast: fp32, and each layer's bf16 output added to it stays fp32 (a gradient-checkpointed
+    run saves it so: counted at 2 bytes, `auto` filled an 80 GB card past its size). FSDP2
+    computes with compute-dtype weights, and a LoRA base is stored in that dtype, unless
+    model.lora_also_train trains the embedding (fp32)."""
+    fp32_embedding = not m.lora_rank or lora.is_also_trained(shape.embedding, m.lora_also_train)
+    return 4 if not sharded and fp32_embedding else compute
 
 
 def largest_layer(shape):

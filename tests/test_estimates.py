@@ -5,6 +5,7 @@ import os
 import re
 import runpy
 import sys
+import types
 
 import pytest
 
@@ -184,7 +185,9 @@ def test_lora_fits_a_7b_policy_on_one_80_gb_card_where_full_training_does_not():
     assert max(phases.values()) <= 0.85 * card
     adapters = parts["AdamW state (fp32, sharded)"] / 8  # two fp32 moments per parameter
     assert 150e6 < adapters < 170e6  # 28 layers x 64 x (in + out) of 7 projections: 161.5 M
-    assert parts["KL reference (sharded)"] == 0 and parts["autocast weight copies"] == 0
+    assert parts["KL reference (sharded)"] == 0
+    # autocast caches a bf16 copy of each fp32 leaf a matmul reads: the adapters', not the base's
+    assert parts["autocast weight copies"] == adapters * 2
 
 
 def test_the_lora_estimate_counts_what_trains_in_full_too():
@@ -439,3 +442,53 @@ def test_an_mlp_with_biases_is_counted_as_without():
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     biased = shape_of(transformers.LlamaConfig(mlp_bias=True, **small)).saved
     assert biased == shape_of(transformers.LlamaConfig(**small)).saved == (10 * 64 + 4 * 128,) * 2
+
+
+@pytest.mark.parametrize(
+    "case, layer_input_bytes",
+    [("one rank", 4), ("FSDP2", 2), ("LoRA", 2), ("LoRA, embedding trained", 4)],
+)
+def test_checkpointed_layer_inputs_are_counted_in_the_residual_streams_dtype(
+    case, layer_input_bytes
+):
+    """With gradient checkpointing each decoder layer's input is what stays saved: the estimate
+    counts it in the dtype a bf16 forward really hands the layers (a hook reads it). One rank runs
+    autocast over fp32 weights, where the embedding's output, and so the residual stream, stays
+    fp32 (counted at 2 bytes, `auto` filled an 80 GB card past its size); FSDP2 computes with bf16
+    weights; a LoRA base is stored in bf16, unless its embedding trains in full."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import runtime.lora as lora
+    from runtime.estimate import residual_bytes, shape_of
+
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        tie_word_embeddings=False,
+    )
+    policy = AutoModelForCausalLM.from_config(config)
+    lora_rank, also = (
+        (4, ["embed_tokens"] if "embedding" in case else []) if "LoRA" in case else (0, [])
+    )
+    if lora_rank:
+        lora.add_adapters(policy, lora_rank, 8, ["q_proj"], torch.bfloat16, also)
+    elif case == "FSDP2":  # its mixed-precision policy gathers each unit in the compute dtype
+        policy.to(torch.bfloat16)
+    seen = []
+    for layer in [*policy.model.layers, policy.model.norm]:
+        layer.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(
+                (args or (kwargs["hidden_states"],))[0].element_size()
+            ),
+            with_kwargs=True,
+        )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        policy(torch.tensor([[1, 2, 3]]))
+    m = types.SimpleNamespace(lora_rank=lora_rank, lora_also_train=also)
+    counted = residual_bytes(m, shape_of(config), sharded=case == "FSDP2", compute=2)
+    assert seen == [layer_input_bytes] * 3 and counted == layer_input_bytes
