@@ -315,7 +315,8 @@ class TrainConfig:
     # a mixture of experts: the trainer routes each token to the experts the engine routed it to
     # (rollout routing replay, R3); its own gates still train. The path: Engine.request ->
     # inflight.generate_one -> Sample.routed_experts -> update.route_table -> runtime/routing.py's
-    # RouteReplay.hook; logged: train/route_agreement, train/unrouted_sequences
+    # RouteReplay.hook; logged: train/route_agreement, train/unrouted_sequences,
+    # train/routes_refused (choices no router makes: routed by the trainer instead)
     routing_replay: bool = False
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     max_token_staleness: Annotated[int, Range(ge=-1)] = -1

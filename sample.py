@@ -89,6 +89,16 @@ class Sample:
         if not self.versions and self.response_ids:
             self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
 
+    def prompt_key(self):
+        """What samples computing their prompt once (train.shared_prefix) must have in common:
+        its tokens and, with routing replay, the experts the engine routed them to (computed
+        once, they are replayed once; a held group's member resumed under newer weights was
+        prefilled, so routed, under those: update.route_table gave it another's)."""
+        tokens = len(self.prompt_ids) + len(self.response_ids) - 1  # the routed ones
+        width = len(self.routed_experts) // tokens if tokens > 0 else 0
+        prompt_routes = self.routed_experts[: (len(self.prompt_ids) - 1) * width]
+        return self.prompt_ids.tobytes(), prompt_routes.tobytes()
+
     def continued_by(self, more):
         """This unfinished sample followed by `more`, which the engine generated from prompt +
         this response: one sample holding every token with its own log-prob and version. The

@@ -201,6 +201,12 @@ def update_policy(trainer, sequences, step):
     stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
     stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
     stats |= token_stats.means()
+    if stats.get("train/routes_refused"):
+        log.warning(
+            "routing replay: %.1f%% of the engine's expert choices name no expert or one twice "
+            "(its MoE backend did not capture them?): routed by the trainer's routers instead",
+            100 * stats["train/routes_refused"],
+        )
     stats["train/lr"] = lr
     trainer.bad_steps = trainer.bad_steps + 1 if skipped else 0
     if trainer.bad_steps >= t.max_bad_updates:
@@ -358,6 +364,7 @@ def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_d
         token_stats.add(f"train/{name}", value.detach(), num_tokens)
     if replay.width:  # routing replay: on every rank, even one that replayed nothing
         token_stats.add("train/route_agreement", *replay.agreement())
+        token_stats.add("train/routes_refused", *replay.refused())
     return weighted.detach()
 
 
@@ -520,27 +527,27 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
 def row_segments(samples, indices, shared_prefix=False):
     """What one packed row holds, in order, as segments (sample, first token, end token, reads):
     each of `samples[indices]`'s sequences whole (reads -1: no other segment), or, with
-    `shared_prefix` (train.shared_prefix), for each run of 2+ neighbours with the same prompt (of
-    2+ tokens), that prompt except its last token once, then per sample a segment from that last
-    token on (reads: the prompt's segment index, its index in the returned list). Three samples
-    with prompt p0 p1 p2: [p0 p1], [p2 a...], [p2 b...], [p2 c...], the last three reading
-    segment 0. The last prompt token is in each sample's segment because its output predicts the
-    sample's first response token; each segment keeps its tokens' positions in the whole
-    sequence. A run of G samples with prompt length L computes (G - 1) x (L - 1) positions
-    fewer."""
-    out, prefix = [], None  # prefix: (its segment index, its prompt) while a run goes on
+    `shared_prefix` (train.shared_prefix), for each run of 2+ neighbours with the same prompt of 2+
+    tokens (`Sample.prompt_key`: with routing replay, routed alike too), that prompt except its last
+    token once, then per sample a segment from that last token on (reads: the prompt's segment
+    index, its index in the returned list). Three samples with prompt p0 p1 p2: [p0 p1], [p2 a...],
+    [p2 b...], [p2 c...], the last three reading segment 0. The last prompt token is in each
+    sample's segment because its output predicts the sample's first response token; each segment
+    keeps its tokens' positions in the whole sequence. A run of G samples with prompt length L
+    computes (G - 1) x (L - 1) positions fewer."""
+    out, prefix = [], None  # prefix: (its segment index, its prompt's key) while a run goes on
     indices = list(indices)
     for k, i in enumerate(indices):
-        prompt = samples[i].prompt_ids
+        prompt, key = samples[i].prompt_ids, samples[i].prompt_key()
         end = len(prompt) + len(samples[i].response_ids)
-        if prefix is not None and prompt == prefix[1]:
+        if prefix is not None and key == prefix[1]:
             out.append((i, len(prompt) - 1, end, prefix[0]))
             continue
         prefix = None
-        following = samples[indices[k + 1]].prompt_ids if k + 1 < len(indices) else None
-        if shared_prefix and len(prompt) > 1 and prompt == following:
+        following = samples[indices[k + 1]].prompt_key() if k + 1 < len(indices) else None
+        if shared_prefix and len(prompt) > 1 and key == following:
             out.append((i, 0, len(prompt) - 1, -1))
-            prefix = (len(out) - 1, prompt)
+            prefix = (len(out) - 1, key)
             out.append((i, len(prompt) - 1, end, prefix[0]))
         else:
             out.append((i, 0, end, -1))
@@ -553,9 +560,9 @@ def route_table(samples, pieces, positions, width):
     samples' tokens: [positions, width (layers x top-k)] int16, each token's experts as the engine
     routed them (Sample.routed_experts), runtime.routing.NO_ROUTE where the router keeps its own
     choice: padding, each sequence's last token (the engine never computes it; no loss reads its
-    output) and a sample without routes of its length. A shared prompt takes the routes of the
-    first of its samples that has them. Returns (the table, how many unmasked samples had none: a
-    count that should stay 0)."""
+    output) and a sample without routes of its length. A shared prompt's samples were routed alike
+    on it (`row_segments` shares it so): it takes the routes of the first that has them. Returns
+    (the table, how many unmasked samples had none: a count that should stay 0)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples]  # routed tokens
     routed = [len(s.routed_experts) == n * width for s, n in zip(samples, lengths)]
     table = torch.full((positions, width), NO_ROUTE, dtype=torch.int16)
@@ -855,15 +862,16 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
 
 def prefix_units(samples, max_tokens):
     """train.shared_prefix's packing units: the indices of the samples with the same prompt (a GRPO
-    group's), in the order they first come, each group cut where its next sample would take the unit
-    past `max_tokens` positions as collate lays it out (the prompt once, then per sample its
-    response and the prompt's last token). A cut group's units each compute the prompt (but where
-    two land side by side in a row). A unit sets its row's width (pack_rows): under FlexAttention a
-    wide row costs only what its segments read, under SDPA's dense mask rows x width^2 whatever they
-    hold (docs/RESULTS.md, "A group's prompt computed once": where each pays)."""
+    group's; `Sample.prompt_key`), in the order they first come, each group cut where its next
+    sample would take the unit past `max_tokens` positions as collate lays it out (the prompt once,
+    then per sample its response and the prompt's last token). A cut group's units each compute the
+    prompt (but where two land side by side in a row). A unit sets its row's width (pack_rows):
+    under FlexAttention a wide row costs only what its segments read, under SDPA's dense mask rows x
+    width^2 whatever they hold (docs/RESULTS.md, "A group's prompt computed once": where each
+    pays)."""
     groups = {}
     for i, s in enumerate(samples):
-        groups.setdefault(s.prompt_ids.tobytes(), []).append(i)
+        groups.setdefault(s.prompt_key(), []).append(i)
     units = []
     for members in groups.values():
         unit, size = [], 0

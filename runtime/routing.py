@@ -122,17 +122,40 @@ class RouteReplay:
             )
         # this decoder layer's top-k slot of each token's row (whole, or NO_ROUTE throughout)
         given = self.table[:, layer * k : (layer + 1) * k].long()
-        replayed = given[:, :1] != NO_ROUTE
+        sent = given[:, :1] != NO_ROUTE
+        # refused: a choice no router makes, k distinct experts of this layer's. SGLang's capture
+        # buffer starts zeroed, and a top-k output format that skips the capture leaves it so
+        # (srt/layers/moe/topk.py: TRITON_KERNEL and BYPASSED return before
+        # _post_process_topk_ids; state_capturer/base.py): all zeros replayed, every token's
+        # experts 0, 0, ... (on a random model, log-probs 6e-3 off, with nothing said)
+        ids = given.sort(dim=-1).values
+        possible = (ids[:, :1] >= 0) & (ids[:, -1:] < logits.shape[-1])
+        possible &= (ids[:, 1:] != ids[:, :-1]).all(dim=-1, keepdim=True)
+        replayed = sent & possible
         experts = torch.where(replayed, given, own)
         agree = (experts.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
         # stored, not added: a recomputed forward (gradient checkpointing) overwrites its own
-        self.counts[layer] = (replayed.sum(), (agree & replayed[:, 0]).sum())
+        self.counts[layer] = (
+            replayed.sum(),
+            (agree & replayed[:, 0]).sum(),
+            sent.sum(),
+            (sent & ~possible).sum(),
+        )
         return logits, ROUTERS[type(router).__name__](router, logits, experts), experts
 
     def agreement(self):
         """(the share of replayed token x layer choices the trainer's routers made too, how many
         were replayed) in the last forward inside `replaying`, as tensors (0 and 0 where none
         was): what metrics.TokenMeans.add takes, on every rank alike."""
-        replayed = sum((c[0] for c in self.counts.values()), torch.zeros((), dtype=torch.long))
-        agreed = sum((c[1] for c in self.counts.values()), torch.zeros((), dtype=torch.long))
-        return agreed / replayed.clamp(min=1), replayed
+        return self.share(1, of=0)
+
+    def refused(self):
+        """(the share of the engine's token x layer choices refused as no router's: routed by the
+        trainer's router instead, how many the engine sent), as `agreement`."""
+        return self.share(3, of=2)
+
+    def share(self, part, of):
+        """(sum of counts[part] / sum of counts[of], sum of counts[of]) over the layers."""
+        zero = torch.zeros((), dtype=torch.long)
+        total = sum((c[of] for c in self.counts.values()), zero)
+        return sum((c[part] for c in self.counts.values()), zero) / total.clamp(min=1), total

@@ -125,6 +125,49 @@ def test_replayed_experts_compute_and_the_router_trains_also_through_checkpointi
     assert all(torch.allclose(grads[n], recomputed[n], atol=1e-6) for n in grads)
 
 
+def test_a_choice_no_router_makes_is_refused_and_counted():
+    """Routes no router could choose: all zeros (what SGLang's zeroed capture buffer holds when
+    its MoE backend skips the capture), an expert id past the layer's, one id twice. Each such
+    token x layer choice is routed by the trainer's router instead (the forward is the model's
+    own, bit for bit) and counted in `refused`; a possible choice beside them is replayed."""
+    moe = build("qwen3_moe")
+    input_ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
+    own = own_routes(moe, input_ids)
+    replay = routing.RouteReplay(moe, on=True)
+    unreplayed, _ = loss_and_grads(moe, input_ids)
+    impossible = torch.zeros_like(own)  # every token, every layer: experts 0, 0
+    impossible[1::3] = 4  # 4 experts: ids 0-3
+    impossible[2::3] = torch.tensor([3, 3], dtype=torch.int16).repeat(own.shape[1] // 2)
+    logits, _ = loss_and_grads(moe, input_ids, replay, impossible)
+    assert torch.equal(logits, unreplayed)
+    share, sent = replay.refused()
+    assert float(share) == 1.0 and int(sent) == own.numel() // 2  # token x layer choices
+    assert int(replay.agreement()[1]) == 0  # nothing replayed
+    mixed = impossible.clone()
+    mixed[:5] = (own[:5] + 1) % 4  # possible, and not the router's own choice
+    logits, _ = loss_and_grads(moe, input_ids, replay, mixed)
+    assert not torch.equal(logits, unreplayed)
+    assert float(replay.refused()[0]) == 0.5 and int(replay.agreement()[1]) == 10
+
+
+def test_the_update_logs_and_warns_about_refused_routes(tmp_path, caplog):
+    """Through update.update_policy: samples whose routes are SGLang's zeroed buffer train on the
+    trainer's own routing, with train/routes_refused 1 and a warning naming the likely cause."""
+    from assemble import trainer_only
+    from conftest import train_on
+
+    moe = build("qwen3_moe")
+    cfg = tiny_config(tmp_path, "train.routing_replay=true", "model.compute_dtype=float32")
+    trainer = trainer_only(cfg, moe)
+    ids = torch.randint(1, 64, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    samples = [routed_sample(moe, ids, 4, group_id=0) for _ in range(2)]
+    for sample in samples:
+        sample.routed_experts = array.array("h", [0] * len(sample.routed_experts))
+    stats = train_on(trainer, samples, torch.tensor([1.0, -1.0]))
+    assert stats["train/routes_refused"] == 1.0 and stats["train/unrouted_sequences"] == 0
+    assert "name no expert or one twice (its MoE backend did not capture them?)" in caplog.text
+
+
 def routed_sample(moe, ids, prompt_len, group_id=0):
     """A Sample of `ids` whose routes are `moe`'s own choice for its tokens but the last, as the
     engine returns them."""
@@ -143,7 +186,7 @@ def routed_sample(moe, ids, prompt_len, group_id=0):
 def test_routes_sit_where_the_model_reads_each_token(layout):
     """Three sequences of different lengths, each with its own routing recorded alone: collated
     (padded rows, packed into one row, or packed with their common 3-token prompt computed once,
-    train.shared_prefix: its routes from the first sample that has them), the trainer's own
+    train.shared_prefix, by the samples routed alike on it), the trainer's own
     choice agrees with every replayed route and the log-probs are the unreplayed ones; the same
     routes one token off agree far less (what the check would see of a misplaced route). A
     sample without routes, or with routes of another length, is counted and routes itself."""
@@ -168,15 +211,37 @@ def test_routes_sit_where_the_model_reads_each_token(layout):
     routed = sum(n - 1 for n in map(len, seqs))
     if layout == "shared":  # the prompt's 2 routed tokens once, not three times
         routed -= 2 * 2
-        # a run whose first sample came without routes: the prompt's are the next one's
+        # a sample without routes computes its prompt apart (7 tokens) and routes itself; the
+        # routed ones still compute theirs once (2 of its tokens saved twice)
         led = update.collate([samples[3], *samples[:3]], 0, [4], replay.width, shared_prefix=True)
-        assert (led["routes"][:2] != routing.NO_ROUTE).all() and int(led["unrouted"]) == 1
+        assert (led["routes"][:7] == routing.NO_ROUTE).all() and int(led["unrouted"]) == 1
+        assert (led["routes"][7:9] != routing.NO_ROUTE).all()
+        assert int(led["shared_prefix_tokens"]) == 2 * 2
     assert int(count) == 2 * routed and float(share) == 1.0  # 2 layers
     assert torch.equal(plain, replayed)
     shifted = dict(mb, routes=torch.roll(mb["routes"], 1, dims=0))
     with torch.no_grad(), replay.replaying(shifted):
         update.sequence_logprobs(moe, shifted, 1.0)
     assert float(replay.agreement()[0]) < 0.5  # 0.15 here
+
+
+def test_a_prompt_routed_otherwise_is_not_shared():
+    """train.shared_prefix computes a group's prompt once, so replays one routing of it: a member
+    whose prompt was routed otherwise (a held group's member resumed under newer weights is
+    prefilled, so routed, anew) computes its prompt apart, under its own routes; members routed
+    alike still share it. (It took the first member's routes.)"""
+    moe = build("qwen3_moe")
+    ids = torch.randint(1, 64, (9,), generator=torch.Generator().manual_seed(6)).tolist()
+    a, b, c = (routed_sample(moe, ids[:4] + ids[4 + k :], 4) for k in range(3))
+    b.routed_experts[:4] = array.array("h", [(e + 1) % 4 for e in b.routed_experts[:4]])
+    samples = [a, c, b]
+    assert update.prefix_units(samples, 100) == [[0, 1], [2]]
+    replay = routing.RouteReplay(moe, on=True)
+    mb = update.collate(samples, 0, [3], replay.width, shared_prefix=True)
+    assert int(mb["shared_prefix_tokens"]) == 3  # a's and c's prompt, less its last token, once
+    # b's segment, whole and last in the row: its own routes at its prompt's first token
+    start = mb["routes"].shape[0] - len(b.prompt_ids + b.response_ids)
+    assert mb["routes"][start].tolist() == list(b.routed_experts[:4])
 
 
 def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
