@@ -255,14 +255,19 @@ def test_a_merged_or_resumed_sequence_takes_the_routes_of_its_last_request():
     second.turn = 1
     (merged,), _ = merge.merge_trajectory([first, second], max_seq_len=64)
     assert merged.routed_experts == second.routed_experts
-    assert first.continued_by(second).routed_experts == second.routed_experts
+    # a continuation: the resumed request's prompt is the first's whole sequence
+    more = routed_sample(moe, ids[:9] + ids[11:], 9)
+    continued = first.continued_by(more)
+    assert continued.routed_experts == more.routed_experts
     nothing = routing.RouteReplay(moe, on=True)  # no forward yet: 0 and 0, a rank's share of none
     assert [float(value) for value in nothing.agreement()] == [0.0, 0.0]
     replay = routing.RouteReplay(moe, on=True)
-    mb = update.collate([merged], 0, [1], replay.width)
-    with torch.no_grad(), replay.replaying(mb):
-        update.sequence_logprobs(moe, mb, 1.0)
-    assert [float(value) for value in replay.agreement()] == [1.0, 2 * 15]
+    for sequence, routed in ((merged, 15), (continued, 13)):  # every token but the last
+        mb = update.collate([sequence], 0, [1], replay.width)
+        with torch.no_grad(), replay.replaying(mb):
+            update.sequence_logprobs(moe, mb, 1.0)
+        assert int(mb["unrouted"]) == 0
+        assert [float(value) for value in replay.agreement()] == [1.0, 2 * routed]
 
 
 def test_routes_survive_a_checkpoint_of_their_sample():
