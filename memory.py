@@ -330,6 +330,10 @@ def sync_weights(run, step, logprob_gap=None):
     `logprob_gap` (None when it measured none) read by the run's GapWatch. Returns the stage's
     metrics."""
     start = time.perf_counter()
+    if logprob_gap is not None:  # the largest rank's: every rank's engine must agree, and every
+        # rank then stops after the same step (and checkpoints the same streak). Before the push:
+        # an engine dying in it leaves a checkpoint at step + 1, whose streak must have seen it
+        run.gap_watch.observe(step, parallel.all_reduce([logprob_gap], op="max")[0])
     run.phases.to_sync()  # the engine's weights awake; the trainer's still on its device
     check = should_check_weights(step, run.cfg.run)
     push_weights(run.engine, run.trainer.policy, step + 1, run.phases.bucket_bytes, check=check)
@@ -341,9 +345,6 @@ def sync_weights(run, step, logprob_gap=None):
         check_weights(run.engine, lora.base_weights(run.trainer.policy), parallel.full_tensor)
         check_s = time.perf_counter() - check_start
     run.phases.to_rollout()  # the trainer's weights offloaded, the engine's KV cache awake
-    if logprob_gap is not None:  # the largest rank's: every rank's engine must agree, and every
-        # rank then stops after the same step (and checkpoints the same streak)
-        run.gap_watch.observe(step, parallel.all_reduce([logprob_gap], op="max")[0])
     metrics = run.phases.metrics()
     metrics["timing/weight_sync_s"] = slowest(time.perf_counter() - start - check_s)
     if check_s:

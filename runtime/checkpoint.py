@@ -8,6 +8,7 @@ and reshards it with torch.distributed.checkpoint), partial rollout's buffer for
 when checkpoints are taken (train.py).
 """
 
+import dataclasses
 import io
 import logging
 import os
@@ -228,9 +229,11 @@ TRAINER_STATE = {"step", "world_size", "scheduler", "buffer"}
 
 
 def check_resume(folder, cfg):
-    """The trainer state of checkpoint `folder`, once every file a resume reads is found whole and
-    holding data only, and its model fields equal `cfg`'s. Runs before the engine starts: a bad
-    checkpoint costs seconds, not an engine start. A CheckpointError says which file or field."""
+    """The trainer state of checkpoint `folder` (and under "config", the config it was written
+    with: None before checkpoints held one), once every file a resume reads is found whole and
+    holding data only, and its model fields and seed equal `cfg`'s; each other change is logged.
+    Runs before the engine starts: a bad checkpoint costs seconds, not an engine start. A
+    CheckpointError says which file or field."""
     try:
         state = read_trainer_state(folder)
         if not (isinstance(state, dict) and TRAINER_STATE <= state.keys()) or not isinstance(
@@ -249,9 +252,11 @@ def check_resume(folder, cfg):
     tiny, lora = cfg.model.path == "tiny", cfg.model.lora_rank > 0
     names = (MODEL_SHAPE if tiny else ("path",)) + (LORA_SHAPE if lora else LORA_SHAPE[:1])
     compared = [("model", name) for name in names]
-    # a LoRA checkpoint holds no base: the tiny one is built again from the seed, with the task's
-    # vocabulary (another would put the trained adapters on another random model)
-    compared += [("train", "seed"), ("data", "task")] if tiny and lora else []
+    # the seed orders the prompts the checkpoint's stream position counts in (task/data.py), and
+    # a tiny model is built from it: a LoRA base, a KL reference, the tiny task's prompts
+    compared += [("train", "seed")]
+    # and with the task's vocabulary (another would put the trained adapters on another model)
+    compared += [("data", "task")] if tiny and lora else []
     for section, name in compared if saved is not None else ():
         if name not in saved.get(section, {}):  # a field newer than the checkpoint
             continue
@@ -261,9 +266,28 @@ def check_resume(folder, cfg):
         if was != now:
             raise CheckpointError(
                 f"--resume: {section}.{name}={now!r}, but {folder} was written with {was!r}: its "
-                "weights are that model's. Start a new run (another run.out) for a new model."
+                "weights, and the prompts its position counts, are that setting's. Start a new "
+                "run (another run.out) to change it."
             )
-    return state
+    for key, (was, now) in changed_settings(saved, cfg).items():
+        log.warning("resume: %s=%r (the checkpoint had %r) applies from here on", key, now, was)
+    return state | {"config": saved}
+
+
+def changed_settings(saved, cfg):
+    """{section.key: (the checkpoint's value, cfg's)} of each setting a resume changes (none for a
+    checkpoint without its config; `auto` against the number it became is no change). Each is
+    logged: a resume takes the config's settings, and some change more than they say (train.steps
+    stretches the learning-rate schedule; rollout.group_size, the groups still held)."""
+    changed = {}
+    for section, values in dataclasses.asdict(cfg).items():
+        for key, now in values.items():
+            was = (saved or {}).get(section, {}).get(key, now)  # absent: newer than the checkpoint
+            if isinstance(was, (list, tuple)) and isinstance(now, (list, tuple)):
+                was, now = list(was), list(now)
+            if was != now and now != "auto":
+                changed[f"{section}.{key}"] = (was, now)
+    return changed
 
 
 def check_sharded(path):
@@ -324,6 +348,11 @@ def restore(folder, state, trainer, t):
         # byte inside a tensor's shard, say) would end the run with a traceback
         raise CheckpointError(f"{folder} cannot be restored: {e}") from None
     trainer.scheduler.load_state_dict(state["scheduler"])
+    # the schedule counts optimizer steps, train.num_minibatches a step: another number places the
+    # checkpoint's position in the new count (read as is, it was that many steps back)
+    was = (state.get("config") or {}).get("train", {}).get("num_minibatches")
+    if isinstance(was, int) and was > 0:
+        trainer.scheduler.last_epoch = trainer.scheduler.last_epoch * t.num_minibatches // was
     apply_optimizer_settings(trainer.optimizer, trainer.scheduler, t)
     trainer.bad_steps = state.get("bad_steps", 0)  # absent from checkpoints before 2026-11-27
     log.info(
@@ -336,20 +365,11 @@ def restore(folder, state, trainer, t):
 
 
 def apply_optimizer_settings(optimizer, scheduler, t):
-    """A resume trains with the config's lr, betas and weight decay, each change logged: AdamW's
-    moments and step counts come from the checkpoint, its settings do not (lowering lr to go on
-    past an unstable stretch is the common case). The schedule's shape was never saved: LambdaLR
-    keeps no function in its state, so warmup and decay are the config's already."""
-    group = optimizer.param_groups[0]
-    changes = {
-        "train.lr": (scheduler.base_lrs[0], t.lr),
-        "train.adam_beta1": (group["betas"][0], t.adam_beta1),
-        "train.adam_beta2": (group["betas"][1], t.adam_beta2),
-        "train.weight_decay": (group["weight_decay"], t.weight_decay),
-    }
-    for key, (was, now) in changes.items():
-        if was != now:
-            log.warning("resume: %s=%r (the checkpoint had %r) applies from here on", key, now, was)
+    """A resume trains with the config's lr, betas and weight decay (each change logged by
+    check_resume): AdamW's moments and step counts come from the checkpoint, its settings do not
+    (lowering lr to go on past an unstable stretch is the common case). The schedule's shape was
+    never saved: LambdaLR keeps no function in its state, so warmup and decay are the config's
+    already."""
     scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"] = t.lr

@@ -145,8 +145,9 @@ def rollout_batch(run):
 
 def test_resume_gives_the_same_next_step(engine, tmp_path):
     """A run resumed from its checkpoint reads on from the same prompt position and, on the same
-    samples, makes exactly the update and learning-rate step of the uninterrupted run; a resume with
-    train.steps below its checkpoint's step is refused."""
+    samples, makes exactly the update and learning-rate step of the uninterrupted run; another
+    train.num_minibatches keeps the schedule's place; train.steps below the checkpoint's step is
+    refused."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "train.warmup_steps=3")
     uninterrupted = train.setup(cfg, engine=engine)
     train.train(uninterrupted)  # step 0, then checkpoint step_000001
@@ -171,6 +172,13 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
     ):
         assert torch.equal(a, b), name
     assert resumed.trainer.scheduler.get_last_lr() == uninterrupted.trainer.scheduler.get_last_lr()
+    # train.num_minibatches 1 -> 2: the schedule counts optimizer steps, so step 1 is now its 2nd
+    # of 2 x 2 (read as is, it stood a step back, and stretched past the run's end)
+    sets = ["train.steps=2", "run.val_every=100", "train.warmup_steps=3"]
+    halves = tiny_config(tmp_path, *sets, "train.num_minibatches=2")
+    split = train.setup(halves, resume=True, engine=engine).trainer.scheduler
+    assert split.last_epoch == 2
+    assert split.get_last_lr() == [halves.train.lr * model.lr_factor(2, 4, halves.train)]
     # a resume with fewer steps than its checkpoint has done would train nothing and exit 0
     checkpoint.save(cfg.run.out, 2, resumed)
     with pytest.raises(ConfigError, match="is at step 2, past train.steps=1; to train on"):
@@ -180,25 +188,33 @@ def test_resume_gives_the_same_next_step(engine, tmp_path):
 def test_an_engine_death_in_the_weight_sync_logs_the_step_it_checkpoints(
     engine, tmp_path, monkeypatch
 ):
-    """The engine dies in step 1's weight sync, after the update: the checkpoint is at step 2, and
-    step 1 is logged and dumped for replay as any step (they were lost: the resumed run starts
-    at step 2). The death is raised after the real sync, so the shared engine stays as a run
-    leaves it; a real death (its scheduler killed) is test_reliability's."""
-    cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=100", "run.dump_rollouts=true")
+    """The engine dies in step 1's weight push, after the update: the checkpoint is at step 2, its
+    gap streak has seen step 1's gap, and step 1 is logged and dumped for replay as any step (they
+    were lost: the resumed run starts at step 2). The death is raised after the real push, so the
+    shared engine stays as a run leaves it; a real death (its scheduler killed) is
+    test_reliability's."""
+    cfg = tiny_config(
+        tmp_path,
+        "train.steps=3",
+        "run.val_every=100",
+        "run.dump_rollouts=true",
+        "run.max_logprob_gap=1e-30",  # every step's gap above it: the streak counts each step
+        "run.max_logprob_gap_steps=100",
+    )
     run = train.setup(cfg, engine=engine)
-    sync = memory.sync_weights
+    push = memory.push_weights
 
-    def dies_in_step_1(run, step, **kwargs):
-        metrics = sync(run, step, **kwargs)
-        if step == 1:
+    def dies_in_step_1(engine, policy, version, *args, **kwargs):
+        push(engine, policy, version, *args, **kwargs)
+        if version == 2:  # what step 1 pushes
             raise EngineDiedError("the SGLang engine died: scheduler_0")
-        return metrics
 
-    monkeypatch.setattr(memory, "sync_weights", dies_in_step_1)
+    monkeypatch.setattr(memory, "push_weights", dies_in_step_1)
     with pytest.raises(EngineDiedError, match="after 2 updates is saved in"):
         train.train(run)
     state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
     assert state["step"] == 2 and state["prompt_positions"] == [2 * cfg.rollout.prompts_per_step]
+    assert state["gap_steps"] == 2, scalars(tmp_path)["train/logprob_gap"]
     events = EventAccumulator(os.path.join(tmp_path, "tb"))
     events.Reload()
     losses_logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
@@ -354,7 +370,8 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
     """--resume checks the checkpoint before any model or engine (setup is called with no engine:
     passing the check would start one): a `.metadata` or optimizer value that would run code on
     unpickling, a damaged trainer state, shard or model file, and a changed model shape are each a
-    CheckpointError naming it; nothing ran. Changed optimizer settings apply and are logged."""
+    CheckpointError naming it, as is another train.seed; nothing ran. Changed settings apply, each
+    logged."""
     cfg = tiny_config(tmp_path, "train.steps=3", "run.val_every=100")
     original = train.setup(cfg, engine=engine)
     folder = checkpoint.save(str(tmp_path), 1, original)
@@ -389,20 +406,27 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
         refused("cannot be resumed")
     refused(r"model.hidden_size=128, but .* was written with 64", "model.hidden_size=128")
     refused(r"model.lora_rank=4, but .* was written with 0", "model.lora_rank=4")
+    # the seed orders the prompts the checkpoint's position counts (and builds a tiny reference)
+    refused(r"train.seed=7, but .* was written with 0", "train.seed=7")
     # the tiny model's vocabulary is its task's characters (reverse adds letters)
     with pytest.raises(model.ModelError, match="of 25 tokens, but data.task='reverse' needs 30"):
         train.setup(tiny_config(tmp_path, "train.steps=3", "data.task=reverse"), resume=True)
     assert not os.path.exists(tmp_path / "pwned")
-    resumed = train.setup(
-        tiny_config(tmp_path, "train.steps=3", "train.lr=1e-4", "train.adam_beta2=0.95"),
-        resume=True,
-        engine=engine,
-    )
+    sets = ["train.steps=3", "run.val_every=100", "train.lr=1e-4", "train.adam_beta2=0.95"]
+    sets.append("rollout.group_size=4")
+    caplog.clear()
+    resumed = train.setup(tiny_config(tmp_path, *sets), resume=True, engine=engine)
     group = resumed.trainer.optimizer.param_groups[0]
     was = original.trainer.optimizer.param_groups[0]["lr"]  # tiny.yaml's 1e-3, scheduled
     assert group["lr"] == pytest.approx(was / 10) and group["betas"] == (0.9, 0.95)
     assert resumed.trainer.scheduler.get_last_lr() == [group["lr"]]  # what train/lr logs
-    assert "resume: train.lr=0.0001 (the checkpoint had 0.001)" in caplog.text
+    # every changed setting is logged, each once; the unchanged ones are not
+    changes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume: ")]
+    assert sorted(changes) == [
+        "resume: rollout.group_size=4 (the checkpoint had 8) applies from here on",
+        "resume: train.adam_beta2=0.95 (the checkpoint had 0.99) applies from here on",
+        "resume: train.lr=0.0001 (the checkpoint had 0.001) applies from here on",
+    ]
 
 
 def test_golden_first_steps(engine, tmp_path):
