@@ -48,6 +48,44 @@ def test_majority_vote_and_bootstrap_interval():
     assert many[1] - many[0] < few[1] - few[0]
 
 
+def test_pass_at_k_and_eval_summaries_count_what_scored_1():
+    """Validation's pass@k (rollout.pass_at_ks) and eval's summary (summarise) on hand-scored
+    samples: the tiny task's validation rarely scores 1, so the run below logs pass@k near 0
+    whatever they count. Two prompts of 4 samples: the first with 3 correct (a 0.999 reward is
+    not), the second none; eval's greedy record counts in greedy alone, not in pass@k's n."""
+    import rollout
+    from sample import Sample
+
+    rewards = [[1.0, 1.0, 0.999, 1.0], [0.5, 0.0, 0.0, 0.0]]
+    samples = [Sample([1], [2], [0.0], [1], group_id=g) for g in (0, 1) for _ in range(4)]
+    for sample, reward in zip(samples, rewards[0] + rewards[1]):
+        sample.reward = reward
+    # the first prompt: pass@1 = 3/4, pass@2 = 1 - C(1,2)/C(4,2) = 1, pass@4 = 1; the second: 0
+    expected = {"val/pass@1": 0.375, "val/pass@2": 0.5, "val/pass@4": 0.5}
+    assert rollout.pass_at_ks([[s] for s in samples], 4) == expected
+    answers = [["4", "4", "3", "4"], ["1", "1", "1", "2"]]
+    per_prompt = [
+        [
+            {"sample": i, "reward": reward, "answer_extracted": answer}
+            for i, (reward, answer) in enumerate(zip(rewards[p], answers[p]))
+        ]
+        + [{"sample": "greedy", "reward": float(p == 0), "answer_extracted": answers[p][0]}]
+        for p in (0, 1)
+    ]
+    summary = evaluation.summarise(per_prompt, [1, 2, 4], with_majority=True)
+    means = {name: mean for name, (mean, _) in summary.items()}
+    assert means == {
+        "pass@1": 0.375,
+        "pass@2": 0.5,
+        "pass@4": 0.5,
+        "maj@1": 0.5,
+        "maj@2": 0.5,
+        "maj@4": 0.5,
+        "greedy": 0.5,
+        "mean_reward": pytest.approx((sum(rewards[0]) + sum(rewards[1])) / 8),
+    }
+
+
 def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_path):
     """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k); its
     last checkpoint, loaded into the engine as `eval.py --run` loads it, evaluates to the eval

@@ -17,14 +17,29 @@ DROPPED = "model.layers.1.mlp.down_proj.weight"
 
 
 def test_weight_check_passes_a_true_push_and_names_a_corrupted_tensor(engine, policy, tmp_path):
-    """Every engine tensor is checked (the fused qkv and gate_up projections, the padded
-    vocabulary included), and one changed element of one tensor is found, by name."""
-    assert health.check_weights(engine, policy.named_parameters()) == len(engine.weight_checksums())
-    corrupted = {name: p.detach().clone() for name, p in policy.named_parameters()}
-    corrupted["model.layers.0.self_attn.k_proj.weight"][3, 5] += 1e-3
-    engine.update_weights(corrupted.items(), version=0)
-    with pytest.raises(health.WeightMismatchError, match=r"1 of \d+ .*qkv_proj.weight"):
-        health.check_weights(engine, policy.named_parameters())
+    """Every engine tensor is checked, and together they cover every trained parameter (the
+    fused qkv and gate_up projections, the padded vocabulary, the norms); one changed element of
+    a tensor of each kind is found, by the engine's name."""
+    sums = engine.weight_checksums()
+    assert health.check_weights(engine, policy.named_parameters()) == len(sums)
+    params = dict(policy.named_parameters())
+    read = set()
+    for name in sums:
+        parts = health.trainer_name(name, params)
+        read |= set(parts) if isinstance(parts, list) else {parts}
+    assert set(params) <= read, set(params) - read
+    for trained, engine_name in [
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
+        ("model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"),
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.layers.0.post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+        ("model.norm.weight", "model.norm.weight"),
+    ]:
+        corrupted = {name: p.detach().clone() for name, p in params.items()}
+        corrupted[trained].view(-1)[5] += 1e-3
+        engine.update_weights(corrupted.items(), version=0)
+        with pytest.raises(health.WeightMismatchError, match=rf"1 of \d+ .*{engine_name}"):
+            health.check_weights(engine, policy.named_parameters())
     engine.update_weights(policy.named_parameters(), version=0)  # as the fixture left it
 
 

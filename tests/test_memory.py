@@ -3,6 +3,7 @@ illegal transitions, and the ledger against real tensor sizes (CPU: peaks are mo
 
 import asyncio
 import os
+import types
 import uuid
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import REPO, train_on
 import runtime.model as model
 from conftest import tiny_config
 from config import ConfigError
+from runtime.engine import RolloutError
 from memory import Ledger, MemoryPhases, PhaseError
 
 PROMPTS = [[1, 5, 12], [1, 6, 4, 12], [1, 7, 12]]
@@ -297,28 +299,30 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     assert "reference_params" not in phases.resident
 
 
-def test_release_waits_for_an_idle_engine(run):
+def test_release_waits_for_an_idle_engine(run, monkeypatch):
     """Right after a rollout, to_train's release first waits until the scheduler says it is idle
-    (flush_cache, retried until it succeeds), then frees every engine memory tag; sync resumes
-    them."""
+    (flush_cache, retried until it succeeds: here it says busy twice, as a GPU scheduler's overlap
+    loop can), then frees every engine memory tag; sync resumes them. A scheduler never idle
+    within rollout.abort_timeout_s is a RolloutError, not a hang."""
     phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
     run.engine.generate(PROMPTS, 1, 0.0, 8)
     flushes = []
     flush = run.engine.flush_cache
 
-    def recorded_flush():
-        flushes.append(flush())
+    def recorded_flush():  # busy for the first two, then the engine's own answer
+        flushes.append(flush() if len(flushes) >= 2 else types.SimpleNamespace(success=False))
         return flushes[-1]
 
-    run.engine.flush_cache = recorded_flush
-    try:
-        phases.to_train()
-    finally:
-        del run.engine.flush_cache
-    assert flushes and flushes[-1].success  # the release waited for an idle engine
+    monkeypatch.setattr(run.engine, "flush_cache", recorded_flush)
+    phases.to_train()
+    assert [f.success for f in flushes] == [False, False, True]  # waited for an idle engine
     assert phases.engine_released == set(run.engine.memory_tags)
     sync(run, phases, 1)
     assert phases.engine_released == set()
+    monkeypatch.setattr(run.engine, "flush_cache", lambda: types.SimpleNamespace(success=False))
+    monkeypatch.setattr(run.engine.cfg, "abort_timeout_s", 0.05)
+    with pytest.raises(RolloutError, match="was not idle 0.05s after the rollout"):
+        run.engine.wait_until_idle()
 
 
 def test_engine_environment_drops_what_breaks_the_engine(monkeypatch, caplog):
