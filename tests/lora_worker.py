@@ -60,6 +60,7 @@ def main(out):
         run.engine.update_weights = lambda *a, **k: pushes.append(a)  # no full push from here on
         train.train(run)
         del run.engine.update_weights
+        trained_adapter = run.engine.adapter  # what the last step's sync loaded
         logged = scalars(out)
         policy = run.trainer.policy
         moved = {n for n, p in policy.named_parameters() if not torch.equal(p, base[n])}
@@ -110,8 +111,8 @@ def main(out):
         ]
         result = {
             "full_pushes": len(pushes),
-            "adapter": run.engine.adapter,
-            "max_gap": max(logged["train/logprob_gap"]),
+            "adapter": trained_adapter,
+            "gaps": logged["train/logprob_gap"],
             "suspended": logged["partial/suspended"],
             "moved": sorted(moved),
             "lora_B": sorted(n for n, _ in run.trainer.policy.named_parameters() if ".lora_B" in n),

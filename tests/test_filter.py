@@ -201,8 +201,9 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
 ):
     """Steps of the trainer's own rollout (partial on, filter on) until a step resumed what an
     earlier one suspended (when the target is met, hence what is suspended, depends on timing: at
-    most six steps), under its held group's id; every group handed back is whole, and the groups
-    dynamic sampling keeps have rewards that differ."""
+    most six steps), under its held group's id; every group handed back is whole (all its
+    members, of one prompt, none aborted), and the groups dynamic sampling keeps have rewards that
+    differ."""
     cfg = tiny_config(
         tmp_path,
         "rollout.cancel=count",
@@ -221,8 +222,12 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
         assert engine.num_in_flight() == 0
         suspended += run.buffer.counters["suspended"]
         resumed += run.buffer.counters["resumed"]
-        # whole groups only, and the ones dynamic sampling kept have rewards that differ
+        # whole groups only (group_size members of one prompt, none aborted: a member resumed
+        # from an earlier step keeps that step's group id, so the prompt is what they share), and
+        # the ones dynamic sampling kept have rewards that differ
         assert all(t[-1].finish_reason != "abort" for group in groups for t in group)
+        assert all(len(group) == cfg.rollout.group_size for group in groups)
+        assert all(len({t[0].prompt_ids.tobytes() for t in group}) == 1 for group in groups)
         for group in groups:
             assert informative([t[-1].reward for t in group if not t[-1].masked])
         counts = reduce_metrics(metrics)

@@ -168,7 +168,8 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     tiny base is rebuilt from it) is refused."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
-    assert result["max_gap"] < 1e-4  # the engine serves base + adapter (its top-p nucleus too)
+    # the engine serves base + adapter (its top-p nucleus too), to rounding (measured: > 0)
+    assert all(0 < gap < 1e-4 for gap in result["gaps"])
     # a cancelled tail was suspended for a later step (partial rollout; at step 0 every sample of
     # the untrained model may run to the same length and finish before the abort lands)
     assert max(result["suspended"]) > 0

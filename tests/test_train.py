@@ -42,18 +42,20 @@ def scalars(run_dir):
 
 def test_collate_places_per_token_arrays():
     """collate puts at position t of targets, loss_mask and engine_logprobs the token predicted
-    from input t, pads on the right, and gives an aborted row (here a failed request with an
-    empty response) an all-zero mask."""
+    from input t, pads on the right, and gives a masked row an all-zero mask: a failed request
+    with an empty response, and an aborted one whose tokens' own mask says 1."""
     samples = [
         Sample([1, 2, 3], [4, 5], [-0.5, -0.25], [1, 0], group_id=0),
         Sample([1], [], [], [], group_id=0, masked=True),
+        Sample([1, 2], [6, 7], [-1.0, -1.0], [1, 1], group_id=0, masked=True),
     ]
     batch = update.collate(samples, pad_id=0)
     assert batch["input_ids"].dtype == torch.long
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert batch["loss_mask"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 0]]
-    assert batch["engine_logprobs"].tolist() == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 0, 0, 0, 0], [1, 2, 6, 7, 0]]
+    assert batch["targets"].tolist() == [[2, 3, 4, 5], [0, 0, 0, 0], [2, 6, 7, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert batch["engine_logprobs"].tolist()[:2] == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
 
 
 def test_three_steps_write_metrics(engine, tmp_path):
@@ -105,6 +107,8 @@ def test_three_steps_write_metrics(engine, tmp_path):
     # a sample that finishes in the same decode step as the target-th one is kept, so 0 is possible
     assert all(0 <= r <= 0.25 for r in logged["rollout/aborted_ratio"])
     assert max(logged["train/logprob_gap"]) < 1e-4  # engine and trainer hold the same weights ...
+    # ... and it is measured (over no token it would read 0): their kernels round apart, ~1e-7
+    assert min(logged["train/logprob_gap"]) > 0
     # ... so importance weights are ~1
     assert all(abs(w - 1) < 1e-4 for w in logged["train/tis_weight"])
     assert logged["train/tis_capped_frac"] == [0.0, 0.0, 0.0]
@@ -515,8 +519,8 @@ def test_sequence_logprobs_equal_the_full_logits_path(tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
-    """With train.gradient_checkpointing on, the model checkpoints and its gradients equal those
-    without."""
+    """With train.gradient_checkpointing on, each decoder layer runs again in the backward (its
+    activations were not kept) and the gradients equal those without."""
     samples = [
         Sample([1, 5, 6], [7, 8, 9, 2], [0.0] * 4, [1] * 4, group_id=0),
         Sample([1, 5], [9, 2], [0.0] * 2, [1] * 2, group_id=0),
@@ -528,8 +532,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
             tiny_config(tmp_path, f"train.gradient_checkpointing={switch}"), None
         )
         assert policy.is_gradient_checkpointing == (switch == "true") and policy.training
+        runs, layer = [], policy.model.layers[0]
+        forward = layer.forward  # (the recompute runs the forward, not the module's hooks)
+        layer.forward = lambda *args, **kwargs: runs.append(1) or forward(*args, **kwargs)
         logprobs, _ = update.sequence_logprobs(policy, batch, 1.0)
         (logprobs * batch["loss_mask"]).sum().backward()
+        assert len(runs) == (2 if switch == "true" else 1)  # recomputed in the backward
         grads.append({n: p.grad for n, p in policy.named_parameters()})
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
 
