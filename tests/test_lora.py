@@ -168,8 +168,9 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     tiny base is rebuilt from it) is refused."""
     result = json.loads(background_runs.lines("lora_run")[-1])
     assert result["full_pushes"] == 0 and result["adapter"] == "policy_v2"
-    # the engine serves base + adapter (its top-p nucleus too), to rounding (measured: > 0)
-    assert all(0 < gap < 1e-4 for gap in result["gaps"])
+    # the engine serves base + adapter (its top-p nucleus too), to rounding (measured: > 0; a
+    # step whose groups all wait for a suspended member trains no fresh token and logs 0)
+    assert all(gap < 1e-4 for gap in result["gaps"]) and max(result["gaps"]) > 0
     # a cancelled tail was suspended for a later step (partial rollout; at step 0 every sample of
     # the untrained model may run to the same length and finish before the abort lands)
     assert max(result["suspended"]) > 0
