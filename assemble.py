@@ -70,7 +70,7 @@ class Run:
     phases: memory.MemoryPhases | None = None  # the memory phases the weight sync moves through
     gap_watch: memory.GapWatch | None = None  # the weight sync's log-prob gap check
     start_step: int = 0
-    # optimizer steps the policy holds (the step a checkpoint after a fault records)
+    # steps whose update the policy holds (the step a checkpoint after a fault records)
     updates_done: int = 0
 
 

@@ -70,8 +70,10 @@ def train_step(run, step):
     metrics |= advantage_metrics | sequence_metrics | update_metrics
     try:
         metrics |= memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
-    except EngineDiedError as e:  # after the update, which the checkpoint that follows holds: the
-        e.trained = metrics, sequences  # step goes with the error, to be logged as any (`train`)
+    except EngineDiedError as e:
+        # the update is done and the checkpoint that follows holds it: the step's record goes
+        # with the error, for `train` to log it as any step's
+        e.trained_step = metrics, sequences
         raise
     # 6. metrics, each reduced over ranks as its stage declared
     metrics["timing/train_s"] = slowest(train_s)
@@ -125,8 +127,8 @@ def train(run, stop=None):
     except EngineDiedError as e:
         if parallel.world_size() > 1:
             raise  # the other ranks wait in collectives: the last periodic checkpoint stands
-        if getattr(e, "trained", None):  # died in the weight sync, after the step's update
-            metrics, sequences = e.trained
+        if getattr(e, "trained_step", None):  # died in the step's weight sync, after its update
+            metrics, sequences = e.trained_step  # (step, scalars, texts: the step in progress)
             record(run, logger, step, scalars | reduce_metrics(metrics), texts, sequences)
         raise save_after_engine_death(run, e, before) from None
     finally:

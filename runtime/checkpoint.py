@@ -231,7 +231,8 @@ TRAINER_STATE = {"step", "world_size", "scheduler", "buffer"}
 def check_resume(folder, cfg):
     """The trainer state of checkpoint `folder` (and under "config", the config it was written
     with: None before checkpoints held one), once every file a resume reads is found whole and
-    holding data only, and its model fields and seed equal `cfg`'s; each other change is logged.
+    holding data only, and its model fields and seed (a tiny LoRA run's: its task too) equal
+    `cfg`'s; each other change is logged.
     Runs before the engine starts: a bad checkpoint costs seconds, not an engine start. A
     CheckpointError says which file or field."""
     try:
