@@ -753,6 +753,11 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), base)
         return
     read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
+    # the rule, said apart from the code that applies it: one turn reads no tool field, and
+    # tools' turns read every field the task lists
+    listed = tasks.task_module(task).FIELDS
+    assert read == (listed - tasks.TOOL_FIELDS if turns == 1 else listed)
+    assert turns > 1 or not read & {"rollout.tools", "rollout.tool_timeout_s"}
     for key in sorted(tasks.TASK_FIELDS | tasks.TOOL_FIELDS):  # a new task's own field too
         value = other_value(key, FIELD_VALUES)
         sets = [*base, f"{key}={value}"]

@@ -220,12 +220,10 @@ def test_an_awaitable_reward_is_awaited_or_named():
 def test_a_file_reward_and_a_module_reward_load():
     """data.reward loads a function from a file (path/to/file.py:function) or from an importable
     module (module:function)."""
-    assert (
-        rewards.load_reward("examples/countdown/reward.py:countdown_reward")(
-            "x", '{"target": 1, "numbers": [1]}', True
-        )
-        == 0
-    )
+    loaded = rewards.load_reward("examples/countdown/reward.py:countdown_reward")
+    assert loaded.__name__ == "countdown_reward"  # the named function, from that file
+    row = '{"target": 3, "numbers": [1, 2]}'
+    assert [loaded(text, row, True) for text in ("x", "<answer>1 + 2</answer>")] == [0.0, 1.0]
     assert rewards.load_reward("rewards:gsm8k_reward") is rewards.gsm8k_reward
 
 
