@@ -98,12 +98,15 @@ def test_the_top_p_term_counts_the_kept_top_k_of_every_token_with_the_losss_cons
     def nucleus_bytes(tokens, top_p):
         sets = ["data.train_path=unused", f"rollout.top_p={top_p}"]
         cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
-        parts, _ = estimate.estimate(cfg, 1, estimate.H100_80GB_GIB * 2**30, budget=tokens)
-        return parts["top-p nucleus (chunked head)"]
+        parts, phases = estimate.estimate(cfg, 1, estimate.H100_80GB_GIB * 2**30, budget=tokens)
+        return parts["top-p nucleus (chunked head)"], phases["train"]
 
-    assert nucleus_bytes(4096, 1.0) == 0
+    assert nucleus_bytes(4096, 1.0)[0] == 0
     per_token = estimate.NUCLEUS_TOP_K * (2 + 8)  # gsm8k.yaml computes in bf16
-    assert nucleus_bytes(8192, 0.9) - nucleus_bytes(4096, 0.9) == 4096 * per_token
+    assert nucleus_bytes(8192, 0.9)[0] - nucleus_bytes(4096, 0.9)[0] == 4096 * per_token
+    # and the train phase (what `auto` and the over-the-card warning read) holds it
+    term, with_nucleus = nucleus_bytes(4096, 0.9)
+    assert with_nucleus - nucleus_bytes(4096, 1.0)[1] == term > 0
 
 
 # a smaller vocabulary than Qwen's (the full run needs ~12 GB and a minute), same sequence and
@@ -176,7 +179,8 @@ def test_lora_fits_a_7b_policy_on_one_80_gb_card_where_full_training_does_not():
     from runtime.estimate import H100_80GB_GIB, estimate
 
     card = H100_80GB_GIB * 2**30
-    sets = ["data.train_path=unused", "model.path=Qwen/Qwen2.5-7B-Instruct"]
+    # with a KL term: a LoRA run's reference is the policy, adapters off (no second model)
+    sets = ["data.train_path=unused", "model.path=Qwen/Qwen2.5-7B-Instruct", "train.kl_coef=0.01"]
     full = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
     full.train.max_tokens_per_micro_batch = 1024
     assert max(estimate(full, 1, card)[1].values()) > card

@@ -84,7 +84,7 @@ def test_aggregate_modes_hand_computed():
 def test_clipped_ratio_and_kl_hand_computed():
     """PPO clipping at ratio 1.5: with A > 0 the loss is clipped at 1.2 and passes no gradient;
     with A < 0 min() keeps the unclipped term and its gradient. The KL estimate is exp(d) - d - 1
-    with d = ref - logp."""
+    with d = ref - logp, added to the loss at its coefficient, with its gradient."""
     old = torch.zeros(1, 1)
     logprobs = torch.full((1, 1), math.log(1.5), requires_grad=True)  # ratio 1.5, beyond 1 + 0.2
     mask = torch.ones(1, 1)
@@ -98,10 +98,16 @@ def test_clipped_ratio_and_kl_hand_computed():
     loss.backward()
     assert logprobs.grad.item() == pytest.approx(1.5)
     ref = torch.full((1, 1), math.log(1.5) + math.log(2.0))  # ref - logp = log 2
-    _, stats = losses.policy_loss(
+    logprobs.grad = None
+    loss, stats = losses.policy_loss(
         logprobs, old, torch.tensor([1.0]), mask, ref_logprobs=ref, terms={"kl": 0.1}
     )
     assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)
+    # in the loss at its coefficient, and its gradient the loss's only one (the clipped surrogate
+    # passes none): d/dlogp (e^d - d - 1) = 1 - e^d = -1
+    assert loss.item() == pytest.approx(-1.2 + 0.1 * (1 - math.log(2)))
+    loss.backward()
+    assert logprobs.grad.item() == pytest.approx(0.1 * (1 - 2))
 
 
 def test_clip_higher_hand_computed_and_symmetric_by_default():

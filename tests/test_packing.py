@@ -293,7 +293,11 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
     budget = 30
     assert max(len(s.prompt_ids) + len(s.response_ids) for s in samples) > budget
     results = []
-    for extra in ([], [f"train.max_tokens_per_micro_batch={budget}"]):
+    # (tiny.yaml packs by default: 0 is the padded layout)
+    for extra in (
+        ["train.max_tokens_per_micro_batch=0"],
+        [f"train.max_tokens_per_micro_batch={budget}"],
+    ):
         cfg = dist_worker.parity_config(tmp_path, mode, "train.tis_cap=2", *extra)
         policy, _, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
         results.append((policy, stats))
@@ -308,7 +312,10 @@ def test_one_update_packed_equals_padded(tmp_path, mode):
     assert packed_stats["train/loss"] == pytest.approx(padded_stats["train/loss"], abs=1e-6)
     for (name, a), (_, b) in zip(padded.named_parameters(), packed.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-7, rtol=1e-4, msg=name)
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+        # AdamW's first step is about lr x sign(grad): where a gradient is at rounding level (the
+        # two layouts' attention kernels round apart) its sign, so the step, may flip
+        clear = a.grad.abs() > 1e-5
+        torch.testing.assert_close(b[clear], a[clear], atol=1e-5, rtol=0, msg=name)
 
 
 @pytest.mark.background(
