@@ -23,7 +23,7 @@ import runtime.parallel as parallel
 import train
 import runtime.model as model
 import runtime.lora as lora
-from conftest import tiny_config
+from conftest import tiny_config, train_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,12 +120,26 @@ def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
 
 
 def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
-    """On one rank with bf16 autocast, parameters and AdamW state stay fp32 and an update at lr
-    1e-6 changes at least 99% of the parameters."""
+    """On one rank with bf16 compute, set up as a run is (train.setup), the linear layers compute
+    in bf16 (autocast) while parameters and AdamW state stay fp32, and an update at lr 1e-6
+    changes at least 99% of the parameters."""
     cfg = tiny_config(tmp_path, "model.compute_dtype=bfloat16", "train.lr=1e-6")
     samples, advantages = dist_worker.fixed_batch()
     initial, _ = model.build_policy(cfg, None)
-    policy, optimizer, stats = dist_worker.update_once(cfg, samples, advantages, shard=False)
+    run = train.setup(cfg, engine=engine)
+    policy, optimizer = run.trainer.policy, run.trainer.optimizer
+    computed = set()
+
+    def linear_outputs(module, args, output):  # (the head returns fp32 log-probs in the update)
+        if isinstance(module, torch.nn.Linear) and module is not policy.get_output_embeddings():
+            computed.add(output.dtype)
+
+    hook = torch.nn.modules.module.register_module_forward_hook(linear_outputs)
+    try:
+        stats = train_on(run, samples, advantages)
+    finally:
+        hook.remove()
+    assert computed == {torch.bfloat16}
     assert {p.dtype for p in policy.parameters()} == {torch.float32}
     assert {v.dtype for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {
         torch.float32
