@@ -96,10 +96,11 @@ def save(out_dir, step, run):
 
 def remove_old(out_dir, keep):
     """Remove every checkpoint but the newest `keep` (run.keep_checkpoints; 0 keeps all), by step,
-    after the newest is complete: a crash mid-way leaves more, never fewer (`complete_steps`)."""
-    steps = complete_steps(out_dir)
-    for step in steps[:-keep] if keep else []:
-        shutil.rmtree(os.path.join(out_dir, "checkpoints", f"step_{step:06d}"))
+    after the newest is complete: a crash mid-way leaves more, never fewer
+    (`complete_checkpoints`)."""
+    folders = complete_checkpoints(out_dir)
+    for folder in folders[:-keep] if keep else []:
+        shutil.rmtree(folder)
 
 
 def sync_to_disk(folder, files=True):
@@ -177,18 +178,20 @@ def load_trained(folder, policy):
         raise CheckpointError(f"{folder} cannot be loaded: {e}") from None
 
 
-def complete_steps(out_dir):
-    """The steps of the complete checkpoints under `out_dir`, ascending: only names `save` writes,
-    step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never match)."""
+def complete_checkpoints(out_dir):
+    """The complete checkpoint folders under `out_dir`, by step ascending: only names `save`
+    writes, step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never
+    match), each as named (a hand-made `step_11` too)."""
     folder = os.path.join(out_dir, "checkpoints")
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted(int(name[5:]) for name in names if re.fullmatch(r"step_\d+", name))
+    steps = sorted((int(name[5:]), name) for name in names if re.fullmatch(r"step_\d+", name))
+    return [os.path.join(folder, name) for _, name in steps]
 
 
 def latest(out_dir):
-    """The newest complete checkpoint folder, by step (`complete_steps`), or None."""
-    steps = complete_steps(out_dir)
-    return os.path.join(out_dir, "checkpoints", f"step_{steps[-1]:06d}") if steps else None
+    """The newest complete checkpoint folder, by step (`complete_checkpoints`), or None."""
+    folders = complete_checkpoints(out_dir)
+    return folders[-1] if folders else None
 
 
 class CheckpointError(RuntimeError):

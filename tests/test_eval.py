@@ -3,6 +3,7 @@ short demo run with the shared engine: training's val/pass@k, the eval line, and
 update replayed exactly with no engine."""
 
 import json
+import os
 import re
 
 import pytest
@@ -172,13 +173,22 @@ def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
 
 def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
     """Only step_<digits> folders count, newest by step: a half-written .tmp and a copy someone
-    named step_000200_copy2 are not checkpoints."""
+    named step_000200_copy2 are not checkpoints; a hand-made step_120 is found as named (it was
+    looked for as step_000120), and run.keep_checkpoints removes by the names found."""
     import runtime.checkpoint as checkpoint
 
     for name in ("step_000050", "step_000100", "step_000200_copy2", "step_000300.tmp"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
     assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_000100")
     assert checkpoint.latest(str(tmp_path / "nowhere")) is None
+    (tmp_path / "checkpoints" / "step_120").mkdir()
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_120")
+    checkpoint.remove_old(str(tmp_path), keep=1)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "step_000200_copy2",
+        "step_000300.tmp",
+        "step_120",
+    ]
 
 
 def test_eval_seeds_every_request(engine, policy, tmp_path, sent_seeds):
