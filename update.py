@@ -537,15 +537,16 @@ def row_segments(samples, indices, shared_prefix=False):
     computes (G - 1) x (L - 1) positions fewer."""
     out, prefix = [], None  # prefix: (its segment index, its prompt's key) while a run goes on
     indices = list(indices)
+    # (keys copy each prompt, and its routes: made once each, and only where compared)
+    keys = [samples[i].prompt_key() if shared_prefix else None for i in indices] + [None]
     for k, i in enumerate(indices):
-        prompt, key = samples[i].prompt_ids, samples[i].prompt_key()
+        prompt, key = samples[i].prompt_ids, keys[k]
         end = len(prompt) + len(samples[i].response_ids)
         if prefix is not None and key == prefix[1]:
             out.append((i, len(prompt) - 1, end, prefix[0]))
             continue
         prefix = None
-        following = samples[indices[k + 1]].prompt_key() if k + 1 < len(indices) else None
-        if shared_prefix and len(prompt) > 1 and key == following:
+        if shared_prefix and len(prompt) > 1 and key == keys[k + 1]:
             out.append((i, 0, len(prompt) - 1, -1))
             prefix = (len(out) - 1, key)
             out.append((i, len(prompt) - 1, end, prefix[0]))

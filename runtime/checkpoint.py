@@ -99,8 +99,10 @@ def remove_old(out_dir, keep):
     after the newest is complete: a crash mid-way leaves more, never fewer
     (`complete_checkpoints`)."""
     folders = complete_checkpoints(out_dir)
-    for folder in folders[:-keep] if keep else []:
-        shutil.rmtree(folder)
+    kept = {step_of(folder) for folder in folders[-keep:]} if keep else set()
+    for folder in folders if keep else []:
+        if step_of(folder) not in kept:  # (a hand-made copy of a kept step stays too)
+            shutil.rmtree(folder)
 
 
 def sync_to_disk(folder, files=True):
@@ -183,9 +185,16 @@ def complete_checkpoints(out_dir):
     writes, step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never
     match), each as named (a hand-made `step_11` too)."""
     folder = os.path.join(out_dir, "checkpoints")
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    steps = sorted((int(name[5:]), name) for name in names if re.fullmatch(r"step_\d+", name))
-    return [os.path.join(folder, name) for _, name in steps]
+    found = os.listdir(folder) if os.path.isdir(folder) else []
+    names = [name for name in found if re.fullmatch(r"step_\d+", name)]
+    # of two folders of one step, the name `save` writes last: the newest is the one it wrote
+    names.sort(key=lambda name: (int(name[5:]), name == f"step_{int(name[5:]):06d}"))
+    return [os.path.join(folder, name) for name in names]
+
+
+def step_of(folder):
+    """The step a checkpoint folder's name (step_<digits>) says."""
+    return int(os.path.basename(folder)[5:])
 
 
 def latest(out_dir):
@@ -321,7 +330,11 @@ def read_saved_config(folder):
     checkpoint written before checkpoints held one."""
     path = os.path.join(folder, "config.yaml")
     if not os.path.isfile(path):
-        log.warning("%s holds no config.yaml: its model shape is not checked", folder)
+        log.warning(
+            "%s holds no config.yaml: its model shape is not checked, nor the settings a resume "
+            "changes listed",
+            folder,
+        )
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -330,8 +343,8 @@ def read_saved_config(folder):
         raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}") from None
     if not (isinstance(saved, dict) and isinstance(saved.get("model"), dict)):
         raise CheckpointError(f"{path}: its model section is not a mapping")
-    if not all(isinstance(saved.get(section, {}), dict) for section in ("train", "data")):
-        raise CheckpointError(f"{path}: its train or data section is not a mapping")
+    if not all(isinstance(section, dict) for section in saved.values()):
+        raise CheckpointError(f"{path}: a section of it is not a mapping")
     return saved
 
 

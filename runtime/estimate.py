@@ -131,12 +131,19 @@ def shape_of(config, trust_remote_code=False):
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)
         },
-        embedding=next(
-            f"{name}.weight"
-            for name, m in model.named_modules()
-            if m is model.get_input_embeddings()
-        ),
+        embedding=input_embedding(model),
     )
+
+
+def input_embedding(model):
+    """The name of `model`'s input embedding weight (Shape's default where the model cannot say:
+    transformers raises NotImplementedError for a remote-code model it cannot resolve)."""
+    try:
+        embedding = model.get_input_embeddings()
+    except NotImplementedError:
+        return Shape._field_defaults["embedding"]
+    names = (f"{name}.weight" for name, m in model.named_modules() if m is embedding)
+    return next(names, Shape._field_defaults["embedding"])
 
 
 def saved_per_token(config, named_parameters):

@@ -496,3 +496,27 @@ def test_checkpointed_layer_inputs_are_counted_in_the_residual_streams_dtype(
     m = types.SimpleNamespace(lora_rank=lora_rank, lora_also_train=also)
     counted = residual_bytes(m, shape_of(config), sharded=case == "FSDP2", compute=2)
     assert seen == [layer_input_bytes] * 3 and counted == layer_input_bytes
+
+
+def test_a_model_that_cannot_name_its_embedding_gets_the_usual_name():
+    """estimate.input_embedding: a remote-code model transformers cannot resolve raises
+    NotImplementedError from get_input_embeddings; the shape then takes the usual name (read only
+    for model.lora_also_train) instead of failing every estimate."""
+    import torch
+
+    from runtime.estimate import input_embedding
+
+    class Unresolved(torch.nn.Module):
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+    class Named(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(4, 2)
+
+        def get_input_embeddings(self):
+            return self.wte
+
+    assert input_embedding(Unresolved()) == "model.embed_tokens.weight"
+    assert input_embedding(Named()) == "wte.weight"

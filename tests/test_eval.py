@@ -174,7 +174,8 @@ def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
 def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
     """Only step_<digits> folders count, newest by step: a half-written .tmp and a copy someone
     named step_000200_copy2 are not checkpoints; a hand-made step_120 is found as named (it was
-    looked for as step_000120), and run.keep_checkpoints removes by the names found."""
+    looked for as step_000120) and, beside the one `save` writes for its step, is the older;
+    run.keep_checkpoints removes by the names found, never a folder of a kept step."""
     import runtime.checkpoint as checkpoint
 
     for name in ("step_000050", "step_000100", "step_000200_copy2", "step_000300.tmp"):
@@ -183,8 +184,13 @@ def test_the_latest_checkpoint_is_matched_by_its_exact_name(tmp_path):
     assert checkpoint.latest(str(tmp_path / "nowhere")) is None
     (tmp_path / "checkpoints" / "step_120").mkdir()
     assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_120")
+    # a run resumed from it saves step 120 again, as `save` names it: that one is the newest,
+    # and keeping one keeps both folders of its step
+    (tmp_path / "checkpoints" / "step_000120").mkdir()
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_000120")
     checkpoint.remove_old(str(tmp_path), keep=1)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "step_000120",
         "step_000200_copy2",
         "step_000300.tmp",
         "step_120",

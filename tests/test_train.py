@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from config import ConfigError
@@ -412,6 +413,10 @@ def test_a_checkpoint_from_elsewhere_is_refused_before_anything_starts(engine, t
     refused(r"model.lora_rank=4, but .* was written with 0", "model.lora_rank=4")
     # the seed orders the prompts the checkpoint's position counts (and builds a tiny reference)
     refused(r"train.seed=7, but .* was written with 0", "train.seed=7")
+    saved = yaml.safe_load(open(os.path.join(folder, "config.yaml")))
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
+        yaml.safe_dump(saved | {"rollout": None}, f)  # a section that is no mapping
+    refused("config.yaml: a section of it is not a mapping")
     # the tiny model's vocabulary is its task's characters (reverse adds letters)
     with pytest.raises(model.ModelError, match="of 25 tokens, but data.task='reverse' needs 30"):
         train.setup(tiny_config(tmp_path, "train.steps=3", "data.task=reverse"), resume=True)
