@@ -463,18 +463,11 @@ def test_checkpointed_layer_inputs_are_counted_in_the_residual_streams_dtype(
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
+    import qwen_tiny
     import runtime.lora as lora
     from runtime.estimate import residual_bytes, shape_of
 
-    config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=64,
-        tie_word_embeddings=False,
-    )
+    config = Qwen2Config(**qwen_tiny.SHAPE, vocab_size=64, tie_word_embeddings=False)
     policy = AutoModelForCausalLM.from_config(config)
     lora_rank, also = (
         (4, ["embed_tokens"] if "embedding" in case else []) if "LoRA" in case else (0, [])
