@@ -53,7 +53,7 @@ class Shape(NamedTuple):
     params: int  # every parameter (a tied output head counted once)
     numels: dict  # {parameter name: elements}: what model.lora_also_train may name
     linears: dict  # {module name: (in, out)} of each nn.Linear: what LoRA may adapt
-    embedding: str = "model.embed_tokens.weight"  # the input embedding's parameter name
+    embedding: str = "model.embed_tokens.weight"  # the input embedding's weight (`input_embedding`)
 
 
 def qwen2_config(numbers):
@@ -138,12 +138,12 @@ def shape_of(config, trust_remote_code=False):
 def input_embedding(model):
     """The name of `model`'s input embedding weight (Shape's default where the model cannot say:
     transformers raises NotImplementedError for a remote-code model it cannot resolve)."""
+    usual = Shape._field_defaults["embedding"]
     try:
         embedding = model.get_input_embeddings()
     except NotImplementedError:
-        return Shape._field_defaults["embedding"]
-    names = (f"{name}.weight" for name, m in model.named_modules() if m is embedding)
-    return next(names, Shape._field_defaults["embedding"])
+        return usual
+    return next((f"{n}.weight" for n, m in model.named_modules() if m is embedding), usual)
 
 
 def saved_per_token(config, named_parameters):
