@@ -219,11 +219,16 @@ def overlong_penalty(length, max_length, buffer, factor):
 
 
 # ---------------------------------------------------------------- the built-in rewards
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-# '####' then the number on the same line (spaces, markdown bold or a dollar sign between): the
+# A number as written: thousands only in groups of three (1,234; "5,6,7" is a list, its last
+# number 7), a decimal part, or a bare one (.5 is 0.5, not 5)
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
+# an answer: a number or a fraction of two (3/4 is 0.75, not 4; LaTeX's \frac{3}{4} likewise)
+_ANSWER = re.compile(rf"{_NUMBER.pattern}(?:/\d+)?")
+# '####' then the answer on the same line (spaces, markdown bold or a dollar sign between): the
 # format the prompt asks for (task/gsm8k.py), as verl's strict GSM8K rule reads it. A '####' with
 # no number after it is a markdown heading ("#### Step 2: ..."), not an answer
-_HASH_ANSWER = re.compile(r"####[ \t*$]*(-?\d[\d,]*(?:\.\d+)?)")
+_HASH_ANSWER = re.compile(rf"####[ \t*$]*({_ANSWER.pattern})")
+_FRACTION = re.compile(r"\\[dt]?frac\{\s*(\d+)\s*\}\{\s*(\d+)\s*\}")
 # LaTeX's and typography's thousands separators between a digit and the next group of three:
 # 1\,080, 1{,}080, 1~080, a thin space; and U+2212, the minus sign
 _SEPARATOR = re.compile(r"(?<=\d)(?:\\,|\\!|\{,\}|~|\u2009|\u202f)(?=\d{3}(?!\d))")
@@ -239,11 +244,22 @@ def positionwise(response_text, target):
 
 
 def parse_number(text):
-    """'1,234.50' -> Decimal('1234.50'), exact (a float would make 123456789100 equal
-    123456789012 under a relative tolerance, and 400-digit numbers inf); None when the text holds
-    no number."""
-    match = _NUMBER.search(plain_digits(text).replace("$", ""))
-    return decimal.Decimal(match.group().replace(",", "")) if match else None
+    """The first answer in `text`, exact: '1,234.50' -> Decimal('1234.50'), '3/4' -> 0.75 (a
+    float would make 123456789100 equal 123456789012 under a relative tolerance, and 400-digit
+    numbers inf); None when the text holds no number."""
+    match = _ANSWER.search(plain_digits(text).replace("$", ""))
+    return value(match.group()) if match else None
+
+
+def value(written):
+    """An answer as _ANSWER matched it, a Decimal: separators dropped, a fraction divided (to
+    decimal's 28 digits); None for a fraction over 0."""
+    number, _, denominator = written.replace(",", "").partition("/")
+    if not denominator:
+        return decimal.Decimal(number)
+    if decimal.Decimal(denominator) == 0:
+        return None
+    return decimal.Decimal(number) / decimal.Decimal(denominator)
 
 
 def is_number(text):
@@ -253,9 +269,9 @@ def is_number(text):
 
 
 def plain_digits(text):
-    """`text` with its numbers as _NUMBER reads them: a LaTeX or typographic thousands separator
-    a comma (1\\,080 was 1), the minus sign U+2212 a hyphen (\u22127 was 7)."""
-    return _SEPARATOR.sub(",", text.replace("\u2212", "-"))
+    """`text` with its numbers as _ANSWER reads them: a LaTeX or typographic thousands separator
+    a comma (1\\,080 was 1), the minus sign U+2212 a hyphen (\u22127 was 7), \\frac{3}{4} 3/4."""
+    return _FRACTION.sub(r"\1/\2", _SEPARATOR.sub(",", text.replace("\u2212", "-")))
 
 
 def after_thinking(response_text):
@@ -282,14 +298,14 @@ def extract_answer(response_text):
     text = plain_digits(answer)
     after_hashes = _HASH_ANSWER.findall(text)
     if after_hashes:
-        return decimal.Decimal(after_hashes[-1].replace(",", ""))
+        return value(after_hashes[-1])
     boxed = last_boxed(text)
     if boxed is not None:
         number = parse_number(re.sub(r"(?<=\d) (?=\d{3}(?!\d))", ",", boxed))
         if number is not None:
             return number
-    found = _NUMBER.findall(text.replace("$", ""))
-    return decimal.Decimal(found[-1].replace(",", "")) if found else None
+    found = _ANSWER.findall(text.replace("$", ""))
+    return value(found[-1]) if found else None
 
 
 def last_boxed(text):

@@ -30,7 +30,7 @@ def row(row):
     if not isinstance(solution, str) or "####" not in solution:
         raise ValueError("its answer is not a solution text ending in '#### <number>'")
     gold = solution.rsplit("####", 1)[-1].strip()
-    # a number, whole: parse_number alone would read 1 from "1/2" and 3 from "3-4"
+    # a number, whole: parse_number alone would read 0.5 from "1/2" and 3 from "3-4"
     if not rewards.is_number(gold):
         raise ValueError(f"not one number after its answer's '####': {gold[:40]!r}")
     return f"{row['question']}\n{INSTRUCTION}", gold

@@ -527,6 +527,29 @@ def test_gsm8k_answers_compare_exactly():
     assert rewards.gsm8k_reward("it is 7 then 12", "12", False) == 1.0
 
 
+def test_gsm8k_reads_lists_fractions_and_bare_decimals_as_written():
+    """The number reader took any run of digits and commas as one number and stopped at a slash
+    or a leading point: "5,6,7" scored as 567, "3/4" and \\frac{3}{4} as 4 (or 3 in a box), ".5" as
+    5. Thousands now come in groups of three, a fraction is its value and .5 is 0.5; maj@k votes
+    3/4 with 0.75. A fraction over 0 is no answer."""
+    for text, gold, score in (
+        ("5,6,7", "567", 0.0),
+        ("5,6,7", "7", 1.0),
+        ("so she has 3/4 left", "4", 0.0),
+        ("so she has 3/4 left", "0.75", 1.0),
+        ("\\boxed{\\frac{3}{4}}", "3", 0.0),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+        ("#### .5", "5", 0.0),
+        ("#### .5", "0.5", 1.0),
+        ("#### 1/0", "1", 0.0),
+        ("#### 1,234,567.5", "1234567.5", 1.0),
+        ("it cost 48/2=24 dollars, so 24", "24", 1.0),
+    ):
+        assert rewards.gsm8k_reward(text, gold, True) == score, (text, gold)
+    assert gsm8k.answer_of("#### 3/4") == gsm8k.answer_of("it is 0.75") == "0.75"
+    assert rewards.parse_number("1,2345") == 1 and not rewards.is_number("1/2")
+
+
 def test_answers_are_extracted_from_hostile_text_in_one_pass():
     """The last closed \\boxed{} and the last complete <answer>...</answer> are found with rfind,
     not a regular expression that rescans after every unclosed opener (350 KB of "\\boxed{" took
