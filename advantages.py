@@ -1,10 +1,11 @@
 """Stage 2 of the step: each trajectory's advantage, from the rewards of its GRPO group.
 
 Owns the advantage estimators (`ESTIMATORS`, picked by `train.advantage`: a fork point), masking
-aborted and failed members out of the group statistics, and the KL to the reference as a cost in
-the reward (`train.kl_in: reward`, verl's use_kl_in_reward; the switch and its check sit in
-loss.py, beside the KL term it replaces). Does not own the rewards (rewards.py, scored in the
-rollout) nor the loss (loss.py).
+aborted and failed members out of the group statistics, and what shapes the reward the advantage
+reads: DAPO's soft overlong punishment (`train.overlong_penalty`) and the KL to the reference as a
+cost (`train.kl_in: reward`, verl's use_kl_in_reward; the switch and its check sit in loss.py,
+beside the KL term it replaces). Does not own the rewards (rewards.py, the task's score, scored in
+the rollout: what dynamic sampling, accuracy and the logged reward read) nor the loss (loss.py).
 
 To add an estimator: a function `(rewards, group_ids, is_valid, cfg) -> advantages` below, its
 entry in ESTIMATORS, and `train.advantage: <name>` picks it (README "Fork it";
@@ -67,27 +68,53 @@ def grpo(rewards, group_ids, is_valid, cfg):
 ESTIMATORS = {"grpo": grpo}
 
 # config.refuse_unread's table: the fields only some estimators read (an estimator of yours that
-# reads one adds its name here)
+# reads one adds its name here), and what only the overlong penalty reads
 READ_WHEN = {
     "train.scale_by_std": (lambda cfg: cfg.train.advantage in ("grpo",), "by train.advantage=grpo"),
+    "train.overlong_buffer": (
+        lambda cfg: cfg.train.overlong_penalty > 0,
+        "with train.overlong_penalty > 0",
+    ),
 }
 
 
 def check(cfg):
-    """train.advantage's choice, and no field set that only another estimator reads
-    (assemble.load_config calls this at load)."""
-    if cfg.train.advantage not in ESTIMATORS:
+    """train.advantage's choice, the overlong penalty's limits, and no field set that only another
+    estimator reads (assemble.load_config calls this at load)."""
+    t = cfg.train
+    if t.advantage not in ESTIMATORS:
+        raise ConfigError(f"train.advantage={t.advantage!r}: expected one of {tuple(ESTIMATORS)}")
+    budget = cfg.rollout.max_trajectory_tokens()
+    if t.overlong_penalty and cfg.rollout.max_turns > 1:
         raise ConfigError(
-            f"train.advantage={cfg.train.advantage!r}: expected one of {tuple(ESTIMATORS)}"
+            "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool observations "
+            "share the token budget with what the model wrote"
+        )
+    if t.overlong_penalty and not 0 < t.overlong_buffer <= budget:
+        raise ConfigError(
+            f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the generation "
+            f"budget), got {t.overlong_buffer}"
         )
     refuse_unread(cfg, READ_WHEN)
 
 
+def overlong_penalty(length, max_length, buffer, factor):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_length - buffer
+    tokens, then falling linearly to -factor at max_length (the generation budget, which no
+    response exceeds). Added to the reward the advantage reads (train.overlong_penalty,
+    train.overlong_buffer), as verl's DAPO reward manager does: min(-(length - (max_length -
+    buffer)) / buffer * factor, 0). Worked example, budget 1,024, buffer 256, factor 1: 700 tokens
+    0; 896 tokens -0.5."""
+    return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
+
+
 def compute(trainer, groups):
     """Every trajectory of `groups` (lists of trajectories, each a list of turns), its advantage
-    written on each of its turns (`Sample.advantage`), with the stage's metrics. With
-    train.kl_in=reward, kl_coef x its KL to the reference is subtracted from its reward first
-    (that needs the trainer's memory back: the step calls this after memory.to_train)."""
+    written on each of its turns (`Sample.advantage`), with the stage's metrics. The reward it
+    reads is the task's (`Sample.reward`) plus DAPO's overlong penalty when on: the paper filters
+    groups and counts accuracy on the task's score, and shapes only the advantage. With
+    train.kl_in=reward, kl_coef x its KL to the reference is subtracted from it too (that needs
+    the trainer's memory back: the step calls this after memory.to_train)."""
     cfg = trainer.cfg
     trajectories = [turns for group in groups for turns in group]
     last_turns = [turns[-1] for turns in trajectories]
@@ -98,6 +125,18 @@ def compute(trainer, groups):
     rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)
     is_valid = torch.tensor([not s.masked for s in last_turns], dtype=torch.bool)
     metrics = {}
+    t = cfg.train
+    if t.overlong_penalty:  # single-turn (`check`): the response is the last turn's
+        budget = cfg.rollout.max_trajectory_tokens()
+        penalty = torch.tensor(
+            [
+                overlong_penalty(len(s.response_ids), budget, t.overlong_buffer, t.overlong_penalty)
+                for s in last_turns
+            ],
+            dtype=torch.float,
+        )
+        metrics["train/overlong_penalty"] = ratio((penalty * is_valid).sum(), is_valid.sum())
+        rewards = rewards + penalty
     if cfg.train.kl_in == "reward":
         kl_cost = cfg.train.kl_coef * reference_kl(trainer, trajectories)
         metrics["train/reward_kl_cost"] = ratio((kl_cost * is_valid).sum(), is_valid.sum())

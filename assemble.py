@@ -38,7 +38,7 @@ from task.data import PromptStream, build_task, vocabulary
 log = logging.getLogger("setup")
 
 # every module with choices or combinations of its own to check at load (each its `check(cfg)`)
-CHECKED_BY = (cancel, advantages, merge, loss, update, rewards, memory, model, data)
+CHECKED_BY = (cancel, advantages, merge, loss, update, memory, model, data)
 
 
 def load_config(path=None, sets=()):

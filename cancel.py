@@ -40,6 +40,9 @@ class LaunchPlan:
     max_prompts: int = 0  # filter: new prompts a step may launch in all
     # tokens one trajectory may hold (RolloutConfig.max_trajectory_tokens)
     max_trajectory_tokens: int = 0
+    # train.mask_truncated: a member cut at the budget trains nothing, so the filter keeps a group
+    # only if one of its survivors was not (`keeps`)
+    mask_truncated: bool = False
 
 
 def ceil(x):
@@ -48,8 +51,9 @@ def ceil(x):
     return math.ceil(round(x, 9))
 
 
-def plan_launch(r, num_prompts):
-    """The LaunchPlan of a rank launching `num_prompts` prompts (`r`: the RolloutConfig).
+def plan_launch(r, num_prompts, mask_truncated=False):
+    """The LaunchPlan of a rank launching `num_prompts` prompts (`r`: the RolloutConfig;
+    `mask_truncated`: train.mask_truncated, which dynamic sampling's keep rule reads).
     `over_sample_rate` launches extra prompts and stops at the batch size; `drop_rate` launches the
     batch and stops once all but its slowest fraction (samples or groups) finished."""
     batch = num_prompts * r.group_size
@@ -63,6 +67,7 @@ def plan_launch(r, num_prompts):
         time_factor=r.time_factor,
         partial=r.partial and r.max_staleness > 0,
         max_trajectory_tokens=r.max_trajectory_tokens(),
+        mask_truncated=mask_truncated,
     )
     if r.filter_groups:
         # the config's counts are for all ranks: this rank launches its share of them
@@ -215,10 +220,17 @@ def check(cfg):
             f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
         )
     refuse_unread(cfg, READ_WHEN)
+    first_launch = ceil(r.prompts_per_step * (1 + r.over_sample_rate))
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "
             f"rollout.prompts_per_step={r.prompts_per_step}: no step could fill its batch"
+        )
+    if r.filter_groups and 0 < r.max_prompts_per_step < first_launch:
+        raise ConfigError(
+            f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below the first launch "
+            f"alone: rollout.prompts_per_step={r.prompts_per_step} x (1 + "
+            f"rollout.over_sample_rate={r.over_sample_rate}) = {first_launch}"
         )
 
 
@@ -274,6 +286,16 @@ def informative(rewards):
     return len(rewards) > 1 and statistics.pstdev(rewards) > 1e-6
 
 
+def keeps(survivors, mask_truncated):
+    """Dynamic sampling's keep rule on a group's survivors (the last turns of its finished
+    members): their rewards differ (`informative`), and one of them trains. With
+    train.mask_truncated a member cut at the budget does not (merge.training_sequences), so a group
+    of such members trains nothing whatever its rewards; it was kept, and counted toward the
+    target. (The rewards are the task's: DAPO's overlong penalty shapes only the advantage.)"""
+    trains = [s for s in survivors if not (mask_truncated and s.finish_reason == "length")]
+    return informative([s.reward for s in survivors]) and bool(trains)
+
+
 def solved(rewards):
     """A zero-variance group's kind: every survivor solved it (reward >= 1, as `val/accuracy`
     counts)."""
@@ -281,38 +303,37 @@ def solved(rewards):
 
 
 class GroupFilter:
-    """Dynamic sampling's tally during one rollout: members in flight and rewards, per group id.
-    A group is judged once every member launched this step has returned, on its survivors:
-    finished members' rewards (with, for a held group of partial rollout, those its members
-    earned in earlier steps); failed members count nowhere, like in the advantages. Members
-    cancelled at the end are never judged here (inflight.py stops feeding the filter at its
-    decision)."""
+    """Dynamic sampling's tally during one rollout: members in flight and survivors, per group id.
+    A group is judged (`keeps`) once every member launched this step has returned, on its
+    survivors: its finished members (with, for a held group of partial rollout, those that
+    finished in earlier steps: `held`); failed members count nowhere, like in the advantages.
+    Members cancelled at the end are never judged here (inflight.py stops feeding the filter at
+    its decision)."""
 
-    def __init__(self, prior_rewards=None, whole=0):
-        self.rewards = {group_id: list(r) for group_id, r in (prior_rewards or {}).items()}
+    def __init__(self, held=None, whole=0, mask_truncated=False):
+        self.survivors = {group_id: list(turns) for group_id, turns in (held or {}).items()}
         # the group policy trains complete groups only: there a kept group has `whole` survivors
         self.whole = whole
+        self.mask_truncated = mask_truncated
         self.in_flight = {}
-        self.kept, self.zero_variance = 0, 0
+        self.kept = 0
 
     def launched(self, group_id):
         self.in_flight[group_id] = self.in_flight.get(group_id, 0) + 1
-        self.rewards.setdefault(group_id, [])
+        self.survivors.setdefault(group_id, [])
 
-    def returned(self, group_id, reward=None):
-        """A member came back: finished with `reward`, or failed (None)."""
-        if reward is not None:
-            self.rewards[group_id].append(reward)
+    def returned(self, last_turn):
+        """A member came back, `last_turn` its trajectory's last: finished, or failed (masked)."""
+        group_id = last_turn.group_id
+        if not last_turn.masked:
+            self.survivors[group_id].append(last_turn)
         self.in_flight[group_id] -= 1
         if self.in_flight[group_id] == 0:
             del self.in_flight[group_id]
-            rewards = self.rewards[group_id]
-            if len(rewards) < self.whole:  # a member failed: the group policy drops the group
-                return
-            if informative(rewards):
+            survivors = self.survivors[group_id]
+            # with fewer than `whole`, a member failed: the group policy drops the group
+            if len(survivors) >= self.whole and keeps(survivors, self.mask_truncated):
                 self.kept += 1
-            else:
-                self.zero_variance += 1
 
     def possible(self):
         """Groups still in flight: each may yet be kept."""
@@ -329,19 +350,21 @@ class GroupFilter:
         return max(min(plan.refill_prompts, plan.max_prompts - prompts_launched), 0)
 
 
-def informative_groups(groups, drop=True):
+def informative_groups(groups, drop=True, mask_truncated=False):
     """Dynamic sampling over scored groups (each a list of trajectories, each a list of turns):
-    with `drop`, only the informative groups; without, all of them. And the counts: kept groups,
-    and zero-variance ones split into all-solved and all-unsolved. A group with no survivor (all
-    cancelled or failed) is neither, and trains nothing anyway."""
+    with `drop`, only the groups it keeps (`keeps`); without, all of them. And the counts: kept
+    groups, and zero-variance ones split into all-solved and all-unsolved. A group with fewer than
+    two survivors (the rest cancelled or failed) is neither: it has no variance to judge, and
+    trains nothing anyway; nor is one whose every survivor was cut under train.mask_truncated."""
     kept = []
     counts = {"kept_groups": 0, "zero_variance_all_correct": 0, "zero_variance_all_wrong": 0}
     for members in groups:
-        rewards = [turns[-1].reward for turns in members if not turns[-1].masked]
-        if informative(rewards):
+        survivors = [turns[-1] for turns in members if not turns[-1].masked]
+        rewards = [s.reward for s in survivors]
+        if keeps(survivors, mask_truncated):
             counts["kept_groups"] += 1
             kept.append(members)
-        elif rewards:
+        elif len(rewards) > 1 and not informative(rewards):
             kind = "zero_variance_all_correct" if solved(rewards) else "zero_variance_all_wrong"
             counts[kind] += 1
     counts["zero_variance_groups"] = (

@@ -286,8 +286,9 @@ class TrainConfig:
     loss_agg: str = "token-mean"
     # DAPO's overlong filtering: responses cut at the token budget stay out of the loss
     mask_truncated: bool = False
-    # DAPO's soft overlong punishment, added to the reward (rewards.overlong_penalty): from
-    # overlong_buffer tokens before the generation budget, down to -overlong_penalty at it (0 = off)
+    # DAPO's soft overlong punishment, added to the reward the advantage reads (not to the logged
+    # reward, accuracy or dynamic sampling's: advantages.overlong_penalty): from overlong_buffer
+    # tokens before the generation budget, down to -overlong_penalty at it (0 = off)
     overlong_penalty: NonNegativeFloat = 0.0
     overlong_buffer: NonNegativeInt = 0
     # the advantage estimator: grpo (advantages.ESTIMATORS; a fork adds its own there)
@@ -395,8 +396,8 @@ class Config:
 
     def __post_init__(self):
         """Every number within the Range written beside its field; the choices and the
-        combinations are their owners' (`check` in cancel.py, advantages.py, loss.py, update.py,
-        rewards.py, memory.py, runtime/model.py, task/data.py). A ConfigError names the key."""
+        combinations are their owners' (`check` in cancel.py, advantages.py, merge.py, loss.py,
+        update.py, memory.py, runtime/model.py, task/data.py). A ConfigError names the key."""
         for key, value, allowed in numbers(self):
             if not allowed.admits(value):
                 kind = "a finite number" if isinstance(value, float) else "an integer"

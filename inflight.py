@@ -277,8 +277,7 @@ class Rollout:
         """Dynamic sampling, on every return before the decision: tally the trajectory's group,
         then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
         tasks."""
-        last = turns[-1]
-        self.group_filter.returned(last.group_id, None if last.masked else last.reward)
+        self.group_filter.returned(turns[-1])
         new = set()
         while self.settings.more_prompts is not None:
             count = self.group_filter.wanted(self.settings.plan, self.stats.prompts_launched)

@@ -80,7 +80,7 @@ class PartialBuffer:
         restarted sample that grows too old again is given up (`give_up`). Group ids: the new
         prompts' are 0.., and each held group gets one after them, in the order of the held
         prompts returned, so the engine never mixes it with a fresh group and dynamic sampling
-        judges it whole (`prior_rewards`). The rollout's refills number on from there.
+        judges it whole (`held_survivors`). The rollout's refills number on from there.
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
         # first, so that new prompts take the places of the samples given up
@@ -137,12 +137,12 @@ class PartialBuffer:
         self.counters["wasted_tokens"] += len(sample.response_ids)
         return True
 
-    def prior_rewards(self):
-        """{group id: rewards of its finished members} of the held groups this step resumes: the
-        members that finished in earlier steps were scored then (failed ones count nowhere, the
-        resumed ones are still aborted here)."""
+    def held_survivors(self):
+        """{group id: last turns of its finished members} of the held groups this step resumes:
+        the members that finished in earlier steps were scored then (failed ones count nowhere,
+        the resumed ones are still aborted here)."""
         return {
-            group_id: [m[-1].reward for m in group.members if not m[-1].masked]
+            group_id: [m[-1] for m in group.members if not m[-1].masked]
             for group_id, group in self.resumed.items()
         }
 

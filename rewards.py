@@ -1,5 +1,6 @@
-"""Rewards: GSM8K's reward, loading your own (`data.reward`), calling one safely, DAPO's overlong
-penalty, and `Rewards.for_rollout`, the one place a trajectory's text becomes a reward.
+"""Rewards: GSM8K's reward, loading your own (`data.reward`), calling one safely, and
+`Rewards.for_rollout`, the one place a trajectory's text becomes a reward (the task's score; DAPO's
+overlong penalty shapes the advantage only: advantages.py).
 
 Owns what a reward function is called with and what it may return (a finite number; anything else
 is a RewardError, counted by the rollout), and that it runs off the rollout's event loop: an
@@ -20,7 +21,7 @@ import re
 
 import numpy
 
-from config import ConfigError, load_function, refuse_unread
+from config import ConfigError, load_function
 
 
 class RewardError(ValueError):
@@ -28,37 +29,10 @@ class RewardError(ValueError):
     fails)."""
 
 
-# config.refuse_unread's table: what only DAPO's overlong penalty reads
-READ_WHEN = {
-    "train.overlong_buffer": (
-        lambda cfg: cfg.train.overlong_penalty > 0,
-        "with train.overlong_penalty > 0",
-    ),
-}
-
-
-def check(cfg):
-    """DAPO's overlong penalty's limits (assemble.load_config calls this at load)."""
-    t = cfg.train
-    budget = cfg.rollout.max_trajectory_tokens()
-    if t.overlong_penalty and cfg.rollout.max_turns > 1:
-        raise ConfigError(
-            "train.overlong_penalty is single-turn: with rollout.max_turns > 1 tool observations "
-            "share the token budget with what the model wrote"
-        )
-    if t.overlong_penalty and not 0 < t.overlong_buffer <= budget:
-        raise ConfigError(
-            f"train.overlong_penalty needs 0 < train.overlong_buffer <= {budget} (the generation "
-            f"budget), got {t.overlong_buffer}"
-        )
-    refuse_unread(cfg, READ_WHEN)
-
-
 class Rewards:
     """A run's reward step: its `reward_fn` (response_text, answer, finished) -> float, the one
     `data.reward` names or else the task's own (task.data.task_reward), run in a thread pool of
-    its own, and DAPO's overlong penalty when on (`train.overlong_penalty`). `task_reward` is that
-    function's value alone, the penalty left out."""
+    its own. `task_reward` scores one trajectory; `for_rollout` is what a rollout calls."""
 
     def __init__(self, reward_fn, tokenizer, cfg, tool=None):
         self.reward_fn = reward_fn
@@ -72,20 +46,12 @@ class Rewards:
             cfg.rollout.reward_workers, thread_name_prefix="reward"
         )
 
-    def for_rollout(self, prompts_by_group, overlong=True):
+    def for_rollout(self, prompts_by_group):
         """The reward step, as the rollout calls it on each finished trajectory (its turns): its
-        score against the answer of its prompt, `prompts_by_group[group id]`, plus DAPO's
-        overlong penalty when on and `overlong` (training's rollouts: validation and eval.py
-        score the task's reward alone)."""
-        t = self.cfg.train
-        budget = self.cfg.rollout.max_trajectory_tokens()
+        score against the answer of its prompt, `prompts_by_group[group id]`."""
 
         async def reward(turns):
-            value = await self.task_reward(turns, prompts_by_group[turns[-1].group_id].answer)
-            if overlong and t.overlong_penalty:  # DAPO: long responses earn less, before the cut
-                length = len(turns[-1].response_ids)  # single-turn (`check` refuses more turns)
-                value += overlong_penalty(length, budget, t.overlong_buffer, t.overlong_penalty)
-            return value
+            return await self.task_reward(turns, prompts_by_group[turns[-1].group_id].answer)
 
         return reward
 
@@ -207,15 +173,6 @@ def check_signature(fn, named):
         raise ConfigError(f"{named} must take (response_text, answer, finished): {e}") from None
     except ValueError:  # a builtin without a signature: called as is
         pass
-
-
-def overlong_penalty(length, max_length, buffer, factor):
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_length - buffer
-    tokens, then falling linearly to -factor at max_length (the generation budget, which no
-    response exceeds). Added to the task's reward (train.overlong_penalty, train.overlong_buffer),
-    as verl's DAPO reward manager does: min(-(length - (max_length - buffer)) / buffer * factor,
-    0). Worked example, budget 1,024, buffer 256, factor 1: 700 tokens 0; 896 tokens -0.5."""
-    return min(-(length - (max_length - buffer)) / buffer * factor, 0.0)
 
 
 # ---------------------------------------------------------------- the built-in rewards

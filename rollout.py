@@ -33,17 +33,17 @@ def collect(run, step):
     r = run.cfg.rollout
     # what to launch and when to stop waiting (cancel.py); with rollout.cancel none, the default:
     # this rank's share of prompts_per_step, group_size requests each, every one awaited
-    plan = plan_launch(r, r.prompts_per_step // parallel.world_size())
+    plan = plan_launch(r, r.prompts_per_step // parallel.world_size(), run.cfg.train.mask_truncated)
     buffer = run.buffer  # partial rollout's suspended samples (partial.py); None when off
     resumes = []
     held_prompts = []
-    prior_rewards = None
+    held_survivors = None
     if buffer is None:
         new_prompts = run.stream.take(plan.num_prompts)
     else:
         version = run.engine.weight_version
         resumes, new_prompts, held_prompts = buffer.launch(run.stream, plan.num_prompts, version)
-        prior_rewards = buffer.prior_rewards()
+        held_survivors = buffer.held_survivors()
     # indexed by group id: the new prompts' (0..), the held groups', then refills' (partial.py)
     prompts_by_group = new_prompts + held_prompts
     samples, stats = run.engine.generate(
@@ -58,7 +58,7 @@ def collect(run, step):
         resumes=resumes,
         reward=run.rewards.for_rollout(prompts_by_group),
         more_prompts=refills(run.stream, prompts_by_group) if r.filter_groups else None,
-        prior_rewards=prior_rewards,
+        held_survivors=held_survivors,
         seed=rollout_seed(run.cfg.train.seed, step),
     )
     if buffer is None:
@@ -69,7 +69,7 @@ def collect(run, step):
     if buffer is not None:
         metrics |= buffer.metrics()  # its rollout/* counts replace rollout_metrics'
     # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
-    groups, counts = informative_groups(groups, drop=r.filter_groups)
+    groups, counts = informative_groups(groups, r.filter_groups, run.cfg.train.mask_truncated)
     trained = [turns for group in groups for turns in group]
     metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
     return groups, metrics
@@ -113,7 +113,7 @@ class RolloutEngine(Engine):
         resumes=(),
         reward=None,
         more_prompts=None,
-        prior_rewards=None,
+        held_survivors=None,
         seed=None,
     ):
         """Sample `group_size` trajectories per prompt; with a `plan`, cancel the tail as
@@ -127,8 +127,8 @@ class RolloutEngine(Engine):
         budget; the caller gives them group ids after the new prompts' (0..), one per held group.
         `reward` (turns -> float) scores each finished trajectory as it returns, every turn getting
         the value. With `plan.filter_groups` (dynamic sampling), `more_prompts(count,
-        first_group_id=)` supplies more prompts (token-id lists), and `prior_rewards` ({group id:
-        rewards}) are what a held group's finished members earned before.
+        first_group_id=)` supplies more prompts (token-id lists), and `held_survivors` ({group id:
+        last turns}) are a held group's members that finished before, with their rewards.
 
         Returns (every turn of every trajectory in launch order: resumes first, refills last, each
         turn's `trajectory_id` its request's launch index; RolloutStats).
@@ -152,7 +152,7 @@ class RolloutEngine(Engine):
             more_prompts=more_prompts,
             timeout_s=self.cfg.rollout_timeout_s,
             seed=seed,
-            held={group_id: len(r) for group_id, r in (prior_rewards or {}).items()},
+            held={group_id: len(s) for group_id, s in (held_survivors or {}).items()},
         )
         requests = [Request(i, s.group_id, s.prompt_ids, resumed=s) for i, s in enumerate(resumes)]
         for group_id, ids in enumerate(prompts):
@@ -161,7 +161,9 @@ class RolloutEngine(Engine):
         check_launch(requests, settings, self.cfg.max_total_tokens)
         filtering = plan is not None and plan.filter_groups
         whole = group_size if filtering and plan.cancel == "group" else 0
-        group_filter = GroupFilter(prior_rewards, whole) if filtering else None
+        group_filter = (
+            GroupFilter(held_survivors, whole, plan.mask_truncated) if filtering else None
+        )
         rollout = Rollout(self, settings, group_filter)
         return self._run(rollout.run(requests))
 
@@ -169,8 +171,8 @@ class RolloutEngine(Engine):
 # ---------------------------------------------------------------- the loop's validation
 def generate_scored(run, prompts, group_size, temperature, seed=None):
     """Validation's rollout (and the tests'; eval has its own): `group_size` trajectories per
-    prompt, every request waited for, each scored by the task's reward alone (no overlong
-    penalty). Returns (samples, RolloutStats)."""
+    prompt, every request waited for, each scored by the task's reward. Returns (samples,
+    RolloutStats)."""
     r = run.cfg.rollout
     return run.engine.generate(
         [p.prompt_ids for p in prompts],
@@ -180,7 +182,7 @@ def generate_scored(run, prompts, group_size, temperature, seed=None):
         tool=run.tool,
         max_turns=r.max_turns,
         max_response_tokens=r.max_response_tokens,
-        reward=run.rewards.for_rollout(prompts, overlong=False),
+        reward=run.rewards.for_rollout(prompts),
         seed=seed,
     )
 

@@ -140,12 +140,13 @@ def test_under_the_group_policy_a_group_with_a_failed_member_is_not_kept():
     (only complete groups train), so the filter does not count it kept; with count it is kept on
     its survivors."""
     from cancel import GroupFilter
+    from test_filter import member
 
     for whole, kept in ((3, 0), (0, 1)):
         tally = GroupFilter(whole=whole)
         for _ in range(3):
             tally.launched(0)
-        tally.returned(0, 1.0)
-        tally.returned(0, 0.0)
-        tally.returned(0, None)  # failed
+        tally.returned(member(0, 1.0))
+        tally.returned(member(0, 0.0))
+        tally.returned(member(0))  # failed
         assert tally.kept == kept

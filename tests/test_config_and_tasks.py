@@ -878,7 +878,7 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
 
 
 @pytest.mark.parametrize(
-    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update", "rewards"]
+    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update"]
 )
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default

@@ -15,6 +15,7 @@ import train
 from metrics import reduce_metrics
 from cancel import GroupFilter, informative, informative_groups, plan_launch
 from conftest import tiny_config
+from config import ConfigError
 from rollout import filter_metrics
 from test_partial import PROMPTS, TAIL_SMOKE, aborted_samples
 
@@ -42,6 +43,21 @@ def scripted(is_zero_variance):
     )
 
 
+def member(group_id, reward=None, finish_reason="stop"):
+    """A trajectory's last turn as the filter sees it: finished with `reward`, or failed
+    (None)."""
+    return sample.Sample(
+        [1],
+        [4],
+        [0.0],
+        [1],
+        group_id,
+        finish_reason=finish_reason,
+        masked=reward is None,
+        reward=reward or 0.0,
+    )
+
+
 def test_keep_rule_is_a_float64_std_with_a_threshold():
     """A group is informative when the float64 std of its rewards exceeds 1e-6: equal rewards
     that float arithmetic set apart, a single reward and none are not."""
@@ -53,20 +69,66 @@ def test_keep_rule_is_a_float64_std_with_a_threshold():
 
 def test_group_filter_judges_a_group_when_its_last_member_returns_on_its_survivors():
     """A group is judged once its last launched member returns, on its finished members' rewards
-    (a failed member counts nowhere), a held group together with the rewards its members earned
+    (a failed member counts nowhere), a held group together with its members that finished
     before."""
-    groups = GroupFilter(prior_rewards={7: [0.0, 1.0]})
+    groups = GroupFilter(held={7: [member(7, 0.0), member(7, 1.0)]})
     for group_id in (0, 0, 0, 1, 1, 7):
         groups.launched(group_id)
-    groups.returned(0, 1.0)
-    groups.returned(0, None)  # failed: counts nowhere
-    assert (groups.kept, groups.zero_variance, groups.possible()) == (0, 0, 3)
-    groups.returned(0, 1.0)  # whole: survivors 1.0, 1.0
-    assert (groups.zero_variance, groups.possible()) == (1, 2)
-    groups.returned(1, 0.0)
-    groups.returned(1, 1.0)
-    groups.returned(7, 1.0)  # a held group: with what its members earned in earlier steps
-    assert (groups.kept, groups.zero_variance, groups.possible()) == (2, 1, 0)
+    groups.returned(member(0, 1.0))
+    groups.returned(member(0))  # failed: counts nowhere
+    assert (groups.kept, groups.possible()) == (0, 3)
+    groups.returned(member(0, 1.0))  # whole: survivors 1.0, 1.0, not kept
+    assert (groups.kept, groups.possible()) == (0, 2)
+    groups.returned(member(1, 0.0))
+    groups.returned(member(1, 1.0))
+    groups.returned(member(7, 1.0))  # a held group: with its members of earlier steps
+    assert (groups.kept, groups.possible()) == (2, 0)
+
+
+def test_a_group_whose_survivors_were_all_cut_is_not_kept_under_mask_truncated():
+    """train.mask_truncated trains no member cut at the budget: a group whose every survivor was
+    cut trains nothing, whatever its rewards (GSM8K scores cut-off text), so the filter neither
+    counts it toward the target nor hands it back; one survivor that ended is enough. Without
+    mask_truncated the cut members train and the group is kept. A group with one survivor is not
+    zero-variance: it has no variance to judge."""
+    cut = [member(0, 1.0, "length"), member(0, 0.0, "length"), member(0, 1.0, "length")]
+    one_ended = cut[:2] + [member(0, 1.0)]
+    for survivors, mask_truncated, kept in (
+        (cut, True, 0),
+        (one_ended, True, 1),
+        (cut, False, 1),
+    ):
+        groups = GroupFilter(mask_truncated=mask_truncated)
+        for turn in survivors:
+            groups.launched(0)
+        for turn in survivors:
+            groups.returned(turn)
+        assert groups.kept == kept, (survivors, mask_truncated)
+        trajectories = [[turn] for turn in survivors]
+        handed, counts = informative_groups([trajectories], mask_truncated=mask_truncated)
+        assert counts["kept_groups"] == len(handed) == kept
+        assert counts["zero_variance_groups"] == 0
+    lone = [[member(0, 1.0)], [member(0)], [member(0)]]
+    assert informative_groups([lone])[1]["zero_variance_groups"] == 0
+
+
+def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
+    """rollout.max_prompts_per_step bounds the new prompts a step launches: one below the
+    over-sampled first launch (32 x 2 = 64 > 40) was silently raised to it; it is a ConfigError."""
+    with pytest.raises(ConfigError, match="below the first launch alone.*= 64"):
+        filtering_plan(
+            tmp_path,
+            "rollout.over_sample_rate=1.0",
+            "rollout.max_prompts_per_step=40",
+            "rollout.prompts_per_step=32",
+        )
+    plan = filtering_plan(
+        tmp_path,
+        "rollout.over_sample_rate=1.0",
+        "rollout.max_prompts_per_step=64",
+        "rollout.prompts_per_step=32",
+    )
+    assert plan.num_prompts == plan.max_prompts == 64
 
 
 def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(
@@ -79,8 +141,8 @@ def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_withi
     for group_id in (0, 1, 2, 3):
         groups.launched(group_id)
     assert groups.wanted(plan, prompts_launched=4) == 0  # 4 in flight may yet make the target of 4
-    groups.returned(0, 1.0)
-    groups.returned(1, 1.0)  # two zero-variance groups: 0 kept + 2 possible < 4
+    groups.returned(member(0, 1.0))
+    groups.returned(member(1, 1.0))  # two zero-variance groups: 0 kept + 2 possible < 4
     assert groups.wanted(plan, prompts_launched=4) == 2
     assert groups.wanted(plan, prompts_launched=6) == 1  # the bound of 7 new prompts leaves one
     assert groups.wanted(plan, prompts_launched=7) == 0
@@ -175,8 +237,8 @@ def test_the_prompt_bound_truncates_the_step_without_error(engine, policy, tmp_p
 
 def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, policy, tmp_path):
     """Partial rollout: suspended members are resumed under one group id; the rollout judges
-    their group on the rewards its members earned before (prior) and now, so the same resumed
-    rewards keep the group or not depending on the prior."""
+    their group on the rewards its members earned before (held) and now, so the same resumed
+    rewards keep the group or not depending on the held ones."""
     partial = aborted_samples(engine, tmp_path)[:3]
     resumes = [dataclasses.replace(s, group_id=0) for s in partial]
     plan = filtering_plan(tmp_path, "rollout.max_new_tokens=64", "rollout.partial=true")
@@ -190,7 +252,7 @@ def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, p
             plan,
             resumes=resumes,
             reward=lambda turns: 1.0,
-            prior_rewards={0: prior},
+            held_survivors={0: [member(0, reward) for reward in prior]},
         )
         assert engine.num_in_flight() == 0
         assert stats.kept_groups == kept and all(not s.masked and s.reward == 1.0 for s in samples)

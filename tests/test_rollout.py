@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import time
+import types
 import uuid
 
 import pytest
@@ -362,19 +363,33 @@ def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
             asyncio.run(rewards.call_reward_off_loop(fn, "text", "answer", True, pool, timeout_s))
 
 
-def test_overlong_penalty_hand_computed_and_added_by_the_rollouts_reward(tmp_path):
+def test_overlong_penalty_hand_computed_and_shaping_only_the_advantage(tmp_path):
     """DAPO's soft overlong punishment: 0 up to budget - buffer, then linear to -factor at the
-    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1); Rewards.for_rollout adds
-    it to the task's reward (the demo's 48-token budget, buffer 16: 40 tokens -> 1 - 0.5); a buffer
-    larger than the budget is a ConfigError."""
-    assert rewards.overlong_penalty(700, 1024, 256, 1.0) == 0.0
-    assert rewards.overlong_penalty(896, 1024, 256, 1.0) == -0.5
-    assert rewards.overlong_penalty(1024, 1024, 256, 0.5) == -0.5
+    budget (1,024 and 256: 700 tokens 0, 896 tokens -0.5, 1,024 tokens -1). advantages.compute adds
+    it to the reward the advantage reads (the demo's 48-token budget, buffer 16: 40 tokens -> 1 -
+    0.5), and only there: two right answers of different lengths keep reward 1 (accuracy, the
+    logged reward) and are one zero-variance group to dynamic sampling, as the paper filters on
+    accuracy; the penalty had been added to the reward itself, so such a group was kept and
+    counted half wrong. A buffer larger than the budget is a ConfigError."""
+    import advantages
+    import cancel
+
+    assert advantages.overlong_penalty(700, 1024, 256, 1.0) == 0.0
+    assert advantages.overlong_penalty(896, 1024, 256, 1.0) == -0.5
+    assert advantages.overlong_penalty(1024, 1024, 256, 0.5) == -0.5
     cfg = tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=16")
     judge = rewards.Rewards(lambda text, answer, finished: 1.0, model.build_char_tokenizer(), cfg)
-    turns = [Sample([1, 5], [4] * 40, [0.0] * 40, [1] * 40, group_id=0)]
+    group = [[Sample([1, 5], [4] * n, [0.0] * n, [1] * n, group_id=0)] for n in (40, 20)]
     prompts = [sample.Prompt(prompt_ids=[1, 5], answer="3")]
-    assert asyncio.run(judge.for_rollout(prompts)(turns)) == 0.5
-    assert asyncio.run(judge.for_rollout(prompts, overlong=False)(turns)) == 1.0
+    for turns in group:
+        turns[-1].reward = asyncio.run(judge.for_rollout(prompts)(turns))
+    assert [turns[-1].reward for turns in group] == [1.0, 1.0]
+    kept, counts = cancel.informative_groups([group])
+    assert kept == [] and counts["zero_variance_all_correct"] == 1
+    trajectories, metrics = advantages.compute(types.SimpleNamespace(cfg=cfg), [group])
+    # rewards the advantage read: 0.5 and 1.0, mean 0.75, unbiased std 0.354
+    first, second = (turns[-1].advantage for turns in trajectories)
+    assert first == pytest.approx(-0.25 / (0.5**0.5 / 2 + 1e-6)) and second == pytest.approx(-first)
+    assert metrics["train/overlong_penalty"].value == -0.25
     with pytest.raises(ConfigError, match="overlong_buffer <= 48"):
         tiny_config(tmp_path, "train.overlong_penalty=1.0", "train.overlong_buffer=64")
