@@ -207,7 +207,10 @@ def check(cfg):
     if r.cancel not in POLICIES:
         raise ConfigError(f"rollout.cancel={r.cancel!r}: expected one of {tuple(POLICIES)}")
     if r.drop_rate > 0 and r.over_sample_rate > 0:
-        raise ConfigError("set rollout.drop_rate or rollout.over_sample_rate, not both")
+        raise ConfigError(
+            f"rollout.drop_rate={r.drop_rate} with rollout.over_sample_rate={r.over_sample_rate}: "
+            "set one, not both"
+        )
     if r.partial and r.cancel == "none":
         raise ConfigError(
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "

@@ -151,6 +151,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
+    # prompts a step trains on, over all ranks (each rank takes its share: a multiple of run.nproc)
     prompts_per_step: PositiveInt = 32
     # samples per prompt (GRPO group)
     group_size: Annotated[int, Range(ge=2, why="GRPO compares samples within a group")] = 8
@@ -190,11 +191,12 @@ class RolloutConfig:
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
     # returns also keeps the process from exiting, so give a judge or sandbox its own timeout
     reward_timeout_s: NonNegativeFloat = 60.0
-    # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than default
+    # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than OMP's default (a
+    # thread per core: the engine's processes oversubscribe the cores)
     engine_threads: PositiveInt = 1
     # GPU: share of memory for engine weights + KV cache
     mem_fraction_static: Annotated[float, Range(gt=0, lt=1)] = 0.6
-    # KV cache capacity in tokens (0 = engine decides from memory)
+    # KV cache capacity in tokens, on GPU too (0 = engine decides from memory: the GPU configs)
     max_total_tokens: NonNegativeInt = 16384
     # tail cancellation: none | count | time | group, or a policy added to cancel.POLICIES
     cancel: str = "none"
@@ -225,6 +227,8 @@ class RolloutConfig:
     # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
     max_prompts_per_step: NonNegativeInt = 0
     # a step where more requests fail inside the engine stops training
+    # a rollout where more of the requests fail inside the engine, or more of the rewards fail
+    # (raise, time out, return a non-number), ends the run (RolloutError, RewardError), saved
     max_failed_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     abort_timeout_s: PositiveFloat = 10.0  # aborted requests must return by then, or it is an error
     # a request running longer is aborted and counts as failed (0 = no limit)
@@ -263,7 +267,8 @@ class TrainConfig:
     adam_beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     adam_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.99
     weight_decay: NonNegativeFloat = 0.0
-    warmup_steps: NonNegativeInt = 0  # linear learning-rate warmup, then the schedule below
+    # linear learning-rate warmup over this many steps (all their minibatches), then the schedule
+    warmup_steps: NonNegativeInt = 0
     # constant | cosine (decays to min_lr_ratio x lr at the last step)
     lr_schedule: str = "constant"
     # cosine: the final learning rate as a fraction of lr
@@ -354,6 +359,8 @@ class TrainConfig:
     # broken, not unlucky
     max_bad_updates: PositiveInt = 3
     threads: PositiveInt = 1  # torch threads of the trainer process
+    # the model's init, the prompt order, the tiny tasks' prompts, the engine's sampling seeds; a
+    # --resume refuses another
     seed: int = 0
 
 
@@ -374,7 +381,8 @@ class RunConfig:
     val_samples: PositiveInt = 1
     # Health checks (memory.py), each ending the run with exit 2 and a named error. After a weight
     # push, the engine's tensors are hashed and compared with the trainer's: every push of the
-    # first check_weights_first steps, then every check_weights_every steps (0: not again).
+    # first check_weights_first steps of the run (steps 0..N-1: a resumed one past them does not
+    # check them again), then every check_weights_every steps (0: not again).
     check_weights_first: NonNegativeInt = 3
     check_weights_every: NonNegativeInt = 10
     # the engine-vs-trainer log-prob gap (train/logprob_gap) above this for max_logprob_gap_steps

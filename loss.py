@@ -507,8 +507,9 @@ def policy_loss(
     its graph), and your own.
 
     logprobs (with grad), old_logprobs, ref_logprobs, engine_logprobs, entropy: [B, T];
-    advantages: [B]; loss_mask: [B, T]. Returns (loss, stats): detached clip fraction, mean KL,
-    importance weights and each extra term's mean over trained tokens.
+    advantages: [B]; loss_mask: [B, T]. Returns (loss, stats): detached clip fractions (all, the
+    top's), pi_old -> pi's KL, the reference's KL, importance weights and each extra term's mean
+    over trained tokens.
     """
     log_ratio = logprobs - old_logprobs  # [B, T]
     if ratio_level == "sequence":
@@ -541,7 +542,16 @@ def policy_loss(
         clipped = ratio.clamp(1 - clip_eps, 1 + high) * adv
         per_token = -torch.minimum(unclipped, clipped)
         clipped_tokens = (unclipped > clipped).float()
-    stats = {"clip_frac": aggregate(clipped_tokens, loss_mask, "token-mean").detach()}
+    stats = {
+        "clip_frac": aggregate(clipped_tokens, loss_mask, "token-mean").detach(),
+        # the top's share (ratio > 1 + clip_eps_high, clip-higher's side); the rest the bottom's
+        "clip_frac_high": aggregate(
+            clipped_tokens * (ratio.detach() > 1), loss_mask, "token-mean"
+        ).detach(),
+        # mean log(pi_old / pi) over the trained tokens (verl's ppo_kl): how far the update's
+        # earlier minibatches moved pi from pi_old; 0 in the first
+        "ppo_kl": aggregate(-log_ratio.detach(), loss_mask, "token-mean"),
+    }
     if engine_logprobs is not None:
         # The engine sampled from mu, not from pi_old (other kernels and precision; an older weight
         # version once generations resume across steps). Truncated importance sampling (Yao et al.

@@ -243,7 +243,9 @@ def rollout_metrics(trajectories, stats):
     Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
     failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
     `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
-    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn.
+    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn: a
+    response's length is what the model wrote over its trajectory's turns (tool observations
+    apart), comparable with rollout.max_response_tokens.
     """
     samples = [turn for turns in trajectories for turn in turns]
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
@@ -285,7 +287,13 @@ def rollout_metrics(trajectories, stats):
         "rollout/reward_errors": summed(stats.num_reward_errors),
     }
     out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
-    out.update(length_stats([len(s.response_ids) for s in finished], "rollout/response_len"))
+    lengths = [sum(len(t.response_ids) for t in turns) for turns in trajectories]
+    out.update(
+        length_stats(
+            [n for n, turns in zip(lengths, trajectories) if not turns[-1].masked],
+            "rollout/response_len",
+        )
+    )
     if aborted:
         out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
     return out

@@ -34,7 +34,7 @@ from metrics import Logger, reduce_metrics, slowest, summed
 from rewards import RewardError
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.engine import EngineDiedError, RolloutError, StopSignal, strip_expandable_segments
+from runtime.engine import RolloutError, StopSignal, strip_expandable_segments
 from runtime.model import ModelError
 from assemble import load_config, setup
 from task.data import DataError
@@ -50,6 +50,7 @@ def train_step(run, step):
     # 1. rollout: group_size trajectories per prompt, each scored as it finishes, the tail cut
     groups, metrics = rollout.collect(run, step)
     # the engine's memory is released and the trainer's brought back (memory.py)
+    to_train_start = time.perf_counter()
     run.phases.to_train()
     train_start = time.perf_counter()
     # 2. each trajectory's advantage, from its group's rewards
@@ -70,12 +71,13 @@ def train_step(run, step):
     metrics |= advantage_metrics | sequence_metrics | update_metrics
     try:
         metrics |= memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
-    except EngineDiedError as e:
+    except RolloutError as e:  # the engine died, or refused the push
         # the update is done and the checkpoint that follows holds it: the step's record goes
         # with the error, for `train` to log it as any step's
         e.trained_step = metrics, sequences
         raise
     # 6. metrics, each reduced over ranks as its stage declared
+    metrics["timing/to_train_s"] = slowest(train_start - to_train_start)
     metrics["timing/train_s"] = slowest(train_s)
     metrics["timing/step_s"] = slowest(time.perf_counter() - start)
     metrics["perf/train_tokens_per_s"] = summed(update_metrics["train/tokens"].value / train_s)
@@ -84,10 +86,11 @@ def train_step(run, step):
 
 # ---------------------------------------------------------------- the step loop
 def train(run, stop=None):
-    """The step loop: validate, step, log, dump for replay, checkpoint; stop cleanly after the
-    step on SIGINT/SIGTERM (returns the signal's name; `stop` is the StopSignal to read, else one
-    held while the loop runs), and with a checkpoint when the engine dies (EngineDiedError). Returns
-    None when all steps ran."""
+    """The step loop: validate, step, log, dump for replay, checkpoint; stop cleanly on
+    SIGINT/SIGTERM, after the step or the validation it came in (returns the signal's name; `stop`
+    is the StopSignal to read, else one held while the loop runs), and with a checkpoint when the
+    engine dies or the rollout fails (RolloutError, RewardError). Returns None when all steps
+    ran."""
     cfg = run.cfg
     # one writer of TensorBoard and the console
     logger = Logger(cfg.run.out, cfg, first_step=run.start_step) if parallel.rank() == 0 else None
@@ -106,16 +109,15 @@ def train(run, stop=None):
             # there on (metrics.Logger), a finished run's final validation included
             first = step == run.start_step
             scalars, texts = validation(run) if first or step % cfg.run.val_every == 0 else ({}, {})
+            if signalled(stop):  # in the last checkpoint's save or this validation: no more steps
+                return stopped(run, stop)
             metrics, sequences = train_step(run, step)
             record(run, logger, step, scalars | metrics, texts, sequences)
-            # every rank stops after the same step
-            stopping = parallel.all_reduce([stop.received is not None], op="max")[0] > 0
+            if signalled(stop):  # every rank stops after the same step
+                return stopped(run, stop)
             every = cfg.run.checkpoint_every
-            periodic = every and (step + 1) % every == 0
-            if stopping or periodic or step + 1 == cfg.train.steps:
+            if (every and (step + 1) % every == 0) or step + 1 == cfg.train.steps:
                 checkpoint.save(cfg.run.out, step + 1, run)
-            if stopping:
-                return stop.received or "a signal on another rank"
         scalars, texts = validation(run)  # the final policy's
         if logger:
             logger.log(cfg.train.steps, scalars, echo=tqdm.tqdm.write, texts=texts)
@@ -124,13 +126,14 @@ def train(run, stop=None):
         # said with where to resume from: the error came after the last checkpoint
         where = checkpoint.latest(cfg.run.out) or "none yet"
         raise type(e)(f"{e} Last checkpoint: {where}") from None
-    except EngineDiedError as e:
+    except (RolloutError, RewardError) as e:  # the engine died, or too many requests or rewards
+        # failed, an abort stuck, a weight push refused: the trainer's own state is intact
         if parallel.world_size() > 1:
             raise  # the other ranks wait in collectives: the last periodic checkpoint stands
-        if getattr(e, "trained_step", None):  # died in the step's weight sync, after its update
+        if getattr(e, "trained_step", None):  # failed in the step's weight sync, after its update
             metrics, sequences = e.trained_step  # (step, scalars, texts: the step in progress)
             record(run, logger, step, scalars | reduce_metrics(metrics), texts, sequences)
-        raise save_after_engine_death(run, e, before) from None
+        raise save_after_failure(run, e, before) from None
     finally:
         if own_stop:
             stop.restore()
@@ -166,17 +169,35 @@ def data_before_step(run):
     }
 
 
-def save_after_engine_death(run, error, before):
-    """The trainer's own state is intact when its engine dies: checkpoint it, and return the
-    error to raise, saying where it is. Dead before the step's update, the step's prompts and
-    resumed samples were taken and never trained: they are put back (`before`, from
+def signalled(stop):
+    """Whether a SIGINT/SIGTERM came to any rank (a collective: every rank stops at the same
+    point)."""
+    return parallel.all_reduce([stop.received is not None], op="max")[0] > 0
+
+
+def stopped(run, stop):
+    """After a signal: the trainer's state checkpointed (unless the newest checkpoint holds it
+    already: one came during that checkpoint's save), and the signal's name to return."""
+    saved = checkpoint.latest(run.cfg.run.out)
+    if saved is None or checkpoint.step_of(saved) != run.updates_done:
+        checkpoint.save(run.cfg.run.out, run.updates_done, run)
+    return stop.received or "a signal on another rank"
+
+
+def save_after_failure(run, error, before):
+    """The trainer's own state is intact when its engine dies or its rollout fails: checkpoint
+    it (unless the newest checkpoint holds it already: a failure in the validation after a save),
+    and return the error to raise, saying where it is. Failed before the step's update, the step's
+    prompts and resumed samples were taken and never trained: they are put back (`before`, from
     data_before_step), so --resume runs that step from them, as the run would have."""
     if run.updates_done == before["updates_done"]:
         run.stream.position = before["position"]
         if run.buffer:
             run.buffer.load_state_dict(before["buffer"])
-    path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
-    return EngineDiedError(
+    path = checkpoint.latest(run.cfg.run.out)
+    if path is None or checkpoint.step_of(path) != run.updates_done:
+        path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
+    return type(error)(
         f"{error}. The trainer's state after {run.updates_done} updates is saved in {path}; "
         "--resume continues from it"
     )

@@ -79,7 +79,7 @@ def save(out_dir, step, run):
             os.path.join(tmp, "trainer_state.pt"),
         )
         sync_to_disk(tmp)  # the files' bytes before the rename that makes them the checkpoint
-        # a step saved again (train.save_after_engine_death, right after a resume): the old copy
+        # a step saved again (a second save of one step; train.py skips its own): the old copy
         # is renamed aside, not deleted in place, so no moment leaves a half-deleted step_N that
         # `latest` would pick (a crash between the renames leaves the step before it the latest)
         aside = final + ".old"

@@ -494,13 +494,18 @@ def build_optimizer(policy, t):
 
 
 def lr_factor(update, num_updates, t):
-    """The learning rate of optimizer step `update` (0-based) as a fraction of `t.lr`: a linear
-    warmup over `t.warmup_steps`, then constant, or a cosine from 1 down to `t.min_lr_ratio` at
-    the last update (as nanoGPT's get_lr). The decay is why the CPU demo ends where it peaked
+    """The learning rate of optimizer step `update` (0-based, of `num_updates`) as a fraction of
+    `t.lr`: a linear warmup over the first `t.warmup_steps` steps' updates (`t.num_minibatches`
+    each), then constant, or a cosine from 1 down to `t.min_lr_ratio` at the last update, begun
+    where the warmup ends (as nanoGPT's get_lr). The warmup counted updates and the cosine began
+    at update 0 under it: 4 minibatches warmed up over a quarter of the steps, and a cosine under
+    a long warmup never reached lr. The decay is why the CPU demo ends where it peaked
     (configs/tiny.yaml)."""
-    warmup = min(1.0, (update + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+    warmup = t.warmup_steps * t.num_minibatches
+    if update < warmup:
+        return (update + 1) / warmup
     if t.lr_schedule == "constant":
-        return warmup
-    progress = min(update / max(num_updates - 1, 1), 1.0)
+        return 1.0
+    progress = min((update - warmup) / max(num_updates - 1 - warmup, 1), 1.0)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return warmup * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine)
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine

@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 
 class RankError(RuntimeError):
-    """A rank of a multi-process run failed; the message carries that rank's error."""
+    """A rank of a multi-process run failed (the message carries that rank's error), or the
+    ranks were launched across nodes."""
 
 
 # ---------------------------------------------------------------- ranks
@@ -121,7 +122,15 @@ def forward_to_ranks(signum, frame):
 def init():
     """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one
     per local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer
-    matches it so both sides' NCCL communicators use the same memory path."""
+    matches it so both sides' NCCL communicators use the same memory path. One node only: rank 0
+    alone renames a checkpoint into place and writes the model folder every engine loads, which
+    another node's disk would not hold."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and world != local:
+        raise RankError(
+            f"WORLD_SIZE={world} ranks over LOCAL_WORLD_SIZE={local} per node: this trainer runs "
+            "on one node (rank 0 writes the checkpoints and the engines' model folder)"
+        )
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")

@@ -52,9 +52,9 @@ def check(cfg):
     budget = cfg.rollout.max_trajectory_tokens()
     if budget <= MAX_LENGTH:
         log.warning(
-            "rollout.max_new_tokens=%d: answers of %d or more letters need more tokens with "
-            "<eos>, and always score 0",
-            cfg.rollout.max_new_tokens,
+            "a budget of %d tokens (rollout.max_new_tokens, max_response_tokens): answers of %d or "
+            "more letters need more with <eos>, and always score 0",
+            budget,
             budget,
         )
 

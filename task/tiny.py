@@ -48,11 +48,12 @@ def check(cfg):
     if budget <= counts[-1]:
         share = sum(1 / n for n in counts if n >= budget) / sum(1 / n for n in counts)
         log.warning(
-            "data.tiny_max_count=%d: answers of %d or more letters need more tokens than "
-            "rollout.max_new_tokens=%d allow with <eos>; about %.0f%% of prompts always score 0",
+            "data.tiny_max_count=%d: answers of %d or more letters need more tokens than the "
+            "budget of %d (rollout.max_new_tokens, max_response_tokens) allows with <eos>; about "
+            "%.0f%% of prompts always score 0",
             counts[-1],
             budget,
-            cfg.rollout.max_new_tokens,
+            budget,
             100 * share,
         )
 

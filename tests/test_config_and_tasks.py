@@ -442,18 +442,26 @@ def test_help_says_what_the_command_does_and_lists_the_configs(capsys):
 
 
 def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
-    """lr_factor: the warmup ramps linearly, constant then stays at 1, cosine passes 1 - (1 -
-    floor) / 2 halfway and ends exactly at min_lr_ratio on the last update."""
+    """lr_factor: the warmup ramps linearly over warmup_steps steps' updates, constant then stays
+    at 1, cosine starts at 1 where the warmup ends, passes 1 - (1 - floor) / 2 halfway through the
+    rest and ends exactly at min_lr_ratio on the last update. A reviewer found the warmup counted
+    optimizer updates (gsm8k_dapo.yaml's 10 steps of 4 minibatches warmed up over 2.5 steps) and
+    the cosine running under it from update 0 (a 50-of-100 warmup peaked at 0.565 x lr)."""
     from runtime.model import lr_factor
 
     cfg = load_config(None, ["train.warmup_steps=4", "train.min_lr_ratio=0.1"])
     t = cfg.train
     assert [lr_factor(u, 100, t) for u in (0, 3, 50, 99)] == [0.25, 1.0, 1.0, 1.0]
-    t.lr_schedule = "cosine"
-    assert lr_factor(0, 101, t) == pytest.approx(0.25)  # warmup still applies
-    assert lr_factor(50, 101, t) == pytest.approx(0.55)
-    assert lr_factor(100, 101, t) == pytest.approx(0.1)
-    assert lr_factor(500, 101, t) == pytest.approx(0.1)  # never below the floor
+    t.num_minibatches = 2  # 4 steps are 8 updates
+    assert [lr_factor(u, 200, t) for u in (0, 3, 7, 8)] == [0.125, 0.5, 1.0, 1.0]
+    t.num_minibatches, t.lr_schedule = 1, "cosine"
+    assert lr_factor(0, 105, t) == pytest.approx(0.25)  # warmup still applies
+    assert lr_factor(4, 105, t) == 1.0  # the cosine begins at the warmup's end
+    assert lr_factor(54, 105, t) == pytest.approx(0.55)
+    assert lr_factor(104, 105, t) == pytest.approx(0.1)
+    assert lr_factor(500, 105, t) == pytest.approx(0.1)  # never below the floor
+    t.warmup_steps = 0  # the demo's schedule: a cosine from update 0
+    assert lr_factor(0, 101, t) == 1.0 and lr_factor(50, 101, t) == pytest.approx(0.55)
 
 
 def test_the_trajectory_token_bound_is_one_formula():

@@ -226,6 +226,17 @@ def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ran
     assert "raised an exception and sent SIGQUIT" in error, error
 
 
+def test_ranks_launched_across_nodes_are_refused(monkeypatch):
+    """torchrun over two nodes: rank 0 alone renames each checkpoint into place and writes the
+    engines' model folder, which the other node's disk never sees. parallel.init refuses it before
+    joining a process group (a reviewer read it; it needs two nodes to fail for real)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(parallel.RankError, match="WORLD_SIZE=4 .*LOCAL_WORLD_SIZE=2"):
+        parallel.init()
+    assert not torch.distributed.is_initialized()
+
+
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     """A rank that raises ends the 2-rank job with a RankError carrying that rank's message."""
     with pytest.raises(parallel.RankError, match="rank 1 could not go on"):

@@ -90,6 +90,8 @@ def test_clipped_ratio_and_kl_hand_computed():
     mask = torch.ones(1, 1)
     loss, stats = losses.policy_loss(logprobs, old, torch.tensor([1.0]), mask, clip_eps=0.2)
     assert loss.item() == pytest.approx(-1.2) and stats["clip_frac"].item() == 1.0
+    assert stats["clip_frac_high"].item() == 1.0  # clipped at the top
+    assert stats["ppo_kl"].item() == pytest.approx(-math.log(1.5))  # log(pi_old / pi)
     loss.backward()
     assert logprobs.grad.item() == 0.0  # clipped: no push further in the same direction
     logprobs.grad = None
@@ -130,11 +132,12 @@ def test_clip_higher_hand_computed_and_symmetric_by_default():
         assert stats["clip_frac"].item() == (expected_grad == 0.0)
     # the low side keeps clip_eps: ratio 0.7 with A < 0 is clipped at 0.8 whatever clip_eps_high is
     logprobs = torch.full((1, 1), math.log(0.7), requires_grad=True)
-    loss, _ = losses.policy_loss(
+    loss, stats = losses.policy_loss(
         logprobs, old, torch.tensor([-1.0]), mask, clip_eps=0.2, clip_eps_high=0.28
     )
     loss.backward()
     assert loss.item() == pytest.approx(0.8) and logprobs.grad.item() == 0.0
+    assert stats["clip_frac"].item() == 1.0 and stats["clip_frac_high"].item() == 0.0
 
 
 def test_sequence_ratio_hand_computed():

@@ -378,7 +378,7 @@ def test_partial_training_checkpoints_its_buffer(engine, tmp_path):
     before = train.data_before_step(resumed)
     rollout.collect(resumed, steps)
     assert resumed.buffer.state_dict() != saved
-    train.save_after_engine_death(resumed, EngineDiedError("the engine died"), before)
+    train.save_after_failure(resumed, EngineDiedError("the engine died"), before)
     state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
     assert state["step"] == steps and state["buffer"] == saved | {"ranks": [len(saved["groups"])]}
     assert state["prompt_positions"] == [before["position"]]

@@ -111,7 +111,7 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
         ),
         (
             ["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"],
-            "not both",
+            "rollout.drop_rate=0.2 with rollout.over_sample_rate=0.2: set one, not both",
         ),
         (["rollout.group_size=1"], "rollout.group_size=1: expected an integer >= 2"),
         (["train.kl_in=reward"], "train.kl_in=reward needs train.kl_coef > 0"),
@@ -374,6 +374,98 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     with pytest.raises(update.NonFiniteError, match="2 steps in a row"):
         train.train(run)
     assert all(torch.isfinite(p).all() for p in run.trainer.policy.parameters())
+
+
+def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
+    engine, tmp_path, monkeypatch
+):
+    """Rewards failing past rollout.max_failed_ratio (RewardError) or the engine refusing a weight
+    push (RolloutError) leave the trainer's state intact: the run saves it, as after an engine
+    death, and the error names the checkpoint. A reviewer's harness found both exited 2 with no
+    checkpoint (up to checkpoint_every steps lost; a failed sync also lost its step's record).
+    Failed in step 2's rollout, step 2's prompts are put back (position 64); failed in its sync,
+    the update is saved (step 3) and the step logged; failed in the validation right after,
+    nothing is saved again."""
+    import memory
+    from rewards import RewardError
+    from runtime.engine import RolloutError
+    from test_train import scalars
+
+    saves = []
+    real_save = checkpoint.save
+
+    def counted_save(out_dir, step, run):
+        saves.append(step)
+        return real_save(out_dir, step, run)
+
+    monkeypatch.setattr(checkpoint, "save", counted_save)
+    cfg = tiny_config(tmp_path, "train.steps=4", "run.val_every=100", "run.checkpoint_every=100")
+    run = train.setup(cfg, engine=engine)
+    honest = run.rewards.reward_fn
+
+    def fails_from_step_2(text, answer, finished):
+        if run.updates_done >= 2:
+            raise ValueError("a broken reward")
+        return honest(text, answer, finished)
+
+    run.rewards.reward_fn = fails_from_step_2
+    with pytest.raises(RewardError, match="saved in .*step_000002; --resume"):
+        train.train(run)
+    state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
+    assert saves == [2] and state["prompt_positions"] == [2 * cfg.rollout.prompts_per_step]
+
+    run = train.setup(cfg, resume=True, engine=engine)
+    monkeypatch.setattr(
+        memory, "sync_weights", lambda *a, **k: (_ for _ in ()).throw(RolloutError("refused"))
+    )
+    with pytest.raises(RolloutError, match="refused. .*saved in .*step_000003"):
+        train.train(run)
+    assert saves == [2, 3] and run.updates_done == 3
+    assert len(scalars(tmp_path)["train/loss"]) == 3  # step 2 was logged
+
+    run = train.setup(cfg, resume=True, engine=engine)
+    monkeypatch.setattr(
+        train, "validation", lambda run: (_ for _ in ()).throw(RolloutError("stuck"))
+    )
+    with pytest.raises(RolloutError, match="stuck. .*saved in .*step_000003"):
+        train.train(run)
+    assert saves == [2, 3]
+
+
+def test_a_signal_in_a_checkpoint_or_a_validation_stops_before_another_step(
+    engine, tmp_path, monkeypatch
+):
+    """A SIGTERM that comes while a checkpoint is written, or during a validation, stops the run
+    there, with the state saved once: it was read only after the next whole step (a cluster's
+    grace period before SIGKILL is shorter than a GSM8K step)."""
+    stop = types.SimpleNamespace(received=None)
+    saves = []
+    real_save = checkpoint.save
+
+    def save_then_signal(out_dir, step, run):
+        saves.append(step)
+        path = real_save(out_dir, step, run)
+        stop.received = "SIGTERM"
+        return path
+
+    monkeypatch.setattr(checkpoint, "save", save_then_signal)
+    cfg = tiny_config(tmp_path, "train.steps=4", "run.val_every=100", "run.checkpoint_every=1")
+    run = train.setup(cfg, engine=engine)
+    assert train.train(run, stop) == "SIGTERM"
+    assert run.updates_done == 1 and saves == [1]
+
+    stop.received = None
+    run = train.setup(cfg, resume=True, engine=engine)
+    real_validation = train.validation
+
+    def validation_then_signal(run):
+        out = real_validation(run)
+        stop.received = "SIGTERM"
+        return out
+
+    monkeypatch.setattr(train, "validation", validation_then_signal)
+    assert train.train(run, stop) == "SIGTERM"
+    assert run.updates_done == 1 and saves == [1]
 
 
 # ---------------------------------------------------------------- engine faults and load

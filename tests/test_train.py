@@ -335,7 +335,7 @@ def test_checkpoints_beyond_keep_checkpoints_are_removed(engine, tmp_path):
 
 
 def test_a_step_saved_again_is_never_left_half_deleted(engine, tmp_path, monkeypatch):
-    """A step saved a second time (train.save_after_engine_death right after a resume) that dies
+    """A step saved a second time (a caller saving one step twice) that dies
     while the old copy is being deleted leaves the new copy complete as the latest checkpoint. The
     old copy was deleted in place, so a half-deleted step_N became the latest, and the resume
     refused it instead of taking the step before."""
