@@ -807,8 +807,8 @@ def document_mask(position_ids, window=None, document=None, prefix_of=None):
 def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_prefix=False):
     """Collated micro-batches: with `max_tokens`, packed rows of at most that many positions
     (`pack_rows`), else padded ones of at most `size` samples, each padded only to its own
-    longest row. Then padding micro-batches (one row, nothing trained) up to the count of the
-    rank that needs the most: with FSDP every forward and backward is a collective, so every rank
+    longest row. Then padding micro-batches (nothing trained) up to the count of the rank that
+    needs the most: with FSDP every forward and backward is a collective, so every rank
     must run the same number (verl equalises the same way). Returns (micro-batches, how many
     samples were longer than the budget: each got one of its own). `route_width`: collate's.
     `shared_prefix` (packed only): the samples that share a prompt are packed side by side
@@ -848,15 +848,13 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
-        mb = collate(
-            [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)],
-            pad_id,
-            [1] if max_tokens else None,
-            route_width,
-            shared_prefix,
-        )
-        mb["advantages"] = torch.zeros(1)
-        mb["filler"] = torch.ones(())  # its two positions are padding (layout_stats)
+        # a rank short of micro-batches runs fillers (FSDP2 gathers in every forward): 4 masked
+        # samples, 2 to a packed row, so that no size is 0 or 1 and each row holds 2 documents,
+        # as a real micro-batch's (one 2-token row made the compiled layer and head specialise)
+        filler = [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)] * 4
+        mb = collate(filler, pad_id, [2, 2] if max_tokens else None, route_width, shared_prefix)
+        mb["advantages"] = torch.zeros(len(filler))
+        mb["filler"] = torch.ones(())  # its positions are padding (layout_stats)
         out.append(mb)
     return out, sum(n > max_tokens for n in lengths) if max_tokens else 0
 
@@ -914,8 +912,10 @@ def pack_rows(lengths, max_tokens):
             rows.append([i])
             room.append(width - lengths[i])
     # as few micro-batches as the budget allows, their rows shared out evenly (sizes differ by at
-    # most one): no 1-row remainder, whose shape would make a compiled layer specialise again
-    # (torch.compile treats a size of 1 apart from the others)
+    # most one): no 1-row remainder beside fuller micro-batches, whose shape would make a compiled
+    # layer specialise again (torch.compile treats a size of 1 apart from the others). 1-row ones
+    # remain where the budget holds 2 rows or fewer (3 rows at 2 a micro-batch: 1 + 2), and for
+    # an item over the budget
     if not rows:
         return over
     count = -(-len(rows) // (max_tokens // width))

@@ -469,12 +469,15 @@ def check_attention(cfg, device):
                 "rows as wide as the token budget: on a GPU set "
                 "model.attn_implementation=flex_attention (or train.shared_prefix=false)"
             )
-    if cfg.model.attn_implementation == "flex_attention":
+    if cfg.model.attn_implementation == "flex_attention" or cfg.train.compile:
         # transformers compiles flex_attention once (integrations/flex_attention.py) and Dynamo
         # compiles a variant per grad mode and mask layout it meets (the update's micro-batches
         # vary in width; one BlockMask per micro-batch, update.packed_mask, keeps them few). Past
         # recompile_limit (8 by default) it would silently run the unfused path that builds the
-        # full [T, T] scores: raised deliberately, a process-wide setting
+        # full [T, T] scores. train.compile's head likewise: one function for the policy and the
+        # frozen KL reference, a variant per grad mode, weight that trains or not, 0 or 1 head
+        # positions (a reviewer hit 8 with 2 minibatches and a KL term; past it: eager, slower).
+        # Raised deliberately, a process-wide setting
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
 

@@ -246,6 +246,36 @@ def test_flex_attention_is_refused_for_training_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     model.check_attention(cfg, torch.device("cuda"))
     assert torch._dynamo.config.recompile_limit == 32
+    # so does train.compile, under any attention: its head is one function for the policy and the
+    # frozen reference, a variant per grad mode and head-position count (a reviewer hit 8)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    compiled = dist_worker.parity_config(tmp_path, "token-mean", "train.compile=true")
+    model.check_attention(compiled, torch.device("cpu"))
+    assert torch._dynamo.config.recompile_limit == 32
+
+
+def test_a_filler_micro_batch_has_the_shapes_of_a_real_one(monkeypatch):
+    """A rank short of micro-batches runs fillers (FSDP2 gathers in every forward). A reviewer found
+    the filler was one row of 2 positions with 1 head position: sizes Dynamo specialises on, and a
+    row of one document (transformers then passes no mask), so a compiled layer and head compiled
+    again after warm-up on every multi-rank run that needed one. It now has 2 rows of 2 documents
+    and 4 head positions, and trains nothing."""
+    samples = [Sample([1, 5, 12], [4] * n, [0.0] * n, [1] * n, group_id=0) for n in (3, 9, 5)]
+    real = update.parallel.all_reduce
+    monkeypatch.setattr(  # another rank needs one micro-batch more
+        update.parallel,
+        "all_reduce",
+        lambda values, op="sum": (
+            [v + 1 for v in real(values, op)] if op == "max" else real(values, op)
+        ),
+    )
+    out, _ = update.micro_batches(samples, 4, 0, max_tokens=32)
+    filler = out[-1]
+    assert "filler" in filler and not any("filler" in mb for mb in out[:-1])
+    rows, width = filler["packed_ids"].shape
+    assert rows == 2 and width >= 2 and len(filler["head_index"]) >= 2
+    starts = (filler["position_ids"] == 0).sum(-1)  # documents per row
+    assert starts.tolist() == [2, 2] and filler["loss_mask"].sum() == 0
 
 
 def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):
