@@ -86,6 +86,7 @@ def setup(cfg, resume=False, engine=None):
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
             f"{world} ranks (each rank takes whole GRPO groups)"
         )
+    cancel.check_shares(cfg.rollout, world)
     if torch.cuda.is_available():
         device = torch.device("cuda", parallel.gpu_index())
     else:

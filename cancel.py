@@ -223,17 +223,29 @@ def check(cfg):
             f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
         )
     refuse_unread(cfg, READ_WHEN)
-    first_launch = ceil(r.prompts_per_step * (1 + r.over_sample_rate))
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "
             f"rollout.prompts_per_step={r.prompts_per_step}: no step could fill its batch"
         )
-    if r.filter_groups and 0 < r.max_prompts_per_step < first_launch:
+    check_shares(r, 1)
+
+
+def check_shares(r, world):
+    """Dynamic sampling's prompt bound against the first launch of each of `world` ranks: its
+    share of prompts_per_step x (1 + over_sample_rate), rounded up (`plan_launch`), must fit its
+    share of rollout.max_prompts_per_step, or the bound would be silently raised to it. `check`
+    asks for one rank at load, assemble.setup for the run's ranks."""
+    if not (r.filter_groups and r.max_prompts_per_step):
+        return
+    plan = plan_launch(r, r.prompts_per_step // world)
+    bound = int(round(r.max_prompts_per_step / world, 9))
+    if plan.num_prompts > bound:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below the first launch "
-            f"alone: rollout.prompts_per_step={r.prompts_per_step} x (1 + "
-            f"rollout.over_sample_rate={r.over_sample_rate}) = {first_launch}"
+            f"alone: each of {world} ranks launches rollout.prompts_per_step="
+            f"{r.prompts_per_step} / {world} x (1 + rollout.over_sample_rate="
+            f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}"
         )
 
 

@@ -226,7 +226,6 @@ class RolloutConfig:
     refill_prompts: NonNegativeInt = 0
     # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
     max_prompts_per_step: NonNegativeInt = 0
-    # a step where more requests fail inside the engine stops training
     # a rollout where more of the requests fail inside the engine, or more of the rewards fail
     # (raise, time out, return a non-number), ends the run (RolloutError, RewardError), saved
     max_failed_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1

@@ -177,10 +177,12 @@ def check_signature(fn, named):
 
 # ---------------------------------------------------------------- the built-in rewards
 # A number as written: thousands only in groups of three (1,234; "5,6,7" is a list, its last
-# number 7), a decimal part, or a bare one (.5 is 0.5, not 5)
-_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
-# an answer: a number or a fraction of two (3/4 is 0.75, not 4; LaTeX's \frac{3}{4} likewise)
-_ANSWER = re.compile(rf"{_NUMBER.pattern}(?:/\d+)?")
+# number 7), a decimal part, or a bare one (.5 is 0.5, not 5; not after a word or a point: the
+# 5 of "apples.5" or "...5" is 5)
+_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
+# an answer: a number, a fraction (3/4 is 0.75, not 4; LaTeX's \frac{3}{4} likewise) or a mixed
+# number (2 1/2 and 2\frac{1}{2} are 2.5, not 21/2)
+_ANSWER = re.compile(rf"{_NUMBER.pattern}(?:/\d+|[ \t]+\d+/\d+)?")
 # '####' then the answer on the same line (spaces, markdown bold or a dollar sign between): the
 # format the prompt asks for (task/gsm8k.py), as verl's strict GSM8K rule reads it. A '####' with
 # no number after it is a markdown heading ("#### Step 2: ..."), not an answer
@@ -210,13 +212,18 @@ def parse_number(text):
 
 def value(written):
     """An answer as _ANSWER matched it, a Decimal: separators dropped, a fraction divided (to
-    decimal's 28 digits); None for a fraction over 0."""
-    number, _, denominator = written.replace(",", "").partition("/")
-    if not denominator:
-        return decimal.Decimal(number)
-    if decimal.Decimal(denominator) == 0:
+    decimal's 28 digits), a mixed number's parts added; None for a fraction over 0."""
+    *whole, number = written.replace(",", "").split()
+    number, _, denominator = number.partition("/")
+    if denominator and decimal.Decimal(denominator) == 0:
         return None
-    return decimal.Decimal(number) / decimal.Decimal(denominator)
+    part = decimal.Decimal(number)  # exact: a division rounds to 28 digits
+    if denominator:
+        part /= decimal.Decimal(denominator)
+    if not whole:
+        return part
+    whole = decimal.Decimal(whole[0])
+    return whole - part if whole.is_signed() else whole + part  # -2 1/2 is -2.5
 
 
 def is_number(text):
@@ -228,7 +235,7 @@ def is_number(text):
 def plain_digits(text):
     """`text` with its numbers as _ANSWER reads them: a LaTeX or typographic thousands separator
     a comma (1\\,080 was 1), the minus sign U+2212 a hyphen (\u22127 was 7), \\frac{3}{4} 3/4."""
-    return _FRACTION.sub(r"\1/\2", _SEPARATOR.sub(",", text.replace("\u2212", "-")))
+    return _FRACTION.sub(r" \1/\2", _SEPARATOR.sub(",", text.replace("\u2212", "-")))
 
 
 def after_thinking(response_text):

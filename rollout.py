@@ -245,7 +245,7 @@ def rollout_metrics(trajectories, stats):
     `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
     (verl PR 2929) is visible as the gap between the two. Token counts cover every turn: a
     response's length is what the model wrote over its trajectory's turns (tool observations
-    apart), comparable with rollout.max_response_tokens.
+    apart: rollout.max_response_tokens counts them too, so a cut trajectory logs less).
     """
     samples = [turn for turns in trajectories for turn in turns]
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory

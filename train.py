@@ -186,15 +186,20 @@ def stopped(run, stop):
 
 def save_after_failure(run, error, before):
     """The trainer's own state is intact when its engine dies or its rollout fails: checkpoint
-    it (unless the newest checkpoint holds it already: a failure in the validation after a save),
-    and return the error to raise, saying where it is. Failed before the step's update, the step's
-    prompts and resumed samples were taken and never trained: they are put back (`before`, from
-    data_before_step), so --resume runs that step from them, as the run would have."""
+    it (unless the newest checkpoint holds it already: a failure in the validation after a save;
+    or a fresh run trained nothing yet), and return the error to raise, saying where it is.
+    Failed before the step's update, the step's prompts and resumed samples were taken and never
+    trained: they are put back (`before`, from data_before_step), so --resume runs that step from
+    them, as the run would have."""
     if run.updates_done == before["updates_done"]:
         run.stream.position = before["position"]
         if run.buffer:
             run.buffer.load_state_dict(before["buffer"])
     path = checkpoint.latest(run.cfg.run.out)
+    if path is None and run.updates_done == 0:
+        # a fresh run that trained nothing: the same command starts it again, where a checkpoint
+        # would make it refuse the folder (a GSM8K one: ~25 GB of the weights it began with)
+        return type(error)(f"{error}. Nothing was trained yet: the same command starts again")
     if path is None or checkpoint.step_of(path) != run.updates_done:
         path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
     return type(error)(

@@ -851,7 +851,9 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
         # a rank short of micro-batches runs fillers (FSDP2 gathers in every forward): 4 masked
         # samples, 2 to a packed row, so that no size is 0 or 1 and each row holds 2 documents,
         # as a real micro-batch's (one 2-token row made the compiled layer and head specialise)
-        filler = [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)] * 4
+        # (padded: as many rows as a real one, up to 2)
+        filler = [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)]
+        filler *= 4 if max_tokens else min(size, 2)
         mb = collate(filler, pad_id, [2, 2] if max_tokens else None, route_width, shared_prefix)
         mb["advantages"] = torch.zeros(len(filler))
         mb["filler"] = torch.ones(())  # its positions are padding (layout_stats)

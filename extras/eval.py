@@ -8,8 +8,8 @@ greedy accuracy and mean reward, each with a 95% bootstrap interval over prompts
 Owns the evaluation metrics and the command. Only the engine runs (no trainer, no optimizer): it
 samples `--samples` responses per prompt at the training temperature, plus one greedy, and each is
 scored by the run's reward, `data.reward`'s or else the task's own (rewards.Rewards.task_reward,
-as in training), without the overlong penalty. A sample is
-correct when its reward is >= 1. Every sample and its reward go to eval.jsonl beside the
+as in training; DAPO's overlong penalty shapes only training's advantage). A sample is correct
+when its reward is >= 1. Every sample and its reward go to eval.jsonl beside the
 checkpoint. Training's validation uses the same estimator (metrics.pass_at_k), logging val/pass@k
 when `run.val_samples` > 1.
 """

@@ -408,12 +408,12 @@ class Engine:
 
 
 class StopSignal:
-    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step, save
-    a checkpoint and return; a second one exits at once (the engine killed, no checkpoint, exit
-    130). The engine's processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only
-    the trainer decides. A repeat within REPEAT_S is the same signal arriving twice: a Ctrl-C
-    reaches each rank from the terminal and again from its launcher (parallel.forward_to_ranks;
-    torchrun forwards it too)."""
+    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step (or
+    validation, or checkpoint), save a checkpoint and return; a second one exits at once (the
+    engine killed, no checkpoint, exit 130). The engine's processes ignore SIGINT and hand SIGTERM
+    here (`trainer_signals`), so only the trainer decides. A repeat within REPEAT_S is the same
+    signal arriving twice: a Ctrl-C reaches each rank from the terminal and again from its
+    launcher (parallel.forward_to_ranks; torchrun forwards it too)."""
 
     REPEAT_S = 2.0
 
@@ -439,7 +439,8 @@ class StopSignal:
             os._exit(130)
         self.received, self.received_at = name, time.monotonic()
         log.warning(
-            "%s: finishing this step, then a checkpoint and exit (send it again to exit at once)",
+            "%s: finishing this step or validation, then a checkpoint and exit (send it again to "
+            "exit at once)",
             name,
         )
 

@@ -509,6 +509,7 @@ def lr_factor(update, num_updates, t):
         return (update + 1) / warmup
     if t.lr_schedule == "constant":
         return 1.0
-    progress = min((update - warmup) / max(num_updates - 1 - warmup, 1), 1.0)
+    decay = num_updates - 1 - warmup  # updates after the first past the warmup
+    progress = min((update - warmup) / decay, 1.0) if decay > 0 else 1.0
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine

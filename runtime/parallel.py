@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import socket
 import uuid
 import warnings
 
@@ -122,21 +123,30 @@ def forward_to_ranks(signum, frame):
 def init():
     """Join the process group the launcher set up; returns this rank's device. NCCL on GPUs (one
     per local rank), gloo on CPU. SGLang sets NCCL_CUMEM_ENABLE=0 in its processes: the trainer
-    matches it so both sides' NCCL communicators use the same memory path. One node only: rank 0
-    alone renames a checkpoint into place and writes the model folder every engine loads, which
-    another node's disk would not hold."""
-    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-    if world and local and world != local:
-        raise RankError(
-            f"WORLD_SIZE={world} ranks over LOCAL_WORLD_SIZE={local} per node: this trainer runs "
-            "on one node (rank 0 writes the checkpoints and the engines' model folder)"
-        )
+    matches it so both sides' NCCL communicators use the same memory path. One node only
+    (`one_node`)."""
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         torch.cuda.set_device(gpu_index())
     dist.init_process_group("nccl" if on_gpu else "gloo")
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    one_node(hosts)
     return torch.device("cuda", gpu_index()) if on_gpu else torch.device("cpu")
+
+
+def one_node(hosts):
+    """A RankError unless every rank (`hosts`: each one's host name) runs on one host: rank 0
+    alone renames a checkpoint into place and writes the model folder every engine loads, which
+    another node's disk would not hold. Read from the hosts, not the launcher's node count: srun
+    with a task per GPU runs torchrun --nnodes=N on one host."""
+    if len(set(hosts)) > 1:
+        names = ", ".join(sorted(set(hosts))[:4])
+        raise RankError(
+            f"ranks on {len(set(hosts))} hosts ({names}): this trainer runs on one node (rank 0 "
+            "writes the checkpoints and the engines' model folder)"
+        )
 
 
 def close():

@@ -460,6 +460,7 @@ def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
     assert lr_factor(54, 105, t) == pytest.approx(0.55)
     assert lr_factor(104, 105, t) == pytest.approx(0.1)
     assert lr_factor(500, 105, t) == pytest.approx(0.1)  # never below the floor
+    assert lr_factor(4, 5, t) == pytest.approx(0.1)  # one update after the warmup: the last
     t.warmup_steps = 0  # the demo's schedule: a cosine from update 0
     assert lr_factor(0, 101, t) == 1.0 and lr_factor(50, 101, t) == pytest.approx(0.55)
 
@@ -538,8 +539,9 @@ def test_gsm8k_answers_compare_exactly():
 def test_gsm8k_reads_lists_fractions_and_bare_decimals_as_written():
     """The number reader took any run of digits and commas as one number and stopped at a slash
     or a leading point: "5,6,7" scored as 567, "3/4" and \\frac{3}{4} as 4 (or 3 in a box), ".5" as
-    5. Thousands now come in groups of three, a fraction is its value and .5 is 0.5; maj@k votes
-    3/4 with 0.75. A fraction over 0 is no answer."""
+    5. Thousands now come in groups of three, a fraction is its value, a mixed number (2 1/2,
+    2\\frac{1}{2}) its sum and .5 is 0.5; maj@k votes 3/4 with 0.75. A fraction over 0 is no
+    answer."""
     for text, gold, score in (
         ("5,6,7", "567", 0.0),
         ("5,6,7", "7", 1.0),
@@ -549,6 +551,13 @@ def test_gsm8k_reads_lists_fractions_and_bare_decimals_as_written():
         ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
         ("#### .5", "5", 0.0),
         ("#### .5", "0.5", 1.0),
+        ("so we get...5 apples", "5", 1.0),  # a point after a word or a point: 5, not 0.5
+        ("10 apples.5 of them are red", "5", 1.0),
+        ("\\boxed{2\\frac{1}{2}}", "2.5", 1.0),  # a mixed number, not 21/2
+        ("\\boxed{2\\frac{1}{2}}", "10.5", 0.0),
+        ("she drank 1 1/2 cups", "1.5", 1.0),
+        ("she drank 1 1/2 cups", "0.5", 0.0),
+        ("#### -2 1/2", "-2.5", 1.0),
         ("#### 1/0", "1", 0.0),
         ("#### 1,234,567.5", "1234567.5", 1.0),
         ("it cost 48/2=24 dollars, so 24", "24", 1.0),

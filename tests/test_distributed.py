@@ -226,15 +226,15 @@ def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ran
     assert "raised an exception and sent SIGQUIT" in error, error
 
 
-def test_ranks_launched_across_nodes_are_refused(monkeypatch):
+def test_ranks_on_several_hosts_are_refused():
     """torchrun over two nodes: rank 0 alone renames each checkpoint into place and writes the
-    engines' model folder, which the other node's disk never sees. parallel.init refuses it before
-    joining a process group (a reviewer read it; it needs two nodes to fail for real)."""
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(parallel.RankError, match="WORLD_SIZE=4 .*LOCAL_WORLD_SIZE=2"):
-        parallel.init()
-    assert not torch.distributed.is_initialized()
+    engines' model folder, which the other node's disk never sees. parallel.init gathers every
+    rank's host name and refuses several (a reviewer read it; it needs two nodes to fail for
+    real). The host names decide, not the launcher's node count: srun with a task per GPU runs
+    torchrun --nnodes=N on one host."""
+    parallel.one_node(["gpu-node-1"] * 4)
+    with pytest.raises(parallel.RankError, match="ranks on 2 hosts \\(a, b\\)"):
+        parallel.one_node(["a", "a", "b", "b"])
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):

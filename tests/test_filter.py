@@ -114,8 +114,12 @@ def test_a_group_whose_survivors_were_all_cut_is_not_kept_under_mask_truncated()
 
 def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
     """rollout.max_prompts_per_step bounds the new prompts a step launches: one below the
-    over-sampled first launch (32 x 2 = 64 > 40) was silently raised to it; it is a ConfigError."""
-    with pytest.raises(ConfigError, match="below the first launch alone.*= 64"):
+    over-sampled first launch (32 x 2 = 64 > 40) was silently raised to it; it is a ConfigError,
+    for each rank's share too (10 prompts at 0.25 over 2 ranks: each launches ceil(6.25) = 7, past
+    its share 6 of a bound of 13 that one rank meets)."""
+    import cancel
+
+    with pytest.raises(ConfigError, match="below the first launch alone.*64 > 40"):
         filtering_plan(
             tmp_path,
             "rollout.over_sample_rate=1.0",
@@ -129,6 +133,17 @@ def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
         "rollout.prompts_per_step=32",
     )
     assert plan.num_prompts == plan.max_prompts == 64
+    sets = ["rollout.prompts_per_step=10", "rollout.over_sample_rate=0.25"]
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.cancel=count",
+        "rollout.filter_groups=true",
+        "rollout.max_prompts_per_step=13",
+        *sets
+    )
+    cancel.check_shares(cfg.rollout, 1)
+    with pytest.raises(ConfigError, match="each of 2 ranks .*rounded up: 7 > 6"):
+        cancel.check_shares(cfg.rollout, 2)
 
 
 def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(
@@ -185,7 +200,10 @@ def test_groups_are_filtered_on_completion_and_the_rest_aborted_at_the_target(
     assert {t[-1].group_id for t in kept} == expected and counts["kept_groups"] == len(expected)
     # ids are left as the rollout made them (the advantages are aligned with the groups)
     assert all(t[-1].trajectory_id == t[0].trajectory_id for t in kept)
-    assert counts["zero_variance_groups"] == len(survivors) - len(expected)
+    # zero-variance: the other groups with two survivors or more (one has no variance to judge)
+    finished = [t[-1].group_id for t in trajectories if not t[-1].masked]
+    judged = {g for g in survivors if finished.count(g) > 1}
+    assert counts["zero_variance_groups"] == len(judged - expected)
 
 
 def test_refills_launch_while_other_requests_are_in_flight(engine, policy, tmp_path):

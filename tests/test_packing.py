@@ -276,6 +276,10 @@ def test_a_filler_micro_batch_has_the_shapes_of_a_real_one(monkeypatch):
     assert rows == 2 and width >= 2 and len(filler["head_index"]) >= 2
     starts = (filler["position_ids"] == 0).sum(-1)  # documents per row
     assert starts.tolist() == [2, 2] and filler["loss_mask"].sum() == 0
+    # padded: as many rows as a real micro-batch, up to 2 (a size-1 run's filler stays 1 row)
+    for size, rows in ((1, 1), (4, 2)):
+        out, _ = update.micro_batches(samples, size, 0)
+        assert "filler" in out[-1] and out[-1]["input_ids"].shape[0] == rows
 
 
 def test_sequences_packed_together_do_not_attend_to_each_other(tmp_path):

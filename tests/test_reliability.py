@@ -385,11 +385,11 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
     checkpoint (up to checkpoint_every steps lost; a failed sync also lost its step's record).
     Failed in step 2's rollout, step 2's prompts are put back (position 64); failed in its sync,
     the update is saved (step 3) and the step logged; failed in the validation right after,
-    nothing is saved again."""
+    nothing is saved again; failed at a fresh run's first step, nothing is saved (the folder would
+    refuse the same command)."""
     import memory
     from rewards import RewardError
     from runtime.engine import RolloutError
-    from test_train import scalars
 
     saves = []
     real_save = checkpoint.save
@@ -399,6 +399,14 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
         return real_save(out_dir, step, run)
 
     monkeypatch.setattr(checkpoint, "save", counted_save)
+    recorded = []  # the steps logged (TensorBoard's reader orders two runs' files by name)
+    real_record = train.record
+
+    def counted_record(run, logger, step, *rest):
+        recorded.append(step)
+        return real_record(run, logger, step, *rest)
+
+    monkeypatch.setattr(train, "record", counted_record)
     cfg = tiny_config(tmp_path, "train.steps=4", "run.val_every=100", "run.checkpoint_every=100")
     run = train.setup(cfg, engine=engine)
     honest = run.rewards.reward_fn
@@ -411,6 +419,12 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
     run.rewards.reward_fn = fails_from_step_2
     with pytest.raises(RewardError, match="saved in .*step_000002; --resume"):
         train.train(run)
+    # a fresh run that failed before any update saves nothing: the same command starts again
+    fresh = train.setup(tiny_config(tmp_path / "fresh", "run.val_every=100"), engine=engine)
+    fresh.rewards.reward_fn = lambda text, answer, finished: 1 / 0
+    with pytest.raises(RewardError, match="Nothing was trained yet: the same command starts"):
+        train.train(fresh)
+    assert checkpoint.latest(str(tmp_path / "fresh")) is None
     state = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))
     assert saves == [2] and state["prompt_positions"] == [2 * cfg.rollout.prompts_per_step]
 
@@ -421,7 +435,7 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
     with pytest.raises(RolloutError, match="refused. .*saved in .*step_000003"):
         train.train(run)
     assert saves == [2, 3] and run.updates_done == 3
-    assert len(scalars(tmp_path)["train/loss"]) == 3  # step 2 was logged
+    assert recorded == [0, 1, 2]  # step 2 was logged
 
     run = train.setup(cfg, resume=True, engine=engine)
     monkeypatch.setattr(

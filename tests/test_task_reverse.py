@@ -55,7 +55,8 @@ def test_the_reverse_task_is_one_module_with_its_own_letters(caplog):
     # a budget too short for the longest answers is named at load (they would always score 0)
     with caplog.at_level(logging.WARNING, logger="task"):
         load_config(CONFIG, ["rollout.max_new_tokens=4"])
-    assert "answers of 4 or more letters need more tokens with <eos>" in caplog.text
+    assert "a budget of 4 tokens" in caplog.text
+    assert "answers of 4 or more letters need more with <eos>" in caplog.text
     # a field only the demo tasks read is refused, named
     with pytest.raises(ConfigError, match="data.tiny_max_count=5 is read only by"):
         load_config(CONFIG, ["data.tiny_max_count=5"])
