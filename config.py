@@ -127,7 +127,8 @@ class DataConfig:
     val_path: str = ""  # default: train_path's "test" split (a file: the same rows)
     # chat: a row's prompt, a string (one user message) or a list of chat messages
     prompt_field: str = "prompt"
-    answer_field: str = "answer"  # chat: what the reward compares against (a string or a number)
+    # chat: what the reward compares against (a string or a number; the reward gets it as text)
+    answer_field: str = "answer"
     # chat (gsm8k: optional): "path/to/file.py:function" or "module:function", see README
     reward: str = ""
     hub_subset: str = ""  # a hub dataset's configuration name (gsm8k: "main")

@@ -170,7 +170,9 @@ def check_signature(fn, named):
     try:
         inspect.signature(fn).bind("response", "answer", finished=True)
     except TypeError as e:
-        raise ConfigError(f"{named} must take (response_text, answer, finished): {e}") from None
+        raise ConfigError(
+            f"{named} must take (response_text, answer, finished), the third by that name: {e}"
+        ) from None
     except ValueError:  # a builtin without a signature: called as is
         pass
 

@@ -22,6 +22,8 @@ from task.data import TOOL_FIELDS, DataError
 import task.tools as tools
 
 log = logging.getLogger("tasks")
+# malformed rows warned of one by one; the rest are counted (a misnamed field would log each row)
+MAX_ROW_WARNINGS = 5
 
 FIELDS = {
     "data.train_path",
@@ -189,13 +191,19 @@ def row_problem(row, prompt_field, answer_field, max_chars):
     length = sum(map(len, texts))
     if length > max_chars:
         return f"a prompt of {length} characters (limit {max_chars})"
+    try:  # JSON can spell half a character (an emoji cut at "\ud83d"); no tokenizer takes it
+        for text in [*texts, answer if isinstance(answer, str) else ""]:
+            text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate (half of a character) in its text"
     return None
 
 
 def answer_text(answer):
     """A row's answer as the reward gets it: text, an integral float as an int ("5", not "5.0": a
-    pandas column of ints with one missing value is stored as floats)."""
-    if isinstance(answer, float) and answer.is_integer():
+    pandas column of ints with one missing value is stored as floats) where a float holds every
+    digit (below 2**53: 6.02e23 would be 601999999999999995805696, its rounding error)."""
+    if isinstance(answer, float) and answer.is_integer() and abs(answer) < 2**53:
         return str(int(answer))
     return str(answer)
 
@@ -227,12 +235,15 @@ def chat_prompts(
     prompts = []
     num_too_long = 0
     num_bad = 0
+    first_problem = None  # said in the DataError when nothing was usable
     max_chars = 32 * max_prompt_len  # far more than a prompt of max_prompt_len tokens can hold
     for row_no, row in enumerate(rows, 1):
         problem = row_problem(row, prompt_field, answer_field, max_chars)
         if problem:
             num_bad += 1
-            log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
+            first_problem = first_problem or f"row {row_no}: {problem}"
+            if num_bad <= MAX_ROW_WARNINGS:
+                log.warning("skipping malformed row %s:%d (%s)", source, row_no, problem)
             continue
         try:  # a task's own row shape (`to_prompt` raises ValueError), or a template's rules
             prompt, answer = to_prompt(row) if to_prompt else (row[prompt_field], row[answer_field])
@@ -246,7 +257,9 @@ def chat_prompts(
             )
         except (ValueError, jinja2.TemplateError) as e:  # e.g. "roles must alternate"
             num_bad += 1
-            log.warning("skipping malformed row %s:%d (%s)", source, row_no, e)
+            first_problem = first_problem or f"row {row_no}: {e}"
+            if num_bad <= MAX_ROW_WARNINGS:
+                log.warning("skipping malformed row %s:%d (%s)", source, row_no, e)
             continue
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) > max_prompt_len:
@@ -254,13 +267,19 @@ def chat_prompts(
             continue
         prompts.append(Prompt(prompt_ids=ids, answer=answer_text(answer)))
     if num_bad:
-        log.warning("%s: skipped %d malformed rows", source, num_bad)
+        log.warning(
+            "%s: skipped %d malformed rows (the first %d said)",
+            source,
+            num_bad,
+            min(num_bad, MAX_ROW_WARNINGS),
+        )
     if num_too_long:
         log.warning(
             "%s: skipped %d prompts longer than %d tokens", source, num_too_long, max_prompt_len
         )
     if not prompts:
         raise DataError(
-            f"{source}: no usable prompts (malformed rows or all longer than {max_prompt_len})"
+            f"{source}: no usable prompts (malformed rows or all longer than {max_prompt_len}"
+            + (f"; the first malformed: {first_problem})" if first_problem else ")")
         )
     return prompts

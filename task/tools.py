@@ -21,6 +21,7 @@ import json
 import math
 import operator
 import re
+import types
 import typing
 
 import jsonschema
@@ -170,14 +171,52 @@ class Observation(typing.NamedTuple):
 def function_schema(fn):
     """The JSON schema the chat template lists for `fn`, from its type hints and its Google-style
     docstring (transformers.utils.get_json_schema, as TRL builds its tools' schemas). A function
-    it cannot describe is a ConfigError naming what is missing."""
+    it cannot describe is a ConfigError naming what is missing, and so is one it would describe
+    wrongly (`describable`)."""
+    name = getattr(fn, "__name__", fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as e:  # noqa: BLE001 - a hint naming what is not importable here
+        raise ConfigError(f"rollout.tools: {name!r}: its type hints cannot be read: {e}") from None
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind not in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+            raise ConfigError(
+                f"rollout.tools: {name!r} takes {parameter} ({parameter.kind.description}): a "
+                "call passes named arguments, each listed in its schema"
+            )
+        hint = hints.get(parameter.name)
+        if hint is not None and not describable(hint):
+            raise ConfigError(
+                f"rollout.tools: {name}({parameter.name}: {hint}): that type has no JSON schema "
+                "(str, int, float, bool, None, Any, Literal, and lists, tuples, dicts and unions "
+                "of them); the model would be shown an object and the tool handed a dict"
+            )
     try:
         return get_json_schema(fn)
     except (DocstringParsingException, TypeHintParsingException) as e:
         raise ConfigError(
-            f"rollout.tools: cannot build a schema for {getattr(fn, '__name__', fn)!r}: {e} "
-            "(a tool needs a type hint on each argument and a docstring with an Args: section)"
+            f"rollout.tools: cannot build a schema for {name!r}: {e} "
+            "(a tool needs a type hint on each argument and a docstring with an Args: section, "
+            "an argument a line as `name: what it is`)"
         ) from None
+
+
+# what transformers' get_json_schema describes as itself (utils/chat_template_utils.py,
+# _get_json_schema_type): any other class (an Enum, a dataclass, a date) it calls an "object"
+PLAIN_TYPES = (str, int, float, bool, type(None), list, tuple, dict, typing.Any)
+
+
+def describable(hint):
+    """Whether get_json_schema describes type hint `hint` as the value a call must pass: a plain
+    type, a Literal, or a list, tuple, dict or union of describable ones."""
+    origin = typing.get_origin(hint)
+    if origin is None:
+        return hint in PLAIN_TYPES
+    if origin is typing.Literal:
+        return True
+    if origin not in (list, tuple, dict, typing.Union, types.UnionType):
+        return False
+    return all(describable(arg) for arg in typing.get_args(hint) if arg is not Ellipsis)
 
 
 # JSON Schema counts 3.0 as an integer; a Python `int` parameter must not get a float
@@ -191,16 +230,25 @@ STRICT_INTEGERS = jsonschema.validators.extend(
 
 def arguments_schema(schema):
     """The schema a call's arguments must meet: the function's parameters, no other key allowed,
-    and get_json_schema's `nullable` (OpenAPI's word) as JSON Schema's "null" type."""
-    properties = {}
-    for name, spec in schema["function"]["parameters"]["properties"].items():
-        spec = dict(spec)
-        if spec.pop("nullable", False):
-            types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
-            spec["type"] = [*types, "null"]
-        properties[name] = spec
-    parameters = schema["function"]["parameters"]
-    return {**parameters, "properties": properties, "additionalProperties": False}
+    and get_json_schema's `nullable` (OpenAPI's word) as JSON Schema's "null" type, at any depth
+    (list[int | None]'s items too)."""
+    parameters = with_null_types(schema["function"]["parameters"])
+    return {**parameters, "additionalProperties": False}
+
+
+def with_null_types(spec):
+    """`spec` (a JSON schema, or a part of one) with every `nullable: true` turned into a "null"
+    among its types."""
+    if isinstance(spec, list):
+        return [with_null_types(item) for item in spec]
+    if not isinstance(spec, dict):
+        return spec
+    spec = {key: with_null_types(value) for key, value in spec.items()}
+    if spec.get("nullable") is True and "type" in spec:
+        del spec["nullable"]
+        types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
+        spec["type"] = [*types, "null"]
+    return spec
 
 
 def not_json(constant):
@@ -373,7 +421,12 @@ class QwenTools:
             return UNPARSED, "error: the tool call is nested too deeply", False
         if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
             return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}}', False
-        name, arguments = parsed["name"], parsed.get("arguments", {})
+        # "parameters" for "arguments", as SGLang's parser reads a call too
+        # (function_call/base_format_detector.py); any other key would be dropped unread
+        keys = set(parsed) - {"name"}
+        if keys - {"arguments", "parameters"} or len(keys) > 1:
+            return UNPARSED, 'error: a tool call is {"name": ..., "arguments": {...}} alone', False
+        name, arguments = parsed["name"], parsed.get("arguments", parsed.get("parameters", {}))
         if name not in self.functions:
             tools = ", ".join(self.functions)
             return UNPARSED, f"error: no tool {name!r} (tools: {tools})", False

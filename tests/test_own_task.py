@@ -96,6 +96,31 @@ def test_malformed_chat_rows_are_counted_and_skipped(qwen_tiny_dir, tmp_path, ca
         chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "bad.jsonl", bad), "train", 256)
 
 
+def test_half_characters_huge_floats_and_a_misnamed_field(qwen_tiny_dir, tmp_path, caplog):
+    """A reviewer's rows: a prompt or answer holding half a character (JSON's "\\ud83d", an emoji
+    cut) crashed the whole load in the tokenizer with a TypeError naming no row; it is a counted
+    skip. An integral float past 2**53 was its rounding error as digits (6.02e23 ->
+    601999999999999995805696); it stays a float's text. And a misnamed prompt field warned once
+    per row (20,001 lines) and ended in a DataError that did not say why: five rows are warned
+    of, the rest counted, and the DataError names the first row's problem."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_tiny_dir)
+    rows = ROWS + [
+        {"prompt": "an emoji cut in half: \ud83d", "answer": "1"},
+        {"prompt": "fine", "answer": "x\ud83d"},
+        {"prompt": "big", "answer": 6.02e23},
+        {"prompt": "exact", "answer": 2.0**52},
+    ]
+    prompts = chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "rows.jsonl", rows), "train", 256)
+    assert [p.answer for p in prompts] == ["5", "7", "6.02e+23", str(2**52)]
+    assert "skipped 2 malformed rows" in caplog.text and "lone surrogate" in caplog.text
+    caplog.clear()
+    misnamed = [{"question": f"q{i}", "answer": "1"} for i in range(50)]
+    with pytest.raises(tasks.DataError, match="the first malformed: row 1: needs a string"):
+        chat.chat_prompts(tokenizer, write_jsonl(tmp_path / "q.jsonl", misnamed), "train", 256)
+    assert caplog.text.count("skipping malformed row") == chat.MAX_ROW_WARNINGS == 5
+    assert "skipped 50 malformed rows (the first 5 said)" in caplog.text
+
+
 def test_rows_as_pandas_and_editors_write_them(qwen_tiny_dir, tmp_path, caplog):
     """What a fresh reader's messy files did: a byte-order mark cost the first row, blank lines
     were counted as bad rows, bytes that are not UTF-8 became U+FFFD inside the text, NaN and

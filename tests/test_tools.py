@@ -60,6 +60,15 @@ async def later(text: str) -> str:
     return text.upper()
 
 
+def total(xs: list[int | None]) -> int:
+    """Add the numbers given, skipping nulls.
+
+    Args:
+        xs: The numbers, some null.
+    """
+    return sum(x for x in xs if x is not None)
+
+
 def no_docstring(x: int) -> int:
     return x
 
@@ -110,10 +119,51 @@ def test_the_schema_comes_from_the_signature_and_the_docstring():
 
 
 def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
-    """No docstring Args, a missing file or function, two tools of one name, tools on one turn or
+    """No docstring Args, a type or parameter kind its schema would get wrong (a reviewer found an
+    Enum shown as an object, a **kwargs as a required property, a positional-only argument
+    failing every call), a missing file or function, two tools of one name, tools on one turn or
     on the tiny tool demo: each a ConfigError that names the problem."""
     with pytest.raises(ConfigError, match="cannot build a schema for 'no_docstring'"):
         tools.function_schema(no_docstring)
+    # what transformers would describe wrongly (an Enum, a dataclass or a date as "object", a
+    # **kwargs as one more required property) or a call's named arguments cannot reach: refused
+    import dataclasses
+    import datetime
+    import enum
+
+    Color = enum.Enum("Color", {"red": "red"})
+    Point = dataclasses.make_dataclass("Point", [("x", int)])
+    for hint in (Color, datetime.date, list[Point], dict[str, Point | None]):
+
+        def takes(value):
+            """Take one value.
+
+            Args:
+                value: The value.
+            """
+
+        takes.__annotations__ = {"value": hint}
+        with pytest.raises(ConfigError, match="that type has no JSON schema"):
+            tools.function_schema(takes)
+
+    def positional(x: int, /) -> int:
+        """Take x.
+
+        Args:
+            x: A number.
+        """
+
+    def keywords(x: int, **more: int) -> int:
+        """Take x and more.
+
+        Args:
+            x: A number.
+            more: More numbers.
+        """
+
+    for fn, kind in ((positional, "positional-only"), (keywords, "variadic keyword")):
+        with pytest.raises(ConfigError, match=f"takes .*{kind}.*named arguments"):
+            tools.function_schema(fn)
     with pytest.raises(ConfigError, match="no file missing.py"):
         tools.load_tools(["missing.py:f"])
     with pytest.raises(ConfigError, match="has no function 'nope'"):
@@ -147,9 +197,19 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
     """Each tool answers its own calls; wrong names, bad JSON, missing, extra and mistyped
     arguments, a raise and the calculator's refusal are error observations counted under the
     tool called (or `unparsed`), the call well-formed (the tool ran) only where the tool itself
-    failed; the arguments never reach eval."""
-    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later, refuses])
-    assert tool.names == ["calculator", "percent_of", "repeat", "later", "refuses", tools.UNPARSED]
+    failed; the arguments never reach eval. Arguments under "parameters" are read, as SGLang's
+    parser reads them; under any other key (they were dropped unread) the call is malformed; a
+    nested nullable type takes null."""
+    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later, refuses, total])
+    assert tool.names == [
+        "calculator",
+        "percent_of",
+        "repeat",
+        "later",
+        "refuses",
+        "total",
+        tools.UNPARSED,
+    ]
     answers = [
         ('{"name": "calculator", "arguments": {"expression": "12*3+4"}}', "calculator", "40"),
         ('{"name": "percent_of", "arguments": {"percent": 15, "value": 80}}', "percent_of", "12.0"),
@@ -160,6 +220,9 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         ),
         ('{"name": "repeat", "arguments": {"word": "ab", "sep": null}}', "repeat", '["ab", "ab"]'),
         ('{"name": "later", "arguments": {"text": "async"}}', "later", "ASYNC"),
+        # "parameters" for "arguments", as SGLang's own parser reads a call
+        ('{"name": "repeat", "parameters": {"word": "b", "times": 1}}', "repeat", '["b"]'),
+        ('{"name": "total", "arguments": {"xs": [1, null, 2]}}', "total", "3"),
     ]
     for body, name, result in answers:
         observation, text = ask(tool, tokenizer, body)
@@ -225,6 +288,15 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
             "unsupported character",
         ),
         ("not json", tools.UNPARSED, "not valid JSON"),
+        # arguments under another key were dropped unread: with defaults, the call "ran"
+        ('{"name": "repeat", "args": {"word": "b"}}', tools.UNPARSED, "alone"),
+        (
+            '{"name": "repeat", "arguments": {"word": "b"}, "parameters": {"word": "c"}}',
+            tools.UNPARSED,
+            "alone",
+        ),
+        # list[int | None]: null items allowed where the schema the model saw says so
+        ('{"name": "total", "arguments": {"xs": [1, null, "2"]}}', "total", "is not of type"),
         ('["calculator"]', tools.UNPARSED, '{"name": ..., "arguments": {...}}'),
     ]
     # the tool ran (a well-formed call: sample.tool_call 1) where it failed on its own
@@ -348,11 +420,13 @@ def test_an_observation_spelling_control_tokens_stays_text(tokenizer):
 
 
 def test_an_async_tool_that_refuses_its_keywords_is_an_error_observation(tokenizer):
-    """An `async def` tool whose parameter is positional-only gets a schema-valid call it cannot
-    take by keyword: an error observation (the tool ran and failed), as a plain function gets,
-    not a TypeError out of the rollout."""
+    """An `async def` tool whose signature, as seen, takes the call's keywords but whose function
+    does not (a decorator's *args wrapper; a positional-only parameter is refused at load) gets a
+    schema-valid call it cannot take: an error observation (the tool ran and failed), as a plain
+    function gets, not a TypeError out of the rollout."""
+    import functools
 
-    async def double(x: int, /) -> int:
+    async def double(x: int) -> int:
         """Twice x.
 
         Args:
@@ -360,7 +434,11 @@ def test_an_async_tool_that_refuses_its_keywords_is_an_error_observation(tokeniz
         """
         return 2 * x
 
-    tool = tools.QwenTools(tokenizer, [double])
+    @functools.wraps(double)
+    async def wrapped(*args):
+        return await double(*args)
+
+    tool = tools.QwenTools(tokenizer, [wrapped])
     observation, text = ask(tool, tokenizer, '{"name": "double", "arguments": {"x": 2}}')
     assert observation.is_error and observation.ran and "raised TypeError" in text
 
