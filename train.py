@@ -177,9 +177,12 @@ def signalled(stop):
 
 def stopped(run, stop):
     """After a signal: the trainer's state checkpointed (unless the newest checkpoint holds it
-    already: one came during that checkpoint's save), and the signal's name to return."""
+    already: one came during that checkpoint's save; or a fresh run trained nothing yet, which the
+    same command starts again), and the signal's name to return."""
     saved = checkpoint.latest(run.cfg.run.out)
-    if saved is None or checkpoint.step_of(saved) != run.updates_done:
+    if saved is None and run.updates_done == 0:
+        pass  # a checkpoint of the weights it began with would only make the folder refuse it
+    elif saved is None or checkpoint.step_of(saved) != run.updates_done:
         checkpoint.save(run.cfg.run.out, run.updates_done, run)
     return stop.received or "a signal on another rank"
 
@@ -307,9 +310,18 @@ def main(argv=None):
     if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
     if nproc > 1 and not parallel.under_launcher():
-        stopped_by = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
-        return next((name for name in stopped_by if name), None)
-    return run_rank(argv)
+        each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
+        stopped_by = next((name for name in each if name), None)
+    else:
+        stopped_by = run_rank(argv)
+    if stopped_by and os.environ.get("RANK", "0") == "0":  # (the process group is closed)
+        if checkpoint.latest(cfg.run.out):
+            print(
+                f"stopped by {stopped_by} after a checkpoint; --resume continues", file=sys.stderr
+            )
+        else:  # before any update (`stopped`)
+            print(f"stopped by {stopped_by} before any update: nothing saved", file=sys.stderr)
+    return stopped_by
 
 
 if __name__ == "__main__":
@@ -336,5 +348,4 @@ if __name__ == "__main__":
         )
         sys.exit(130)
     if stopped_by:
-        print(f"stopped by {stopped_by} after a checkpoint; --resume continues", file=sys.stderr)
         sys.exit(128 + getattr(signal, stopped_by, signal.SIGTERM))

@@ -4,7 +4,8 @@ for 1 rank and for N ranks (FSDP2 shards the trainer's fp32 state; every rank ho
 python bench/estimate_memory.py --config configs/gsm8k.yaml [--ranks 8] [--gpu-gib 79.2]
 
 Arithmetic from the model's shape and the config, not a measurement: the rules of thumb are in the
-comments, and the activation term is an estimate (SDPA attention, bf16 activations). The model's
+comments, and the activation term is an estimate (bf16 activations; its factor, fitted on H200
+runs under FlexAttention, depends on train.compile: runtime/estimate.py). The model's
 shape comes from its HF config (`model.path`), or, offline, from the public configs of the models
 the shipped configs name. Ends with one line per rank count: estimate: config=<path> ranks=<n>
 rollout_gib=<f> train_gib=<f> sync_gib=<f> peak_gib=<f> headroom=<f>

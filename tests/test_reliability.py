@@ -451,7 +451,8 @@ def test_a_signal_in_a_checkpoint_or_a_validation_stops_before_another_step(
 ):
     """A SIGTERM that comes while a checkpoint is written, or during a validation, stops the run
     there, with the state saved once: it was read only after the next whole step (a cluster's
-    grace period before SIGKILL is shorter than a GSM8K step)."""
+    grace period before SIGKILL is shorter than a GSM8K step). At a fresh run's first validation
+    nothing is saved."""
     stop = types.SimpleNamespace(received=None)
     saves = []
     real_save = checkpoint.save
@@ -480,6 +481,12 @@ def test_a_signal_in_a_checkpoint_or_a_validation_stops_before_another_step(
     monkeypatch.setattr(train, "validation", validation_then_signal)
     assert train.train(run, stop) == "SIGTERM"
     assert run.updates_done == 1 and saves == [1]
+    # at a fresh run's first validation: nothing trained, nothing saved (a checkpoint of the
+    # weights it began with would make the folder refuse the same command)
+    stop.received = None
+    fresh = train.setup(tiny_config(tmp_path / "fresh", "run.val_every=100"), engine=engine)
+    assert train.train(fresh, stop) == "SIGTERM"
+    assert fresh.updates_done == 0 and saves == [1]
 
 
 # ---------------------------------------------------------------- engine faults and load
