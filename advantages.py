@@ -137,8 +137,8 @@ def compute(trainer, groups):
         )
         metrics["train/overlong_penalty"] = ratio((penalty * is_valid).sum(), is_valid.sum())
         rewards = rewards + penalty
-    if cfg.train.kl_in == "reward":
-        kl_cost = cfg.train.kl_coef * reference_kl(trainer, trajectories)
+    if t.kl_in == "reward":
+        kl_cost = t.kl_coef * reference_kl(trainer, trajectories)
         metrics["train/reward_kl_cost"] = ratio((kl_cost * is_valid).sum(), is_valid.sum())
         rewards = rewards - kl_cost
     advantages = ESTIMATORS[cfg.train.advantage](rewards, group_ids, is_valid, cfg)

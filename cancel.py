@@ -305,10 +305,10 @@ def keeps(survivors, mask_truncated):
     """Dynamic sampling's keep rule on a group's survivors (the last turns of its finished
     members): their rewards differ (`informative`), and one of them trains. With
     train.mask_truncated a member cut at the budget does not (merge.training_sequences), so a group
-    of such members trains nothing whatever its rewards; it was kept, and counted toward the
-    target. (The rewards are the task's: DAPO's overlong penalty shapes only the advantage.)"""
-    trains = [s for s in survivors if not (mask_truncated and s.finish_reason == "length")]
-    return informative([s.reward for s in survivors]) and bool(trains)
+    of such members trains nothing whatever its rewards, and must not count toward the target.
+    (The rewards are the task's: DAPO's overlong penalty shapes only the advantage.)"""
+    trains = any(not (mask_truncated and s.finish_reason == "length") for s in survivors)
+    return trains and informative([s.reward for s in survivors])
 
 
 def solved(rewards):

@@ -176,39 +176,43 @@ def signalled(stop):
 
 
 def stopped(run, stop):
-    """After a signal: the trainer's state checkpointed (unless the newest checkpoint holds it
-    already: one came during that checkpoint's save; or a fresh run trained nothing yet, which the
-    same command starts again), and the signal's name to return."""
-    saved = checkpoint.latest(run.cfg.run.out)
-    if saved is None and run.updates_done == 0:
-        pass  # a checkpoint of the weights it began with would only make the folder refuse it
-    elif saved is None or checkpoint.step_of(saved) != run.updates_done:
-        checkpoint.save(run.cfg.run.out, run.updates_done, run)
+    """After a signal: the trainer's state saved (`save_state`), and the signal's name to
+    return."""
+    save_state(run)
     return stop.received or "a signal on another rank"
 
 
 def save_after_failure(run, error, before):
-    """The trainer's own state is intact when its engine dies or its rollout fails: checkpoint
-    it (unless the newest checkpoint holds it already: a failure in the validation after a save;
-    or a fresh run trained nothing yet), and return the error to raise, saying where it is.
-    Failed before the step's update, the step's prompts and resumed samples were taken and never
-    trained: they are put back (`before`, from data_before_step), so --resume runs that step from
-    them, as the run would have."""
+    """The trainer's own state is intact when its engine dies or its rollout fails: save it
+    (`save_state`), and return the error to raise, saying where it is. Failed before the step's
+    update, the step's prompts and resumed samples were taken and never trained: they are put
+    back (`before`, from data_before_step), so --resume runs that step from them, as the run
+    would have."""
     if run.updates_done == before["updates_done"]:
         run.stream.position = before["position"]
         if run.buffer:
             run.buffer.load_state_dict(before["buffer"])
-    path = checkpoint.latest(run.cfg.run.out)
-    if path is None and run.updates_done == 0:
-        # a fresh run that trained nothing: the same command starts it again, where a checkpoint
-        # would make it refuse the folder (a GSM8K one: ~25 GB of the weights it began with)
+    path = save_state(run)
+    if path is None:
         return type(error)(f"{error}. Nothing was trained yet: the same command starts again")
-    if path is None or checkpoint.step_of(path) != run.updates_done:
-        path = checkpoint.save(run.cfg.run.out, run.updates_done, run)
     return type(error)(
         f"{error}. The trainer's state after {run.updates_done} updates is saved in {path}; "
         "--resume continues from it"
     )
+
+
+def save_state(run):
+    """The trainer's state checkpointed after a signal or a failure: the folder holding it. Not
+    written again where the newest checkpoint holds it (a signal during that checkpoint's save, a
+    failure in the validation after it); nor at all (None) where a fresh run trained nothing yet:
+    the same command starts it again, where a checkpoint of the weights it began with (~25 GB at
+    GSM8K) would make the folder refuse it."""
+    saved = checkpoint.latest(run.cfg.run.out)
+    if saved is None and run.updates_done == 0:
+        return None
+    if saved is not None and checkpoint.step_of(saved) == run.updates_done:
+        return saved
+    return checkpoint.save(run.cfg.run.out, run.updates_done, run)
 
 
 # ---------------------------------------------------------------- command line

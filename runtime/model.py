@@ -476,7 +476,7 @@ def check_attention(cfg, device):
         # recompile_limit (8 by default) it would silently run the unfused path that builds the
         # full [T, T] scores. train.compile's head likewise: one function for the policy and the
         # frozen KL reference, a variant per grad mode, weight that trains or not, 0 or 1 head
-        # positions (a reviewer hit 8 with 2 minibatches and a KL term; past it: eager, slower).
+        # positions (8 are reached with 2 minibatches and a KL term; past them: eager, slower).
         # Raised deliberately, a process-wide setting
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 
@@ -500,10 +500,8 @@ def lr_factor(update, num_updates, t):
     """The learning rate of optimizer step `update` (0-based, of `num_updates`) as a fraction of
     `t.lr`: a linear warmup over the first `t.warmup_steps` steps' updates (`t.num_minibatches`
     each), then constant, or a cosine from 1 down to `t.min_lr_ratio` at the last update, begun
-    where the warmup ends (as nanoGPT's get_lr). The warmup counted updates and the cosine began
-    at update 0 under it: 4 minibatches warmed up over a quarter of the steps, and a cosine under
-    a long warmup never reached lr. The decay is why the CPU demo ends where it peaked
-    (configs/tiny.yaml)."""
+    where the warmup ends (as nanoGPT's get_lr). The decay is why the CPU demo ends where it
+    peaked (configs/tiny.yaml)."""
     warmup = t.warmup_steps * t.num_minibatches
     if update < warmup:
         return (update + 1) / warmup
