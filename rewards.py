@@ -180,8 +180,11 @@ def check_signature(fn, named):
 # ---------------------------------------------------------------- the built-in rewards
 # A number as written: thousands only in groups of three (1,234; "5,6,7" is a list, its last
 # number 7), a decimal part, or a bare one (.5 is 0.5, not 5; not after a word or a point: the
-# 5 of "apples.5" or "...5" is 5)
-_NUMBER = re.compile(r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
+# 5 of "apples.5" or "...5" is 5), then an exponent (1e3 is 1000, not 3: a chat task's float
+# answer 6.02e23 is written "6.02e+23"; up to 3 digits, so decimal's arithmetic stays in range)
+_NUMBER = re.compile(
+    r"-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)(?:[eE][-+]?\d{1,3}(?!\d))?"
+)
 # an answer: a number, a fraction (3/4 is 0.75, not 4; LaTeX's \frac{3}{4} likewise) or a mixed
 # number (2 1/2 and 2\frac{1}{2} are 2.5, not 21/2)
 _ANSWER = re.compile(rf"{_NUMBER.pattern}(?:/\d+|[ \t]+\d+/\d+)?")

@@ -541,7 +541,7 @@ def test_gsm8k_reads_lists_fractions_and_bare_decimals_as_written():
     or a leading point: "5,6,7" scored as 567, "3/4" and \\frac{3}{4} as 4 (or 3 in a box), ".5" as
     5. Thousands now come in groups of three, a fraction is its value, a mixed number (2 1/2,
     2\\frac{1}{2}) its sum and .5 is 0.5; maj@k votes 3/4 with 0.75. A fraction over 0 is no
-    answer."""
+    answer. An exponent is read (1e3 was 3, and a float gold "6.02e+23" 6.02)."""
     for text, gold, score in (
         ("5,6,7", "567", 0.0),
         ("5,6,7", "7", 1.0),
@@ -561,9 +561,15 @@ def test_gsm8k_reads_lists_fractions_and_bare_decimals_as_written():
         ("#### 1/0", "1", 0.0),
         ("#### 1,234,567.5", "1234567.5", 1.0),
         ("it cost 48/2=24 dollars, so 24", "24", 1.0),
+        ("about 1e3 people", "3", 0.0),  # an exponent: 1000, not its last digits
+        ("about 1e3 people", "1000", 1.0),
+        ("#### 602000000000000000000000", "6.02e+23", 1.0),  # a chat task's float answer's text
+        ("#### 1.5E-2", "0.015", 1.0),
+        ("2e fleet, 3 eggs", "3", 1.0),  # no digit after the e: no exponent
     ):
         assert rewards.gsm8k_reward(text, gold, True) == score, (text, gold)
     assert gsm8k.answer_of("#### 3/4") == gsm8k.answer_of("it is 0.75") == "0.75"
+    assert gsm8k.answer_of("1e3") == gsm8k.answer_of("1,000") == "1000"
     assert rewards.parse_number("1,2345") == 1 and not rewards.is_number("1/2")
 
 
