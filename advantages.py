@@ -142,6 +142,14 @@ def compute(trainer, groups):
         metrics["train/reward_kl_cost"] = ratio((kl_cost * is_valid).sum(), is_valid.sum())
         rewards = rewards - kl_cost
     advantages = ESTIMATORS[cfg.train.advantage](rewards, group_ids, is_valid, cfg)
+    # an estimator of yours: one advantage per trajectory, or the update would broadcast a [N, 1]
+    # (every sample's loss against every advantage: a gradient of ~0) or zip would cut [G] short
+    if not isinstance(advantages, torch.Tensor) or advantages.shape != rewards.shape:
+        got = advantages.shape if isinstance(advantages, torch.Tensor) else type(advantages)
+        raise ValueError(
+            f"train.advantage={t.advantage!r} returned {got}: expected a tensor of shape "
+            f"{tuple(rewards.shape)}, one advantage per trajectory (like the rewards it was given)"
+        )
     for turns, advantage in zip(trajectories, advantages.tolist()):
         for turn in turns:
             turn.advantage = advantage

@@ -177,7 +177,8 @@ def _tail_cut_by_count(cfg):
     return r.cancel != "none" and not r.filter_groups and not r.over_sample_rate
 
 
-# config.refuse_unread's table: the rollout fields only some policies and modes read (plan_launch)
+# config.refuse_unread's table: the rollout fields only some policies and modes read (plan_launch);
+# a policy of yours that reads one (the time fields, say) adds itself to that field's condition
 READ_WHEN = {
     "rollout.drop_rate": (_tail_cut_by_count, "with a cancel policy, no over-sampling or filter"),
     "rollout.over_sample_rate": (

@@ -424,7 +424,10 @@ def refuse_unread(cfg, read_when):
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         if value != getattr(getattr(defaults, section), name) and not is_read(cfg):
-            raise ConfigError(f"{key}={shown(value)} is read only {when}: unset it")
+            raise ConfigError(
+                f"{key}={shown(value)} is read only {when}: unset it (a fork of yours that "
+                f"reads it: say when in READ_WHEN, beside the check of the module that owns it)"
+            )
 
 
 def numbers(config, prefix=""):

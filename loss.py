@@ -115,7 +115,8 @@ def clip_range(t):
 # aggregated like the surrogate. `inputs` is a dict of [B, T] tensors: logprobs (with grad),
 # old_logprobs, loss_mask, entropy (with its graph only when the entropy term is on),
 # engine_logprobs (None unless train.tis_cap), ref_logprobs (None without a KL reference),
-# advantages [B], and kl_estimator and norm_length (the token budget, Dr. GRPO's constant).
+# advantages [B, 1] (a per-sample value: [B] would broadcast against T), and kl_estimator and
+# norm_length (the token budget, Dr. GRPO's constant).
 def kl_penalty(inputs):
     """The KL to the frozen reference (GRPO's, Shao et al. 2024 eq. 3), per `kl_estimate`."""
     return kl_estimate(inputs["logprobs"], inputs["ref_logprobs"], inputs["kl_estimator"])
@@ -577,7 +578,7 @@ def policy_loss(
         engine_logprobs=engine_logprobs,
         ref_logprobs=ref_logprobs,
         entropy=entropy,
-        advantages=advantages,
+        advantages=adv,  # [B, 1]
         loss_mask=loss_mask,
         kl_estimator=kl_estimator,
         norm_length=norm_length,

@@ -115,6 +115,18 @@ def spread(values):
     return Spread(tuple(float(v) for v in values))
 
 
+def joined(*stages):
+    """The stages' metrics as one dict. A key two stages both report is a ValueError: with `|`
+    one would silently replace the other (a metric of yours under a name a stage already logs)."""
+    out = {}
+    for metrics in stages:
+        repeated = sorted(out.keys() & metrics.keys())
+        if repeated:
+            raise ValueError(f"metrics {repeated} come from two stages: give one another name")
+        out |= metrics
+    return out
+
+
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
     declared it: Summed, Slowest, Ratio, Quantile, Spread, else averaged. A collective: every

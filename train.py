@@ -30,7 +30,7 @@ import rollout
 import update
 from config import ConfigError, config_yaml
 from extras import replay
-from metrics import Logger, reduce_metrics, slowest, summed
+from metrics import Logger, joined, reduce_metrics, slowest, summed
 from rewards import RewardError
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
@@ -68,14 +68,15 @@ def train_step(run, step):
     # the engine-vs-trainer gap the update measured on this rank (none where pi_old came from the
     # engine)
     gap = update_metrics.get("train/logprob_gap")
-    metrics |= advantage_metrics | sequence_metrics | update_metrics
+    metrics = joined(metrics, advantage_metrics, sequence_metrics, update_metrics)
     try:
-        metrics |= memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
+        sync = memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
     except RolloutError as e:  # the engine died, or refused the push
         # the update is done and the checkpoint that follows holds it: the step's record goes
         # with the error, for `train` to log it as any step's
         e.trained_step = metrics, sequences
         raise
+    metrics = joined(metrics, sync)
     # 6. metrics, each reduced over ranks as its stage declared
     metrics["timing/to_train_s"] = slowest(train_start - to_train_start)
     metrics["timing/train_s"] = slowest(train_s)

@@ -461,6 +461,9 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         loss_mask=loss_mask,
         engine_logprobs=engine_logprobs,
         versions=versions,
+        # [B]: each sample's own values (a per-sample value a loss term of yours needs goes here
+        # too: every micro-batch, a rank's padding ones included, is built by this function)
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float),
     )
     if rows:
         # row r holds samples bounds[r]:bounds[r + 1]
@@ -844,7 +847,6 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
         mb = collate(
             [samples[i] for i in mb_indices], pad_id, mb_row_sizes, route_width, shared_prefix
         )
-        mb["advantages"] = torch.tensor([samples[i].advantage for i in mb_indices])
         out.append(mb)
     count = max(int(parallel.all_reduce([len(out)], op="max")[0]), 1)
     while len(out) < count:
@@ -855,7 +857,6 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
         filler = [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)]
         filler *= 4 if max_tokens else min(size, 2)
         mb = collate(filler, pad_id, [2, 2] if max_tokens else None, route_width, shared_prefix)
-        mb["advantages"] = torch.zeros(len(filler))
         mb["filler"] = torch.ones(())  # its positions are padding (layout_stats)
         out.append(mb)
     return out, sum(n > max_tokens for n in lengths) if max_tokens else 0

@@ -19,7 +19,6 @@ import functools
 import importlib
 import logging
 import math
-import os
 import pkgutil
 import random
 
@@ -52,12 +51,26 @@ def task_module(name):
     return importlib.import_module(f"task.{name}")
 
 
+def module_names():
+    """Every module in task/, by name."""
+    return [info.name for info in pkgutil.iter_modules(importlib.import_module("task").__path__)]
+
+
 @functools.cache
 def task_names():
-    """Every module of task/ that is a task (has `prompts`), sorted: what data.task may name."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    found = (info.name for info in pkgutil.iter_modules([here]))
-    return tuple(sorted(name for name in found if hasattr(task_module(name), "prompts")))
+    """Every module of task/ that is a task (has `prompts`), sorted: what data.task may name, as
+    error messages list it. A module that fails to import is left out, logged (one being written
+    must not break every other task's run)."""
+    names = []
+    for name in module_names():
+        try:
+            module = task_module(name)
+        except Exception as e:
+            log.warning("task/%s.py is no task: it fails to import (%r)", name, e)
+            continue
+        if hasattr(module, "prompts"):
+            names.append(name)
+    return tuple(sorted(names))
 
 
 def fields_read(cfg):
@@ -80,14 +93,13 @@ def check(cfg):
     """data.task's choice, its module (`check_module`), tools' turns only with a task that has a
     tool, what the task needs (its own `check`), and no task-specific field set that the task or
     its turns do not read (assemble.load_config calls this at load)."""
-    names = task_names()
     name = cfg.data.task
-    if name not in names:
-        raise ConfigError(f"data.task={name!r}: expected one of {names} (task/*.py)")
-    module = task_module(name)
+    if name not in module_names():
+        raise ConfigError(f"data.task={name!r}: expected one of {task_names()} (task/*.py)")
+    module = task_module(name)  # its own import error, raised as is, names its file
     check_module(name, module)
     if cfg.rollout.max_turns > 1 and not hasattr(module, "tool"):
-        with_tool = [n for n in names if hasattr(task_module(n), "tool")]
+        with_tool = [n for n in task_names() if hasattr(task_module(n), "tool")]
         raise ConfigError(
             f"rollout.max_turns={cfg.rollout.max_turns}: task/{name}.py has no tool, so every "
             f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
@@ -107,6 +119,10 @@ def check_module(name, module):
     missing or wrong: FIELDS (a set of task and tool fields), and `reward`, None or callable as
     a reward is (rewards.check_signature)."""
     where = f"data.task={name!r} (task/{name}.py)"
+    if not callable(getattr(module, "prompts", None)):
+        raise ConfigError(
+            f"{where} is no task: it needs `prompts(cfg, tokenizer, split, seed, tool)`"
+        )
     fields = getattr(module, "FIELDS", None)
     if not isinstance(fields, (set, frozenset)):
         raise ConfigError(
@@ -156,9 +172,30 @@ def build_task(cfg, tokenizer):
     tool = module.tool(cfg, tokenizer) if with_tool else None
     train_seed = seeds.derive(cfg.train.seed, "prompts", "train")
     val_seed = seeds.derive(cfg.train.seed, "prompts", "val")
-    train = within_length(module.prompts(cfg, tokenizer, "train", train_seed, tool), d, "train")
-    val = within_length(module.prompts(cfg, tokenizer, "val", val_seed, tool), d, "val")
+    train = module.prompts(cfg, tokenizer, "train", train_seed, tool)
+    val = module.prompts(cfg, tokenizer, "val", val_seed, tool)
+    unknown = getattr(tokenizer, "unk_token_id", None)  # None: byte-level BPE (Qwen) knows all
+    train = within_length(known(train, d, "train", unknown), d, "train")
+    val = within_length(known(val, d, "val", unknown), d, "val")
     return Task(train, val[: d.num_val_prompts], reward_fn, tool)
+
+
+def known(prompts, d, split, unknown_id):
+    """The prompts without the tokenizer's unknown token (`unknown_id`; None: every prompt): the
+    others counted and logged, and none left a DataError. The model could not read such a
+    prompt; the tiny model's vocabulary is its base and the task's CHARS (`vocabulary`), so a
+    character missing from CHARS, or a CHARS misspelt, would otherwise train on <unk>."""
+    kept = [p for p in prompts if unknown_id is None or unknown_id not in p.prompt_ids]
+    if len(kept) == len(prompts):
+        return kept
+    why = (
+        f"data.task={d.task} {split}: {len(prompts) - len(kept)} of {len(prompts)} prompts hold "
+        "characters the tokenizer does not know (the tiny model's: add them to the task's CHARS)"
+    )
+    if not kept:
+        raise DataError(why)
+    log.warning("%s: skipped", why)
+    return kept
 
 
 def within_length(prompts, d, split):

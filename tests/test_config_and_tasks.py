@@ -18,6 +18,7 @@ import task.chat as chat
 import task.tiny as tiny
 import task.tiny_tool as tiny_tool
 import task.tools as tools
+import sample
 import advantages
 import rewards
 from config import ConfigError, config_yaml, load_yaml, read_config
@@ -842,6 +843,50 @@ def test_a_task_module_missing_what_a_task_needs_is_a_config_error():
             tasks.check_module("mine", bad)
 
 
+def test_a_task_module_being_written_breaks_no_other_task(tmp_path, monkeypatch):
+    """A module of task/ that fails to import was imported by every run's check (task_names),
+    so it broke data.task=tiny with an error naming no file; one without `prompts` was called
+    unknown, as if its file did not exist. Now the named module alone is imported: the broken
+    one is left out of the list (logged), and a module without prompts is named."""
+    import task
+
+    (tmp_path / "broken_task.py").write_text("import some_missing_dependency\n")
+    (tmp_path / "misnamed_task.py").write_text(
+        "FIELDS = set()\nreward = None\ndef prompt(): pass\n"
+    )
+    monkeypatch.setattr(task, "__path__", [*task.__path__, str(tmp_path)])
+    tasks.task_names.cache_clear()
+    try:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={tmp_path}"])
+        assert cfg.data.task == "tiny" and "broken_task" not in tasks.task_names()
+        with pytest.raises(
+            ConfigError, match=r"task/misnamed_task.py\) is no task: it needs `prompts"
+        ):
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["data.task=misnamed_task"])
+        with pytest.raises(ModuleNotFoundError, match="some_missing_dependency"):
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["data.task=broken_task"])
+    finally:
+        tasks.task_names.cache_clear()
+        for name in ("task.broken_task", "task.misnamed_task"):
+            sys.modules.pop(name, None)
+
+
+def test_a_prompt_the_tokenizer_cannot_read_is_skipped_and_named(tmp_path):
+    """The reverse task's letters need its CHARS in the tiny vocabulary: with a misspelt CHARS
+    (here: the demo's vocabulary alone) every prompt was <unk>s, trained with no error. Now
+    such prompts are counted skips, and none left a DataError that says to add them to CHARS."""
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["data.task=reverse"])
+    good = model.build_char_tokenizer(tasks.vocabulary(cfg, model.TINY_CHARS))
+    assert tasks.build_task(cfg, good).train_prompts
+    without = model.build_char_tokenizer(model.TINY_CHARS)
+    with pytest.raises(tasks.DataError, match="the tokenizer does not know .* the task's CHARS"):
+        tasks.build_task(cfg, without)
+    unknown = without.unk_token_id
+    prompts = [sample.Prompt([1, 5, 2], "a"), sample.Prompt([1, unknown, 2], "b")]
+    assert [p.answer for p in tasks.known(prompts, cfg.data, "train", unknown)] == ["a"]
+    assert tasks.known(prompts, cfg.data, "train", None) == prompts  # byte-level: no unknown
+
+
 def test_every_task_skips_prompts_over_max_prompt_len(tmp_path):
     """data.max_prompt_len holds for every task, the demo's too: longer prompts are skipped
     (counted in the log), and none left is a DataError. The demo's "<bos>N:" is 3 tokens for N
@@ -974,7 +1019,9 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             assert key in turn_on, f"{key}: add a mode in which it is read to turn_on"
             cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), off[:2] + turn_on[key])
             assert is_read(cfg), key
-            with pytest.raises(ConfigError, match=f"{key}=.* is read only "):
+            with pytest.raises(
+                ConfigError, match=f"{key}=.* is read only .*: unset it .*READ_WHEN"
+            ):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), off)
         finally:
             advantages.ESTIMATORS.pop("other", None)

@@ -73,6 +73,52 @@ def test_advantage_recipe_rloo(forked, tmp_path, monkeypatch):
     assert [t[0].advantage for t in trajectories] == [1.0, -1.0, 1.0, -1.0]
 
 
+def test_an_estimator_of_the_wrong_shape_is_named_not_trained_on(tmp_path, monkeypatch):
+    """An estimator of yours that returns [N, 1] (a stray keepdim) made every sample's loss read
+    every advantage ([B, B, T] after broadcasting): a gradient of ~0, no error. One that returns
+    one value per group was cut short by zip. Both are a ValueError naming train.advantage."""
+    cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
+    groups = [
+        [[Sample([1], [2], [0.0], [1], group_id=g, reward=r)] for r in (1.0, 0.0)] for g in (0, 1)
+    ]
+    for wrong in (lambda r, *_: r[:, None], lambda r, *_: r[:2], lambda r, *_: r.tolist()):
+        monkeypatch.setitem(advantages.ESTIMATORS, "grpo", wrong)
+        with pytest.raises(
+            ValueError, match="train.advantage='grpo' returned .* expected a tensor"
+        ):
+            advantages.compute(_trainer_stub(cfg), groups)
+
+
+def test_a_per_sample_value_reaches_a_loss_term_shaped_per_sample(forked):
+    """A term of yours that reads a per-sample value: `inputs["advantages"]` is [B, 1], so it
+    scales each row's tokens (as [B] it broadcast along T: with B == T a wrong loss, no error);
+    and every micro-batch carries it, a rank's padding ones too (they were built apart, without
+    it: a KeyError on a rank with nothing to train)."""
+    import update
+
+    monkeypatch_terms = dict(loss.TERMS)
+    loss.TERMS["advantage_weighted"] = lambda inputs: inputs["advantages"] * inputs["logprobs"]
+    try:
+        logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]])
+        mask = torch.ones(2, 2)
+        value, _ = loss.policy_loss(
+            logprobs, logprobs, torch.tensor([1.0, 0.0]), mask, terms={"advantage_weighted": 1.0}
+        )
+    finally:
+        loss.TERMS.clear()
+        loss.TERMS.update(monkeypatch_terms)
+    # surrogate -A: (-1 -1 + 0 + 0) / 4; the term: row 0's log-probs x 1, row 1's x 0
+    assert value.item() == pytest.approx((-2.0 + (-1.0 - 2.0)) / 4)
+    real = Sample([1], [2, 3], [0.0, 0.0], [1, 1], group_id=0, advantage=0.5)
+    # collate builds every micro-batch: the one place a per-sample value of yours goes
+    assert update.collate([real], 0)["advantages"].tolist() == [0.5]
+    for max_tokens in (0, 8):
+        mbs, _ = update.micro_batches([real], 1, 0, max_tokens)
+        assert mbs[0]["advantages"].tolist() == [0.5]
+    filler, _ = update.micro_batches([], 1, 0, 8)  # a rank with nothing: one padding batch
+    assert filler[0]["advantages"].tolist() == [0.0] * 4 and "filler" in filler[0]
+
+
 def _trainer_stub(cfg):
     """What advantages.compute reads without a KL reference: only the config."""
 

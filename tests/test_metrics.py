@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from metrics import Summed, length_stats, masked_mean, reduce_metrics, summed
+from metrics import Summed, joined, length_stats, masked_mean, reduce_metrics, summed
 from inflight import RolloutStats
 from rollout import rollout_metrics
 from sample import Sample, trajectories_of
@@ -92,6 +92,15 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     assert out["train/reward_std"] == pytest.approx(1 / 3)
     per_rank[1] = rollout_metrics(trajectories_of(rank1[1:]), RolloutStats(rollout_s=1.0))
     assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
+
+
+def test_a_metric_two_stages_report_is_named_not_replaced():
+    """The step joined its stages' metrics with `|`: a fork's metric under a name a stage
+    already logs (train/reward_std, say) silently replaced it. `joined` names it instead."""
+    rollout, update = {"train/reward_std": 0.5}, {"train/loss": 1.0}
+    assert joined(rollout, update) == {"train/reward_std": 0.5, "train/loss": 1.0}
+    with pytest.raises(ValueError, match=r"\['train/reward_std'\] come from two stages"):
+        joined(rollout, update, {"train/reward_std": 0.1})
 
 
 def test_masked_mean_and_lengths_never_nan():
