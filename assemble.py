@@ -296,4 +296,15 @@ def partial_buffer(cfg, state, multi_turn):
     )
     if state:
         buffer.load_state_dict(share_state(state, parallel.rank(), parallel.world_size()))
+    if multi_turn and buffer.waiting:
+        # single-turn samples resumed with a tool's turns (rollout.max_turns raised): the engine
+        # cannot continue them (inflight.check_launch refuses), so each is dropped, as a cancelled
+        # multi-turn trajectory is, and its group trains on its finished members
+        log.warning(
+            "the checkpoint's %d unfinished samples were suspended without tools' turns: "
+            "dropped, not resumed, with rollout.max_turns=%d",
+            len(buffer.waiting),
+            cfg.rollout.max_turns,
+        )
+        buffer.waiting = []
     return buffer

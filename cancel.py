@@ -65,7 +65,7 @@ def plan_launch(r, num_prompts, mask_truncated=False):
         target_groups=num_prompts,
         time_quantile=r.time_quantile,
         time_factor=r.time_factor,
-        partial=r.partial and r.max_staleness > 0,
+        partial=r.resumes(),
         max_trajectory_tokens=r.max_trajectory_tokens(),
         mask_truncated=mask_truncated,
     )

@@ -168,7 +168,8 @@ class RolloutConfig:
     # own "?" calculator only)
     tools: list[str] = dataclasses.field(default_factory=list)
     # a tool still running after this many seconds answers with an error observation (> 0: the
-    # rollout waits for a running tool before it ends)
+    # rollout waits for a running tool before it ends); a call queued for a thread behind k x
+    # tool_workers others is given (k + 1) x this
     tool_timeout_s: PositiveFloat = 10.0
     # a tool's result or error message longer than this is cut, with a visible marker: it shares
     # the trajectory's token budget (a tool raising a 100 KB message would fill it)
@@ -240,6 +241,11 @@ class RolloutConfig:
         """Tokens one trajectory may hold after its prompt: `max_trajectory_tokens` of this
         section."""
         return max_trajectory_tokens(self.max_new_tokens, self.max_turns, self.max_response_tokens)
+
+    def resumes(self):
+        """Whether partial rollout is on, so that tokens older weights sampled reach an update:
+        `partial` with `max_staleness` > 0 (0 restarts every cancelled sample: plain dropping)."""
+        return self.partial and self.max_staleness > 0
 
 
 def max_trajectory_tokens(max_new_tokens, max_turns, max_response_tokens=0):

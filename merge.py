@@ -168,8 +168,8 @@ def _merge_into(
 def _warn_over_length(stats: MergeStats, max_seq_len: int) -> None:
     if stats.over_length:
         warnings.warn(
-            f"{stats.over_length} merged sequence(s) exceed max_seq_len={max_seq_len}; "
-            f"returned untruncated, training_sequences drops them (counted)",
+            f"{stats.over_length} sequence(s) exceed max_seq_len={max_seq_len}; returned "
+            f"untruncated, training_sequences drops their trajectories (counted)",
             stacklevel=3,
         )
 
@@ -235,26 +235,30 @@ def training_sequences(trajectories, cfg, max_seq_len):
         per_trajectory = [unmerged([turns]) for turns in trajectories]  # validated
         num_turns = sum(len(turns) for turns in trajectories)
         stats = MergeStats(turns=num_turns, sequences_before=num_turns, sequences_after=num_turns)
+        stats.over_length = sum(
+            len(s.prompt_ids) + len(s.response_ids) > max_seq_len
+            for turns in trajectories
+            for s in turns
+        )
+        _warn_over_length(stats, max_seq_len)
     sequences = []
     num_finished = 0
     num_fitting = 0
     for turns, candidates in zip(trajectories, per_trajectory):
-        # a trajectory cut at the budget is masked whole, merged or not (its earlier turns carry
-        # the advantage of the cut answer)
-        truncated = mask_truncated and turns[-1].finish_reason == "length"
-        for s in candidates:
-            # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but
-            # would still cost the old-log-prob pass, the forward and the backward, and they are
-            # the longest rows: they stop here.
-            if s.masked:
-                continue
-            num_finished += 1
-            if len(s.prompt_ids) + len(s.response_ids) > max_seq_len:
-                continue
-            num_fitting += 1
-            if truncated:
-                continue
-            sequences.append(s)
+        # Cancelled and failed rows train nothing (all-zero loss mask, no advantage) but would
+        # still cost the old-log-prob pass, the forward and the backward, and they are the
+        # longest rows: they stop here.
+        finished = [s for s in candidates if not s.masked]
+        num_finished += len(finished)
+        # a trajectory trains whole or not at all, merged or not: with one sequence over the
+        # model's length, or cut at the budget (train.mask_truncated), its others go too (they
+        # carry the advantage of the answer that is not trained)
+        if any(len(s.prompt_ids) + len(s.response_ids) > max_seq_len for s in finished):
+            continue
+        num_fitting += len(finished)
+        if mask_truncated and turns[-1].finish_reason == "length":
+            continue
+        sequences += finished
     metrics = {
         "merge/sequences_before": summed(stats.sequences_before),
         "merge/sequences_after": summed(stats.sequences_after),

@@ -242,35 +242,40 @@ def rollout_metrics(trajectories, stats):
 
     Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
     failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
-    `reward_mean_launched` counts unfinished ones as 0, so the survivor bias of tail cancellation
-    (verl PR 2929) is visible as the gap between the two. Token counts cover every turn: a
-    response's length is what the model wrote over its trajectory's turns (tool observations
-    apart: rollout.max_response_tokens counts them too, so a cut trajectory logs less).
+    `reward_mean_launched` counts unfinished ones as 0 (and a dropped group's finished members at
+    their reward), so the survivor bias of tail cancellation (verl PR 2929) is visible as the gap
+    between the two. Token counts cover every turn: a response's length is what the model wrote
+    over its trajectory's turns (tool observations apart: rollout.max_response_tokens counts them
+    too, so a cut trajectory logs less). `wasted_tokens`: what cancellation threw away, the cut
+    trajectories' and the dropped groups' (not failures').
     """
     samples = [turn for turns in trajectories for turn in turns]
     launched = [turns[-1] for turns in trajectories]  # the last turn of each trajectory
     finished = [s for s in launched if not s.masked]
-    # kept out like an abort, but counted on their own: failures, and finished samples of groups a
-    # cancel policy's keep_groups left out (cancel.drop_other_groups)
+    # finished samples of groups a cancel policy's keep_groups left out (cancel.drop_other_groups)
+    dropped = [turns for turns in trajectories if turns[-1].finish_reason == "dropped"]
+    # the trajectories cut by cancellation: masked, neither failed nor dropped
     failed = ("error", "reward_error", "dropped")
-    # turns cut by cancellation
-    aborted = [s for s in samples if s.masked and s.finish_reason not in failed]
-    num_aborted = sum(s.masked and s.finish_reason not in failed for s in launched)
+    aborted = [t for t in trajectories if t[-1].masked and t[-1].finish_reason not in failed]
     reward_sum = sum(s.reward for s in finished)
     out = {
         "train/reward_mean_completed": ratio(reward_sum, len(finished)),
-        "train/reward_mean_launched": ratio(reward_sum, len(launched)),
+        "train/reward_mean_launched": ratio(
+            reward_sum + sum(turns[-1].reward for turns in dropped), len(launched)
+        ),
         "train/reward_std": spread([s.reward for s in finished]),
         "train/accuracy": ratio(sum(s.reward >= 1.0 for s in finished), len(finished)),
         "rollout/launched": summed(len(launched)),
-        "rollout/aborted": summed(num_aborted),
-        "rollout/aborted_ratio": ratio(num_aborted, len(launched)),
+        "rollout/aborted": summed(len(aborted)),
+        "rollout/aborted_ratio": ratio(len(aborted), len(launched)),
         "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
-        "rollout/dropped": summed(sum(s.finish_reason == "dropped" for s in launched)),
+        "rollout/dropped": summed(len(dropped)),
         "rollout/truncated_ratio": ratio(
             sum(s.finish_reason == "length" for s in finished), len(finished)
         ),
-        "rollout/wasted_tokens": summed(sum(len(s.response_ids) for s in aborted)),
+        "rollout/wasted_tokens": summed(
+            sum(len(t.response_ids) for turns in aborted + dropped for t in turns)
+        ),
         # what the engine generated in this rollout: with partial rollout the trajectories here
         # are the complete groups', which hold earlier steps' tokens and not this step's suspended
         "perf/rollout_tokens_per_s": summed(stats.generated_tokens / max(stats.rollout_s, 1e-9)),
@@ -295,7 +300,8 @@ def rollout_metrics(trajectories, stats):
         )
     )
     if aborted:
-        out.update(length_stats([len(s.response_ids) for s in aborted], "rollout/aborted_len"))
+        cut = [sum(len(t.response_ids) for t in turns) for turns in aborted]
+        out.update(length_stats(cut, "rollout/aborted_len"))
     return out
 
 

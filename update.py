@@ -91,6 +91,11 @@ READ_WHEN = {
         lambda cfg: cfg.train.max_tokens_per_micro_batch != 0,
         "with packed micro-batches (train.max_tokens_per_micro_batch), whose rows share prompts",
     ),
+    # every token but a resumed one is of the weights being trained
+    "train.max_token_staleness": (
+        lambda cfg: cfg.rollout.resumes(),
+        "with partial rollout (rollout.partial, rollout.max_staleness > 0)",
+    ),
 }
 
 
@@ -99,6 +104,17 @@ def check(cfg):
     ranks (assemble.load_config calls this)."""
     refuse_unread(cfg, READ_WHEN)
     t = cfg.train
+    if cfg.rollout.resumes() and cfg.rollout.top_p < 1 and t.tis_cap and t.max_token_staleness:
+        # engine_logprobs_on_nucleus moves a token's engine log-prob onto the nucleus with the
+        # nucleus mass of the weights being trained: exact for tokens they sampled, off by up to
+        # 1 / top_p for a resumed one, whose weights' mass SGLang does not report
+        # (srt/layers/sampler.py returns the full softmax's log-probs)
+        raise ConfigError(
+            "train.tis_cap with rollout.partial and rollout.top_p < 1: a resumed token's TIS "
+            "weight needs the nucleus mass of the older weights that sampled it, which the engine "
+            "does not report; set train.max_token_staleness=0 (older tokens masked out of the "
+            "loss) or train.tis_cap=0"
+        )
     if t.old_logprobs not in ("trainer", "engine"):
         raise ConfigError(f"train.old_logprobs={t.old_logprobs!r}: expected trainer or engine")
     if t.old_logprobs == "engine":
@@ -106,7 +122,9 @@ def check(cfg):
             "train.num_minibatches > 1 (later minibatches need pi_old, not the weights now)": (
                 t.num_minibatches > 1
             ),
-            "rollout.partial (resumed tokens were sampled by older weights)": cfg.rollout.partial,
+            "rollout.partial (resumed tokens were sampled by older weights)": (
+                cfg.rollout.resumes()
+            ),
             "train.tis_cap (TIS weighs pi_old / pi_engine: 1 everywhere)": t.tis_cap > 0,
             "rollout.top_p < 1 (the engine's log-probs are of the full softmax, not the nucleus)": (
                 cfg.rollout.top_p < 1

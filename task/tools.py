@@ -15,7 +15,6 @@ import array
 import ast
 import asyncio
 import concurrent.futures
-import functools
 import inspect
 import json
 import math
@@ -382,6 +381,8 @@ class QwenTools:
         self.max_chars = max_chars
         # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
+        self.workers = workers
+        self.in_pool = set()  # calls submitted to the pool that have not ended (or been cancelled)
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
         self.markers = added_tokens(tokenizer)
 
@@ -434,17 +435,33 @@ class QwenTools:
         if problems:
             return name, f"error: {name}: {'; '.join(problems)}", False
         fn = self.functions[name]
+        limit, pending = self.timeout_s, None
         try:
             if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
-                pending = fn(**arguments)  # (inside the try: a signature may refuse the keywords)
+                # (inside the try: a signature may refuse the keywords)
+                pending = asyncio.ensure_future(fn(**arguments))
             else:
-                loop = asyncio.get_running_loop()
-                pending = loop.run_in_executor(self.pool, functools.partial(fn, **arguments))
-            return name, result_text(await asyncio.wait_for(pending, self.timeout_s)), True
-        except asyncio.TimeoutError:
-            return name, f"error: {name} did not return within {self.timeout_s} s", True
+                # a call waits for a free thread behind those ahead of it (more calls in flight
+                # than rollout.tool_workers): each of them may take the limit, so its own is
+                # longer by theirs; a stuck thread stays counted (it holds its worker), so a pool
+                # of stuck tools still bounds every wait
+                limit *= 1 + len(self.in_pool) // self.workers
+                # the result's JSON too, in the thread: a huge one would stall the event loop
+                call = self.pool.submit(lambda: result_text(fn(**arguments)))
+                self.in_pool.add(call)
+                call.add_done_callback(self.in_pool.discard)  # ended, or cancelled before it ran
+                pending = asyncio.wrap_future(call)
+            # asyncio.wait, not wait_for: a tool's own TimeoutError (socket.timeout is one) is
+            # an exception it raised, not the time limit
+            done, _ = await asyncio.wait({pending}, timeout=limit)
+            if not done:
+                return name, f"error: {name} did not return within {limit:g} s", True
+            return name, result_text(pending.result()), True
         except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash
             return name, f"error: {name} raised {type(e).__name__}: {e}", True
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()  # a queued call never starts; a running thread finishes unread
 
 
 class QuestionCalculator:

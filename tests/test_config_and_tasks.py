@@ -984,6 +984,11 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.fsdp_keep_gathered": ["run.nproc=2"],
         "train.shared_prefix": [],  # tiny.yaml packs
         "train.overlong_buffer": ["train.overlong_penalty=1.0"],
+        "train.max_token_staleness": [
+            "rollout.partial=true",
+            "rollout.cancel=count",
+            "rollout.drop_rate=0.25",
+        ],
     }
     other = {
         "train.kl_estimator": "k1",

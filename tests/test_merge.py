@@ -389,3 +389,25 @@ def test_mask_truncated_masks_a_cut_trajectory_whole_merged_or_not(tmp_path):
         kept, metrics = merge.training_sequences([cut, finished], load_config(None, sets), 256)
         assert {s.trajectory_id for s in kept} == {1}, merge_turns
         assert metrics["train/truncated_masked"].value == (1 if merge_turns == "true" else 3)
+
+
+def test_an_over_long_trajectory_is_dropped_whole_merged_or_not(tmp_path):
+    """One sequence over the model's length drops its trajectory whole, as merging does: trained
+    turn by turn (rollout.merge_turns false), the tool call's turn trained on with the advantage
+    of the answer that was dropped. Counted and warned alike."""
+    import merge
+    from assemble import load_config
+
+    long = make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0)
+    short = make_turns(RESPONSES[:1], [], trajectory_id=1)
+    last = long[-1]
+    max_seq_len = len(last.prompt_ids) + len(last.response_ids) - 1  # the last turn only is over
+    assert all(len(t.prompt_ids) + len(t.response_ids) <= max_seq_len for t in long[:-1])
+    base = [f"run.out={tmp_path}", "data.task=tiny_tool", "rollout.max_turns=3"]
+    for merge_turns in ("true", "false"):
+        cfg = load_config(None, base + [f"rollout.merge_turns={merge_turns}"])
+        with pytest.warns(UserWarning, match="exceed max_seq_len"):
+            kept, metrics = merge.training_sequences([long, short], cfg, max_seq_len)
+        assert {s.trajectory_id for s in kept} == {1}, merge_turns
+        dropped = 1 if merge_turns == "true" else len(long)
+        assert metrics["merge/over_length_dropped"].value == dropped

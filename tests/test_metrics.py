@@ -94,6 +94,29 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
 
 
+def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_reward():
+    """Cut trajectories are counted whole (every turn's tokens in aborted_len and wasted_tokens; a
+    reviewer found them per turn), a trajectory that failed in its second turn is a failure, not
+    a cut one (its first turn, masked with "stop", counted as cancelled), and the finished
+    members of a group a cancel policy dropped count at their reward in the launched mean (as 0
+    it could even put the launched mean above the completed one) and their tokens as wasted."""
+    samples = [
+        sample(0, 1.0, 4),
+        sample(1, 0.0, 2, masked=True, turn=0),  # cut in its second turn: 2 + 3 tokens
+        sample(1, 0.0, 3, masked=True, finish_reason="abort", turn=1),
+        sample(2, 0.0, 7, masked=True, turn=0),  # failed in its second turn
+        sample(2, 0.0, 1, masked=True, finish_reason="error", turn=1),
+        sample(3, 1.0, 6, masked=True, finish_reason="dropped"),  # keep_groups left it out
+    ]
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0)))
+    assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
+    assert out["rollout/dropped"] == 1
+    assert out["rollout/aborted_len_max"] == 5 and out["rollout/aborted_len_mean"] == 5
+    assert out["rollout/wasted_tokens"] == 5 + 6  # the cut trajectory and the dropped one
+    assert out["train/reward_mean_completed"] == 1.0
+    assert out["train/reward_mean_launched"] == pytest.approx((1.0 + 1.0) / 4)
+
+
 def test_a_metric_two_stages_report_is_named_not_replaced():
     """The step joined its stages' metrics with `|`: a fork's metric under a name a stage
     already logs (train/reward_std, say) silently replaced it. `joined` names it instead."""

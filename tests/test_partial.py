@@ -272,6 +272,35 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
     assert Sample.from_state(state).times_restarted == 0
 
 
+def test_a_checkpoint_without_tools_resumed_with_them_drops_its_unfinished_samples(
+    tmp_path, caplog
+):
+    """A partial-rollout checkpoint of single-turn samples resumed with rollout.max_turns > 1: the
+    engine cannot continue them (inflight.check_launch refused every step, and each failed
+    step's save kept the same checkpoint: no way on but partial off). They are dropped at load,
+    logged, and the group trains on its finished member at the next collect."""
+    from assemble import load_config, partial_buffer
+
+    prompt = sample.Prompt([1, 2], "1")
+    single = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET)
+    finished = Sample([1, 2], [5], [-1.0], [1], 0, reward=1.0)
+    cut = Sample([1, 2], [6], [-1.0], [1], 0, trajectory_id=1, finish_reason="abort", masked=True)
+    assert single.collect([finished, cut], [prompt]) == [] and single.waiting
+    sets = [f"run.out={tmp_path}", "rollout.cancel=count", "rollout.drop_rate=0.25"]
+    sets += ["rollout.partial=true", "rollout.max_turns=3"]
+    cfg = load_config("configs/tiny_tool.yaml", sets)
+    with caplog.at_level("WARNING"):
+        buffer = partial_buffer(cfg, single.state_dict(), multi_turn=True)
+    assert "1 unfinished samples were suspended without tools' turns: dropped" in caplog.text
+    resumes, new, held = buffer.launch(Handout([]), 0, version=1)
+    assert resumes == [] and held == [] and not buffer.waiting
+    [[kept, dropped]] = buffer.collect([], [])
+    assert kept[-1].reward == 1.0 and not kept[-1].masked and dropped[-1].masked
+    # without tools' turns the same state resumes its sample
+    cfg = load_config("configs/tiny.yaml", sets[:-1])
+    assert len(partial_buffer(cfg, single.state_dict(), multi_turn=False).waiting) == 1
+
+
 def test_a_sample_that_fills_a_smaller_budget_restarts():
     """A run resumed with a smaller response budget than its buffered samples already hold
     restarts them from their prompts (counted), instead of the rollout refusing the resume."""

@@ -98,6 +98,10 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
     assert tried > 700 and rejected > tried // 2
 
 
+# partial rollout on the CPU demo
+PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=true"]
+
+
 @pytest.mark.parametrize(
     "sets, message",
     [
@@ -161,6 +165,21 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
             "turn off: train.num_minibatches > 1 (later minibatches need pi_old, not the weights "
             "now); train.tis_cap",
         ),
+        (  # a resumed token's TIS weight was off by up to 1 / top_p (its nucleus mass unknown)
+            PARTIAL + ["rollout.top_p=0.9", "train.tis_cap=2"],
+            "train.tis_cap with rollout.partial and rollout.top_p < 1: a resumed token's TIS "
+            "weight needs the nucleus mass",
+        ),
+        (  # no token is older than the weights being trained: nothing read it
+            ["train.max_token_staleness=2"],
+            "train.max_token_staleness=2 is read only with partial rollout",
+        ),
+        (
+            PARTIAL[:2]
+            + ["rollout.partial=true", "rollout.max_staleness=0"]
+            + ["train.max_token_staleness=2"],  # max_staleness 0: plain dropping
+            "train.max_token_staleness=2 is read only with partial rollout",
+        ),
     ],
 )
 def test_impossible_configs_name_the_problem(sets, message):
@@ -168,6 +187,13 @@ def test_impossible_configs_name_the_problem(sets, message):
     problem."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", sets)
+
+
+def test_the_ways_out_of_a_refused_nucleus_tis_load():
+    """Partial rollout with top_p < 1 and TIS loads with older tokens masked, or without TIS."""
+    nucleus = PARTIAL + ["rollout.top_p=0.9"]
+    for way_out in (["train.tis_cap=2", "train.max_token_staleness=0"], ["train.tis_cap=0"]):
+        assert load_config("configs/tiny.yaml", nucleus + way_out).rollout.resumes()
 
 
 def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):

@@ -82,6 +82,15 @@ def refuses(text: str) -> str:
     return f"error: cannot {text}"
 
 
+def times_out(host: str) -> str:
+    """Raise the TimeoutError a network call raises.
+
+    Args:
+        host: Where.
+    """
+    raise TimeoutError(f"connect to {host} timed out")
+
+
 async def hangs(text: str) -> str:
     """Await forever.
 
@@ -350,6 +359,24 @@ def test_a_slow_tool_is_cut_at_its_time_limit_and_the_loop_runs_meanwhile(tokeni
     hanging = tools.QwenTools(tokenizer, [hangs], timeout_s=0.2)
     observation, _ = ask(hanging, tokenizer, '{"name": "hangs", "arguments": {"text": "x"}}')
     assert observation.is_error and observation.tool == "hangs"
+
+
+def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
+    """8 calls of a 0.2 s tool at once on 2 threads with a 0.5 s limit: the last ones wait 0.6 s
+    for a thread. The limit counted the wait too, so they came back "did not return" (the last
+    two never ran); each call's limit now grows by the calls ahead of it. A tool that raises
+    TimeoutError itself (a network call's) is its exception, not the time limit."""
+    tool = tools.QwenTools(tokenizer, [slow, times_out], timeout_s=0.5, workers=2)
+    call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.2}}</tool_call>'
+    ids = tokenizer(call, add_special_tokens=False).input_ids
+
+    async def eight():
+        return await asyncio.gather(*(tool(ids) for _ in range(8)))
+
+    observations = asyncio.run(eight())
+    assert [o.is_error for o in observations] == [False] * 8 and not tool.in_pool
+    _, text = ask(tool, tokenizer, '{"name": "times_out", "arguments": {"host": "a"}}')
+    assert text == "error: times_out raised TimeoutError: connect to a timed out"
 
 
 def test_a_long_result_is_cut(tokenizer):
