@@ -113,8 +113,9 @@ class Rollout:
         self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.next_group = 0  # dynamic sampling: the group id a refill gets next
         self.cancelled_groups = set()  # groups a policy's Decision cancelled (the rest went on)
-        # tools: request indices running one (nothing of theirs in the engine to abort or wait for)
-        self.in_tool = set()
+        # tools: request index -> the Event that stops waiting for its tool (`abort` sets it):
+        # nothing of theirs in the engine to abort or wait for
+        self.in_tool = {}
         for name in settings.tool.names if settings.tool is not None else ():
             self.stats.tool_calls[name] = self.stats.tool_errors[name] = 0
 
@@ -325,8 +326,11 @@ class Rollout:
         request decoding in the scheduler, burning the compute we wanted back. Returns once every
         task's generation has returned (a trajectory whose reward is still being computed, or
         whose tool is running, has nothing left to abort: its task ends after them)."""
-        # and no cancelled trajectory starts a turn
+        # and no cancelled trajectory starts a turn, nor waits for its tool
         self.cancelled.update(self.tasks[t] for t in pending)
+        for t in pending:
+            if self.tasks[t] in self.in_tool:
+                self.in_tool[self.tasks[t]].set()
 
         def generating(task):
             index = self.tasks[task]
@@ -367,15 +371,24 @@ class Rollout:
             )
 
     async def run_tool(self, request, sample):
-        """The tool on `sample`, a turn ending in a call: its Observation, counted. Awaited, so
-        the loop serves the other requests and the cancel decision meanwhile (a plain tool runs
-        in a thread, task/tools.py); while it runs, an abort has nothing of this trajectory's in
-        the engine to cut or wait for."""
-        self.in_tool.add(request.index)
+        """The tool on `sample`, a turn ending in a call: its Observation, counted; None when the
+        trajectory is cancelled first (`abort`): its result would be thrown away, so the call is
+        cancelled (one queued for a thread never starts, task/tools.py) and the rollout does not
+        wait for it. Awaited, so the loop serves the other requests and the cancel decision
+        meanwhile; while it runs, an abort has nothing of this trajectory's in the engine."""
+        stop = self.in_tool[request.index] = asyncio.Event()
+        calling = asyncio.ensure_future(self.settings.tool(sample.response_ids, request.prompt_ids))
+        stopped = asyncio.ensure_future(stop.wait())
         try:
-            observation = await self.settings.tool(sample.response_ids, request.prompt_ids)
+            await asyncio.wait({calling, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self.in_tool.discard(request.index)
+            del self.in_tool[request.index]
+            calling.cancel()  # (nothing, once it returned)
+            stopped.cancel()
+            await asyncio.gather(calling, stopped, return_exceptions=True)
+        if calling.cancelled():
+            return None
+        observation = calling.result()  # a task's own tool raising: the rollout raises
         self.stats.num_tool_calls += 1
         self.stats.num_tool_errors += observation.is_error
         self.stats.tool_calls[observation.tool] += 1

@@ -529,6 +529,9 @@ async def multi_turn(flight, request, settings):
             sample.finish_reason = "abort"
             break
         observation = await flight.run_tool(request, sample)
+        if observation is None:  # cancelled while its tool ran: not waited for, ends here
+            sample.finish_reason = "abort"
+            break
         ran = observation.ran if observation.ran is not None else not observation.is_error
         sample.tool_call = 1 if ran else -1
         # a new array, not +=: the turn just generated keeps `context` as its prompt_ids
