@@ -167,9 +167,9 @@ class RolloutConfig:
     # (task/tools.py; README "Your own tools"). None given: the built-in calculator. (tiny_tool: its
     # own "?" calculator only)
     tools: list[str] = dataclasses.field(default_factory=list)
-    # a tool still running after this many seconds answers with an error observation (> 0: the
-    # rollout waits for a running tool before it ends); a call queued for a thread behind k x
-    # tool_workers others is given (k + 1) x this
+    # a tool still running after this many seconds answers with an error observation (timed from
+    # its start: a call queued for a thread waits while threads come free, and gives up after
+    # this long with none coming free: every one running a call past its limit)
     tool_timeout_s: PositiveFloat = 10.0
     # a tool's result or error message longer than this is cut, with a visible marker: it shares
     # the trajectory's token budget (a tool raising a 100 KB message would fill it)

@@ -20,6 +20,7 @@ import json
 import math
 import operator
 import re
+import time
 import types
 import typing
 
@@ -381,8 +382,7 @@ class QwenTools:
         self.max_chars = max_chars
         # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
-        self.workers = workers
-        self.in_pool = set()  # calls submitted to the pool that have not ended (or been cancelled)
+        self.freed_at = 0.0  # time.monotonic() when a pool thread last came free
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
         self.markers = added_tokens(tokenizer)
 
@@ -435,33 +435,67 @@ class QwenTools:
         if problems:
             return name, f"error: {name}: {'; '.join(problems)}", False
         fn = self.functions[name]
-        limit, pending = self.timeout_s, None
+        pending = None
         try:
             if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
                 # (inside the try: a signature may refuse the keywords)
                 pending = asyncio.ensure_future(fn(**arguments))
             else:
-                # a call waits for a free thread behind those ahead of it (more calls in flight
-                # than rollout.tool_workers): each of them may take the limit, so its own is
-                # longer by theirs; a stuck thread stays counted (it holds its worker), so a pool
-                # of stuck tools still bounds every wait
-                limit *= 1 + len(self.in_pool) // self.workers
-                # the result's JSON too, in the thread: a huge one would stall the event loop
-                call = self.pool.submit(lambda: result_text(fn(**arguments)))
-                self.in_pool.add(call)
-                call.add_done_callback(self.in_pool.discard)  # ended, or cancelled before it ran
-                pending = asyncio.wrap_future(call)
-            # asyncio.wait, not wait_for: a tool's own TimeoutError (socket.timeout is one) is
-            # an exception it raised, not the time limit
-            done, _ = await asyncio.wait({pending}, timeout=limit)
+                pending, started = self.submit(fn, arguments)
+                if not await self.thread_started(started):
+                    return (
+                        name,
+                        f"error: {name} found no free thread within {self.timeout_s:g} s",
+                        True,
+                    )
+            # timed from its start; asyncio.wait, not wait_for: a tool's own TimeoutError
+            # (socket.timeout is one) is an exception it raised, not the time limit
+            done, _ = await asyncio.wait({pending}, timeout=self.timeout_s)
             if not done:
-                return name, f"error: {name} did not return within {limit:g} s", True
+                return name, f"error: {name} did not return within {self.timeout_s:g} s", True
             return name, result_text(pending.result()), True
         except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash
             return name, f"error: {name} raised {type(e).__name__}: {e}", True
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()  # a queued call never starts; a running thread finishes unread
+
+    def submit(self, fn, arguments):
+        """fn(**arguments) queued for a thread of the pool: (its future, the Event set when a
+        thread starts it). Its result's JSON is made in the thread too (a huge one would stall
+        the event loop)."""
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def call():
+            loop.call_soon_threadsafe(started.set)
+            return result_text(fn(**arguments))
+
+        future = self.pool.submit(call)
+        future.add_done_callback(self.thread_freed)
+        return asyncio.wrap_future(future), started
+
+    def thread_freed(self, future):
+        """When a pool thread last came free: its call ended (a queued call cancelled frees
+        none)."""
+        if not future.cancelled():
+            self.freed_at = time.monotonic()
+
+    async def thread_started(self, started):
+        """Whether a thread started a queued call. A call waits behind those ahead of it (more in
+        flight than rollout.tool_workers) untimed while threads come free; once none has for
+        timeout_s, each is running a call past its limit (tools that never return hold their
+        threads for good), and it gives up."""
+        queued_at = time.monotonic()
+        while not started.is_set():
+            left = max(self.freed_at, queued_at) + self.timeout_s - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(started.wait(), left)
+            except asyncio.TimeoutError:
+                pass  # a thread may have come free meanwhile: the time left is counted again
+        return True
 
 
 class QuestionCalculator:

@@ -1,6 +1,7 @@
 """Config errors, data loading with bad rows, and reward parsing on real GSM8K rows."""
 
 import asyncio
+import glob
 import json
 import logging
 import math
@@ -843,32 +844,36 @@ def test_a_task_module_missing_what_a_task_needs_is_a_config_error():
             tasks.check_module("mine", bad)
 
 
-def test_a_task_module_being_written_breaks_no_other_task(tmp_path, monkeypatch):
+def test_a_task_module_being_written_breaks_no_other_task(tmp_path):
     """A module of task/ that fails to import was imported by every run's check (task_names),
     so it broke data.task=tiny with an error naming no file; one without `prompts` was called
     unknown, as if its file did not exist. Now the named module alone is imported: the broken
-    one is left out of the list (logged), and a module without prompts is named."""
-    import task
-
-    (tmp_path / "broken_task.py").write_text("import some_missing_dependency\n")
-    (tmp_path / "misnamed_task.py").write_text(
-        "FIELDS = set()\nreward = None\ndef prompt(): pass\n"
-    )
-    monkeypatch.setattr(task, "__path__", [*task.__path__, str(tmp_path)])
+    one is left out of the list (logged), and a module without prompts is named. (The two files
+    are written into task/ itself, where a user's would be, and removed.)"""
+    here = os.path.join(ROOT, "task")
+    broken, misnamed = f"broken_{os.getpid()}", f"misnamed_{os.getpid()}"
+    files = [os.path.join(here, f"{name}.py") for name in (broken, misnamed)]
+    with open(files[0], "w") as f:
+        f.write("import some_missing_dependency\n")
+    with open(files[1], "w") as f:
+        f.write("FIELDS = set()\nreward = None\ndef prompt(): pass\n")
     tasks.task_names.cache_clear()
     try:
         cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"run.out={tmp_path}"])
-        assert cfg.data.task == "tiny" and "broken_task" not in tasks.task_names()
+        assert cfg.data.task == "tiny" and broken not in tasks.task_names()
         with pytest.raises(
-            ConfigError, match=r"task/misnamed_task.py\) is no task: it needs `prompts"
+            ConfigError, match=rf"task/{misnamed}.py\) is no task: it needs `prompts"
         ):
-            load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["data.task=misnamed_task"])
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"data.task={misnamed}"])
         with pytest.raises(ModuleNotFoundError, match="some_missing_dependency"):
-            load_config(os.path.join(ROOT, "configs/tiny.yaml"), ["data.task=broken_task"])
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), [f"data.task={broken}"])
     finally:
+        cached = os.path.join(here, "__pycache__", f"*_{os.getpid()}.*")
+        for path in files + glob.glob(cached):
+            os.remove(path)
         tasks.task_names.cache_clear()
-        for name in ("task.broken_task", "task.misnamed_task"):
-            sys.modules.pop(name, None)
+        for name in (broken, misnamed):
+            sys.modules.pop(f"task.{name}", None)
 
 
 def test_a_prompt_the_tokenizer_cannot_read_is_skipped_and_named(tmp_path):
@@ -1003,6 +1008,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "rollout.max_prompts_per_step": "256",
         "train.overlong_buffer": "4",
         "train.fsdp_keep_gathered": "false",
+        "train.max_token_staleness": "2",
     }
     for key, (is_read, _) in owner.READ_WHEN.items():
         value = other_value(key, other | FIELD_VALUES)

@@ -364,8 +364,10 @@ def test_a_slow_tool_is_cut_at_its_time_limit_and_the_loop_runs_meanwhile(tokeni
 def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     """8 calls of a 0.2 s tool at once on 2 threads with a 0.5 s limit: the last ones wait 0.6 s
     for a thread. The limit counted the wait too, so they came back "did not return" (the last
-    two never ran); each call's limit now grows by the calls ahead of it. A tool that raises
-    TimeoutError itself (a network call's) is its exception, not the time limit."""
+    two never ran); a call is now timed from its thread's start. Threads held by tools that
+    never return: queued calls give up once no thread came free for the limit, not each after
+    the calls ahead of it. A tool that raises TimeoutError itself (a network call's) is its
+    exception, not the time limit."""
     tool = tools.QwenTools(tokenizer, [slow, times_out], timeout_s=0.5, workers=2)
     call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.2}}</tool_call>'
     ids = tokenizer(call, add_special_tokens=False).input_ids
@@ -374,9 +376,23 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
         return await asyncio.gather(*(tool(ids) for _ in range(8)))
 
     observations = asyncio.run(eight())
-    assert [o.is_error for o in observations] == [False] * 8 and not tool.in_pool
+    assert [o.is_error for o in observations] == [False] * 8
     _, text = ask(tool, tokenizer, '{"name": "times_out", "arguments": {"host": "a"}}')
     assert text == "error: times_out raised TimeoutError: connect to a timed out"
+    stuck = tools.QwenTools(tokenizer, [slow], timeout_s=0.2, workers=2)
+    call = '<tool_call>{"name": "slow", "arguments": {"seconds": 1.5}}</tool_call>'
+    ids = tokenizer(call, add_special_tokens=False).input_ids
+
+    async def sixteen():
+        start = time.perf_counter()
+        observations = await asyncio.gather(*(stuck(ids) for _ in range(16)))
+        return observations, time.perf_counter() - start
+
+    observations, took = asyncio.run(sixteen())
+    texts = [tokenizer.decode(o.ids) for o in observations]
+    assert sum("did not return within 0.2 s" in t for t in texts) == 2  # the two that started
+    assert sum("found no free thread within 0.2 s" in t for t in texts) == 14
+    assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
 
 
 def test_a_long_result_is_cut(tokenizer):
