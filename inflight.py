@@ -382,13 +382,15 @@ class Rollout:
         try:
             await asyncio.wait({calling, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            del self.in_tool[request.index]
             calling.cancel()  # (nothing, once it returned)
             stopped.cancel()
-            await asyncio.gather(calling, stopped, return_exceptions=True)
-        if calling.cancelled():
+            try:  # a tool may take a while to stop: until it has, it is still in its tool
+                await asyncio.gather(calling, stopped, return_exceptions=True)
+            finally:
+                del self.in_tool[request.index]
+        if calling.cancelled() and stop.is_set():
             return None
-        observation = calling.result()  # a task's own tool raising: the rollout raises
+        observation = calling.result()  # a tool raising (its own CancelledError too): it raises
         self.stats.num_tool_calls += 1
         self.stats.num_tool_errors += observation.is_error
         self.stats.tool_calls[observation.tool] += 1

@@ -487,15 +487,20 @@ class QwenTools:
         timeout_s, each is running a call past its limit (tools that never return hold their
         threads for good), and it gives up."""
         queued_at = time.monotonic()
-        while not started.is_set():
-            left = max(self.freed_at, queued_at) + self.timeout_s - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(started.wait(), left)
-            except asyncio.TimeoutError:
-                pass  # a thread may have come free meanwhile: the time left is counted again
-        return True
+        # asyncio.wait, not wait_for: Python 3.11's wait_for returns the result of a wait that
+        # ended as it was cancelled, swallowing the cancellation (asyncio/tasks.py, wait_for)
+        waiting = asyncio.ensure_future(started.wait())
+        try:
+            while not started.is_set():
+                left = max(self.freed_at, queued_at) + self.timeout_s - time.monotonic()
+                if left <= 0:
+                    return False
+                # (on a timeout a thread may have come free meanwhile: the time left is counted
+                # again)
+                await asyncio.wait({waiting}, timeout=left)
+            return True
+        finally:
+            waiting.cancel()
 
 
 class QuestionCalculator:

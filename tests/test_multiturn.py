@@ -167,9 +167,12 @@ class SlowCalculator(tools.QuestionCalculator):
     def __init__(self, tokenizer, seconds):
         super().__init__(tokenizer)
         self.seconds = seconds
+        self.started = self.finished = 0  # calls
 
     async def __call__(self, response_ids, prompt_ids=()):
+        self.started += 1
         await asyncio.sleep(self.seconds)
+        self.finished += 1
         return await super().__call__(response_ids, prompt_ids)
 
 
@@ -202,6 +205,7 @@ def test_a_cancellation_does_not_wait_for_a_running_tool(engine, tmp_path):
         if t[-1].response_ids[-1:].tolist() == [slow.call_end_id] and t[-1].finish_reason == "abort"
     ]
     assert in_tool and all(turn.masked for t in in_tool for turn in t)
+    assert slow.started > slow.finished  # a tool was running at the decision, and was cancelled
     assert stats.cancel_latency_s < 1.0, stats  # not the tool's 10 s
     assert stats.rollout_s - stats.decision_s < 5.0, stats  # nor at the rollout's end
     assert engine.num_in_flight() == 0
