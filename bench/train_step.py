@@ -469,7 +469,10 @@ def shape_arms(args, device, shipped):
             False,
         )
     if args.top_p < 1:
-        arms["top_p"] = (shipped_attention + [f"rollout.top_p={args.top_p}"], compiled, None, False)
+        # older tokens masked (update.check refuses TIS on resumed tokens at top_p < 1 with
+        # gsm8k.yaml's partial rollout); here every token is of the weights trained: none is
+        top_p = [f"rollout.top_p={args.top_p}", "train.max_token_staleness=0"]
+        arms["top_p"] = (shipped_attention + top_p, compiled, None, False)
         arms["top_p-peaked"] = arms["top_p"]  # with PEAKED_NORM: see there
     if args.lora:  # the base frozen in bf16, fp32 adapters on every projection (runtime/lora.py)
         lora_sets = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"]
@@ -490,9 +493,12 @@ def shape_arms(args, device, shipped):
 
 # Random weights give near-uniform next-token distributions (logits' std ~0.8 over 151,936 tokens),
 # whose top-p nucleus is most of the vocabulary: loss.nucleus_edge sorts every row, the worst case.
-# The `top_p-peaked` arm sets the final norm's weight to this, so the logits' std is ~6: the top
-# 256 tokens then hold the nucleus at every position (mean top-1 probability ~0.4), as a trained
-# model's do nearly everywhere; it times the nucleus's common case. The matmuls are unchanged.
+# The `top_p-peaked` arm sets the final norm's weight to this at Qwen2.5-1.5B's hidden size (1,536;
+# scaled by sqrt(1,536 / hidden) at others, as the logits' std grows with sqrt(hidden)), so the
+# logits' std is ~6: the top 256 tokens then hold the nucleus at every position (mean top-1
+# probability ~0.4), as a trained model's do nearly everywhere; it times the nucleus's common
+# case (the tiny shape's dry run too, where 8.0 left 169 of 1,024 rows wide). The matmuls are
+# unchanged.
 PEAKED_NORM = 8.0
 
 
@@ -537,11 +543,16 @@ def shape_main(args):
     autocast = dtype if dtype != torch.float32 else None
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     contexts = 2 * estimate_memory.CONTEXT_GIB * 2**30  # trainer + engine: not the allocator's
-    if device.type == "cuda":
-        parity(device, "flex_attention")
-    else:
-        parity(device, "sdpa")
-        print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
+    parity_failure = None  # printed now, the run's exit status at its end: the arms still run
+    try:
+        if device.type == "cuda":
+            parity(device, "flex_attention")
+        else:
+            parity(device, "sdpa")
+            print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
+    except (Exception, SystemExit) as e:
+        parity_failure = f"parity: failed: {type(e).__name__}: {str(e)[:500]}"
+        print(parity_failure, flush=True)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device={device_name} torch={torch.__version__} "
@@ -565,9 +576,9 @@ def shape_main(args):
         # nothing of the last arm's model may outlive it (an arm that failed included): FSDP2's
         # stayed alive through these names and counted in the next arm's peak (11.5 GiB at 1.5B)
         trainer = module = norm = None
-        cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
-        adapters = cfg.model.lora_rank > 0
-        try:
+        try:  # a config refused is this arm's failure, not the run's
+            cfg = shape_config((cpu if device.type != "cuda" else []) + sets)
+            adapters = cfg.model.lora_rank > 0
             if fsdp or adapters or policy is None:  # a fresh model where an arm changes it
                 policy = None
                 gc.collect()
@@ -590,7 +601,7 @@ def shape_main(args):
             saved_norm = norm.detach().clone()
             if name.endswith("peaked"):
                 with torch.no_grad():
-                    norm.fill_(PEAKED_NORM)
+                    norm.fill_(PEAKED_NORM * math.sqrt(1536 / policy.config.hidden_size))
             trainer = setup_run.trainer_only(cfg, policy, device, None if fsdp else autocast)
             budget = cfg.train.max_tokens_per_micro_batch
             # a top_p arm times top_p 1 too, on the same model, the two in turns (ABBA), and the
@@ -665,6 +676,13 @@ def shape_main(args):
             )
             if ops:
                 print(f"profile: arm={name} {ops}", flush=True)
+            if name.startswith("top_p"):  # now: a later arm's timeout or failure cannot lose it
+                valid = "" if recompiles == 0 else ": not valid, it recompiled while timed"
+                print(
+                    f"{name}: update time at top_p {args.top_p} / at 1 = {paired:.3f} (one "
+                    f"model, the two in turns; recompiles after warm-up {recompiles}{valid})",
+                    flush=True,
+                )
             with torch.no_grad():
                 norm.copy_(saved_norm)
             if adapters or fsdp:  # not the plain model the next arm starts from
@@ -676,17 +694,13 @@ def shape_main(args):
             policy = None
     print(f"mfu peak: {peak_source}")
     now = [n for n in figures if n.startswith("now-")]
+    if parity_failure:
+        raise SystemExit(parity_failure)
     if not now and "lora" in figures:  # --arms lora: that arm's line is the summary
         return
     if not now:
         raise SystemExit("train_step_gpu: no arm of the shipped path ran")
     best = max(now, key=lambda n: figures[n]["mfu"])
-    for arm in ("top_p", "top_p-peaked"):
-        if arm in figures:
-            print(
-                f"{arm}: update time at top_p {args.top_p} / at 1 = "
-                f"{figures[arm]['ratio']:.3f} (one model, the two in turns)"
-            )
     if "shared" in figures:
         print(
             "shared: update time with each group's prompt computed once / per sample = "

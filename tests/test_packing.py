@@ -423,6 +423,10 @@ def test_train_step_bench_at_a_shape_prints_the_gpu_line_on_cpu(background_runs)
     # each top_p arm timed against top_p 1 on its own model, in turns; mfu_run (the head only
     # where it ran) below the 6N convention's
     assert all(re.search(r" top_p_ratio=[\d.]+ ", line) for line in arms if "arm=top_p" in line)
+    # issue 42's line, printed as its arm ends (a later arm's failure or timeout cannot lose it)
+    ratio = r"update time at top_p 0.9 / at 1 = [\d.]+ \(one model, the two in turns; recompiles"
+    peaked = lines[lines.index(arms[names.index("top_p-peaked")]) + 1]
+    assert re.fullmatch(rf"top_p-peaked: {ratio} after warm-up 0\)", peaked), peaked
     # the shared arm against its prompts computed per sample, in turns: the same tokens trained,
     # fewer positions computed (the samples' groups of 8 share a prompt of ~150 tokens)
     shared = arms[names.index("shared")]
