@@ -175,7 +175,8 @@ class RolloutConfig:
     # the trajectory's token budget (a tool raising a 100 KB message would fill it)
     max_observation_chars: PositiveInt = 2000
     # threads running plain tool functions, apart from the rewards' (a tool that never returns
-    # holds one for good: once all are held, every call times out, counted per tool)
+    # holds one for good: once all are held, every call times out, counted per tool; and it keeps
+    # the process from exiting, as Python joins these threads at exit)
     tool_workers: PositiveInt = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: NonNegativeInt = 0

@@ -390,7 +390,9 @@ class Rollout:
                 del self.in_tool[request.index]
         if calling.cancelled() and stop.is_set():
             return None
-        observation = calling.result()  # a tool raising (its own CancelledError too): it raises
+        if calling.cancelled():  # the tool's own CancelledError: ours would have ended us above
+            raise RolloutError(f"the task's tool {type(self.settings.tool).__name__} was cancelled")
+        observation = calling.result()  # a task's own tool raising: the rollout raises
         self.stats.num_tool_calls += 1
         self.stats.num_tool_errors += observation.is_error
         self.stats.tool_calls[observation.tool] += 1

@@ -105,8 +105,12 @@ async def call_async_reward(reward_fn, response_text, answer, finished):
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     try:
         value = await reward_fn(response_text, answer, finished=finished)
-    # the user's function: counted, never a crash (SystemExit too: sys.exit() in code it runs)
-    except (Exception, SystemExit) as e:  # noqa: BLE001
+    # the user's function: counted, never a crash (SystemExit too: sys.exit() in code it runs;
+    # and a CancelledError of its own, a BaseException that would end the whole rollout: only a
+    # cancellation of this task, the rollout's, goes on as one)
+    except (Exception, SystemExit, asyncio.CancelledError) as e:  # noqa: BLE001
+        if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+            raise
         raise RewardError(f"the reward function raised {e!r} {where}") from e
     return checked(value, where)
 
@@ -142,8 +146,9 @@ def call_reward(reward_fn, response_text, answer, finished):
     try:
         value = reward_fn(response_text, answer, finished=finished)
     # the user's function: any error is counted, never a crash mid-rollout; SystemExit too (a
-    # reward that runs model-written code may meet its sys.exit())
-    except (Exception, SystemExit) as e:  # noqa: BLE001
+    # reward that runs model-written code may meet its sys.exit()), and asyncio's CancelledError
+    # (a BaseException: a reward running asyncio.run whose coroutine was cancelled)
+    except (Exception, SystemExit, asyncio.CancelledError) as e:  # noqa: BLE001
         raise RewardError(f"the reward function raised {e!r} {where}") from e
     if inspect.isawaitable(value):  # a plain function returning a coroutine: never awaited here
         if inspect.iscoroutine(value):

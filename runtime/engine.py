@@ -430,12 +430,21 @@ class StopSignal:
             return  # the first one, again
         # may run inside the engine's event loop, which swallows exceptions: exit from here
         if self.received:
-            print(
-                f"interrupted (second signal ({name})): exited at once; the last checkpoint stands",
-                file=sys.stderr,
-                flush=True,
-            )
+            # the engine first, and a line that cannot block: stderr may be a full pipe (piped
+            # to a pager, a terminal paused with Ctrl-S), where print would wait, and the engine
+            # and this process with it
             self.engine.kill()
+            line = f"interrupted (second signal ({name})): exited at once; the last checkpoint "
+            line += "stands\n"
+            try:
+                # (the flag is the open file's, shared with the shell: set back before exiting)
+                os.set_blocking(2, False)
+                try:
+                    os.write(2, line.encode())
+                finally:
+                    os.set_blocking(2, True)
+            except OSError:  # full (BlockingIOError), or closed
+                pass
             os._exit(130)
         self.received, self.received_at = name, time.monotonic()
         log.warning(

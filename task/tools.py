@@ -454,7 +454,11 @@ class QwenTools:
             if not done:
                 return name, f"error: {name} did not return within {self.timeout_s:g} s", True
             return name, result_text(pending.result()), True
-        except Exception as e:  # noqa: BLE001 - the user's function: an observation, never a crash
+        # the user's function: an observation, never a crash; its own CancelledError too (a
+        # BaseException that would end the whole rollout): only this task's cancellation goes on
+        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001
+            if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
+                raise
             return name, f"error: {name} raised {type(e).__name__}: {e}", True
         finally:
             if pending is not None and not pending.done():

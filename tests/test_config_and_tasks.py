@@ -526,6 +526,37 @@ def test_a_reward_that_exits_is_a_reward_error():
         asyncio.run(rewards.call_async_reward(exits_later, "5", "5", True))
 
 
+def test_a_reward_raising_its_own_cancelled_error_is_a_reward_error():
+    """asyncio's CancelledError is a BaseException: a reward raising one of its own (an async
+    judge whose request its client cancelled; a plain one running asyncio.run) escaped as a
+    cancellation and ended the whole rollout, with no checkpoint. It is a RewardError now; the
+    rollout's own cancellation of the task still cancels it."""
+    import asyncio
+
+    def plain(response_text, answer, finished):
+        raise asyncio.CancelledError()
+
+    async def judge(response_text, answer, finished):
+        raise asyncio.CancelledError()
+
+    async def slow(response_text, answer, finished):
+        await asyncio.sleep(10)
+
+    with pytest.raises(rewards.RewardError, match="CancelledError"):
+        rewards.call_reward(plain, "5", "5", True)
+    with pytest.raises(rewards.RewardError, match="CancelledError"):
+        asyncio.run(rewards.call_async_reward(judge, "5", "5", True))
+
+    async def cancelled_by_the_rollout():
+        task = asyncio.ensure_future(rewards.call_async_reward(slow, "5", "5", True))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return task.cancelled()
+
+    assert asyncio.run(cancelled_by_the_rollout())
+
+
 def test_gsm8k_answers_compare_exactly():
     """Exact decimal comparison: 123456789100 is not 123456789012 (a relative tolerance said it
     was), 400-digit numbers are not equal because both overflow, and 1,234.50 is 1234.5."""

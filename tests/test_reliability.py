@@ -746,7 +746,9 @@ def test_a_second_signal_exits_at_once_with_130(engine):
     shared engine's processes are the parent's)."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr), two signals
+    if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr; the exit's
+        # line is written to fd 2 itself, without blocking), two signals
+        os.dup2(write, 2)
         sys.stderr = os.fdopen(write, "w")
         stop = StopSignal(engine)
         os.kill(os.getpid(), signal.SIGTERM)

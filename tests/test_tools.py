@@ -91,6 +91,15 @@ def times_out(host: str) -> str:
     raise TimeoutError(f"connect to {host} timed out")
 
 
+async def client_cancelled(text: str) -> str:
+    """Await a request its own client cancelled.
+
+    Args:
+        text: Anything.
+    """
+    raise asyncio.CancelledError()
+
+
 async def hangs(text: str) -> str:
     """Await forever.
 
@@ -379,6 +388,10 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert [o.is_error for o in observations] == [False] * 8
     _, text = ask(tool, tokenizer, '{"name": "times_out", "arguments": {"host": "a"}}')
     assert text == "error: times_out raised TimeoutError: connect to a timed out"
+    # nor is its own CancelledError (a BaseException) a cancellation of the rollout
+    cancelled = tools.QwenTools(tokenizer, [client_cancelled])
+    _, text = ask(cancelled, tokenizer, '{"name": "client_cancelled", "arguments": {"text": "a"}}')
+    assert text == "error: client_cancelled raised CancelledError: "
     stuck = tools.QwenTools(tokenizer, [slow], timeout_s=0.2, workers=2)
     call = '<tool_call>{"name": "slow", "arguments": {"seconds": 1.5}}</tool_call>'
     ids = tokenizer(call, add_special_tokens=False).input_ids
