@@ -34,10 +34,12 @@ bench "${SECONDS_3B:-90}" shape-3b --shape "${tiny:-qwen2.5-3b}" --top-p 1 --fsd
 # create_block_mask over every token pair), up to the 47,104-token auto budget
 timeout "${SECONDS_MASK:-30}" python3 bench/block_mask.py 2>&1 | grep -v -e Warning -e warn \
     | tee "$OUT/block-mask.log"
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "bench: block-mask failed"; failed=1; }
 # the output head alone, top_p 0.9 against top_p 1 on peaked logits (loss.nucleus_slots): bf16 at
 # Qwen2.5-1.5B's hidden size and vocabulary (the dry run: fp32 on the CPU)
 if [ -n "$tiny" ]; then head=(--tokens 256); else
     head=(--device cuda --dtype bfloat16 --hidden 1536 --tokens 16384 --chunk 1024); fi
 timeout "${SECONDS_HEAD:-20}" python3 bench/nucleus_head.py "${head[@]}" 2>&1 \
     | tee "$OUT/nucleus-head.log"
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "bench: nucleus-head failed"; failed=1; }
 exit $failed

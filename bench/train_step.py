@@ -543,16 +543,16 @@ def shape_main(args):
     autocast = dtype if dtype != torch.float32 else None
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     contexts = 2 * estimate_memory.CONTEXT_GIB * 2**30  # trainer + engine: not the allocator's
-    parity_failure = None  # printed now, the run's exit status at its end: the arms still run
-    try:
+    failures = []  # each printed as it happens; the run's exit status at its end
+    try:  # the arms still run after a failed parity check
         if device.type == "cuda":
             parity(device, "flex_attention")
         else:
             parity(device, "sdpa")
             print("packed flex_attention: not run (FlexAttention has no backward on CPU)")
     except (Exception, SystemExit) as e:
-        parity_failure = f"parity: failed: {type(e).__name__}: {str(e)[:500]}"
-        print(parity_failure, flush=True)
+        failures.append(f"parity: failed: {type(e).__name__}: {str(e)[:500]}")
+        print(failures[-1], flush=True)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device={device_name} torch={torch.__version__} "
@@ -691,15 +691,20 @@ def shape_main(args):
             print(
                 f"train_step_gpu: arm={name} failed: {type(e).__name__}: {str(e)[:500]}", flush=True
             )
+            failures.append(f"arm={name} failed")
             policy = None
     print(f"mfu peak: {peak_source}")
     now = [n for n in figures if n.startswith("now-")]
-    if parity_failure:
-        raise SystemExit(parity_failure)
-    if not now and "lora" in figures:  # --arms lora: that arm's line is the summary
-        return
-    if not now:
-        raise SystemExit("train_step_gpu: no arm of the shipped path ran")
+    if now:
+        summary(args, figures, now, device_name)
+    elif "lora" not in figures:  # --arms lora: that arm's line is the summary
+        failures.append("no arm of the shipped path ran")
+    if failures:  # the exit status says what the lines above did
+        raise SystemExit("train_step_gpu: " + "; ".join(failures))
+
+
+def summary(args, figures, now, device_name):
+    """The shared arm's ratio, and the last line: the best of the shipped path's arms (`now`)."""
     best = max(now, key=lambda n: figures[n]["mfu"])
     if "shared" in figures:
         print(

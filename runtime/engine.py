@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ import time
 import warnings
 
 import numpy
+import psutil
 import torch
 import tqdm
 
@@ -401,10 +403,15 @@ class Engine:
         self.engine.shutdown()
 
     def kill(self):
-        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown)."""
-        from sglang.srt.utils import kill_process_tree
-
-        kill_process_tree(os.getpid(), include_parent=False)
+        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown): SIGKILL
+        to every process below this one, neither logged nor waited for, unlike SGLang's
+        kill_process_tree (srt/utils/common.py: an INFO line first, then up to 60 s of reaping,
+        then a RuntimeError), since stderr may be a full pipe and nothing here may block."""
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:  # gone meanwhile
+                pass
 
 
 class StopSignal:
@@ -437,13 +444,12 @@ class StopSignal:
             line = f"interrupted (second signal ({name})): exited at once; the last checkpoint "
             line += "stands\n"
             try:
-                # (the flag is the open file's, shared with the shell: set back before exiting)
-                os.set_blocking(2, False)
-                try:
+                # written only where it cannot block: a pipe with room for a page takes a line
+                # shorter than PIPE_BUF whole (not O_NONBLOCK: that flag is the open file's,
+                # shared with the shell and the other ranks)
+                if select.select([], [2], [], 0)[1]:
                     os.write(2, line.encode())
-                finally:
-                    os.set_blocking(2, True)
-            except OSError:  # full (BlockingIOError), or closed
+            except OSError:  # closed
                 pass
             os._exit(130)
         self.received, self.received_at = name, time.monotonic()

@@ -441,8 +441,8 @@ class QwenTools:
                 # (inside the try: a signature may refuse the keywords)
                 pending = asyncio.ensure_future(fn(**arguments))
             else:
-                pending, started = self.submit(fn, arguments)
-                if not await self.thread_started(started):
+                pending, call, started = self.submit(fn, arguments)
+                if not await self.thread_started(call, started):
                     return (
                         name,
                         f"error: {name} found no free thread within {self.timeout_s:g} s",
@@ -465,9 +465,9 @@ class QwenTools:
                 pending.cancel()  # a queued call never starts; a running thread finishes unread
 
     def submit(self, fn, arguments):
-        """fn(**arguments) queued for a thread of the pool: (its future, the Event set when a
-        thread starts it). Its result's JSON is made in the thread too (a huge one would stall
-        the event loop)."""
+        """fn(**arguments) queued for a thread of the pool: (its asyncio future, the pool's, the
+        Event set when a thread starts it). Its result's JSON is made in the thread too (a huge
+        one would stall the event loop)."""
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
 
@@ -477,7 +477,7 @@ class QwenTools:
 
         future = self.pool.submit(call)
         future.add_done_callback(self.thread_freed)
-        return asyncio.wrap_future(future), started
+        return asyncio.wrap_future(future), future, started
 
     def thread_freed(self, future):
         """When a pool thread last came free: its call ended (a queued call cancelled frees
@@ -485,11 +485,12 @@ class QwenTools:
         if not future.cancelled():
             self.freed_at = time.monotonic()
 
-    async def thread_started(self, started):
-        """Whether a thread started a queued call. A call waits behind those ahead of it (more in
-        flight than rollout.tool_workers) untimed while threads come free; once none has for
-        timeout_s, each is running a call past its limit (tools that never return hold their
-        threads for good), and it gives up."""
+    async def thread_started(self, call, started):
+        """Whether a thread started the queued `call` (the pool's future). A call waits behind
+        those ahead of it (more in flight than rollout.tool_workers) untimed while threads come
+        free; once none has for timeout_s, each is running a call past its limit (tools that
+        never return hold their threads for good), and it gives up, unless a thread took it just
+        then (it cannot be cancelled: it runs, and is timed)."""
         queued_at = time.monotonic()
         # asyncio.wait, not wait_for: Python 3.11's wait_for returns the result of a wait that
         # ended as it was cancelled, swallowing the cancellation (asyncio/tasks.py, wait_for)
@@ -498,7 +499,7 @@ class QwenTools:
             while not started.is_set():
                 left = max(self.freed_at, queued_at) + self.timeout_s - time.monotonic()
                 if left <= 0:
-                    return False
+                    return not call.cancel()  # False: cancelled, it never runs
                 # (on a timeout a thread may have come free meanwhile: the time left is counted
                 # again)
                 await asyncio.wait({waiting}, timeout=left)

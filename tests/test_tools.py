@@ -408,6 +408,24 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
 
 
+def test_a_call_a_thread_took_at_its_deadline_runs_timed_not_refused(tokenizer):
+    """A queued call gives up when no thread came free for the limit, unless a thread took it at
+    that moment: the pool's future can no longer be cancelled, so the tool runs (its side
+    effects too) and is timed, not answered "found no free thread" (which invites the model to
+    call it again). A call still queued is cancelled, and never runs."""
+    import concurrent.futures
+
+    tool = tools.QwenTools(tokenizer, [slow], timeout_s=0.05)
+    taken = concurrent.futures.Future()
+    taken.set_running_or_notify_cancel()  # a thread has it; its start not yet seen on the loop
+    queued = concurrent.futures.Future()
+
+    async def both():
+        return [await tool.thread_started(call, asyncio.Event()) for call in (taken, queued)]
+
+    assert asyncio.run(both()) == [True, False] and queued.cancelled() and not taken.cancelled()
+
+
 def test_a_long_result_is_cut(tokenizer):
     """A result longer than rollout.max_observation_chars (2,000 by default) is cut and says so,
     instead of filling the trajectory's token budget; the config's bound reaches the tool."""
