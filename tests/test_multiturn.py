@@ -209,3 +209,61 @@ def test_a_cancellation_does_not_wait_for_a_running_tool(engine, tmp_path):
     assert stats.cancel_latency_s < 1.0, stats  # not the tool's 10 s
     assert stats.rollout_s - stats.decision_s < 5.0, stats  # nor at the rollout's end
     assert engine.num_in_flight() == 0
+
+
+def test_a_task_tools_own_cancellation_is_a_rollout_error_and_an_abort_is_none():
+    """`Rollout.run_tool` on its own (no engine: nothing of the trajectory is in it while its
+    tool runs). A task's own tool (not QwenTools, which answers errors) raising CancelledError
+    is a RolloutError naming it: as a cancellation it would end the whole rollout with no
+    checkpoint. An abort while the tool runs (`abort` sets the trajectory's Event) returns
+    None at once, the tool's call cancelled, and the trajectory is no longer in its tool."""
+    import types
+
+    import pytest
+
+    import inflight
+    from runtime.engine import RolloutError
+
+    class Tool:
+        names = ["calculator"]
+
+        def __init__(self, behaviour):
+            self.behaviour, self.cancelled = behaviour, False
+
+        async def __call__(self, response_ids, prompt_ids=()):
+            if self.behaviour == "cancels itself":
+                raise asyncio.CancelledError()
+            if self.behaviour == "answers":
+                return tools.Observation([1, 2], "calculator", False, True)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+
+    def rollout_with(tool):
+        settings = inflight.Settings(sampling={}, group_size=1, budget=8, tool=tool)
+        return inflight.Rollout(types.SimpleNamespace(cfg=None), settings, None)
+
+    request = inflight.Request(index=3, group_id=0, prompt_ids=[5])
+    turn = types.SimpleNamespace(response_ids=[7])
+    own = rollout_with(Tool("cancels itself"))
+    with pytest.raises(RolloutError, match="the task's tool Tool was cancelled"):
+        asyncio.run(own.run_tool(request, turn))
+    assert own.in_tool == {}
+
+    answers = rollout_with(Tool("answers"))
+    observation = asyncio.run(answers.run_tool(request, turn))
+    assert observation.ids == [1, 2] and answers.stats.tool_calls == {"calculator": 1}
+
+    hangs = rollout_with(Tool("hangs"))
+
+    async def aborted():
+        calling = asyncio.ensure_future(hangs.run_tool(request, turn))
+        await asyncio.sleep(0.05)
+        hangs.in_tool[request.index].set()  # what `abort` does at the decision
+        return await asyncio.wait_for(calling, 5)
+
+    assert asyncio.run(aborted()) is None
+    assert hangs.settings.tool.cancelled and hangs.in_tool == {}
+    assert hangs.stats.num_tool_calls == 0

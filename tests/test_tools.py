@@ -426,6 +426,54 @@ def test_a_call_a_thread_took_at_its_deadline_runs_timed_not_refused(tokenizer):
     assert asyncio.run(both()) == [True, False] and queued.cancelled() and not taken.cancelled()
 
 
+def test_the_rollouts_own_cancellation_goes_on_and_a_queued_call_never_runs(tokenizer):
+    """The rollout cancelling a trajectory in its tool (an abort at the decision) is not the
+    tool's error: the call's task ends cancelled, not with an error observation (which would
+    start another turn of a trajectory already thrown away). Cancelled while still queued for
+    a thread (one worker, busy), the call is taken off the queue and never runs."""
+    ran = []
+
+    def note(tag: str, seconds: float) -> str:
+        """Note that it ran, then sleep.
+
+        Args:
+            tag: What to note.
+            seconds: How long to sleep.
+        """
+        ran.append(tag)
+        time.sleep(seconds)
+        return tag
+
+    def call_ids(name, arguments):
+        body = json.dumps({"name": name, "arguments": arguments})
+        return tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
+
+    async def cancelled_while_awaiting():
+        tool = tools.QwenTools(tokenizer, [hangs], timeout_s=5)
+        calling = asyncio.ensure_future(tool(call_ids("hangs", {"text": "x"})))
+        await asyncio.sleep(0.05)
+        calling.cancel()
+        await asyncio.gather(calling, return_exceptions=True)
+        return calling.cancelled()
+
+    assert asyncio.run(cancelled_while_awaiting())
+
+    async def cancelled_while_queued():
+        tool = tools.QwenTools(tokenizer, [note], timeout_s=5, workers=1)
+        busy = asyncio.ensure_future(tool(call_ids("note", {"tag": "busy", "seconds": 0.3})))
+        queued = asyncio.ensure_future(tool(call_ids("note", {"tag": "queued", "seconds": 0})))
+        await asyncio.sleep(0.05)  # the first holds the one thread, the second waits for it
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        observation = await busy
+        tool.pool.shutdown(wait=True)  # every call the pool still held has run by now
+        return queued.cancelled(), observation
+
+    was_cancelled, observation = asyncio.run(cancelled_while_queued())
+    assert was_cancelled and not observation.is_error
+    assert ran == ["busy"]
+
+
 def test_a_long_result_is_cut(tokenizer):
     """A result longer than rollout.max_observation_chars (2,000 by default) is cut and says so,
     instead of filling the trajectory's token budget; the config's bound reaches the tool."""

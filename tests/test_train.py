@@ -228,6 +228,23 @@ def test_an_engine_death_in_the_weight_sync_logs_the_step_it_checkpoints(
     assert dumped["sequences"] and dumped["loss"] == pytest.approx(losses_logged[1][1])
 
 
+def test_a_stage_metric_under_another_stages_name_stops_the_step(engine, tmp_path, monkeypatch):
+    """The step joins its stages' metrics with `metrics.joined`: a fork's weight sync reporting
+    `train/tokens` (the update's) is a ValueError naming it, not the update's figure silently
+    replaced. The name is added after the real push, so the shared engine stays as a step
+    leaves it."""
+    run = train.setup(tiny_config(tmp_path), engine=engine)
+    sync = memory.sync_weights
+
+    def sync_reporting_train_tokens(*args, **kwargs):
+        return sync(*args, **kwargs) | {"train/tokens": 0}
+
+    monkeypatch.setattr(memory, "sync_weights", sync_reporting_train_tokens)
+    with pytest.raises(ValueError, match=r"\['train/tokens'\] come from two stages"):
+        train.train_step(run, 0)
+    assert run.phases.phase == "rollout"
+
+
 def test_prompt_streams_are_disjoint_per_rank_and_resume_at_their_position():
     """Ranks read disjoint shares of one shuffled epoch; a stream rebuilt from saved positions
     goes on where it was (into the next epoch alike), and a resume on another number of ranks
