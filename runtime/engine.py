@@ -11,10 +11,11 @@ import asyncio
 import base64
 import hashlib
 import logging
+import multiprocessing.resource_tracker
 import os
 import re
-import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -406,12 +407,39 @@ class Engine:
         """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown): SIGKILL
         to every process below this one, neither logged nor waited for, unlike SGLang's
         kill_process_tree (srt/utils/common.py: an INFO line first, then up to 60 s of reaping,
-        then a RuntimeError), since stderr may be a full pipe and nothing here may block."""
+        then a RuntimeError), since stderr may be a full pipe and nothing here may block.
+        Multiprocessing's resource tracker is spared (SGLang's kill takes it too): once this
+        process has exited it unlinks the shared memory and semaphores the engine's processes
+        registered, which would otherwise stay in /dev/shm."""
+        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
         for child in psutil.Process().children(recursive=True):
+            if child.pid == tracker:
+                continue
             try:
                 child.kill()
             except psutil.Error:  # gone meanwhile
                 pass
+
+
+def write_without_blocking(line):
+    """Write `line` (shorter than PIPE_BUF) to stderr if it can be done without waiting, else drop
+    it. A file takes it at once. A pipe or terminal is written through a private non-blocking
+    open of it: a full pipe or a terminal paused with Ctrl-S answers EAGAIN instead of waiting,
+    and a pipe takes so short a line whole or not at all. Not fd 2's own O_NONBLOCK: that flag
+    is the open file's, shared with the shell and the other ranks; nor a `select` first:
+    another writer may fill the pipe between it and the write."""
+    try:
+        if stat.S_ISREG(os.fstat(2).st_mode):
+            os.write(2, line.encode())
+            return
+        # (O_NOCTTY: a terminal opened never becomes the controlling one; a socket: ENXIO)
+        fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:  # closed, full, paused, no reader: the exit must not wait for it
+        pass
 
 
 class StopSignal:
@@ -443,14 +471,7 @@ class StopSignal:
             self.engine.kill()
             line = f"interrupted (second signal ({name})): exited at once; the last checkpoint "
             line += "stands\n"
-            try:
-                # written only where it cannot block: a pipe with room for a page takes a line
-                # shorter than PIPE_BUF whole (not O_NONBLOCK: that flag is the open file's,
-                # shared with the shell and the other ranks)
-                if select.select([], [2], [], 0)[1]:
-                    os.write(2, line.encode())
-            except OSError:  # closed
-                pass
+            write_without_blocking(line)
             os._exit(130)
         self.received, self.received_at = name, time.monotonic()
         log.warning(

@@ -765,6 +765,90 @@ def test_a_second_signal_exits_at_once_with_130(engine):
     assert "first: SIGTERM" in err and "interrupted (second signal (SIGTERM))" in err, err
 
 
+def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path):
+    """The second signal's line goes to stderr only where the write cannot wait (the exit must
+    not): a full pipe (a pager not reading; another rank's writer filling it) or a pipe with no
+    reader drops it, and returns; a pipe with room and a file get it whole. fd 2's own open file
+    stays blocking (it is shared with the shell and the other ranks). In a fresh process: each
+    case is fd 2 replaced."""
+    script = """if True:
+        import os, sys
+        import runtime.engine as engine
+        case, line = sys.argv[1], "interrupted\\n"
+        read, write = os.pipe()
+        if case == "full pipe":
+            os.set_blocking(write, False)
+            try:
+                while True:
+                    os.write(write, b"x" * 4096)
+            except BlockingIOError:
+                os.set_blocking(write, True)
+        if case == "no reader":
+            os.close(read)
+        if case == "file":
+            write = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT)
+        os.dup2(write, 2)
+        engine.write_without_blocking(line)
+        blocking = os.get_blocking(2)
+        if case in ("room", "full pipe"):
+            os.set_blocking(read, False)
+            got = b""
+            try:
+                while True:
+                    got += os.read(read, 1 << 16)
+            except BlockingIOError:
+                pass
+            print(got.count(b"interrupted"), blocking)
+        else:
+            print(open(sys.argv[2]).read().count("interrupted") if case == "file" else 0, blocking)
+    """
+    written = {}
+    for case in ("room", "full pipe", "no reader", "file"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, case, str(tmp_path / "err")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,  # a blocked write would hang here
+        )
+        assert done.returncode == 0, (case, done.stderr)
+        written[case] = done.stdout.split()
+    assert written == {
+        "room": ["1", "True"],
+        "full pipe": ["0", "True"],
+        "no reader": ["0", "True"],
+        "file": ["1", "True"],
+    }
+
+
+def test_the_second_signals_kill_spares_the_resource_tracker():
+    """`Engine.kill` (a second Ctrl-C) kills every process below the trainer but multiprocessing's
+    resource tracker: once the trainer has exited, the tracker unlinks the shared memory and
+    semaphores the engine's processes registered; killed with the rest (as SGLang's kill does)
+    they stayed in /dev/shm. In a fresh process with one child and one shared-memory block
+    registered, no engine (the kill reads no state of it)."""
+    script = """if True:
+        import os, subprocess, sys
+        from multiprocessing import resource_tracker, shared_memory
+        import runtime.engine as engine
+        block = shared_memory.SharedMemory(create=True, size=4096)  # starts the tracker
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        engine.Engine.kill(None)
+        print(block.name, child.wait(10), resource_tracker._resource_tracker._pid, flush=True)
+        os._exit(130)  # as the second signal exits
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    name, child_status, tracker = done.stdout.split()
+    assert tracker != "None"  # it was running
+    assert done.returncode == 130 and child_status == str(-signal.SIGKILL), done.stderr
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/dev/shm/{name}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/dev/shm/{name}"), "the tracker was killed: the block stayed"
+
+
 def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, monkeypatch):
     """A SIGTERM while training is handled once: the engine's event loop, run after it, does not
     run StopSignal's handler a second time (SGLang's loop handler did, through asyncio's wakeup
