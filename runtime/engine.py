@@ -15,6 +15,7 @@ import multiprocessing.resource_tracker
 import os
 import re
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -423,16 +424,22 @@ class Engine:
 
 def write_without_blocking(line):
     """Write `line` (shorter than PIPE_BUF) to stderr if it can be done without waiting, else drop
-    it. A file takes it at once. A pipe or terminal is written through a private non-blocking
-    open of it: a full pipe or a terminal paused with Ctrl-S answers EAGAIN instead of waiting,
-    and a pipe takes so short a line whole or not at all. Not fd 2's own O_NONBLOCK: that flag
-    is the open file's, shared with the shell and the other ranks; nor a `select` first:
-    another writer may fill the pipe between it and the write."""
+    it. A file takes it at once; a socket (a service's journal) gets a send that fails rather
+    than wait; a pipe or terminal is written through a private non-blocking open of it: a full
+    pipe or a terminal paused with Ctrl-S answers EAGAIN instead of waiting, and a pipe takes so
+    short a line whole or not at all. Not fd 2's own O_NONBLOCK: that flag is the open file's,
+    shared with the shell and the other ranks; nor a `select` first: another writer may fill the
+    pipe between it and the write."""
     try:
-        if stat.S_ISREG(os.fstat(2).st_mode):
+        mode = os.fstat(2).st_mode
+        if stat.S_ISREG(mode):
             os.write(2, line.encode())
             return
-        # (O_NOCTTY: a terminal opened never becomes the controlling one; a socket: ENXIO)
+        if stat.S_ISSOCK(mode):
+            with socket.socket(fileno=os.dup(2)) as sock:
+                sock.send(line.encode(), socket.MSG_DONTWAIT)
+            return
+        # (O_NOCTTY: a terminal opened never becomes the controlling one)
         fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             os.write(fd, line.encode())

@@ -767,58 +767,70 @@ def test_a_second_signal_exits_at_once_with_130(engine):
 
 def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path):
     """The second signal's line goes to stderr only where the write cannot wait (the exit must
-    not): a full pipe (a pager not reading; another rank's writer filling it) or a pipe with no
-    reader drops it, and returns; a pipe with room and a file get it whole. fd 2's own open file
-    stays blocking (it is shared with the shell and the other ranks). In a fresh process: each
-    case is fd 2 replaced."""
+    not): a full pipe (a pager not reading; another rank's writer filling it), a pipe with no
+    reader or a full socket drops it, and returns; a pipe or socket with room and a file get it
+    whole. fd 2's own open file stays blocking (it is shared with the shell and the other
+    ranks). In a fresh process (a write that blocks hangs it, not the suite): each case is fd 2
+    replaced."""
     script = """if True:
-        import os, sys
+        import os, socket, sys
         import runtime.engine as engine
-        case, line = sys.argv[1], "interrupted\\n"
-        read, write = os.pipe()
-        if case == "full pipe":
-            os.set_blocking(write, False)
+
+        def full(fd):
+            os.set_blocking(fd, False)
             try:
                 while True:
-                    os.write(write, b"x" * 4096)
+                    os.write(fd, b"x" * 4096)
             except BlockingIOError:
-                os.set_blocking(write, True)
-        if case == "no reader":
-            os.close(read)
-        if case == "file":
-            write = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT)
-        os.dup2(write, 2)
-        engine.write_without_blocking(line)
-        blocking = os.get_blocking(2)
-        if case in ("room", "full pipe"):
-            os.set_blocking(read, False)
+                os.set_blocking(fd, True)
+
+        def drained(fd):
+            os.set_blocking(fd, False)
             got = b""
             try:
                 while True:
-                    got += os.read(read, 1 << 16)
+                    got += os.read(fd, 1 << 16)
             except BlockingIOError:
-                pass
-            print(got.count(b"interrupted"), blocking)
-        else:
-            print(open(sys.argv[2]).read().count("interrupted") if case == "file" else 0, blocking)
+                return got.count(b"interrupted")
+
+        for case in sys.argv[2:]:
+            if case in ("socket", "full socket"):
+                ours, theirs = socket.socketpair()
+                read, write = os.dup(theirs.fileno()), os.dup(ours.fileno())
+            elif case == "file":
+                read, write = None, os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+            else:
+                read, write = os.pipe()
+            if case.startswith("full"):
+                full(write)
+            if case == "no reader":
+                os.close(read)
+            os.dup2(write, 2)
+            engine.write_without_blocking("interrupted\\n")
+            blocking = os.get_blocking(2)
+            if case == "file":
+                count = open(sys.argv[1]).read().count("interrupted")
+            else:
+                count = 0 if case == "no reader" else drained(read)
+            print(case.replace(" ", "_"), count, blocking, flush=True)
     """
-    written = {}
-    for case in ("room", "full pipe", "no reader", "file"):
-        done = subprocess.run(
-            [sys.executable, "-c", script, case, str(tmp_path / "err")],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=60,  # a blocked write would hang here
-        )
-        assert done.returncode == 0, (case, done.stderr)
-        written[case] = done.stdout.split()
+    cases = ["room", "full pipe", "no reader", "file", "socket", "full socket"]
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "err"), *cases],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,  # a blocked write would hang here
+    )
+    written = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
     assert written == {
         "room": ["1", "True"],
-        "full pipe": ["0", "True"],
-        "no reader": ["0", "True"],
+        "full_pipe": ["0", "True"],
+        "no_reader": ["0", "True"],
         "file": ["1", "True"],
-    }
+        "socket": ["1", "True"],
+        "full_socket": ["0", "True"],
+    }, done.stderr
 
 
 def test_the_second_signals_kill_spares_the_resource_tracker():
