@@ -175,8 +175,8 @@ class RolloutConfig:
     # the trajectory's token budget (a tool raising a 100 KB message would fill it)
     max_observation_chars: PositiveInt = 2000
     # threads running plain tool functions, apart from the rewards' (a tool that never returns
-    # holds one for good: once all are held, every call times out, counted per tool; and it keeps
-    # the process from exiting, as Python joins these threads at exit)
+    # holds one for good: once all are held, every call times out, counted per tool; daemon
+    # threads, runtime/threads.py: it cannot keep the process from exiting)
     tool_workers: PositiveInt = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: NonNegativeInt = 0
@@ -192,7 +192,7 @@ class RolloutConfig:
     reward_workers: PositiveInt = 4
     # a reward still running after this many seconds fails its trajectory (counted in
     # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
-    # returns also keeps the process from exiting, so give a judge or sandbox its own timeout
+    # returns holds its worker for good, so give a judge or sandbox its own timeout
     reward_timeout_s: NonNegativeFloat = 60.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than OMP's default (a
     # thread per core: the engine's processes oversubscribe the cores)

@@ -11,7 +11,6 @@ when a trajectory is scored (inflight.with_reward scores each one as it finishes
 """
 
 import asyncio
-import concurrent.futures
 import decimal
 import functools
 import inspect
@@ -22,6 +21,7 @@ import re
 import numpy
 
 from config import ConfigError, load_function
+from runtime.threads import DaemonPool
 
 
 class RewardError(ValueError):
@@ -42,9 +42,8 @@ class Rewards:
         self.call_end_id = tool.call_end_id if tool is not None else None
         # plain reward functions run here, so the event loop that waits on the requests and
         # decides the cancellation never waits on one
-        self.pool = concurrent.futures.ThreadPoolExecutor(
-            cfg.rollout.reward_workers, thread_name_prefix="reward"
-        )
+        # (daemon threads: a reward that never returns cannot keep the process from exiting)
+        self.pool = DaemonPool(cfg.rollout.reward_workers, "reward")
 
     def for_rollout(self, prompts_by_group):
         """The reward step, as the rollout calls it on each finished trajectory (its turns): its
@@ -80,7 +79,7 @@ async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool,
         pending = call_async_reward(reward_fn, response_text, answer, finished)
     else:
         call = functools.partial(call_reward, reward_fn, response_text, answer, finished)
-        pending = asyncio.get_running_loop().run_in_executor(pool, call)
+        pending = asyncio.wrap_future(pool.submit(call))
     try:
         return await asyncio.wait_for(pending, timeout_s or None)
     except asyncio.TimeoutError:

@@ -14,7 +14,6 @@ run through the rollout in flight (inflight.py), which owns waiting and aborting
 import array
 import ast
 import asyncio
-import concurrent.futures
 import inspect
 import json
 import math
@@ -32,6 +31,7 @@ from transformers.utils.chat_template_utils import (
 )
 
 from config import ConfigError, load_function
+from runtime.threads import DaemonPool
 
 MAX_CHARS = 200  # longer input is rejected before parsing; this also bounds the AST depth
 # parenthesis nesting, checked before ast.parse (which can recurse on deep nesting)
@@ -381,7 +381,8 @@ class QwenTools:
         self.timeout_s = timeout_s
         self.max_chars = max_chars
         # apart from the rewards' threads: a stuck tool can starve only the other tools' calls
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
+        # daemon threads: a tool that never returns cannot keep the process from exiting
+        self.pool = DaemonPool(workers, "tool")
         self.freed_at = 0.0  # time.monotonic() when a pool thread last came free
         self.names = [*self.functions, UNPARSED]  # what the per-tool counts are logged under
         self.markers = added_tokens(tokenizer)

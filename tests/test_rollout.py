@@ -2,7 +2,6 @@
 weight sync, and tail cancellation (abort inside the engine, nothing left running)."""
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -24,6 +23,7 @@ from conftest import tiny_config
 from cancel import plan_launch
 from config import ConfigError
 from runtime.engine import RolloutError
+from runtime.threads import DaemonPool
 from assemble import trainer_only
 from sample import Sample
 
@@ -319,7 +319,7 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
         await asyncio.sleep(0.2)
         return 0.25
 
-    pool = concurrent.futures.ThreadPoolExecutor(4)  # as rewards.Rewards holds one
+    pool = DaemonPool(4, "reward")  # as rewards.Rewards holds one
 
     def off_loop(fn):
         async def reward(turns):
@@ -343,7 +343,7 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
 def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():
     """Off the loop as on it: a reward over rollout.reward_timeout_s, one that raises, one that
     returns NaN or a bool, each becomes a RewardError naming it (the rollout counts them)."""
-    pool = concurrent.futures.ThreadPoolExecutor(2)
+    pool = DaemonPool(2, "reward")
 
     def sleepy(text, answer, finished):
         time.sleep(0.5)

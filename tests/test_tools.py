@@ -6,6 +6,7 @@ README's two tools."""
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -15,6 +16,8 @@ import task.tools as tools
 from config import ConfigError
 from assemble import load_config
 from test_config_and_tasks import qwen_tool_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def percent_of(percent: float, value: float) -> float:
@@ -466,12 +469,57 @@ def test_the_rollouts_own_cancellation_goes_on_and_a_queued_call_never_runs(toke
         queued.cancel()
         await asyncio.gather(queued, return_exceptions=True)
         observation = await busy
-        tool.pool.shutdown(wait=True)  # every call the pool still held has run by now
+        # one thread takes calls in order: once a third has run, the queued one was passed over
+        await tool(call_ids("note", {"tag": "third", "seconds": 0}))
         return queued.cancelled(), observation
 
     was_cancelled, observation = asyncio.run(cancelled_while_queued())
     assert was_cancelled and not observation.is_error
-    assert ran == ["busy"]
+    assert ran == ["busy", "third"]
+
+
+def test_a_tool_or_reward_that_never_returns_does_not_keep_the_run_from_exiting():
+    """A plain tool and a plain reward that never return are given up at their time limits, and
+    the process then exits: their threads are daemons (runtime/threads.py). With
+    concurrent.futures' pool, joined at interpreter exit, a finished run (or one stopped by
+    Ctrl-C after its checkpoint) never exited. In a fresh process: a hang is its timeout."""
+    import subprocess
+    import sys
+
+    script = """if True:
+        import asyncio, sys, threading
+        sys.path.insert(0, "tests")
+        from test_config_and_tasks import qwen_tool_tokenizer
+        import rewards, task.tools as tools
+        from assemble import load_config
+
+        def forever(text: str) -> str:
+            '''Never return.
+
+            Args:
+                text: Anything.
+            '''
+            threading.Event().wait()
+
+        tokenizer = qwen_tool_tokenizer()
+        tool = tools.QwenTools(tokenizer, [forever], timeout_s=0.1)
+        call = '<tool_call>{"name": "forever", "arguments": {"text": "x"}}</tool_call>'
+        observation = asyncio.run(tool(tokenizer(call, add_special_tokens=False).input_ids))
+        print("tool:", observation.is_error, flush=True)
+        cfg = load_config("configs/tiny.yaml", [])
+        reward = rewards.Rewards(lambda text, answer, finished: forever(text), tokenizer, cfg)
+        try:
+            asyncio.run(
+                rewards.call_reward_off_loop(reward.reward_fn, "x", "1", True, reward.pool, 0.1)
+            )
+        except rewards.RewardError as e:
+            print("reward:", "longer than rollout.reward_timeout_s" in str(e), flush=True)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    printed = done.stdout.split()
+    assert done.returncode == 0 and printed == ["tool:", "True", "reward:", "True"], done.stderr
 
 
 def test_a_long_result_is_cut(tokenizer):
