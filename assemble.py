@@ -172,7 +172,7 @@ def setup(cfg, resume=False, engine=None):
         rewards=rewards.Rewards(task.reward_fn, tokenizer, cfg, task.tool),
         tool=task.tool,
         engine=engine,
-        buffer=partial_buffer(cfg, state.get("buffer"), multi_turn=task.tool is not None),
+        buffer=partial_buffer(cfg, state.get("buffer")),
         phases=phases,
         gap_watch=memory.GapWatch(cfg, first_step=start_step, over=state.get("gap_steps", 0)),
         start_step=start_step,
@@ -277,7 +277,7 @@ def lora_engine(m):
     return dict(rank=m.lora_rank, targets=m.lora_targets) if m.lora_rank else None
 
 
-def partial_buffer(cfg, state, multi_turn):
+def partial_buffer(cfg, state):
     """Partial rollout's buffer (None when off), holding this rank's share of a checkpoint's
     unfinished samples and held groups (`state`, or None)."""
     if not plan_launch(cfg.rollout, 1).partial:
@@ -292,19 +292,7 @@ def partial_buffer(cfg, state, multi_turn):
         cfg.rollout.group_size,
         cfg.rollout.max_staleness,
         cfg.rollout.max_trajectory_tokens(),
-        multi_turn,
     )
     if state:
         buffer.load_state_dict(share_state(state, parallel.rank(), parallel.world_size()))
-    if multi_turn and buffer.waiting:
-        # single-turn samples resumed with a tool's turns (rollout.max_turns raised): the engine
-        # cannot continue them (inflight.check_launch refuses), so each is dropped, as a cancelled
-        # multi-turn trajectory is, and its group trains on its finished members
-        log.warning(
-            "the checkpoint's %d unfinished samples were suspended without tools' turns: "
-            "dropped, not resumed, with rollout.max_turns=%d",
-            len(buffer.waiting),
-            cfg.rollout.max_turns,
-        )
-        buffer.waiting = []
     return buffer

@@ -217,6 +217,14 @@ def check(cfg):
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none cancels "
             f"nothing: choose a cancel policy ({', '.join(p for p in POLICIES if p != 'none')})"
         )
+    if r.partial and r.max_turns > 1:
+        # the engine continues one request: a tool call in a continuation would go unanswered, so
+        # every cancelled trajectory would be dropped (plain dropping, the group policy's groups
+        # shrunk) while partial's settings looked in effect
+        raise ConfigError(
+            f"rollout.partial=true with rollout.max_turns={r.max_turns}: partial rollout resumes "
+            "single-turn samples only; with tools' turns set rollout.partial=false"
+        )
     if r.filter_groups and r.cancel not in FILTER_POLICIES:
         raise ConfigError(
             f"rollout.cancel={r.cancel!r} with rollout.filter_groups: there the kept groups decide "

@@ -24,7 +24,6 @@ COUNTERS = (
     "restarts",
     "given_up",
     "wasted_tokens",
-    "dropped_multi_turn",
     "trained_groups",
 )
 
@@ -45,18 +44,15 @@ class PartialBuffer:
     which new prompts fill the batch; the engine generates; `collect` files every returned
     trajectory under its group, suspends the ones cancelled again, and hands back the groups now
     complete. A group is trained once, whole, when its slowest member has finished or been given up
-    (`give_up`); a finished member is never regenerated. Multi-turn trajectories are not resumed: a
-    cancelled one is dropped (counted).
+    (`give_up`); a finished member is never regenerated. Single-turn samples only: with tools'
+    turns partial rollout is refused at load (cancel.check).
     """
 
-    def __init__(self, group_size, max_staleness, budget, multi_turn=False):
-        # budget: the tokens a response may hold (rollout.max_trajectory_tokens); multi_turn: the
-        # task has a tool, so even a trajectory cancelled in its first turn is not resumed (the
-        # engine continues one request; a tool call in the continuation would go unanswered)
+    def __init__(self, group_size, max_staleness, budget):
+        # budget: the tokens a response may hold (rollout.max_trajectory_tokens)
         self.group_size = group_size
         self.max_staleness = max_staleness
         self.budget = budget
-        self.multi_turn = multi_turn
         self.groups = []  # HeldGroup, in arrival order
         # (group, member index) of unfinished single-turn samples, in suspension order
         self.waiting = []
@@ -171,12 +167,8 @@ class PartialBuffer:
                 group.members.append(turns)
             if turns[-1].finish_reason != "abort":
                 continue  # finished (or failed inside the engine: final, masked like any failure)
-            if self.multi_turn:  # dropped (stays aborted), not resumed
-                self.counters["dropped_multi_turn"] += 1
-                self.counters["wasted_tokens"] += sum(len(t.response_ids) for t in turns)
-            else:
-                self.counters["suspended"] += 1
-                self.waiting.append((group, index))
+            self.counters["suspended"] += 1
+            self.waiting.append((group, index))
         self._launched = []
         self.resumed = {}
         self.groups += fresh.values()
@@ -189,16 +181,15 @@ class PartialBuffer:
     def metrics(self):
         """This step's counters and the buffer's size after it (all summed over ranks). Its
         rollout/* keys replace rollout_metrics' (which sees only the complete groups):
-        `rollout/aborted` counts the trajectories cancelled this step (suspended, or dropped with
-        a tool), `rollout/wasted_tokens` the tokens generated and then thrown away."""
+        `rollout/aborted` counts the samples cancelled (suspended) this step,
+        `rollout/wasted_tokens` the tokens generated and then thrown away."""
         c = self.counters
-        aborted = c["suspended"] + c["dropped_multi_turn"]
         return {f"partial/{name}": summed(value) for name, value in c.items()} | {
             "partial/buffer_samples": summed(len(self.waiting)),
             "partial/held_groups": summed(len(self.groups)),
             "rollout/launched": summed(c["launched"]),
-            "rollout/aborted": summed(aborted),
-            "rollout/aborted_ratio": ratio(aborted, c["launched"]),
+            "rollout/aborted": summed(c["suspended"]),
+            "rollout/aborted_ratio": ratio(c["suspended"], c["launched"]),
             "rollout/wasted_tokens": summed(c["wasted_tokens"]),
         }
 

@@ -247,7 +247,7 @@ def test_every_tool_turn_opens_as_the_template_opens_the_first():
     quiet = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tools.assistant_opening(tokenizer, {"enable_thinking": False}) == quiet
     assert tools.assistant_opening(tokenizer, {}) == tools.QWEN_OPENING
-    sets = [f"data.train_path={GSM8K_TRAIN}", "rollout.max_turns=2"]
+    sets = [f"data.train_path={GSM8K_TRAIN}", "rollout.max_turns=2", "rollout.partial=false"]
     sets += ["data.chat_template_kwargs.enable_thinking=false"]
     tool = chat.tool(load_config(os.path.join(ROOT, "configs/gsm8k.yaml"), sets), tokenizer)
     call = tokenizer('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}')

@@ -24,6 +24,7 @@ from partial import PartialBuffer
 from runtime.engine import EngineDiedError
 from conftest import tiny_config
 from cancel import plan_launch
+from config import ConfigError
 from sample import NOT_GENERATED, Sample
 from metrics import local_values, reduce_metrics
 from test_train import scalars
@@ -272,33 +273,32 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
     assert Sample.from_state(state).times_restarted == 0
 
 
-def test_a_checkpoint_without_tools_resumed_with_them_drops_its_unfinished_samples(
+def test_partial_rollout_with_tools_turns_is_refused_and_its_checkpoint_not_resumed(
     tmp_path, caplog
 ):
-    """A partial-rollout checkpoint of single-turn samples resumed with rollout.max_turns > 1: the
-    engine cannot continue them (inflight.check_launch refused every step, and each failed
-    step's save kept the same checkpoint: no way on but partial off). They are dropped at load,
-    logged, and the group trains on its finished member at the next collect."""
+    """The engine continues one request, so a trajectory with tools' turns cannot be resumed:
+    partial rollout with rollout.max_turns > 1 was accepted and silently dropped every cancelled
+    trajectory (plain dropping; under rollout.cancel=group the groups it promises whole shrank),
+    while max_staleness and the resumed tokens' refusals looked in effect. It is a ConfigError.
+    A partial-rollout checkpoint of single-turn samples resumed with tools' turns (partial then
+    off) is not resumed, and says so."""
     from assemble import load_config, partial_buffer
 
-    prompt = sample.Prompt([1, 2], "1")
+    sets = [f"run.out={tmp_path}", "rollout.cancel=group", "rollout.drop_rate=0.25"]
+    with pytest.raises(ConfigError, match="partial rollout resumes single-turn samples only"):
+        load_config("configs/tiny_tool.yaml", sets + ["rollout.partial=true"])
     single = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET)
-    finished = Sample([1, 2], [5], [-1.0], [1], 0, reward=1.0)
     cut = Sample([1, 2], [6], [-1.0], [1], 0, trajectory_id=1, finish_reason="abort", masked=True)
-    assert single.collect([finished, cut], [prompt]) == [] and single.waiting
-    sets = [f"run.out={tmp_path}", "rollout.cancel=count", "rollout.drop_rate=0.25"]
-    sets += ["rollout.partial=true", "rollout.max_turns=3"]
-    cfg = load_config("configs/tiny_tool.yaml", sets)
+    finished = Sample([1, 2], [5], [-1.0], [1], 0, reward=1.0)
+    assert single.collect([finished, cut], [sample.Prompt([1, 2], "1")]) == [] and single.waiting
     with caplog.at_level("WARNING"):
-        buffer = partial_buffer(cfg, single.state_dict(), multi_turn=True)
-    assert "1 unfinished samples were suspended without tools' turns: dropped" in caplog.text
-    resumes, new, held = buffer.launch(Handout([]), 0, version=1)
-    assert resumes == [] and held == [] and not buffer.waiting
-    [[kept, dropped]] = buffer.collect([], [])
-    assert kept[-1].reward == 1.0 and not kept[-1].masked and dropped[-1].masked
+        assert (
+            partial_buffer(load_config("configs/tiny_tool.yaml", sets), single.state_dict()) is None
+        )
+    assert "holds 1 partial-rollout groups; rollout.partial is off: not resumed" in caplog.text
     # without tools' turns the same state resumes its sample
-    cfg = load_config("configs/tiny.yaml", sets[:-1])
-    assert len(partial_buffer(cfg, single.state_dict(), multi_turn=False).waiting) == 1
+    cfg = load_config("configs/tiny.yaml", sets + ["rollout.partial=true"])
+    assert len(partial_buffer(cfg, single.state_dict()).waiting) == 1
 
 
 def test_a_sample_that_fills_a_smaller_budget_restarts():
@@ -458,45 +458,6 @@ def test_a_sample_state_written_before_the_masked_rename_loads():
     assert Sample.from_state(state) == s
     state["is_aborted"] = state.pop("masked")
     assert Sample.from_state(state) == s
-
-
-def test_multi_turn_cancellations_are_dropped_and_counted(tmp_path):
-    """With a tool, a cancelled trajectory is dropped (counted, its tokens wasted), never
-    suspended, whether it was cancelled in its first turn or a later one; its group trains on its
-    finished members."""
-    buffer = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET, multi_turn=True)
-    # as the engine returns them: a trajectory cancelled in its second turn is aborted whole
-    turns = [
-        Sample([1, 2], [3], [-0.1], [1], group_id=0, trajectory_id=0, turn=0, masked=True),
-        Sample(
-            [1, 2, 3, 4],
-            [5, 6],
-            [-0.1, -0.2],
-            [1, 1],
-            group_id=0,
-            trajectory_id=0,
-            turn=1,
-            finish_reason="abort",
-            masked=True,
-        ),
-        Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
-    ]
-    complete = buffer.collect(turns, [sample.Prompt([1, 2], "1")])
-    assert buffer.counters["dropped_multi_turn"] == 1 and buffer.counters["wasted_tokens"] == 3
-    assert not buffer.waiting and len(complete) == 1  # the group trains on its finished member
-    counts = reduce_metrics(buffer.metrics())  # aborted, but not suspended
-    assert counts["partial/suspended"] == 0 and counts["rollout/aborted"] == 1
-    out = [turn for group in complete for turns in group for turn in turns]
-    assert [s.masked for s in out] == [True, True, False]
-    # with a tool, a trajectory cancelled in its first turn is not resumed either (the engine
-    # refuses it)
-    tool_buffer = PartialBuffer(group_size=2, max_staleness=4, budget=BUDGET, multi_turn=True)
-    first_turn = [
-        Sample([1, 2], [3], [-0.1], [1], group_id=0, finish_reason="abort", masked=True),
-        Sample([1, 2], [7], [-0.3], [1], group_id=0, trajectory_id=1),
-    ]
-    tool_buffer.collect(first_turn, [sample.Prompt([1, 2], "1")])
-    assert tool_buffer.counters["dropped_multi_turn"] == 1 and not tool_buffer.waiting
 
 
 def test_merged_turns_carry_their_token_versions():
