@@ -25,6 +25,7 @@ import update
 from cancel import plan_launch
 from config import Config, ConfigError
 from partial import PartialBuffer, share_state
+from runtime.engine import request_limits
 from rollout import RolloutEngine
 import runtime.checkpoint as checkpoint
 import runtime.estimate as estimate
@@ -114,6 +115,7 @@ def setup(cfg, resume=False, engine=None):
     # seconds, before a model of gigabytes loads (the tokenizer alone, again below: the same)
     task = build_task(cfg, load_tokenizer(cfg, init_dir or cfg.model.path, chars))
     policy, tokenizer = build_policy(cfg, init_dir, chars)
+    check_fits_a_request(cfg, task, policy.config)
     # the budget and the estimate's warning before the engine's start-up (it reads the shape only)
     size_micro_batches(cfg, policy, card_bytes(device))
     # the weights the engine loads (run.out/model: the initial policy, with LoRA the base), or the
@@ -275,6 +277,24 @@ def start_engine(cfg, model_dir, start_step, training=True):
 def lora_engine(m):
     """The engine's LoRA pool for model section `m` (None without LoRA)."""
     return dict(rank=m.lora_rank, targets=m.lora_targets) if m.lora_rank else None
+
+
+def check_fits_a_request(cfg, task, model_config):
+    """The longest trajectory fits one engine request (runtime/engine.py, `request_limits`): past
+    that SGLang cuts the response short, unseen by the trainer (its budget, mask_truncated and
+    the overlong penalty assume the whole budget), or refuses the request. With tools' turns a
+    later turn's prompt holds the earlier turns: up to the prompt and the budget but one."""
+    longest = max(len(p.prompt_ids) for p in (*task.train_prompts, *task.val_prompts))
+    budget = cfg.rollout.max_trajectory_tokens()
+    most, longest_prompt = request_limits(model_config, cfg.rollout.max_total_tokens)
+    last_prompt = longest + (budget - 1 if cfg.rollout.max_turns > 1 else 0)
+    if longest + budget > most or last_prompt > longest_prompt:
+        raise ConfigError(
+            f"a trajectory needs up to {longest + budget} tokens (its prompt, up to {longest}, and "
+            f"rollout's budget {budget}), but one engine request holds {most} and a prompt "
+            f"{longest_prompt} (the model's context length, rollout.max_total_tokens): lower "
+            "rollout.max_new_tokens (or max_response_tokens) or data.max_prompt_len"
+        )
 
 
 def partial_buffer(cfg, state):

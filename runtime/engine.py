@@ -492,6 +492,23 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def request_limits(model_config, max_total_tokens):
+    """(the most tokens one request holds, prompt and response; its longest prompt) in an engine
+    serving a model of HF config `model_config` with a KV pool of `max_total_tokens` (0: sized
+    from memory at start, not counted here). SGLang cuts a request's max_new_tokens to
+    max_req_len - 1 - its prompt (managers/scheduler.py, init_req_max_new_tokens), logged only in
+    its own log, and refuses a prompt of max_req_len - 5 tokens or more, max_req_len being
+    min(context length, KV pool) - 1 (managers/tp_worker.py), the context length read from the
+    config as SGLang reads it (utils/hf_transformers/common.py, get_context_length)."""
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+
+    room = get_context_length(model_config)
+    if max_total_tokens:
+        room = min(room, max_total_tokens)
+    max_req_len = room - 1
+    return max_req_len - 1, max_req_len - 6
+
+
 def stop_token_ids(tokenizer_manager):
     """The token ids that end every request inside the engine (a request's own stop_token_ids
     come on top): the model's EOS ids, from its config and generation config

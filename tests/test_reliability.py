@@ -765,6 +765,37 @@ def test_a_second_signal_exits_at_once_with_130(engine):
     assert "first: SIGTERM" in err and "interrupted (second signal (SIGTERM))" in err, err
 
 
+def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine_starts(
+    engine, tmp_path, monkeypatch
+):
+    """SGLang cuts a request's max_new_tokens to what its context length and KV pool leave,
+    logged only in its own log (a KV pool of 40 tokens generated at most 34 of the demo's 48), or
+    refuses it: the trainer's budget, mask_truncated and overlong penalty then assume tokens that
+    were never allowed. setup refuses such a run, naming the numbers, before an engine starts;
+    `request_limits` agrees with the shared engine's own limit on a prompt."""
+    import assemble
+    from runtime.engine import request_limits
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(assemble, "start_engine", no_engine)
+    sets = {
+        "rollout.max_total_tokens=40": "needs up to 52 tokens .* holds 38",
+        "rollout.max_new_tokens=400": "needs up to 404 tokens .* holds 254",
+    }
+    for item, message in sets.items():
+        with pytest.raises(ConfigError, match=message):
+            assemble.setup(tiny_config(tmp_path, item))
+    cfg = tiny_config(tmp_path)
+    policy, _ = model.build_policy(cfg, None)
+    info = engine.engine._scheduler_init_result.scheduler_infos[0]
+    # (the pool holds more than the context: the context decides)
+    assert info["max_total_num_tokens"] > cfg.model.max_position_embeddings
+    # a prompt is refused from max_req_input_len tokens on (managers/scheduler.py)
+    assert request_limits(policy.config, 0)[1] == info["max_req_input_len"] - 1
+
+
 def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path):
     """The second signal's line goes to stderr only where the write cannot wait (the exit must
     not): a full pipe (a pager not reading; another rank's writer filling it), a pipe with no
