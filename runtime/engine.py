@@ -15,8 +15,6 @@ import multiprocessing.resource_tracker
 import os
 import re
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -411,7 +409,8 @@ class Engine:
         then a RuntimeError), since stderr may be a full pipe and nothing here may block.
         Multiprocessing's resource tracker is spared (SGLang's kill takes it too): once this
         process has exited it unlinks the shared memory and semaphores the engine's processes
-        registered, which would otherwise stay in /dev/shm."""
+        registered, which would otherwise stay in /dev/shm (after its warning about them, which
+        goes to stderr: while that is a stalled pipe, it waits there)."""
         tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
         for child in psutil.Process().children(recursive=True):
             if child.pid == tracker:
@@ -422,31 +421,22 @@ class Engine:
                 pass
 
 
-def write_without_blocking(line):
-    """Write `line` (shorter than PIPE_BUF) to stderr if it can be done without waiting, else drop
-    it. A file takes it at once; a socket (a service's journal) gets a send that fails rather
-    than wait; a pipe or terminal is written through a private non-blocking open of it: a full
-    pipe or a terminal paused with Ctrl-S answers EAGAIN instead of waiting, and a pipe takes so
-    short a line whole or not at all. Not fd 2's own O_NONBLOCK: that flag is the open file's,
-    shared with the shell and the other ranks; nor a `select` first: another writer may fill the
-    pipe between it and the write."""
-    try:
-        mode = os.fstat(2).st_mode
-        if stat.S_ISREG(mode):
-            os.write(2, line.encode())
-            return
-        if stat.S_ISSOCK(mode):
-            with socket.socket(fileno=os.dup(2)) as sock:
-                sock.send(line.encode(), socket.MSG_DONTWAIT)
-            return
-        # (O_NOCTTY: a terminal opened never becomes the controlling one)
-        fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+def write_without_blocking(line, wait_s=0.2):
+    """Write `line` to stderr if that takes at most `wait_s`, else leave it: the caller exits
+    next. The write runs on a daemon thread, which the exit ends wherever it waits: a full pipe
+    (a pager not reading, another rank's writer filling it), a terminal paused with Ctrl-S, a
+    full socket. Nothing of fd 2's is changed (its O_NONBLOCK flag is the open file's, shared
+    with the shell and the other ranks), and it works as whichever user owns fd 2."""
+
+    def write():
         try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except OSError:  # closed, full, paused, no reader: the exit must not wait for it
-        pass
+            os.write(2, line.encode())
+        except OSError:  # closed, no reader
+            pass
+
+    writer = threading.Thread(target=write, name="exit_line", daemon=True)
+    writer.start()
+    writer.join(wait_s)
 
 
 class StopSignal:

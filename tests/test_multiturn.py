@@ -216,7 +216,8 @@ def test_a_task_tools_own_cancellation_is_a_rollout_error_and_an_abort_is_none()
     tool runs). A task's own tool (not QwenTools, which answers errors) raising CancelledError
     is a RolloutError naming it: as a cancellation it would end the whole rollout with no
     checkpoint. An abort while the tool runs (`abort` sets the trajectory's Event) returns
-    None at once, the tool's call cancelled, and the trajectory is no longer in its tool."""
+    None, the tool's call cancelled; the trajectory stays in its tool until the tool has
+    stopped, then leaves it."""
     import types
 
     import pytest
@@ -239,6 +240,7 @@ def test_a_task_tools_own_cancellation_is_a_rollout_error_and_an_abort_is_none()
                 await asyncio.sleep(3600)
             except asyncio.CancelledError:
                 self.cancelled = True
+                await asyncio.sleep(0.2)  # slow to stop (a client closing its connection)
                 raise
 
     def rollout_with(tool):
@@ -262,8 +264,12 @@ def test_a_task_tools_own_cancellation_is_a_rollout_error_and_an_abort_is_none()
         calling = asyncio.ensure_future(hangs.run_tool(request, turn))
         await asyncio.sleep(0.05)
         hangs.in_tool[request.index].set()  # what `abort` does at the decision
-        return await asyncio.wait_for(calling, 5)
+        await asyncio.sleep(0.1)
+        # until its tool has stopped, the trajectory is in it (an abort then has nothing of its
+        # in the engine to wait for)
+        stopping = request.index in hangs.in_tool and hangs.settings.tool.cancelled
+        return await asyncio.wait_for(calling, 5), stopping
 
-    assert asyncio.run(aborted()) is None
+    assert asyncio.run(aborted()) == (None, True)
     assert hangs.settings.tool.cancelled and hangs.in_tool == {}
     assert hangs.stats.num_tool_calls == 0

@@ -796,15 +796,15 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
     assert request_limits(policy.config, 0)[1] == info["max_req_input_len"] - 1
 
 
-def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path):
-    """The second signal's line goes to stderr only where the write cannot wait (the exit must
-    not): a full pipe (a pager not reading; another rank's writer filling it), a pipe with no
-    reader or a full socket drops it, and returns; a pipe or socket with room and a file get it
-    whole. fd 2's own open file stays blocking (it is shared with the shell and the other
-    ranks). In a fresh process (a write that blocks hangs it, not the suite): each case is fd 2
-    replaced."""
+def test_the_second_signals_line_never_holds_the_exit(tmp_path):
+    """The second signal's line goes to stderr where it can; where the write would wait (a full
+    pipe: a pager not reading, another rank's writer filling it; a full socket) the call returns
+    after its short wait all the same, since the exit comes next. fd 2's own open file stays
+    blocking (it is shared with the shell and the other ranks). In a fresh process (a write that
+    blocks hangs it, not the suite): each case is fd 2 replaced; where the line can go, it is
+    read back."""
     script = """if True:
-        import os, socket, sys
+        import os, socket, sys, time
         import runtime.engine as engine
 
         def full(fd):
@@ -815,14 +815,15 @@ def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path)
             except BlockingIOError:
                 os.set_blocking(fd, True)
 
-        def drained(fd):
+        def read_back(fd):  # what came, the line's writer given up to 5 s on a busy machine
             os.set_blocking(fd, False)
-            got = b""
-            try:
-                while True:
+            got, deadline = b"", time.monotonic() + 5
+            while b"interrupted" not in got and time.monotonic() < deadline:
+                try:
                     got += os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return got.count(b"interrupted")
+                except BlockingIOError:
+                    time.sleep(0.01)
+            return got.count(b"interrupted")
 
         for case in sys.argv[2:]:
             if case in ("socket", "full socket"):
@@ -837,13 +838,17 @@ def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path)
             if case == "no reader":
                 os.close(read)
             os.dup2(write, 2)
+            start = time.monotonic()
             engine.write_without_blocking("interrupted\\n")
+            returned = time.monotonic() - start < 2
             blocking = os.get_blocking(2)
             if case == "file":
                 count = open(sys.argv[1]).read().count("interrupted")
+            elif case in ("room", "socket"):
+                count = read_back(read)
             else:
-                count = 0 if case == "no reader" else drained(read)
-            print(case.replace(" ", "_"), count, blocking, flush=True)
+                count = "-"
+            print(case.replace(" ", "_"), returned, blocking, count, flush=True)
     """
     cases = ["room", "full pipe", "no reader", "file", "socket", "full socket"]
     done = subprocess.run(
@@ -851,16 +856,16 @@ def test_the_second_signals_line_is_written_only_where_it_cannot_block(tmp_path)
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=60,  # a blocked write would hang here
+        timeout=60,  # a write that blocks would hang here
     )
     written = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()}
     assert written == {
-        "room": ["1", "True"],
-        "full_pipe": ["0", "True"],
-        "no_reader": ["0", "True"],
-        "file": ["1", "True"],
-        "socket": ["1", "True"],
-        "full_socket": ["0", "True"],
+        "room": ["True", "True", "1"],
+        "full_pipe": ["True", "True", "-"],
+        "no_reader": ["True", "True", "-"],
+        "file": ["True", "True", "1"],
+        "socket": ["True", "True", "1"],
+        "full_socket": ["True", "True", "-"],
     }, done.stderr
 
 
