@@ -232,6 +232,15 @@ def check(cfg):
             f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
         )
     refuse_unread(cfg, READ_WHEN)
+    if (
+        r.cancel in ("count", "group")
+        and not r.filter_groups
+        and r.drop_rate == r.over_sample_rate == 0
+    ):
+        raise ConfigError(
+            f"rollout.cancel={r.cancel} cuts nothing without rollout.drop_rate or "
+            "rollout.over_sample_rate (it would wait for every request, as none does): set one"
+        )
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "

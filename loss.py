@@ -39,19 +39,27 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")  # train.kl_estimator: see kl_e
 KL_PLACEMENTS = ("loss", "reward")
 
 
-def _ratio_is(level):
-    return lambda cfg: cfg.train.ratio_level == level
+def _clipped_at(level):
+    """(is_read, when) of a clip range of ratio level `level` (clip_range): read only where the
+    ratio can leave 1. With one minibatch and the trainer's pi_old, pi_old is the update's own
+    forward, detached (update.pi_old_source): the ratio is 1, never clipped."""
+    return (
+        lambda cfg: cfg.train.ratio_level == level
+        and (cfg.train.num_minibatches > 1 or cfg.train.old_logprobs == "engine"),
+        f"with train.ratio_level={level} and a ratio that can leave 1 (train.num_minibatches > "
+        "1, or train.old_logprobs=engine)",
+    )
 
 
-# config.refuse_unread's table: the clip ranges each ratio level reads (clip_range), and what only
-# a KL reference reads
+# config.refuse_unread's table: the clip ranges each ratio level reads, and what only a KL
+# reference reads
 READ_WHEN = {
-    "train.clip_eps": (_ratio_is("token"), "with train.ratio_level=token"),
-    "train.clip_eps_high": (_ratio_is("token"), "with train.ratio_level=token"),
-    "train.sequence_clip_eps": (_ratio_is("sequence"), "with train.ratio_level=sequence"),
-    "train.sequence_clip_eps_high": (_ratio_is("sequence"), "with train.ratio_level=sequence"),
-    "train.cispo_eps_low": (_ratio_is("cispo"), "with train.ratio_level=cispo"),
-    "train.cispo_eps_high": (_ratio_is("cispo"), "with train.ratio_level=cispo"),
+    "train.clip_eps": _clipped_at("token"),
+    "train.clip_eps_high": _clipped_at("token"),
+    "train.sequence_clip_eps": _clipped_at("sequence"),
+    "train.sequence_clip_eps_high": _clipped_at("sequence"),
+    "train.cispo_eps_low": _clipped_at("cispo"),
+    "train.cispo_eps_high": _clipped_at("cispo"),
     "train.kl_estimator": (lambda cfg: cfg.train.kl_coef > 0, "with train.kl_coef > 0"),
 }
 

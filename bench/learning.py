@@ -26,6 +26,9 @@ import tempfile
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from assemble import load_config  # noqa: E402
+
 # drop and partial cut the same tail: launch the batch, stop once 80% of its samples finished; drop
 # throws the rest away, partial suspends and continues it, weighting tokens an older policy sampled
 # by truncated importance sampling (train.tis_cap). `--over-sample` makes both over-provision
@@ -41,7 +44,8 @@ ARMS = {
         "train.tis_cap=2",
     ],
     # configs/gsm8k_dapo.yaml's settings: dynamic sampling fused with over-sampling and partial
-    # rollout, clip-higher (the demos' loss is token-mean already), but not overlong filtering:
+    # rollout (the demos' loss is token-mean already), but not clip-higher (with one minibatch the
+    # ratio is 1: nothing is clipped, and train.clip_eps_high is refused) nor overlong filtering:
     # the tool demo's responses nearly all end at the budget (rollout/truncated_ratio 0.96-1.0),
     # so it masked every token (train/tokens ~2 a step) and the arm learned nothing (greedy
     # 0.125 at step 250, measured)
@@ -51,7 +55,6 @@ ARMS = {
         "rollout.partial=true",
         "train.tis_cap=2",
         "rollout.filter_groups=true",
-        "train.clip_eps_high=0.28",
     ],
     # pi_old from the engine's log-probs: the trainer's extra forward skipped (same updates up to
     # the engine/trainer log-prob gap, faster steps)
@@ -66,6 +69,10 @@ def train_once(arm, seed, steps, out_dir, over_sample, config, extra_sets=()):
     sets += extra_sets
     if over_sample and arm != "baseline":
         sets = [s.replace("rollout.drop_rate=0.2", "rollout.over_sample_rate=0.25") for s in sets]
+    if load_config(config, []).rollout.max_turns > 1:
+        # partial rollout resumes single-turn samples only (refused with tools' turns): there an
+        # arm's cancelled trajectories are dropped
+        sets = [s for s in sets if s != "rollout.partial=true"]
     cmd = [sys.executable, "train.py", "--config", config, "--out", out_dir]
     for item in sets:
         cmd += ["--set", item]

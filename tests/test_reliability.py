@@ -180,6 +180,19 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
             + ["train.max_token_staleness=2"],  # max_staleness 0: plain dropping
             "train.max_token_staleness=2 is read only with partial rollout",
         ),
+        (  # the batch's whole: it waited for every request, as cancel=none
+            ["rollout.cancel=count"],
+            "rollout.cancel=count cuts nothing without rollout.drop_rate or rollout.over_sample",
+        ),
+        (  # one minibatch, pi_old the update's own forward: the ratio is 1, never clipped
+            ["train.clip_eps_high=0.28"],
+            "train.clip_eps_high=0.28 is read only with train.ratio_level=token and a ratio that "
+            "can leave 1",
+        ),
+        (  # the engine continues one request: every cancelled trajectory was dropped
+            PARTIAL + ["data.task=tiny_tool", "rollout.max_turns=2"],
+            "rollout.partial=true with rollout.max_turns=2: partial rollout resumes single-turn",
+        ),
     ],
 )
 def test_impossible_configs_name_the_problem(sets, message):
