@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from config import ConfigError
+from config import ConfigError, refuse_unread
 from metrics import slowest
 import runtime.lora as lora
 import runtime.parallel as parallel
@@ -36,10 +36,27 @@ MEMORY_MODES = ("staged", "all_at_once", "off")  # memory.mode
 LEDGER_NAME = {"weights": "engine_weights", "kv_cache": "kv_cache"}
 
 
+# config.refuse_unread's table: the log-prob gap's bound and patience each need the other, and
+# the trainer's own pi_old after the first step (`GapWatch`; with old_logprobs=engine there is no
+# gap to read past it)
+READ_WHEN = {
+    "run.max_logprob_gap": (
+        lambda cfg: cfg.run.max_logprob_gap_steps > 0 and cfg.train.old_logprobs == "trainer",
+        "with run.max_logprob_gap_steps > 0 and train.old_logprobs=trainer",
+    ),
+    "run.max_logprob_gap_steps": (
+        lambda cfg: cfg.run.max_logprob_gap > 0 and cfg.train.old_logprobs == "trainer",
+        "with run.max_logprob_gap > 0 and train.old_logprobs=trainer",
+    ),
+}
+
+
 def check(cfg):
-    """memory.mode's choice (assemble.load_config calls this at load)."""
+    """memory.mode's choice, and the gap check's fields where nothing reads them
+    (assemble.load_config calls this at load)."""
     if cfg.memory.mode not in MEMORY_MODES:
         raise ConfigError(f"memory.mode={cfg.memory.mode!r}: expected one of {MEMORY_MODES}")
+    refuse_unread(cfg, READ_WHEN)
 
 
 class PhaseError(RuntimeError):

@@ -95,6 +95,16 @@ def check(cfg):
             raise ConfigError(f"{key}={value!r}: expected one of {allowed}")
     m = cfg.model
     refuse_unread(cfg, READ_WHEN)
+    t = cfg.train
+    if t.warmup_steps >= t.steps > 0:  # a short smoke run of a shipped config: said, not refused
+        log.warning(
+            "train.warmup_steps=%d >= train.steps=%d: the rate never reaches train.lr "
+            "(%g; the last step's is %.3g of it), and train.lr_schedule never begins",
+            t.warmup_steps,
+            t.steps,
+            t.lr,
+            t.steps / t.warmup_steps,
+        )
     # adapters live in the decoder layers: the output head is often the embedding itself (tied), and
     # a merged head would rewrite the embedding too
     outside = sorted({"lm_head", "embed_tokens"} & set(m.lora_targets)) if m.lora_rank else []

@@ -467,6 +467,21 @@ def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
     assert lr_factor(0, 101, t) == 1.0 and lr_factor(50, 101, t) == pytest.approx(0.55)
 
 
+def test_a_warmup_as_long_as_the_run_is_said(caplog):
+    """train.warmup_steps >= train.steps: the rate never reaches train.lr and the schedule after
+    the warmup never begins (a reviewer's 100-of-200 warmup ended at 0.4 x lr, min_lr_ratio
+    unread). Said at load, not refused: a short smoke run of a shipped config (the README's GPU
+    smoke test: gsm8k.yaml's 10-step warmup, 3 steps) is meant."""
+    with caplog.at_level("WARNING"):
+        load_config(None, ["train.warmup_steps=10", "train.steps=3", "train.lr=1e-6"])
+    said = "train.warmup_steps=10 >= train.steps=3: the rate never reaches train.lr (1e-06; the "
+    assert said + "last step's is 0.3 of it)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_config(None, ["train.warmup_steps=10", "train.steps=11"])
+    assert "warmup_steps" not in caplog.text
+
+
 def test_the_trajectory_token_bound_is_one_formula():
     """config.max_trajectory_tokens, which the rollout, DAPO's overlong penalty and Dr. GRPO's
     constant all read: one turn never exceeds max_new_tokens, even under a larger
@@ -982,7 +997,7 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
 
 
 @pytest.mark.parametrize(
-    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update"]
+    "module", ["cancel", "loss", "advantages", "merge", "runtime.model", "update", "memory"]
 )
 def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
     """Each field a module reads only in some modes (its READ_WHEN), set to a value but its default
@@ -1031,6 +1046,8 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
         ],
+        "run.max_logprob_gap": [],
+        "run.max_logprob_gap_steps": [],
     }
     other = {
         "train.kl_estimator": "k1",
@@ -1060,6 +1077,8 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             off += ["run.nproc=1"]
         if key == "train.shared_prefix":
             off += ["train.max_tokens_per_micro_batch=0"]
+        if key.startswith("run.max_logprob_gap"):
+            off += ["train.old_logprobs=engine"]
         if key == "train.scale_by_std":  # read by grpo: off with any other estimator
             advantages.ESTIMATORS["other"] = advantages.grpo
             off += ["train.advantage=other"]
