@@ -87,6 +87,13 @@ READ_WHEN = {
         lambda cfg: cfg.run.nproc != 1,
         "with several ranks (run.nproc), whose policy FSDP2 shards",
     ),
+    # packed micro-batches are sized by their token budget; the KL-in-reward reference pass stays
+    # padded, to keep the samples' order (advantages.reference_kl)
+    "train.micro_batch_size": (
+        lambda cfg: cfg.train.max_tokens_per_micro_batch == 0
+        or (cfg.train.kl_coef > 0 and cfg.train.kl_in == "reward"),
+        "with padded micro-batches (train.max_tokens_per_micro_batch: 0) or train.kl_in=reward",
+    ),
     "train.shared_prefix": (
         lambda cfg: cfg.train.max_tokens_per_micro_batch != 0,
         "with packed micro-batches (train.max_tokens_per_micro_batch), whose rows share prompts",

@@ -102,7 +102,9 @@ MIXES = {
     "demo": ("configs/tiny.yaml", []),
     "gsm8k": (
         "configs/gsm8k.yaml",
-        ["data.train_path=unused", "model.compute_dtype=float32", "model.attn_implementation=sdpa"],
+        # padded micro-batches of 4 rows (the packed arm's budget is their largest)
+        ["data.train_path=unused", "model.compute_dtype=float32", "model.attn_implementation=sdpa"]
+        + ["train.max_tokens_per_micro_batch=0", "train.micro_batch_size=4"],
     ),
 }
 

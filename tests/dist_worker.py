@@ -105,10 +105,12 @@ def parity_file(mode, layout, compiled):
 
 
 def parity_config(out_dir, mode, *sets):
-    return load_config(
-        TINY_CONFIG,
-        [f"run.out={out_dir}", f"train.loss_agg={mode}", "train.micro_batch_size=3", *sets],
-    )
+    """tiny.yaml for the parity runs, whose padded layout has micro-batches of 3 rows (set after
+    the load: a packed layout, which tests switch to the padded one and back, leaves it unread)."""
+    cfg = load_config(TINY_CONFIG, [f"run.out={out_dir}", f"train.loss_agg={mode}", *sets])
+    if not any(item.startswith("train.micro_batch_size=") for item in sets):
+        cfg.train.micro_batch_size = 3
+    return cfg
 
 
 def local_share(samples, advantages):

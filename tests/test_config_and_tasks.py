@@ -1046,6 +1046,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
         ],
+        "train.micro_batch_size": ["train.max_tokens_per_micro_batch=0"],
         "run.max_logprob_gap": [],
         "run.max_logprob_gap_steps": [],
     }
