@@ -193,6 +193,12 @@ READ_WHEN = {
         lambda cfg: cfg.rollout.filter_groups,
         "with rollout.filter_groups",
     ),
+    # one turn never exceeds max_new_tokens (config.max_trajectory_tokens)
+    "rollout.max_response_tokens": (
+        lambda cfg: cfg.rollout.max_turns > 1
+        or cfg.rollout.max_response_tokens < cfg.rollout.max_new_tokens,
+        "with tools' turns (rollout.max_turns > 1) or below rollout.max_new_tokens",
+    ),
 }
 
 

@@ -1047,6 +1047,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             "rollout.drop_rate=0.25",
         ],
         "train.micro_batch_size": ["train.max_tokens_per_micro_batch=0"],
+        "rollout.max_response_tokens": ["rollout.max_turns=2", "data.task=tiny_tool"],
         "run.max_logprob_gap": [],
         "run.max_logprob_gap_steps": [],
     }
@@ -1064,6 +1065,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.overlong_buffer": "4",
         "train.fsdp_keep_gathered": "false",
         "train.max_token_staleness": "2",
+        "rollout.max_response_tokens": "100",
     }
     for key, (is_read, _) in owner.READ_WHEN.items():
         value = other_value(key, other | FIELD_VALUES)

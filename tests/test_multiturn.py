@@ -156,7 +156,10 @@ def test_the_tool_demo_config_trains_and_logs_tool_use(engine, tmp_path):
         "merge/ratio",
         "val/reward_mean",
     } <= set(drawn)
-    no_tool = load_config("configs/tiny_tool.yaml", [f"run.out={tmp_path}", "rollout.max_turns=1"])
+    no_tool = load_config(
+        "configs/tiny_tool.yaml",
+        [f"run.out={tmp_path}", "rollout.max_turns=1", "rollout.max_response_tokens=0"],
+    )
     # the switch the README gives turns the tool off
     assert tasks.build_task(no_tool, run.tokenizer).tool is None
 

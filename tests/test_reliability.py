@@ -189,6 +189,10 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
             "train.clip_eps_high=0.28 is read only with train.ratio_level=token and a ratio that "
             "can leave 1",
         ),
+        (  # one turn never exceeds max_new_tokens (48): the budget stayed 48
+            ["rollout.max_response_tokens=100"],
+            "rollout.max_response_tokens=100 is read only with tools' turns",
+        ),
         (  # the engine continues one request: every cancelled trajectory was dropped
             PARTIAL + ["data.task=tiny_tool", "rollout.max_turns=2"],
             "rollout.partial=true with rollout.max_turns=2: partial rollout resumes single-turn",
