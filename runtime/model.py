@@ -79,6 +79,10 @@ READ_WHEN = {
         lambda cfg: cfg.train.lr_schedule == "cosine",
         "with lr_schedule cosine",
     ),
+    "model.trust_remote_code": (
+        lambda cfg: cfg.model.path != "tiny",
+        "with a model loaded from model.path (tiny is built here)",
+    ),
 }
 
 

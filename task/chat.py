@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from config import ConfigError
 from sample import Prompt
-from task.data import TOOL_FIELDS, DataError
+from task.data import LOCAL_FORMATS, TOOL_FIELDS, DataError
 import task.tools as tools
 
 log = logging.getLogger("tasks")
@@ -110,9 +110,6 @@ def tool(cfg, tokenizer):
         r.max_observation_chars,
         tools.assistant_opening(tokenizer, cfg.data.chat_template_kwargs),
     )
-
-
-LOCAL_FORMATS = (".jsonl", ".parquet")  # a dataset file's extension, in any case
 
 
 def read_rows(source, split, subset=None):

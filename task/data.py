@@ -19,6 +19,7 @@ import functools
 import importlib
 import logging
 import math
+import os
 import pkgutil
 import random
 
@@ -37,6 +38,7 @@ TOOL_FIELDS = {
     "rollout.max_observation_chars",
 }
 TASK_FIELDS = {f"data.{f.name}" for f in dataclasses.fields(DataConfig)} - COMMON_FIELDS
+LOCAL_FORMATS = (".jsonl", ".parquet")  # a dataset file's extension, in any case
 
 log = logging.getLogger("task")
 
@@ -74,9 +76,14 @@ def task_names():
 
 
 def fields_read(cfg):
-    """The task-specific fields (TASK_FIELDS, TOOL_FIELDS) the configured task and turns read."""
+    """The task-specific fields (TASK_FIELDS, TOOL_FIELDS) the configured task, turns and data
+    files read."""
     listed = task_module(cfg.data.task).FIELDS
-    return listed - TOOL_FIELDS if cfg.rollout.max_turns == 1 else set(listed)
+    read = listed - TOOL_FIELDS if cfg.rollout.max_turns == 1 else set(listed)
+    sources = [source for source in (cfg.data.train_path, cfg.data.val_path) if source]
+    if sources and all(os.path.splitext(s)[1].lower() in LOCAL_FORMATS for s in sources):
+        read -= {"data.hub_subset"}  # a configuration is a hub dataset's (task/chat.read_rows)
+    return read
 
 
 # config.refuse_unread's table of this module's fields

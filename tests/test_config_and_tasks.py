@@ -848,8 +848,9 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         return
     read = tasks.fields_read(load_config(os.path.join(ROOT, "configs/tiny.yaml"), base))
     # the rule, said apart from the code that applies it: one turn reads no tool field, and
-    # tools' turns read every field the task lists
-    listed = tasks.task_module(task).FIELDS
+    # tools' turns read every field the task lists; a hub dataset's configuration is read with
+    # a hub dataset only (TASK_SETS' GSM8K is a local file)
+    listed = tasks.task_module(task).FIELDS - {"data.hub_subset"}
     assert read == (listed - tasks.TOOL_FIELDS if turns == 1 else listed)
     assert turns > 1 or not read & {"rollout.tools", "rollout.tool_timeout_s"}
     for key in sorted(tasks.TASK_FIELDS | tasks.TOOL_FIELDS):  # a new task's own field too
@@ -860,6 +861,11 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         else:
             with pytest.raises(ConfigError, match=f"{key}=.* is read only by "):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
+    if "data.hub_subset" in tasks.task_module(task).FIELDS:
+        hub = [*base, "data.train_path=openai/gsm8k", "data.val_path=''", "data.hub_subset=main"]
+        assert "data.hub_subset" in tasks.fields_read(
+            load_config(os.path.join(ROOT, "configs/tiny.yaml"), hub)
+        )
     # every task reads data.reward: the demo tasks too
     cfg = load_config(
         os.path.join(ROOT, "configs/tiny.yaml"), [*base, "data.reward=rewards:gsm8k_reward"]
@@ -1037,6 +1043,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "rollout.merge_turns": ["rollout.max_turns=2", "data.task=tiny_tool"],
         **{key: ["model.lora_rank=4"] for key in model.READ_WHEN if ".lora_" in key},
         **{key: [] for key in model.TINY_SHAPE},  # tiny.yaml's model
+        "model.trust_remote_code": ["model.path=Qwen/Qwen2.5-0.5B"],
         "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
         "train.fsdp_keep_gathered": ["run.nproc=2"],
         "train.shared_prefix": [],  # tiny.yaml packs
