@@ -419,6 +419,10 @@ class Config:
                 expected = " ".join(filter(None, [kind, str(allowed)]))
                 why = f" ({allowed.why})" if allowed.why else ""
                 raise ConfigError(f"{key}={shown(value)}: expected {expected}{why}")
+        # an empty path is the working directory's own: checkpoints/, model/ and tb/ written there
+        for key, value in (("run.out", self.run.out), ("model.path", self.model.path)):
+            if not value.strip():
+                raise ConfigError(f"{key}={value!r}: expected a path")
 
 
 def refuse_unread(cfg, read_when):

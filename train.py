@@ -261,7 +261,7 @@ def parse_args(argv=None):
 
 def config_of(args):
     """The run's Config: config.py's defaults <- the YAML file <- --set <- --out."""
-    sets = args.set + ([f"run.out={args.out}"] if args.out else [])
+    sets = args.set + ([f"run.out={args.out}"] if args.out is not None else [])
     return load_config(args.config, sets)
 
 

@@ -189,6 +189,10 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
             "train.clip_eps_high=0.28 is read only with train.ratio_level=token and a ratio that "
             "can leave 1",
         ),
+        (  # the working directory's own checkpoints/ and model/, then a traceback at the logger
+            ["run.out=''"],
+            "run.out='': expected a path",
+        ),
         (  # one turn never exceeds max_new_tokens (48): the budget stayed 48
             ["rollout.max_response_tokens=100"],
             "rollout.max_response_tokens=100 is read only with tools' turns",
@@ -204,6 +208,12 @@ def test_impossible_configs_name_the_problem(sets, message):
     problem."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", sets)
+
+
+def test_an_empty_out_on_the_command_line_is_refused_not_ignored():
+    """`--out ""` was skipped (`if args.out`): the run wrote to the config's folder instead."""
+    with pytest.raises(ConfigError, match="run.out=None: expected str"):  # an empty YAML value
+        train.config_of(train.parse_args(["--config", "configs/tiny.yaml", "--out", ""]))
 
 
 def test_the_ways_out_of_a_refused_nucleus_tis_load():
