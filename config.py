@@ -534,7 +534,9 @@ def _coerce(key, value, kind):
 def apply(config, overrides, prefix=""):
     """Write a nested dict of overrides into the dataclass tree, rejecting unknown keys."""
     if not isinstance(overrides, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {shown(overrides)}")
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {shown(overrides)}"
+        )
     hints = typing.get_type_hints(type(config))
     for key, value in overrides.items():
         if not isinstance(key, str):  # YAML reads `1:` as 1 and `true:` as True

@@ -189,6 +189,7 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
             "train.clip_eps_high=0.28 is read only with train.ratio_level=token and a ratio that "
             "can leave 1",
         ),
+        (["train=1"], "train: expected a mapping, got 1"),  # was "train.:"
         (  # the working directory's own checkpoints/ and model/, then a traceback at the logger
             ["run.out=''"],
             "run.out='': expected a path",
