@@ -392,8 +392,9 @@ class RunConfig:
     # check them again), then every check_weights_every steps (0: not again).
     check_weights_first: NonNegativeInt = 3
     check_weights_every: NonNegativeInt = 10
-    # the engine-vs-trainer log-prob gap (train/logprob_gap) above this for max_logprob_gap_steps
-    # steps in a row (0: off); the first step's gap has its own, tighter bound per dtype
+    # the engine-vs-trainer log-prob gap (train/logprob_gap_max: the largest rank's) above this for
+    # max_logprob_gap_steps steps in a row (0: off); the first step's gap has its own, tighter
+    # bound per dtype
     max_logprob_gap: NonNegativeFloat = 0.05
     max_logprob_gap_steps: NonNegativeInt = 3
     # write each step's trained sequences under run.out/rollouts/step_N (train.py --replay reads)

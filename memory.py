@@ -472,8 +472,9 @@ def trainer_tensor(engine_name, params, dtype, gather):
 
 
 class GapWatch:
-    """Reads each step's `train/logprob_gap` (engine vs trainer, on the tokens the current weights
-    sampled) and raises LogprobGapError when it says they disagree."""
+    """Reads each step's `train/logprob_gap_max` (engine vs trainer, on the tokens the current
+    weights sampled: the largest rank's mean) and raises LogprobGapError when it says they
+    disagree."""
 
     def __init__(self, cfg, first_step, over=0):
         coarser = (
@@ -502,7 +503,7 @@ class GapWatch:
         self.over = self.over + 1 if self.max_gap and gap > self.max_gap else 0
         if self.patience and self.over >= self.patience:
             raise LogprobGapError(
-                f"step {step}: the engine-vs-trainer log-prob gap was above "
-                f"run.max_logprob_gap={self.max_gap} for {self.over} steps in a row (now "
+                f"step {step}: the engine-vs-trainer log-prob gap (train/logprob_gap_max) was "
+                f"above run.max_logprob_gap={self.max_gap} for {self.over} steps in a row (now "
                 f"{gap:.3g}): the engine samples from weights or code other than the trainer's."
             )

@@ -129,27 +129,31 @@ def joined(*stages):
 
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
-    declared it: Summed, Slowest, Ratio, Quantile, Spread, else averaged. A collective: every
-    rank calls it. With several ranks, `timing/rollout_s_min` beside the max shows how unevenly
-    their rollouts ended."""
+    declared it: Summed, Slowest, Ratio, Quantile, Spread, else averaged. A mean or quantile over
+    no item on any rank is left out, not 0 (a step with nothing finished: TensorBoard shows a gap,
+    not "every answer wrong, length 0"). A collective: every rank calls it. With several ranks,
+    `timing/rollout_s_min` beside the max shows how unevenly their rollouts ended."""
     per_rank = parallel.gather_objects(scalars)
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
+        if isinstance(values[0], (Ratio, Quantile, Spread)) and not any(
+            v.count if isinstance(v, Ratio) else v.values for v in values
+        ):
+            continue  # no item anywhere
         if isinstance(values[0], Summed):
             out[key] = sum(v.value for v in values)
         elif isinstance(values[0], Slowest):
             out[key] = max(v.value for v in values)
         elif isinstance(values[0], Ratio):
-            count = sum(v.count for v in values)
-            out[key] = sum(v.total for v in values) / count if count else 0.0
+            out[key] = sum(v.total for v in values) / sum(v.count for v in values)
         elif isinstance(values[0], Quantile):
             out[key] = quantile([x for v in values for x in v.values], values[0].q).value
         elif isinstance(values[0], Spread):
             out[key] = spread([x for v in values for x in v.values]).value
         else:
             out[key] = sum(values) / len(values)
-    if len(per_rank) > 1:
+    if len(per_rank) > 1 and "timing/rollout_s" in out:
         out["timing/rollout_s_min"] = min(
             d["timing/rollout_s"].value if "timing/rollout_s" in d else math.inf for d in per_rank
         )
@@ -169,13 +173,13 @@ def masked_mean(values, mask):
 
 
 def length_stats(lengths, prefix):
-    """mean / p50 / p90 / max of a list of token counts (empty list -> zeros), each exact over
-    ranks."""
+    """mean / p50 / p90 / max of a list of token counts, each exact over ranks (with no count on
+    any rank, `reduce_metrics` leaves them out)."""
     return {
         f"{prefix}_mean": ratio(sum(lengths), len(lengths)),
         f"{prefix}_p50": quantile(lengths, 0.5),
         f"{prefix}_p90": quantile(lengths, 0.9),
-        f"{prefix}_max": slowest(max(lengths, default=0)),
+        f"{prefix}_max": quantile(lengths, 1.0),
     }
 
 
@@ -269,7 +273,8 @@ class Logger:
         self.writer.flush()  # a crash or Ctrl-C keeps every logged step visible in TensorBoard
         keys = [
             ("reward", "train/reward_mean"),
-            ("launched", "train/reward_mean_launched"),
+            ("completed", "rollout/reward_mean_completed"),
+            ("launched", "rollout/reward_mean_launched"),
             ("val", "val/reward_mean"),
             ("val_sampled", "val/reward_mean_sampled"),
             ("len", "rollout/response_len_mean"),

@@ -259,12 +259,12 @@ def rollout_metrics(trajectories, stats):
     aborted = [t for t in trajectories if t[-1].masked and t[-1].finish_reason not in failed]
     reward_sum = sum(s.reward for s in finished)
     out = {
-        "train/reward_mean_completed": ratio(reward_sum, len(finished)),
-        "train/reward_mean_launched": ratio(
+        # every finished trajectory's, dynamic sampling's dropped groups too (its train/ figures
+        # are the kept ones': filter_metrics)
+        "rollout/reward_mean_completed": ratio(reward_sum, len(finished)),
+        "rollout/reward_mean_launched": ratio(
             reward_sum + sum(turns[-1].reward for turns in dropped), len(launched)
         ),
-        "train/reward_std": spread([s.reward for s in finished]),
-        "train/accuracy": ratio(sum(s.reward >= 1.0 for s in finished), len(finished)),
         "rollout/launched": summed(len(launched)),
         "rollout/aborted": summed(len(aborted)),
         "rollout/aborted_ratio": ratio(len(aborted), len(launched)),
@@ -291,7 +291,6 @@ def rollout_metrics(trajectories, stats):
         "rollout/timed_out": summed(stats.num_timed_out),
         "rollout/reward_errors": summed(stats.num_reward_errors),
     }
-    out["train/reward_mean_unfiltered"] = out["train/reward_mean_completed"]
     lengths = [sum(len(t.response_ids) for t in turns) for turns in trajectories]
     out.update(
         length_stats(
@@ -307,8 +306,9 @@ def rollout_metrics(trajectories, stats):
 
 def filter_metrics(trajectories, counts, stats, target_groups, filtering):
     """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
-    would save). `trajectories`: the trained ones; `counts`: cancel.informative_groups'.
-    `train/reward_mean` is what was trained on and `train/reward_mean_unfiltered` every finished
+    would save), and the reward statistics of `trajectories`, the trained ones (`counts`:
+    cancel.informative_groups'): `train/reward_mean`, `train/accuracy` and `train/reward_std` are
+    what was trained on, `rollout/reward_mean_completed` (rollout_metrics) every finished
     trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
     one)."""
     rewards = [turns[-1].reward for turns in trajectories if not turns[-1].masked]
@@ -319,6 +319,8 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering):
         # on any rank (`slowest`: reduced by max)
         "filter/truncated_steps": slowest(filtering and counts["kept_groups"] < target_groups),
         "train/reward_mean": ratio(sum(rewards), len(rewards)),
+        "train/accuracy": ratio(sum(r >= 1.0 for r in rewards), len(rewards)),
+        "train/reward_std": spread(rewards),
         "perf/generated_tokens_per_kept_group": ratio(
             stats.generated_tokens, counts["kept_groups"]
         ),

@@ -22,7 +22,7 @@ import torch
 
 import loss
 from config import ConfigError, refuse_unread
-from metrics import TokenMeans, masked_mean, ratio, summed
+from metrics import TokenMeans, masked_mean, ratio, slowest, summed
 import runtime.parallel as parallel
 from runtime.model import build_optimizer
 from runtime.routing import NO_ROUTE, RouteReplay
@@ -303,14 +303,17 @@ def engine_logprobs_on_nucleus(mb, logprobs, full_logprobs):
 
 def logprob_gap(micro_batches):
     """{"train/logprob_gap": mean |pi_old - engine| over the trained tokens the current weights
-    sampled} (older tokens differ by design), read once after the update (one host sync)."""
+    sampled (older tokens differ by design), over all ranks' tokens; "train/logprob_gap_max": the
+    largest rank's own, what the health check reads (memory.GapWatch: one rank's engine off
+    would be diluted in the mean)}, read once after the update (one host sync)."""
     gap = torch.zeros(())
     num_tokens = torch.zeros(())
     for mb in micro_batches:
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
         gap = gap + ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().cpu()
         num_tokens = num_tokens + fresh.sum().cpu()
-    return {"train/logprob_gap": ratio(gap, num_tokens)}
+    mean = ratio(gap, num_tokens)
+    return {"train/logprob_gap": mean, "train/logprob_gap_max": slowest(float(mean.value))}
 
 
 def compute_precision(trainer):

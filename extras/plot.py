@@ -15,8 +15,12 @@ import sys
 # (panel title, [(metric, label)]): the first look at a GRPO run
 PANELS = [
     (
-        "train reward",
-        [("train/reward_mean_completed", "completed"), ("train/reward_mean_launched", "launched")],
+        "reward",
+        [
+            ("train/reward_mean", "trained"),
+            ("rollout/reward_mean_completed", "completed"),
+            ("rollout/reward_mean_launched", "launched"),
+        ],
     ),
     ("validation reward", [("val/reward_mean", "greedy"), ("val/reward_mean_sampled", "sampled")]),
     (

@@ -432,7 +432,7 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
         launched, kept = logged["filter/prompts_launched"][step], logged["filter/kept_groups"][step]
         assert launched <= 8 and kept + logged["filter/zero_variance_groups"][step] >= 1
         assert logged["filter/truncated_steps"][step] == (kept < 4)
-    assert "train/reward_mean_unfiltered" in logged and "train/truncated_masked" in logged
+    assert "rollout/reward_mean_completed" in logged and "train/truncated_masked" in logged
 
 
 def test_gsm8k_config_stops_at_im_end(gsm8k_run):

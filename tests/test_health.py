@@ -4,6 +4,7 @@ silently drops or corrupts a tensor is caught at the next check, an engine compu
 run."""
 
 import pytest
+import torch
 
 import memory as health
 import inflight
@@ -124,3 +125,29 @@ def test_deterministic_inference_is_refused_on_cpu_with_the_reason(tmp_path):
     cfg = tiny_config(tmp_path, "rollout.deterministic=true")
     with pytest.raises(RolloutError, match="overrides.py"):
         rollout.RolloutEngine(str(tmp_path), cfg.rollout)
+
+
+def test_the_gap_the_check_reads_is_logged_beside_the_mean(monkeypatch):
+    """`train/logprob_gap` is the mean over every rank's fresh tokens; the health check reads the
+    largest rank's own mean, which TensorBoard now shows as `train/logprob_gap_max` (a reviewer's
+    run stopped on a gap of 0.1 while the logged one read 0.001: rank 0's 40 tokens at 0.1
+    diluted in rank 1's 3,960 at 0)."""
+    import metrics
+    import update
+
+    def micro_batch(tokens, gap):
+        return {
+            "loss_mask": torch.ones(1, tokens),
+            "staleness": torch.zeros(1, tokens),
+            "old_logprobs": torch.full((1, tokens), -1.0),
+            "engine_logprobs": torch.full((1, tokens), -1.0 - gap),
+        }
+
+    per_rank = [
+        update.logprob_gap([micro_batch(40, 0.1)]),
+        update.logprob_gap([micro_batch(3960, 0)]),
+    ]
+    monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
+    out = metrics.reduce_metrics(per_rank[0])
+    assert out["train/logprob_gap"] == pytest.approx(0.001)
+    assert out["train/logprob_gap_max"] == pytest.approx(0.1)

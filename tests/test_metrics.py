@@ -1,6 +1,7 @@
 """Rollout statistics: aborted samples are never averaged in as zeros, except in the 'launched'
 mean."""
 
+import dataclasses
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from metrics import Summed, joined, length_stats, masked_mean, reduce_metrics, summed
 from inflight import RolloutStats
-from rollout import rollout_metrics
+from rollout import filter_metrics, rollout_metrics
 from sample import Sample, trajectories_of
 
 
@@ -42,8 +43,8 @@ def test_completed_vs_launched_reward_means():
     ]
     stats = RolloutStats(rollout_s=2.0, generated_tokens=40)
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
-    assert out["train/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
-    assert out["train/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
+    assert out["rollout/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
+    assert out["rollout/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
     assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
     assert out["rollout/aborted_ratio"] == pytest.approx(0.25)
     assert out["rollout/wasted_tokens"] == 30 and out["rollout/aborted_len_max"] == 30
@@ -60,7 +61,7 @@ def test_multi_turn_trajectories_count_once():
     samples = [sample(0, 1.0, 3, turn=0), sample(0, 1.0, 2, turn=1), sample(1, 0.0, 4)]
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0)))
     assert out["rollout/launched"] == 2
-    assert out["train/reward_mean_completed"] == pytest.approx(0.5)
+    assert out["rollout/reward_mean_completed"] == pytest.approx(0.5)
     assert out["rollout/response_len_max"] == 5 and out["rollout/response_len_mean"] == 4.5
 
 
@@ -82,16 +83,46 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     ]
     monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
     out = reduce_metrics(per_rank[0])
-    assert out["train/reward_mean_completed"] == pytest.approx(8 / 9)
-    assert out["train/accuracy"] == pytest.approx(8 / 9)
-    assert out["train/reward_mean_launched"] == pytest.approx(8 / 16)
+    assert out["rollout/reward_mean_completed"] == pytest.approx(8 / 9)
+    assert out["rollout/reward_mean_launched"] == pytest.approx(8 / 16)
     assert out["rollout/aborted_ratio"] == pytest.approx(7 / 16)
     assert out["rollout/response_len_mean"] == pytest.approx((8 * 4 + 2) / 9)
     # the 9 lengths' quantiles: each rank's averaged, they were (4 + 2) / 2
     assert out["rollout/response_len_p50"] == out["rollout/response_len_p90"] == 4.0
-    assert out["train/reward_std"] == pytest.approx(1 / 3)
     per_rank[1] = rollout_metrics(trajectories_of(rank1[1:]), RolloutStats(rollout_s=1.0))
-    assert reduce_metrics(per_rank[0])["train/reward_mean_completed"] == 1.0
+    assert reduce_metrics(per_rank[0])["rollout/reward_mean_completed"] == 1.0
+    # the trained batch's statistics (here everything finished was trained on) pool alike
+    counts = {"kept_groups": 1, "zero_variance_all_correct": 0, "zero_variance_all_wrong": 0}
+    per_rank[:] = [
+        filter_metrics(trajectories_of(samples), counts, RolloutStats(), 1, False)
+        for samples in (rank0, rank1)
+    ]
+    out = reduce_metrics(per_rank[0])
+    assert out["train/accuracy"] == out["train/reward_mean"] == pytest.approx(8 / 9)
+    assert out["train/reward_std"] == pytest.approx(1 / 3)
+
+
+def test_with_dynamic_sampling_the_train_reward_figures_are_the_trained_batchs():
+    """train/reward_mean, train/accuracy and train/reward_std describe the groups trained on; with
+    rollout.filter_groups a reviewer found accuracy and std computed over every finished
+    trajectory (an all-solved group filtered out, one of 1, 0, 0, 0 trained: accuracy 0.625
+    against a reward mean of 0.25). The rollout-wide means are rollout/reward_mean_completed
+    and _launched."""
+    from cancel import informative_groups
+
+    solved = [sample(i, 1.0, 4) for i in range(4)]
+    mixed = [dataclasses.replace(sample(i, r, 4), group_id=1) for i, r in enumerate([1, 0, 0, 0])]
+    for i, s in enumerate(mixed):
+        s.trajectory_id = 4 + i
+    trajectories = trajectories_of(solved + mixed)
+    metrics = rollout_metrics(trajectories, RolloutStats(rollout_s=1.0))
+    groups, counts = informative_groups([trajectories[:4], trajectories[4:]], drop=True)
+    trained = [turns for group in groups for turns in group]
+    metrics |= filter_metrics(trained, counts, RolloutStats(), 2, True)
+    out = reduce_metrics(metrics)
+    assert out["train/reward_mean"] == out["train/accuracy"] == pytest.approx(0.25)
+    assert out["train/reward_std"] == pytest.approx(0.5)
+    assert out["rollout/reward_mean_completed"] == pytest.approx(0.625)
 
 
 def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_reward():
@@ -113,8 +144,8 @@ def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_rewa
     assert out["rollout/dropped"] == 1
     assert out["rollout/aborted_len_max"] == 5 and out["rollout/aborted_len_mean"] == 5
     assert out["rollout/wasted_tokens"] == 5 + 6  # the cut trajectory and the dropped one
-    assert out["train/reward_mean_completed"] == 1.0
-    assert out["train/reward_mean_launched"] == pytest.approx((1.0 + 1.0) / 4)
+    assert out["rollout/reward_mean_completed"] == 1.0
+    assert out["rollout/reward_mean_launched"] == pytest.approx((1.0 + 1.0) / 4)
 
 
 def test_a_metric_two_stages_report_is_named_not_replaced():
@@ -126,13 +157,20 @@ def test_a_metric_two_stages_report_is_named_not_replaced():
         joined(rollout, update, {"train/reward_std": 0.1})
 
 
-def test_masked_mean_and_lengths_never_nan():
-    """An all-masked mean and the length statistics of no samples are 0, not NaN."""
+def test_masked_mean_is_never_nan_and_a_mean_over_nothing_is_left_out(monkeypatch):
+    """An all-masked mean is 0, not NaN. A mean, quantile or spread over no item on any rank is
+    left out of the reduced metrics (a reviewer found a step with nothing finished logged reward
+    0 and length 0, read as every answer wrong), and one rank's items decide where the other has
+    none."""
+    import metrics
     import torch
 
     assert masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])).item() == 0.0
-    zeros = {"x_mean": 0.0, "x_p50": 0.0, "x_p90": 0.0, "x_max": 0.0}
-    assert reduce_metrics(length_stats([], "x")) == zeros
+    assert reduce_metrics(length_stats([], "x") | {"r": metrics.ratio(0, 0)}) == {}
+    assert reduce_metrics({"s": metrics.spread([]), "n": summed(0)}) == {"n": 0}
+    per_rank = [length_stats([], "x"), length_stats([3, 5], "x")]
+    monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
+    assert reduce_metrics(per_rank[0]) == {"x_mean": 4.0, "x_p50": 4.0, "x_p90": 4.8, "x_max": 5.0}
 
 
 def test_a_metrics_reduction_rule_cannot_be_lost_by_arithmetic():

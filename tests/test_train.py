@@ -78,8 +78,8 @@ def test_three_steps_write_metrics(engine, tmp_path):
     logged = scalars(tmp_path)
     for tag in [
         "train/reward_mean",
-        "train/reward_mean_completed",
-        "train/reward_mean_launched",
+        "rollout/reward_mean_completed",
+        "rollout/reward_mean_launched",
         "val/reward_mean",
         "val/reward_mean_sampled",
         "timing/rollout_s",
@@ -119,8 +119,8 @@ def test_three_steps_write_metrics(engine, tmp_path):
     drawn = plot.plot(str(tmp_path), str(tmp_path / "curves.png"))
     assert os.path.getsize(tmp_path / "curves.png") > 10_000
     assert {
-        "train/reward_mean_completed",
-        "train/reward_mean_launched",
+        "rollout/reward_mean_completed",
+        "rollout/reward_mean_launched",
         "val/reward_mean",
         "val/reward_mean_sampled",
         "rollout/response_len_mean",
