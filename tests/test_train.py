@@ -59,6 +59,27 @@ def test_collate_places_per_token_arrays():
     assert batch["engine_logprobs"].tolist()[:2] == [[0, 0, -0.5, -0.25], [0, 0, 0, 0]]
 
 
+def documented_metrics():
+    """docs/METRICS.md's keys as patterns: each table row's first cell names its keys, a bare
+    name continuing the first's section (`timing/step_s`, `rollout_s`), one starting with "_"
+    its last part (`rollout/response_len_mean`, `_p50`), <...> any name."""
+    import re
+
+    with open(os.path.join(os.path.dirname(train.__file__), "docs", "METRICS.md")) as f:
+        rows = [line.split("|")[1] for line in f if line.startswith("| `")]
+    patterns = []
+    for cell in rows:
+        names = re.findall(r"`([^`]+)`", cell)
+        first = names[0]
+        for name in names:
+            if name.startswith("_"):
+                name = first.rsplit("_", 1)[0] + name
+            elif "/" not in name:
+                name = first.split("/")[0] + "/" + name
+            patterns.append(re.compile(re.sub(r"<[a-z]+>", "[^/]+", re.escape(name))))
+    return patterns
+
+
 def test_three_steps_write_metrics(engine, tmp_path):
     """Three steps with cancellation, KL and importance sampling log every named metric (finite
     losses, validation at steps 0 and 2 and after the last, equal engine and trainer log-probs),
@@ -103,6 +124,9 @@ def test_three_steps_write_metrics(engine, tmp_path):
         "train/tis_capped_frac",
     ]:
         assert tag in logged, tag
+    documented = documented_metrics()
+    undocumented = [t for t in logged if not any(p.fullmatch(t) for p in documented)]
+    assert not undocumented, f"add to docs/METRICS.md: {undocumented}"
     assert len(logged["train/loss"]) == 3 and all(math.isfinite(v) for v in logged["train/loss"])
     assert len(logged["val/reward_mean"]) == 3  # steps 0 and 2, and after the last step
     # a sample that finishes in the same decode step as the target-th one is kept, so 0 is possible
