@@ -13,17 +13,23 @@ import concurrent.futures
 import functools
 import queue
 import threading
+import weakref
 
 
 class DaemonPool:
     """`submit(fn, *args)` -> a concurrent.futures.Future, run by one of up to `workers` daemon
-    threads, started as calls come (a cancelled future is skipped, never run)."""
+    threads, started as calls come (a cancelled future is skipped, never run). Once the pool is
+    garbage, each idle thread ends (a None in the queue); a stuck one is abandoned."""
 
     def __init__(self, workers, name):
         self.workers, self.name = workers, name
         self.calls = queue.SimpleQueue()
         self.threads = []
         self.lock = threading.Lock()
+        # the threads hold the queue, not the pool, so the pool can be collected
+        weakref.finalize(
+            self, lambda calls, n: [calls.put(None) for _ in range(n)], self.calls, workers
+        )
 
     def submit(self, fn, *args, **kwargs):
         future = concurrent.futures.Future()
@@ -31,20 +37,25 @@ class DaemonPool:
         with self.lock:  # one more thread while there are fewer than `workers`
             if len(self.threads) < self.workers:
                 thread = threading.Thread(
-                    target=self.work, name=f"{self.name}_{len(self.threads)}", daemon=True
+                    target=work,
+                    args=(self.calls,),
+                    name=f"{self.name}_{len(self.threads)}",
+                    daemon=True,
                 )
                 thread.start()
                 self.threads.append(thread)
         return future
 
-    def work(self):
-        while True:
-            future, call = self.calls.get()
-            if not future.set_running_or_notify_cancel():  # cancelled while queued
-                continue
-            try:
-                future.set_result(call())
-            # whatever the user's code raises (SystemExit too) goes to whoever awaits it, as
-            # ThreadPoolExecutor's workers do
-            except BaseException as e:  # noqa: BLE001
-                future.set_exception(e)
+
+def work(calls):
+    """A pool thread: run each queued call into its future, until a None (the pool is gone)."""
+    while (item := calls.get()) is not None:
+        future, call = item
+        if not future.set_running_or_notify_cancel():  # cancelled while queued
+            continue
+        try:
+            future.set_result(call())
+        # whatever the user's code raises (SystemExit too) goes to whoever awaits it, as
+        # ThreadPoolExecutor's workers do
+        except BaseException as e:  # noqa: BLE001
+            future.set_exception(e)

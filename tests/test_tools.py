@@ -629,3 +629,24 @@ def test_a_trajectory_ending_in_an_unread_tool_call_has_no_answer(tokenizer):
     assert asyncio.run(step.task_reward([turn], "42")) == 0.0
     without_tool = rewards.Rewards(rewards.gsm8k_reward, tokenizer, cfg)
     assert asyncio.run(without_tool.task_reward([turn], "42")) == 1.0  # what it scored before
+
+
+def test_a_pool_no_longer_used_ends_its_idle_threads():
+    """runtime/threads.DaemonPool: calls run in order of submission on up to `workers` threads,
+    and once the pool is garbage its idle threads end (they held it for good: a run's tests make
+    dozens of pools)."""
+    import gc
+    import threading
+
+    from runtime.threads import DaemonPool
+
+    pool = DaemonPool(3, "test_pool")
+    assert [f.result(5) for f in [pool.submit(pow, i, 2) for i in range(6)]] == [0, 1, 4, 9, 16, 25]
+    threads = list(pool.threads)
+    assert len(threads) == 3 and all(t.daemon for t in threads)
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("test_pool")]
