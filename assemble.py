@@ -282,18 +282,21 @@ def lora_engine(m):
 def check_fits_a_request(cfg, task, model_config):
     """The longest trajectory fits one engine request (runtime/engine.py, `request_limits`): past
     that SGLang cuts the response short, unseen by the trainer (its budget, mask_truncated and
-    the overlong penalty assume the whole budget), or refuses the request. With tools' turns a
-    later turn's prompt holds the earlier turns: up to the prompt and the budget but one."""
+    the overlong penalty assume the whole budget), or refuses the request. A later request's
+    prompt holds what came before it: with tools' turns the earlier turns, with partial rollout
+    the cancelled response it resumes (inflight.py); up to the prompt and the budget but one."""
     longest = max(len(p.prompt_ids) for p in (*task.train_prompts, *task.val_prompts))
     budget = cfg.rollout.max_trajectory_tokens()
     most, longest_prompt = request_limits(model_config, cfg.rollout.max_total_tokens)
-    last_prompt = longest + (budget - 1 if cfg.rollout.max_turns > 1 else 0)
+    continued = cfg.rollout.max_turns > 1 or cfg.rollout.resumes()
+    last_prompt = longest + (budget - 1 if continued else 0)
     if longest + budget > most or last_prompt > longest_prompt:
         raise ConfigError(
             f"a trajectory needs up to {longest + budget} tokens (its prompt, up to {longest}, and "
-            f"rollout's budget {budget}), but one engine request holds {most} and a prompt "
-            f"{longest_prompt} (the model's context length, rollout.max_total_tokens): lower "
-            "rollout.max_new_tokens (or max_response_tokens) or data.max_prompt_len"
+            f"rollout's budget {budget}) and sends a prompt of up to {last_prompt}, but one engine "
+            f"request holds {most} and a prompt {longest_prompt} (the model's context length, "
+            "rollout.max_total_tokens): lower rollout.max_new_tokens (or max_response_tokens) or "
+            "data.max_prompt_len"
         )
 
 

@@ -242,10 +242,12 @@ def check(cfg):
         r.cancel in ("count", "group")
         and not r.filter_groups
         and r.drop_rate == r.over_sample_rate == 0
+        and not r.rollout_timeout_s  # at the timeout group keeps whole groups, partial resumes
     ):
         raise ConfigError(
-            f"rollout.cancel={r.cancel} cuts nothing without rollout.drop_rate or "
-            "rollout.over_sample_rate (it would wait for every request, as none does): set one"
+            f"rollout.cancel={r.cancel} cuts nothing without rollout.drop_rate, "
+            "rollout.over_sample_rate or rollout.rollout_timeout_s (it would wait for every "
+            "request, as none does): set one"
         )
     if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
         raise ConfigError(

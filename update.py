@@ -313,6 +313,8 @@ def logprob_gap(micro_batches):
         gap = gap + ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().cpu()
         num_tokens = num_tokens + fresh.sum().cpu()
     mean = ratio(gap, num_tokens)
+    if not mean.count:  # no token to measure on this rank: its 0 would read as a perfect match
+        return {"train/logprob_gap": mean}
     return {"train/logprob_gap": mean, "train/logprob_gap_max": slowest(float(mean.value))}
 
 

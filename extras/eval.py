@@ -24,7 +24,7 @@ import sys
 import tqdm
 
 import rewards
-from config import ConfigError
+from config import ConfigError, read_config
 from memory import push_weights
 from metrics import pass_at_k
 import runtime.checkpoint as checkpoint
@@ -164,7 +164,10 @@ def model_folder(args):
     (checkpoint.lora_served)."""
     if args.model:
         return load_config(args.config, args.set), args.model, 0, None
-    cfg = load_config(os.path.join(args.run, "config.yaml"), args.set)
+    # the run's config: types and bounds read again (config.read_config), its choices checked by
+    # load_config when the run started (a later check, of settings eval never reads, would
+    # refuse an older run's; train.py's --resume does check them)
+    cfg = read_config(os.path.join(args.run, "config.yaml"), args.set)
     if args.step is None:
         folder = checkpoint.latest(args.run)
         if folder is None:

@@ -124,8 +124,12 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
         )
     )
 
+    # a run's config that a later load_config refuses (a setting it does not read: the clip
+    # range with one minibatch) still evaluates: eval reads its types and bounds again only
+    config_yaml.write_text(written.replace("clip_eps_high: 0.0\n", "clip_eps_high: 0.28\n"))
     args = evaluation.parse_args(["--run", str(tmp_path), "--samples", "4", "--k", "1,2,4"])
     eval_cfg, folder, step, lora_served = evaluation.model_folder(args)
+    assert eval_cfg.train.clip_eps_high == 0.28
     assert folder.endswith("step_000003") and step == 3 and lora_served is None
     policy, tokenizer = model.build_policy(eval_cfg, folder)
     engine.update_weights(policy.named_parameters(), version=step)  # what start_engine loads

@@ -151,3 +151,8 @@ def test_the_gap_the_check_reads_is_logged_beside_the_mean(monkeypatch):
     out = metrics.reduce_metrics(per_rank[0])
     assert out["train/logprob_gap"] == pytest.approx(0.001)
     assert out["train/logprob_gap_max"] == pytest.approx(0.1)
+    # a step with no fresh token to measure (partial rollout's, all sampled by older weights):
+    # nothing is logged, not a gap of 0 (a perfect match)
+    stale = micro_batch(40, 0.1) | {"staleness": torch.ones(1, 40)}
+    per_rank = [update.logprob_gap([stale])]
+    assert metrics.reduce_metrics(per_rank[0]) == {}

@@ -182,7 +182,7 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
         ),
         (  # the batch's whole: it waited for every request, as cancel=none
             ["rollout.cancel=count"],
-            "rollout.cancel=count cuts nothing without rollout.drop_rate or rollout.over_sample",
+            "rollout.cancel=count cuts nothing without rollout.drop_rate, rollout.over_sample",
         ),
         (  # one minibatch, pi_old the update's own forward: the ratio is 1, never clipped
             ["train.clip_eps_high=0.28"],
@@ -215,6 +215,15 @@ def test_an_empty_out_on_the_command_line_is_refused_not_ignored():
     """`--out ""` was skipped (`if args.out`): the run wrote to the config's folder instead."""
     with pytest.raises(ConfigError, match="run.out=None: expected str"):  # an empty YAML value
         train.config_of(train.parse_args(["--config", "configs/tiny.yaml", "--out", ""]))
+
+
+def test_a_cancel_policy_cut_only_by_the_rollout_timeout_loads():
+    """At rollout.rollout_timeout_s the group policy keeps complete groups only and partial
+    rollout resumes the cut samples (cancel.decide): read with no rate, so not refused."""
+    timeout = ["rollout.rollout_timeout_s=60"]
+    assert load_config("configs/tiny.yaml", ["rollout.cancel=group", *timeout]).rollout.cancel
+    sets = ["rollout.cancel=count", "rollout.partial=true", *timeout]
+    assert load_config("configs/tiny.yaml", sets).rollout.resumes()
 
 
 def test_the_ways_out_of_a_refused_nucleus_tis_load():
@@ -815,6 +824,13 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
     for item, message in sets.items():
         with pytest.raises(ConfigError, match=message):
             assemble.setup(tiny_config(tmp_path, item))
+    # partial rollout resumes a cancelled response as the next request's prompt (up to the
+    # prompt and 247 tokens here, past the 249 a prompt may hold), though the whole fits
+    partial = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=true"]
+    with pytest.raises(ConfigError, match="needs up to 252 tokens .* prompt of up to 251"):
+        assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248", *partial))
+    with pytest.raises(AssertionError, match="the engine was started"):  # fits without partial
+        assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248"))
     cfg = tiny_config(tmp_path)
     policy, _ = model.build_policy(cfg, None)
     info = engine.engine._scheduler_init_result.scheduler_infos[0]
