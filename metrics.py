@@ -283,12 +283,26 @@ class Logger:
             ("gap", "train/logprob_gap"),
             ("s", "timing/step_s"),
         ]
+        shown = {
+            key: value for key, value in scalars.items() if not self.same_as_reward(key, scalars)
+        }
         parts = [
-            f"{short} {scalars[key]:.2e}" if short == "gap" else f"{short} {scalars[key]:.3f}"
+            f"{short} {shown[key]:.2e}" if short == "gap" else f"{short} {shown[key]:.3f}"
             for short, key in keys
-            if key in scalars
+            if key in shown
         ]
         echo(f"step {step:4d} | " + " | ".join(parts))
+
+    @staticmethod
+    def same_as_reward(key, scalars):
+        """Whether `key` is a rollout-wide reward mean that reads as the trained one: with nothing
+        cancelled or filtered the three are one number, printed once (TensorBoard has all)."""
+        reward = scalars.get("train/reward_mean")
+        return (
+            key in ("rollout/reward_mean_completed", "rollout/reward_mean_launched")
+            and reward is not None
+            and f"{scalars[key]:.3f}" == f"{reward:.3f}"
+        )
 
     def close(self):
         self.writer.close()

@@ -203,3 +203,26 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("x")] == [(0, 0), (1, 1), (2, 12), (3, 13)]
+
+
+def test_the_console_prints_the_rollout_wide_reward_means_only_where_they_differ(tmp_path):
+    """With nothing cancelled or filtered, the trained, completed and launched reward means are
+    one number: the console line prints it once; where the tail was cut they differ and are
+    printed beside it (TensorBoard logs all three either way)."""
+    from config import read_config
+    from metrics import Logger
+
+    lines = []
+    logger = Logger(str(tmp_path), read_config(), first_step=0)
+    same = {
+        "train/reward_mean": 0.25,
+        "rollout/reward_mean_completed": 0.25,
+        "rollout/reward_mean_launched": 0.25,
+    }
+    logger.log(0, same, echo=lines.append)
+    logger.log(1, same | {"rollout/reward_mean_launched": 0.2}, echo=lines.append)
+    logger.close()
+    assert lines == [
+        "step    0 | reward 0.250",
+        "step    1 | reward 0.250 | launched 0.200",
+    ]
