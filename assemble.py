@@ -5,7 +5,7 @@ them all, and nothing under runtime/ (the substrate a step runs on) imports a st
 Owns building the policy (sharded over ranks), the task, the rollout engine, the optimizer, the
 reward step, the memory phases and partial rollout's buffer, and restoring them from the latest
 checkpoint on `--resume`. Does not own the training step or the loop (train.py), checkpoint files
-(checkpoint.py) or the model code (model.py).
+(runtime/checkpoint.py) or the model code (runtime/model.py).
 """
 
 import dataclasses

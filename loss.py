@@ -577,7 +577,7 @@ def policy_loss(
         stats["tis_capped_frac"] = aggregate(
             (log_weight > math.log(tis_cap)).float(), loss_mask, "token-mean"
         )
-    if ref_logprobs is not None:  # logged whenever a reference is kept
+    if ref_logprobs is not None:  # a reference in the loss (train.kl_in: loss)
         kl = kl_estimate(logprobs.detach(), ref_logprobs, kl_estimator)
         stats["kl"] = aggregate(kl, loss_mask, "token-mean")
     inputs = dict(

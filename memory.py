@@ -21,6 +21,7 @@ in runtime/engine.py; this file decides their order and refuses illegal transiti
 """
 
 import dataclasses
+import math
 import time
 
 import torch
@@ -344,13 +345,12 @@ def sync_weights(run, step, logprob_gap=None):
     """The engine samples the next step from the updated policy: the trainer's weights, which
     step `step` made, pushed in buckets as weight version step + 1 between the train and rollout
     phases, checked bit for bit on the steps `should_check_weights` picks, and the update's
-    `logprob_gap` (None when it measured none) read by the run's GapWatch. Returns the stage's
-    metrics."""
+    `logprob_gap` (its metric, a Ratio; None where pi_old came from the engine) read by the run's
+    GapWatch. Returns the stage's metrics."""
     start = time.perf_counter()
-    if logprob_gap is not None:  # the largest rank's: every rank's engine must agree, and every
-        # rank then stops after the same step (and checkpoints the same streak). Before the push:
-        # an engine dying in it leaves a checkpoint at step + 1, whose streak must have seen it
-        run.gap_watch.observe(step, parallel.all_reduce([logprob_gap], op="max")[0])
+    if logprob_gap is not None:  # before the push: an engine dying in it leaves a checkpoint at
+        # step + 1, whose streak must have seen this step
+        run.gap_watch.observe_ranks(step, logprob_gap)
     run.phases.to_sync()  # the engine's weights awake; the trainer's still on its device
     check = should_check_weights(step, run.cfg.run)
     push_weights(run.engine, run.trainer.policy, step + 1, run.phases.bucket_bytes, check=check)
@@ -473,8 +473,8 @@ def trainer_tensor(engine_name, params, dtype, gather):
 
 class GapWatch:
     """Reads each step's `train/logprob_gap_max` (engine vs trainer, on the tokens the current
-    weights sampled: the largest rank's mean) and raises LogprobGapError when it says they
-    disagree."""
+    weights sampled: the largest rank's mean; none on a step with no such token) and raises
+    LogprobGapError when it says they disagree."""
 
     def __init__(self, cfg, first_step, over=0):
         coarser = (
@@ -491,6 +491,20 @@ class GapWatch:
         self.max_gap = cfg.run.max_logprob_gap
         self.patience = cfg.run.max_logprob_gap_steps
         self.over = over  # steps in a row above max_gap (a resumed run's, from its checkpoint)
+
+    def observe_ranks(self, step, local_gap):
+        """`observe` the largest rank's gap, given this rank's `train/logprob_gap` (a Ratio): every
+        rank's engine must agree, and every rank then stops after the same step (and checkpoints
+        the same streak). A collective: every rank calls it. A rank with no fresh token to
+        compare sends -inf; a step where none had one is not observed (its 0 would pass the
+        first step's check and end a streak, measuring nothing): the first step's check moves
+        to the next."""
+        local = local_gap.value if local_gap.count else -math.inf
+        largest = parallel.all_reduce([local], op="max")[0]
+        if largest > -math.inf:
+            self.observe(step, largest)
+        elif step == self.first_step:
+            self.first_step = step + 1
 
     def observe(self, step, gap):
         if step == self.first_step and gap > self.step0_max:

@@ -262,7 +262,7 @@ def training_sequences(trajectories, cfg, max_seq_len):
     metrics = {
         "merge/sequences_before": summed(stats.sequences_before),
         "merge/sequences_after": summed(stats.sequences_after),
-        "merge/ratio": ratio(stats.sequences_before, stats.sequences_after),  # 0: no sequence
+        "merge/ratio": ratio(stats.sequences_before, stats.sequences_after),  # none: left out
         "merge/prefix_breaks": summed(stats.prefix_breaks),
         "train/truncated_masked": summed(num_fitting - len(sequences)),
         "merge/over_length_dropped": summed(num_finished - num_fitting),

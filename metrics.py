@@ -99,7 +99,8 @@ def slowest(value):
 
 
 def ratio(total, count):
-    """The mean `total / count`, marked to be reduced over ranks as a Ratio (0 with no items)."""
+    """The mean `total / count`, marked to be reduced over ranks as a Ratio (its value 0 with no
+    items; `reduce_metrics` leaves it out when no rank has one)."""
     total, count = (v.item() if torch.is_tensor(v) else v for v in (total, count))
     return Ratio(float(total), float(count))
 
@@ -226,7 +227,9 @@ class TokenMeans:
         self.added.setdefault(name, []).append((mean, num_tokens))
 
     def means(self):
-        """{name: token-weighted mean}, reduced over ranks (a collective: every rank calls it)."""
+        """{name: token-weighted mean}, reduced over ranks (a collective: every rank calls it);
+        a name with no token on any rank is left out (an entropy of 0 would read as a collapsed
+        policy)."""
         names = sorted(self.added)
         pairs = [pair for n in names for pair in self.added[n]]
         tensors = [torch.as_tensor(v) for pair in pairs for v in pair]
@@ -245,7 +248,7 @@ class TokenMeans:
         totals = parallel.all_reduce(local_sums + local_tokens)
         sums = totals[: len(names)]
         tokens = totals[len(names) :]
-        return {name: s / max(n, 1) for name, s, n in zip(names, sums, tokens)}
+        return {name: s / n for name, s, n in zip(names, sums, tokens) if n}
 
 
 class Logger:

@@ -70,7 +70,7 @@ def train_step(run, step):
     gap = update_metrics.get("train/logprob_gap")
     metrics = joined(metrics, advantage_metrics, sequence_metrics, update_metrics)
     try:
-        sync = memory.sync_weights(run, step, logprob_gap=None if gap is None else gap.value)
+        sync = memory.sync_weights(run, step, logprob_gap=gap)
     except RolloutError as e:  # the engine died, or refused the push
         # the update is done and the checkpoint that follows holds it: the step's record goes
         # with the error, for `train` to log it as any step's

@@ -203,7 +203,7 @@ def check_ranks(out_dir):
     sync, observe = memory.sync_weights, run.gap_watch.observe
 
     def recording_sync(run, step, logprob_gap=None):
-        gaps["local"].append(logprob_gap)
+        gaps["local"].append(logprob_gap.value)  # (every rank trained fresh tokens here)
         return sync(run, step, logprob_gap=logprob_gap)
 
     def recording_observe(step, gap):

@@ -3,6 +3,7 @@ silently drops or corrupts a tensor is caught at the next check, an engine compu
 (here: another rope) is caught at step 0 by the log-prob gap, and a gap that stays high stops the
 run."""
 
+import copy
 import pytest
 import torch
 
@@ -93,6 +94,30 @@ def test_a_gap_above_the_bound_for_k_steps_in_a_row_stops_the_run(tmp_path):
     off = health.GapWatch(cfg, first_step=0)
     for step in range(1, 10):
         off.observe(step, 1.0)
+
+
+def test_a_step_with_no_fresh_token_is_not_observed(tmp_path):
+    """A step whose trained tokens the current weights did not sample (partial rollout's, all
+    resumed) compares nothing: its gap, a Ratio over no token, used to reach GapWatch as 0, which
+    passed the first step's check and ended a streak. It is not observed now."""
+    from metrics import ratio
+
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [f"run.out={tmp_path}", "run.max_logprob_gap=0.05", "run.max_logprob_gap_steps=3"],
+    )
+    watch = health.GapWatch(cfg, first_step=5)
+    watch.observe_ranks(5, ratio(0.0, 0.0))
+    assert watch.over == 0
+    with pytest.raises(health.LogprobGapError, match="step 6"):  # the first step it observes
+        # gets the first step's check (fp32 allows 1e-4)
+        copy.copy(watch).observe_ranks(6, ratio(2e-3, 2.0))
+    watch.observe_ranks(6, ratio(1e-5, 2.0))
+    for step in (7, 8):
+        watch.observe_ranks(step, ratio(0.2, 2.0))
+    watch.observe_ranks(9, ratio(0.0, 0.0))  # no measurement: the streak of 2 stands
+    with pytest.raises(health.LogprobGapError, match="for 3 steps in a row"):
+        watch.observe_ranks(10, ratio(0.2, 2.0))
 
 
 def test_weights_are_checked_every_push_at_first_then_every_n_steps(tmp_path):

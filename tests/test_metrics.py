@@ -226,3 +226,18 @@ def test_the_console_prints_the_rollout_wide_reward_means_only_where_they_differ
         "step    0 | reward 0.250",
         "step    1 | reward 0.250 | launched 0.200",
     ]
+
+
+def test_a_token_mean_over_no_token_is_left_out():
+    """A step with nothing to train (dynamic sampling kept no group; every group held by partial
+    rollout) has no token: its entropy, clip fraction and KL are left out, not logged as 0 (an
+    entropy of 0 reads as a collapsed policy)."""
+    import torch
+
+    from metrics import TokenMeans
+
+    means = TokenMeans()
+    means.add("train/entropy", torch.tensor(0.0), torch.tensor(0))
+    means.add("train/clip_frac", torch.tensor(0.5), torch.tensor(4))
+    means.add("train/clip_frac", torch.tensor(0.0), torch.tensor(0))
+    assert means.means() == {"train/clip_frac": 0.5}
