@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -434,11 +435,15 @@ def refuse_unread(cfg, read_when):
     defaults = Config()
     for key, (is_read, when) in read_when.items():
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != getattr(getattr(defaults, section), name) and not is_read(cfg):
+        value, default = getattr(getattr(cfg, section), name), getattr(
+            getattr(defaults, section), name
+        )
+        if value != default and not is_read(cfg):
+            # the default as a --set value: JSON's spelling is YAML's (null, "", [], true)
             raise ConfigError(
-                f"{key}={shown(value)} is read only {when}: unset it (a fork of yours that "
-                f"reads it: say when in READ_WHEN, beside the check of the module that owns it)"
+                f"{key}={shown(value)} is read only {when}: unset it (--set "
+                f"'{key}={json.dumps(default)}'; a fork of yours that reads it: say when in "
+                "READ_WHEN, beside the check of the module that owns it)"
             )
 
 

@@ -326,6 +326,9 @@ def main(argv=None):
             )
         else:  # before any update (`stopped`)
             print(f"stopped by {stopped_by} before any update: nothing saved", file=sys.stderr)
+    elif os.environ.get("RANK", "0") == "0":  # where to look next
+        out = cfg.run.out
+        print(f"done: {out} (tensorboard --logdir {out}/tb; python -m extras.eval --run {out})")
     return stopped_by
 
 

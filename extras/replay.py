@@ -15,7 +15,7 @@ import os
 import torch
 
 import update
-from config import ConfigError, read_config
+from config import ConfigError, read_config, shown
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
 from runtime.model import TINY_CHARS, build_policy, build_reference
@@ -49,7 +49,13 @@ def replay(folder):
     """Re-run the update dumped in `folder` (RUN/rollouts/step_N) on one rank; returns
     (loss, grad norm, the logged loss, the logged grad norm)."""
     if not os.path.isdir(folder):
-        raise ConfigError(f"--replay {folder}: no such folder (expected RUN/rollouts/step_N)")
+        parent = os.path.dirname(os.path.abspath(folder))
+        dumps = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+        found = f"; {parent} holds {shown(dumps)}" if dumps else ""
+        raise ConfigError(
+            f"--replay {folder}: no such folder (expected RUN/rollouts/step_NNNNNN, six digits"
+            f"{found})"
+        )
     ranks = sorted(f for f in os.listdir(folder) if f.startswith("rank_"))
     if ranks != ["rank_0.pt"]:
         raise ConfigError(f"--replay {folder}: replays a one-rank run's dump, found {ranks}")

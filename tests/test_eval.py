@@ -220,6 +220,10 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path):
 
     with pytest.raises(ConfigError, match="no such folder"):
         replay.replay(str(tmp_path / "rollouts" / "step_000002"))
+    # the step's number as a user may type it: the dumps there are named
+    (tmp_path / "rollouts" / "step_000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"step_NNNNNN, six digits; .* holds \['step_000002'\]"):
+        replay.replay(str(tmp_path / "rollouts" / "step_2"))
     (tmp_path / "rank_0.pt").write_bytes(b"PK\x03\x04 cut short")
     with pytest.raises(ConfigError, match="rank_0.pt does not load"):
         replay.replay(str(tmp_path))

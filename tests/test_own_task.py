@@ -385,7 +385,8 @@ def test_the_countdown_example_trains_on_cpu(background_runs):
     (tests/test_routing.py: routes one token off agree on 0.15), and the engine's log-probs
     match the trainer's. With the prompt shared (train.shared_prefix): its routes are the
     first sample's, and the agreement and the gap say they sit where the model reads them."""
-    background_runs.lines("countdown")
+    # the run's last line says where to look next
+    assert background_runs.lines("countdown")[-1].startswith(f"done: {COUNTDOWN_RUN}/run (tensorb")
     # as shipped for a GPU (the run above overrides them for CPU): the GSM8K configs' micro-batch
     # budget, compile and attention, and TinyZero's 1,024 new tokens
     cfg = load_config("examples/countdown.yaml", [])
