@@ -435,9 +435,8 @@ def refuse_unread(cfg, read_when):
     defaults = Config()
     for key, (is_read, when) in read_when.items():
         section, name = key.split(".")
-        value, default = getattr(getattr(cfg, section), name), getattr(
-            getattr(defaults, section), name
-        )
+        value = getattr(getattr(cfg, section), name)
+        default = getattr(getattr(defaults, section), name)
         if value != default and not is_read(cfg):
             # the default as a --set value: JSON's spelling is YAML's (null, "", [], true)
             raise ConfigError(

@@ -286,13 +286,11 @@ class Logger:
             ("gap", "train/logprob_gap"),
             ("s", "timing/step_s"),
         ]
-        shown = {
-            key: value for key, value in scalars.items() if not self.same_as_reward(key, scalars)
-        }
+        printed = {k: v for k, v in scalars.items() if not self.same_as_reward(k, scalars)}
         parts = [
-            f"{short} {shown[key]:.2e}" if short == "gap" else f"{short} {shown[key]:.3f}"
+            f"{short} {printed[key]:.2e}" if short == "gap" else f"{short} {printed[key]:.3f}"
             for short, key in keys
-            if key in shown
+            if key in printed
         ]
         echo(f"step {step:4d} | " + " | ".join(parts))
 
