@@ -114,7 +114,7 @@ def compute(trainer, groups):
     reads is the task's (`Sample.reward`) plus DAPO's overlong penalty when on: the paper filters
     groups and counts accuracy on the task's score, and shapes only the advantage. With
     train.kl_in=reward, kl_coef x its KL to the reference is subtracted from it too (that needs
-    the trainer's memory back: the step calls this after memory.to_train)."""
+    the trainer's memory back: the step calls this after MemoryPhases.to_train)."""
     cfg = trainer.cfg
     trajectories = [turns for group in groups for turns in group]
     last_turns = [turns[-1] for turns in trajectories]

@@ -184,7 +184,7 @@ def setup(cfg, resume=False, engine=None):
 
 def engine_only(cfg, engine, tokenizer, task):
     """A Run holding only the engine, the task and its reward step (no policy, no optimizer):
-    what eval.py's sampling and scoring read."""
+    what extras/eval.py's sampling and scoring read."""
     return Run(
         cfg=cfg,
         tokenizer=tokenizer,

@@ -231,7 +231,8 @@ class RolloutConfig:
     # new prompts a step may launch (0 = 4 x prompts_per_step); then it trains fewer groups
     max_prompts_per_step: NonNegativeInt = 0
     # a rollout where more of the requests fail inside the engine, or more of the rewards fail
-    # (raise, time out, return a non-number), ends the run (RolloutError, RewardError), saved
+    # (raise, time out, return a non-number), ends the run (RolloutError, RewardError), saved on
+    # one rank (with several, the last periodic checkpoint stands)
     max_failed_ratio: Annotated[float, Range(ge=0, le=1)] = 0.1
     abort_timeout_s: PositiveFloat = 10.0  # aborted requests must return by then, or it is an error
     # a request running longer is aborted and counts as failed (0 = no limit)
@@ -328,9 +329,10 @@ class TrainConfig:
     tis_cap: NonNegativeFloat = 0.0
     # a mixture of experts: the trainer routes each token to the experts the engine routed it to
     # (rollout routing replay, R3); its own gates still train. The path: Engine.request ->
-    # inflight.generate_one -> Sample.routed_experts -> update.route_table -> runtime/routing.py's
-    # RouteReplay.hook; logged: train/route_agreement, train/unrouted_sequences,
-    # train/routes_refused (choices no router makes: routed by the trainer instead)
+    # inflight.Rollout.generate_one -> Sample.routed_experts -> update.route_table ->
+    # runtime/routing.py's RouteReplay.hook; logged: train/route_agreement,
+    # train/unrouted_sequences, train/routes_refused (choices no router makes: routed by the trainer
+    # instead)
     routing_replay: bool = False
     # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
     max_token_staleness: Annotated[int, Range(ge=-1)] = -1

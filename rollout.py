@@ -223,8 +223,8 @@ def validate(run, version):
 
 
 def pass_at_ks(trajectories, n):
-    """val/pass@k for k = 1, 2, 4, ... up to n (eval.py's estimator), from n scored trajectories
-    per prompt (group ids: the prompts), exact over ranks."""
+    """val/pass@k for k = 1, 2, 4, ... up to n (extras/eval.py's estimator), from n scored
+    trajectories per prompt (group ids: the prompts), exact over ranks."""
     correct = {}
     for turns in trajectories:
         group = turns[-1].group_id

@@ -90,8 +90,8 @@ def train(run, stop=None):
     """The step loop: validate, step, log, dump for replay, checkpoint; stop cleanly on
     SIGINT/SIGTERM, after the step or the validation it came in (returns the signal's name; `stop`
     is the StopSignal to read, else one held while the loop runs), and with a checkpoint when the
-    engine dies or the rollout fails (RolloutError, RewardError). Returns None when all steps
-    ran."""
+    engine dies or the rollout fails (RolloutError, RewardError; on one rank: with several, the
+    last periodic one stands). Returns None when all steps ran."""
     cfg = run.cfg
     # one writer of TensorBoard and the console
     logger = Logger(cfg.run.out, cfg, first_step=run.start_step) if parallel.rank() == 0 else None

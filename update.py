@@ -2,15 +2,15 @@
 optimizer steps out, with the stage's metrics.
 
 Owns the trainer's half of a run (`Trainer`: policy, reference, optimizer, schedule), the tensor
-layout the loss reads ([B, T-1]: targets, loss mask, advantages, engine log-probs, token versions),
-the packed layout the model computes on (rows of whole sequences, padding only at row ends) and
-the engine's routes laid out on it (routing replay: `route_table`), micro-batching (by rows, or
-by a token budget; every rank runs the same count), pi_old (the trainer's, detached from the
-update's forward or recomputed, or the engine's: `pi_old_source`), the staleness mask of partial
-rollout's older tokens and their off-policy statistics, gradient accumulation exact over
-micro-batches and ranks, and skipping non-finite updates. Does not own the loss math (loss.py),
-the advantages (advantages.py), the routers' hooks (runtime/routing.py) or the weight push that
-follows (memory.py).
+layout the loss reads ([B, T-1]: targets, loss mask, engine log-probs, token versions; [B]:
+advantages), the packed layout the model computes on (rows of whole sequences, padding only at row
+ends) and the engine's routes laid out on it (routing replay: `route_table`), micro-batching (by
+rows, or by a token budget; every rank runs the same count), pi_old (the trainer's, detached from
+the update's forward or recomputed, or the engine's: `pi_old_source`), the staleness mask of
+partial rollout's older tokens and their off-policy statistics, gradient accumulation exact over
+micro-batches and ranks, and skipping non-finite updates. Does not own the loss math (loss.py), the
+advantages (advantages.py), the routers' hooks (runtime/routing.py) or the weight push that follows
+(memory.py).
 """
 
 import dataclasses
@@ -151,12 +151,12 @@ def pi_old_source(trainer, step):
     tokens, which TIS or the staleness mask handle). `train.old_logprobs: trainer` is "detached"
     with one minibatch and "recomputed" with several; `engine` is "engine":
     - "detached": the update's own forward's log-probs, detached. With one minibatch
-      (train.num_minibatches=1, every shipped config) no optimizer step comes between pi_old and
-      the update, on the same weights and inputs with no dropout (Qwen2's is 0): the two would give
-      the same numbers, so the update's own, detached, are pi_old and the ratio is 1 (TRL does the
-      same: trl/trainer/grpo_trainer.py, old_per_token_logps = per_token_logps.detach() with one
-      iteration). Equal to "recomputed"'s loss and gradients to 1e-6 on CPU
-      (tests/test_update_passes.py), with one forward fewer;
+      (train.num_minibatches=1, every shipped config but gsm8k_dapo.yaml) no optimizer step comes
+      between pi_old and the update, on the same weights and inputs with no dropout (Qwen2's is 0):
+      the two would give the same numbers, so the update's own, detached, are pi_old and the ratio
+      is 1 (TRL does the same: trl/trainer/grpo_trainer.py, old_per_token_logps =
+      per_token_logps.detach() with one iteration). Equal to "recomputed"'s loss and gradients to
+      1e-6 on CPU (tests/test_update_passes.py), with one forward fewer;
     - "recomputed": a no-grad forward of every micro-batch before the first optimizer step. With
       several minibatches the later ones need the weights from before the first step;
     - "engine": the engine's sampling log-probs, no forward, except at this process's first step,
@@ -306,12 +306,12 @@ def logprob_gap(micro_batches):
     sampled (older tokens differ by design), over all ranks' tokens; "train/logprob_gap_max": the
     largest rank's own, what the health check reads (memory.GapWatch: one rank's engine off
     would be diluted in the mean)}, read once after the update (one host sync)."""
-    gap = torch.zeros(())
-    num_tokens = torch.zeros(())
+    sums = []  # [gap sum, fresh tokens] per micro-batch, kept on the device
     for mb in micro_batches:
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
-        gap = gap + ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum().cpu()
-        num_tokens = num_tokens + fresh.sum().cpu()
+        gap = ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum()
+        sums.append(torch.stack([gap, fresh.sum()]))
+    gap, num_tokens = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(2)
     mean = ratio(gap, num_tokens)
     if not mean.count:  # no token to measure on this rank: its 0 would read as a perfect match
         return {"train/logprob_gap": mean}
@@ -491,8 +491,9 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         loss_mask=loss_mask,
         engine_logprobs=engine_logprobs,
         versions=versions,
-        # [B]: each sample's own values (a per-sample value a loss term of yours needs goes here
-        # too: every micro-batch, a rank's padding ones included, is built by this function)
+        # [B]: each sample's own values. A per-sample value a loss term of yours needs is added here
+        # (every micro-batch, a rank's padding ones included, is built by this function), then
+        # passed from micro_batch_loss into loss.policy_loss's `inputs` (its keys are fixed)
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float),
     )
     if rows:

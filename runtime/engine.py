@@ -717,7 +717,7 @@ def keep_semaphores_out():
     kill_process_tree(os.getpid(), include_parent=False)), multiprocessing's resource tracker
     among them; once SGLang has made "spawn" the start method, tqdm's lock is a named semaphore
     the tracker holds, and releasing it at exit relaunched the tracker and printed a KeyError
-    traceback (eval.py's last lines). Bars are drawn from this process's threads only."""
+    traceback (extras/eval.py's last lines). Bars are drawn from this process's threads only."""
     tqdm.tqdm.set_lock(threading.RLock())
 
 

@@ -163,8 +163,8 @@ def barrier():
 def shard(model, compute_dtype):
     """FSDP2: each decoder layer and the root own a shard of the fp32 parameters;
     forward/backward all-gather them cast to `compute_dtype`, gradients reduce in fp32. Gradients
-    are *summed* over ranks (no division): train.py normalises the loss by global counts, and
-    FSDP's averaging is silently wrong on gloo (pytorch issue 162338). The divide factor is per
+    are *summed* over ranks (no division): update.optimizer_step divides the loss by global counts,
+    and FSDP's averaging is silently wrong on gloo (pytorch issue 162338). The divide factor is per
     FSDP module, so set it on each. The decoder layers are then handed back to Dynamo as plain
     modules (`as_plain_modules`)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard

@@ -17,10 +17,10 @@ train.max_token_staleness, where set).
 
 Owns the routers it knows (ROUTERS: each family's gate weights at given experts), the hooks that
 replace a router's choice, and how often the trainer's own choice agrees. Does not own where the
-routes come from (runtime/engine.py's Engine.request asks SGLang, inflight.generate_one puts them
-in sample.Sample) nor their layout in a micro-batch (update.route_table: one row per input token
-of a top-k slot per decoder layer, SGLang's numbering, dense layers included; a token's row whole,
-or NO_ROUTE throughout where the router keeps its own choice).
+routes come from (runtime/engine.py's Engine.request asks SGLang, inflight.Rollout.generate_one puts
+them in sample.Sample) nor their layout in a micro-batch (update.route_table: one row per input
+token of a top-k slot per decoder layer, SGLang's numbering, dense layers included; a token's row
+whole, or NO_ROUTE throughout where the router keeps its own choice).
 """
 
 import contextlib

@@ -78,8 +78,8 @@ def main(out):
             os.path.join(folder, "adapter/adapter_model.safetensors")
         )
         adapters = {name: t.clone() for name, t in lora.adapter_tensors(policy).items()}
-        # what eval.py --run serves: the base the engine loads, the checkpoint's adapter pushed
-        # into its pool as training pushes it (checked as it arrives)
+        # what extras/eval.py --run serves: the base the engine loads, the checkpoint's adapter
+        # pushed into its pool as training pushes it (checked as it arrives)
         _, _, _, (base, adapted) = evaluation.model_folder(evaluation.parse_args(["--run", out]))
         memory.push_weights(run.engine, adapted, 2, 1 << 20, check=True)
         ids = torch.randint(4, 20, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -89,9 +89,9 @@ def test_pass_at_k_and_eval_summaries_count_what_scored_1():
 
 def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_path):
     """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k); its
-    last checkpoint, loaded into the engine as `eval.py --run` loads it, evaluates to the eval
-    line (pass@k non-decreasing, pass@1 inside its interval) with every sample recorded; and the
-    update of dumped step 2, replayed with no engine and with the config the dump holds (the
+    last checkpoint, loaded into the engine as `extras/eval.py --run` loads it, evaluates to the
+    eval line (pass@k non-decreasing, pass@1 inside its interval) with every sample recorded; and
+    the update of dumped step 2, replayed with no engine and with the config the dump holds (the
     run's config.yaml since changed), reproduces its logged loss and gradient norm exactly."""
     cfg = tiny_config(
         tmp_path,

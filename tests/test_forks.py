@@ -110,7 +110,8 @@ def test_a_per_sample_value_reaches_a_loss_term_shaped_per_sample(forked):
     # surrogate -A: (-1 -1 + 0 + 0) / 4; the term: row 0's log-probs x 1, row 1's x 0
     assert value.item() == pytest.approx((-2.0 + (-1.0 - 2.0)) / 4)
     real = Sample([1], [2, 3], [0.0, 0.0], [1, 1], group_id=0, advantage=0.5)
-    # collate builds every micro-batch: the one place a per-sample value of yours goes
+    # collate builds every micro-batch: where a per-sample value of yours is added (and then passed
+    # into policy_loss's `inputs`, whose keys are fixed)
     assert update.collate([real], 0)["advantages"].tolist() == [0.5]
     for max_tokens in (0, 8):
         mbs, _ = update.micro_batches([real], 1, 0, max_tokens)
