@@ -287,14 +287,18 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
     cfg = tiny_config(
         tmp_path,
         "rollout.cancel=count",
-        "rollout.over_sample_rate=1.0",
+        "rollout.over_sample_rate=2.0",
         "rollout.partial=true",
         "rollout.filter_groups=true",
         "rollout.prompts_per_step=4",
+        # groups of 2 finish at spread-out times: one of 8 nearly always waits for a member at the
+        # token cap, so all groups finished at one decode step, on a loaded machine before the
+        # abort arrived (nothing suspended in six steps)
+        "rollout.group_size=2",
         "rollout.max_new_tokens=64",
     )
     run = train.setup(cfg, engine=engine)
-    # most groups informative: the target is met
+    # half the groups of 2 informative: 12 launched (and refills) meet the target of 4
     run.rewards.reward_fn = lambda text, answer, finished: float(len(text) % 2)
     suspended = resumed = 0
     for step in range(6):
