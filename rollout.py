@@ -241,12 +241,12 @@ def rollout_metrics(trajectories, stats):
     RolloutStats).
 
     Counted per trajectory (its last turn; a single-turn sample is its own trajectory). Aborted and
-    failed trajectories are not scored: `reward_mean_completed` averages finished ones only,
-    `reward_mean_launched` counts unfinished ones as 0 (and a dropped group's finished members at
-    their reward), so the survivor bias of tail cancellation (verl PR 2929) is visible as the gap
-    between the two. Token counts cover every turn: a response's length is what the model wrote
-    over its trajectory's turns (tool observations apart: rollout.max_response_tokens counts them
-    too, so a cut trajectory logs less). `wasted_tokens`: what cancellation threw away, the cut
+    failed trajectories are not scored: `reward_mean_completed` averages finished ones (a dropped
+    group's finished members too), `reward_mean_launched` counts unfinished ones as 0, so the
+    survivor bias of tail cancellation (verl PR 2929) is visible as the gap between the two, never
+    negative with rewards >= 0. Token counts cover every turn: a response's length is what the model
+    wrote over its trajectory's turns (tool observations apart: rollout.max_response_tokens counts
+    them too, so a cut trajectory logs less). `wasted_tokens`: what cancellation threw away, the cut
     trajectories' and the dropped groups' (not failures').
     """
     samples = [turn for turns in trajectories for turn in turns]
@@ -257,14 +257,13 @@ def rollout_metrics(trajectories, stats):
     # the trajectories cut by cancellation: masked, neither failed nor dropped
     failed = ("error", "reward_error", "dropped")
     aborted = [t for t in trajectories if t[-1].masked and t[-1].finish_reason not in failed]
-    reward_sum = sum(s.reward for s in finished)
+    # every finished trajectory's reward: a cancel policy's dropped groups (masked, not trained)
+    # and dynamic sampling's filtered ones too (its train/ figures are the kept ones':
+    # filter_metrics)
+    reward_sum = sum(s.reward for s in finished) + sum(turns[-1].reward for turns in dropped)
     out = {
-        # every finished trajectory's, dynamic sampling's dropped groups too (its train/ figures
-        # are the kept ones': filter_metrics)
-        "rollout/reward_mean_completed": ratio(reward_sum, len(finished)),
-        "rollout/reward_mean_launched": ratio(
-            reward_sum + sum(turns[-1].reward for turns in dropped), len(launched)
-        ),
+        "rollout/reward_mean_completed": ratio(reward_sum, len(finished) + len(dropped)),
+        "rollout/reward_mean_launched": ratio(reward_sum, len(launched)),
         "rollout/launched": summed(len(launched)),
         "rollout/aborted": summed(len(aborted)),
         "rollout/aborted_ratio": ratio(len(aborted), len(launched)),

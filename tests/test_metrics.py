@@ -129,8 +129,9 @@ def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_rewa
     """Cut trajectories are counted whole (every turn's tokens in aborted_len and wasted_tokens; a
     reviewer found them per turn), a trajectory that failed in its second turn is a failure, not
     a cut one (its first turn, masked with "stop", counted as cancelled), and the finished
-    members of a group a cancel policy dropped count at their reward in the launched mean (as 0
-    it could even put the launched mean above the completed one) and their tokens as wasted."""
+    members of a group a cancel policy dropped count at their reward in both reward means (left
+    out of the completed one, a reviewer found it below the launched one: the survivor bias's
+    gap reversed) and their tokens as wasted."""
     samples = [
         sample(0, 1.0, 4),
         sample(1, 0.0, 2, masked=True, turn=0),  # cut in its second turn: 2 + 3 tokens
@@ -146,6 +147,11 @@ def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_rewa
     assert out["rollout/wasted_tokens"] == 5 + 6  # the cut trajectory and the dropped one
     assert out["rollout/reward_mean_completed"] == 1.0
     assert out["rollout/reward_mean_launched"] == pytest.approx((1.0 + 1.0) / 4)
+    # the reviewer's case: group 0 kept (rewards 1, 0), group 1 finished whole and dropped (1, 1)
+    kept = [sample(0, 1.0, 2), sample(1, 0.0, 2)]
+    dropped = [sample(i, 1.0, 2, masked=True, finish_reason="dropped") for i in (2, 3)]
+    out = reduce_metrics(rollout_metrics(trajectories_of(kept + dropped), RolloutStats()))
+    assert out["rollout/reward_mean_completed"] == out["rollout/reward_mean_launched"] == 0.75
 
 
 def test_a_metric_two_stages_report_is_named_not_replaced():
