@@ -56,6 +56,13 @@ def test_time_waits_factor_times_the_quantile_then_stops():
     progress.elapsed_s = 5.0
     assert decide(policy, progress).stop
     assert decide(policy, progress, timeout_s=3.0).stop  # the rollout timeout comes first
+    # the deadline stays the quantile's: a later return (below the target) does not move it on
+    # (with the target one past the quantile, as above, no such return exists)
+    policy = plan("time", target_samples=10, time_quantile=0.5, time_factor=1.5)
+    progress.returned([Sample([1], [2], [0.0], [1], group_id=3)], elapsed_s=4.0)
+    progress.elapsed_s = 5.0
+    assert len(progress.finish_times_s) == 6 and decide(policy, progress).wake_at_s == 5.0
+    assert decide(policy, progress).stop
 
 
 def test_group_stops_at_complete_groups_not_at_samples():
@@ -64,6 +71,11 @@ def test_group_stops_at_complete_groups_not_at_samples():
     assert spread.complete_groups == [0, 1] and not decide(plan("group"), spread).stop
     spread.returned([Sample([1], [2], [0.0], [1], group_id=3)], elapsed_s=2.0)
     assert spread.complete_groups == [0, 1, 3] and decide(plan("group"), spread).stop
+    assert decide(plan("group"), spread).keep_groups == {0, 1, 3}
+    # several returns can come back at once (asyncio.wait): a group complete past the target is
+    # not kept, whatever its id
+    spread.returned([Sample([1], [2], [0.0], [1], group_id=2)], elapsed_s=2.0)
+    assert spread.complete_groups == [0, 1, 3, 2]
     assert decide(plan("group"), spread).keep_groups == {0, 1, 3}
 
 

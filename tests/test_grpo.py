@@ -1,12 +1,16 @@
 """GRPO math against hand-computed values, and "masked equals removed" for every loss mode."""
 
 import math
+import types
 
 import pytest
 import torch
 
+import advantages
 import loss as losses
 from advantages import group_advantages
+from assemble import load_config
+from sample import Sample
 
 MODES = losses.LOSS_AGG_MODES
 
@@ -46,6 +50,42 @@ def test_group_statistics_use_survivors_only():
     )
     same, _ = group_advantages(rewards[:3], torch.zeros(3, dtype=torch.long), valid[:3])
     assert adv[:3].tolist() == pytest.approx(same.tolist())
+
+
+def test_the_advantage_stage_leaves_a_cancelled_member_out_of_its_group(tmp_path):
+    """advantages.compute, the stage the step calls, on groups as the rollout hands them back:
+    an aborted member (masked, reward 0) is out of its group's statistics and gets 0, and a group
+    left with one survivor is logged in train/degenerate_groups (a reviewer found both reached
+    only through group_advantages: every test of the stage had nothing masked)."""
+    cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
+    trainer = types.SimpleNamespace(cfg=cfg)  # without a KL reference compute reads the config
+
+    def member(group_id, reward, masked=False):
+        reason = "abort" if masked else "stop"
+        return [
+            Sample(
+                [1],
+                [2],
+                [0.0],
+                [1],
+                group_id=group_id,
+                reward=reward,
+                masked=masked,
+                finish_reason=reason,
+            )
+        ]
+
+    groups = [
+        [member(0, 1.0), member(0, 1.0), member(0, 0.0), member(0, 0.0, masked=True)],
+        [member(1, 1.0), member(1, 0.0, masked=True)],  # one survivor: degenerate
+    ]
+    trajectories, metrics = advantages.compute(trainer, groups)
+    got = [turns[-1].advantage for turns in trajectories]
+    # group 0's survivors [1, 1, 0]: mean 2/3, unbiased std sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    expected = [(1 / 3) / std, (1 / 3) / std, -(2 / 3) / std, 0.0, 0.0, 0.0]
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert metrics["train/degenerate_groups"].value == 1
 
 
 def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():

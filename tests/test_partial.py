@@ -145,6 +145,10 @@ def test_buffer_holds_groups_and_never_exceeds_the_budget(engine, policy, tmp_pa
         # every resume counted (times_resumed > 0 counted only a sample cancelled twice: none in
         # six steps failed the suite once)
         resumed_any += len(resumes)
+        # the batch stays the same size: unfinished samples take new prompts' places (the first
+        # step's 16 requests; a reviewer found no test held the count of new prompts)
+        launched = len(resumes) + 8 * len(new)
+        assert 8 * (plan.num_prompts - 1) < launched <= 8 * plan.num_prompts
         samples, _ = engine.generate(
             [p.prompt_ids for p in new], 8, 1.0, BUDGET, plan, resumes=resumes
         )
