@@ -181,7 +181,8 @@ class RolloutConfig:
     tool_workers: PositiveInt = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: NonNegativeInt = 0
-    # train prefix-sharing turns as one sequence (merge.py) instead of one per turn
+    # train prefix-sharing turns as one sequence (merge.py) instead of one per turn (unmerged:
+    # train.loss_agg token-mean only, since the other modes average over sequences: merge.check)
     merge_turns: bool = True
     # SGLang's deterministic inference (GPU only: it needs the fa3, flashinfer or triton attention
     # backend; sglang/srt/arg_groups/overrides.py rejects the CPU's torch_native). Only then does

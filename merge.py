@@ -14,7 +14,7 @@ import array
 import dataclasses
 import warnings
 
-from config import refuse_unread
+from config import ConfigError, refuse_unread
 from metrics import ratio, summed
 from sample import NOT_GENERATED, PER_TOKEN_TYPECODES, Sample
 
@@ -33,8 +33,21 @@ READ_WHEN = {
 
 def check(cfg):
     """rollout.merge_turns set where a trajectory is one turn is refused (assemble.load_config
-    calls this at load)."""
+    calls this at load), and so is a sequence-level loss over turns (`one_sequence_each`)."""
     refuse_unread(cfg, READ_WHEN)
+    if cfg.rollout.max_turns > 1 and not cfg.rollout.merge_turns and one_sequence_each(cfg):
+        raise ConfigError(
+            f"rollout.merge_turns=false with train.loss_agg={cfg.train.loss_agg}: each turn would "
+            "train as a sequence of its own and count as one in the loss's mean over sequences "
+            "(GRPO's sequence is the trajectory): merge the turns, or use train.loss_agg=token-mean"
+        )
+
+
+def one_sequence_each(cfg):
+    """Whether the loss needs each trajectory in one training sequence: every train.loss_agg but
+    token-mean averages over sequences (GSPO's ratio is one per sequence), so a trajectory in two
+    rows would count twice. token-mean sums tokens, wherever they are."""
+    return cfg.train.loss_agg != "token-mean"
 
 
 # one observation token's entries: not sampled by the policy, not trained
@@ -258,6 +271,16 @@ def training_sequences(trajectories, cfg, max_seq_len):
         num_fitting += len(finished)
         if mask_truncated and turns[-1].finish_reason == "length":
             continue
+        if len(finished) > 1 and merge_turns and one_sequence_each(cfg):
+            # a turn that does not extend the tokens before it (a tool loop of your own that
+            # re-renders the history) starts a second sequence: refused, not counted twice
+            raise MergeError(
+                f"trajectory {turns[0].trajectory_id} trains as {len(finished)} sequences (a "
+                f"turn's prompt does not extend the tokens before it), which train.loss_agg="
+                f"{cfg.train.loss_agg} would count as {len(finished)}: keep each turn's prompt "
+                "the earlier tokens plus the observation (tools.multi_turn does), or use "
+                "train.loss_agg=token-mean"
+            )
         sequences += finished
     metrics = {
         "merge/sequences_before": summed(stats.sequences_before),
@@ -266,6 +289,5 @@ def training_sequences(trajectories, cfg, max_seq_len):
         "merge/prefix_breaks": summed(stats.prefix_breaks),
         "train/truncated_masked": summed(num_fitting - len(sequences)),
         "merge/over_length_dropped": summed(num_finished - num_fitting),
-        "rollout/turns_per_trajectory": ratio(stats.turns, len(trajectories)),
     }
     return sequences, metrics

@@ -287,6 +287,7 @@ def rollout_metrics(trajectories, stats):
         **{f"tools/{name}/calls": summed(n) for name, n in stats.tool_calls.items()},
         **{f"tools/{name}/errors": summed(n) for name, n in stats.tool_errors.items()},
         "rollout/tool_calls_per_trajectory": ratio(stats.num_tool_calls, len(launched)),
+        "rollout/turns_per_trajectory": ratio(len(samples), len(launched)),
         "rollout/timed_out": summed(stats.num_timed_out),
         "rollout/reward_errors": summed(stats.num_reward_errors),
     }

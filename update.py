@@ -455,14 +455,14 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
 
     With `rows` (how many of the samples, in order, share each packed row; `pack_rows` chooses
     them), the model instead computes on `packed_ids` and `position_ids` [R, W] (W: the fullest
-    row), and its output head only at `head_index`, the positions that predict a response token
-    (no loss reads a prompt token's log-prob). `gather` [B, T-1] says where each padded
-    position's prediction sits in the head's output and `gathered` marks those positions, so the
-    loss reads the same [B, T-1] layout. With `shared_prefix` too, samples side by side in a row
-    with the same prompt compute it once (`row_segments`), and the batch says which segment each
-    position belongs to (`documents`) and which one it also reads (`prefix_of`, -1: none), for
-    `packed_mask`. With `route_width` (train.routing_replay: layers x top-k), `route_table`'s
-    routes of the tokens the model computes on, in its input's order."""
+    row), and its output head only at `head_index`, the positions that predict a response token the
+    sample trains (no loss reads a prompt token's log-prob, or a tool observation's). `gather`
+    [B, T-1] says where each padded position's prediction sits in the head's output and `gathered`
+    marks those positions, so the loss reads the same [B, T-1] layout. With `shared_prefix` too,
+    samples side by side in a row with the same prompt compute it once (`row_segments`), and the
+    batch says which segment each position belongs to (`documents`) and which one it also reads
+    (`prefix_of`, -1: none), for `packed_mask`. With `route_width` (train.routing_replay: layers x
+    top-k), `route_table`'s routes of the tokens the model computes on, in its input's order."""
     full = [s.prompt_ids + s.response_ids for s in samples]
     # a rank with nothing to train still runs padding micro-batches
     width = max(map(len, full), default=2)
@@ -530,12 +530,15 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
                 documents.view(-1)[flat] = document
                 prefix_of.view(-1)[flat] = reads
                 pieces.append((readers.get(document) or [i], lo, end, start))
-                first, n = len(samples[i].prompt_ids) - 1, len(samples[i].response_ids)
                 if end == len(full[i]):  # the segment with the response
-                    gather[i, first : first + n] = torch.arange(done, done + n)
-                    gathered[i, first : first + n] = True
-                    head_index.append(torch.arange(start + first - lo, start + first - lo + n))
-                    done += n
+                    # the positions predicting a token the sample trains (a masked one's too):
+                    # not a tool's observation (merged turns), which no loss or statistic reads
+                    trains = tensor_view(samples[i].loss_mask).nonzero().squeeze(-1)
+                    at = len(samples[i].prompt_ids) - 1 + trains
+                    gather[i, at] = torch.arange(done, done + len(at))
+                    gathered[i, at] = True
+                    head_index.append(start - lo + at)
+                    done += len(at)
                 start += end - lo
             # each pad slot a document of its own, as its restarting position makes it above
             pads = (r + 1) * row_width - start
@@ -885,7 +888,9 @@ def micro_batches(samples, size, pad_id, max_tokens=0, route_width=0, shared_pre
         # samples, 2 to a packed row, so that no size is 0 or 1 and each row holds 2 documents,
         # as a real micro-batch's (one 2-token row made the compiled layer and head specialise)
         # (padded: as many rows as a real one, up to 2)
-        filler = [Sample([pad_id], [pad_id], [0.0], [0], group_id=0, masked=True)]
+        # (masked: no loss reads them; loss_mask 1: the head runs on their position, as on a
+        # real sample's)
+        filler = [Sample([pad_id], [pad_id], [0.0], [1], group_id=0, masked=True)]
         filler *= 4 if max_tokens else min(size, 2)
         mb = collate(filler, pad_id, [2, 2] if max_tokens else None, route_width, shared_prefix)
         mb["filler"] = torch.ones(())  # its positions are padding (layout_stats)

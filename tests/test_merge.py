@@ -411,3 +411,30 @@ def test_an_over_long_trajectory_is_dropped_whole_merged_or_not(tmp_path):
         assert {s.trajectory_id for s in kept} == {1}, merge_turns
         dropped = 1 if merge_turns == "true" else len(long)
         assert metrics["merge/over_length_dropped"].value == dropped
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_mean_over_sequences_needs_each_trajectory_in_one(tmp_path, loss_agg):
+    """GRPO's sequence is the trajectory: every train.loss_agg but token-mean averages over
+    sequences, so a trajectory trained as two (its turns unmerged, or a turn whose prompt does not
+    extend the tokens before it) would count twice, and a many-turn one weigh more. Turns
+    unmerged are refused at load; a prefix break at the merge is a MergeError naming the
+    trajectory; token-mean trains both layouts, the break as two sequences."""
+    import merge
+    from assemble import load_config
+    from config import ConfigError
+
+    base = [f"run.out={tmp_path}", "data.task=tiny_tool", "rollout.max_turns=3"]
+    with pytest.raises(ConfigError, match=f"merge_turns=false with train.loss_agg={loss_agg}"):
+        load_config(None, base + ["rollout.merge_turns=false", f"train.loss_agg={loss_agg}"])
+    load_config(None, base + ["rollout.merge_turns=false"])  # token-mean: any layout
+    whole = make_turns(RESPONSES, OBSERVATIONS, trajectory_id=0)
+    broken = make_turns(RESPONSES, OBSERVATIONS, breaks=frozenset({2}), trajectory_id=1)
+    cfg = load_config(None, base + [f"train.loss_agg={loss_agg}"])
+    kept, _ = merge.training_sequences([whole], cfg, 256)
+    assert len(kept) == 1
+    with pytest.raises(merge.MergeError, match="trajectory 1 trains as 2 sequences"):
+        merge.training_sequences([whole, broken], cfg, 256)
+    kept, metrics = merge.training_sequences([whole, broken], load_config(None, base), 256)
+    assert [s.trajectory_id for s in kept] == [0, 1, 1]
+    assert metrics["merge/prefix_breaks"].value == 1

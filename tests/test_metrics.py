@@ -57,12 +57,15 @@ def test_completed_vs_launched_reward_means():
 def test_multi_turn_trajectories_count_once():
     """A trajectory of several turns counts once in the launched count and in the reward mean,
     and its response length is every turn's tokens (a reviewer found only the last turn's: 2, not
-    5, beside a budget for the whole trajectory)."""
+    5, beside a budget for the whole trajectory). Turns per trajectory cover every launched one,
+    as the tool calls do (a reviewer found them taken after dynamic sampling's filter, at merge:
+    1.0 turn beside 1.0 tool call a trajectory when the many-turn groups were left out)."""
     samples = [sample(0, 1.0, 3, turn=0), sample(0, 1.0, 2, turn=1), sample(1, 0.0, 4)]
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0)))
     assert out["rollout/launched"] == 2
     assert out["rollout/reward_mean_completed"] == pytest.approx(0.5)
     assert out["rollout/response_len_max"] == 5 and out["rollout/response_len_mean"] == 4.5
+    assert out["rollout/turns_per_trajectory"] == 1.5
 
 
 def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):

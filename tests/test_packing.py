@@ -2,6 +2,7 @@
 log-probs, entropies and updates as the padded path, in every loss mode, and sequences packed
 together never see each other (a leak would not raise: it is tested for). CPU, fp32, no engine."""
 
+import array
 import functools
 import os
 import random
@@ -20,7 +21,7 @@ import loss as losses
 import runtime.model as model
 import assemble as setup_run
 from metrics import local_values
-from sample import Sample
+from sample import NOT_GENERATED, Sample
 
 
 def random_samples(seed, lengths=None):
@@ -120,6 +121,34 @@ def test_packed_logprobs_equal_padded_per_token(tmp_path, attention, monkeypatch
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[real], expected_entropy[real], atol=1e-5, rtol=0)
     assert (got[~real] == 0).all()
+
+
+def test_the_packed_head_skips_tool_observations(tmp_path):
+    """A merged multi-turn sequence's tool observations (loss_mask 0) are in the model's input
+    but no loss or statistic reads their predictions: the packed head runs only where the sample
+    trains (a reviewer counted 24 of 72 head positions on observations), with the padded path's
+    log-probs there, shared prompt or not."""
+    cfg = dist_worker.parity_config(tmp_path, "token-mean")
+    policy, _ = model.build_policy(cfg, None)
+    samples, _ = random_samples(1)
+    for k, s in enumerate(samples):  # every other sample: turns merged around an observation
+        if k % 2 and len(s.response_ids) > 4:
+            s.loss_mask[1:3] = array.array("B", [0, 0])
+            s.versions[1:3] = array.array("i", [NOT_GENERATED] * 2)
+    trained = sum(sum(s.loss_mask) for s in samples)
+    assert trained < sum(len(s.response_ids) for s in samples)
+    _, layout = packed(samples)
+    ordered = [samples[i] for row in layout for i in row]
+    padded = update.collate(ordered, pad_id=0)
+    reads = padded["loss_mask"] > 0  # (an aborted sample's row is all zero)
+    with torch.no_grad():
+        expected, _ = update.sequence_logprobs(policy, padded, 1.0)
+        for shared_prefix in (False, True):
+            rows = [len(row) for row in layout]
+            batch = update.collate(ordered, 0, rows, shared_prefix=shared_prefix)
+            assert len(batch["head_index"]) == trained
+            got, _ = update.sequence_logprobs(policy, batch, 1.0)
+            torch.testing.assert_close(got[reads], expected[reads], atol=1e-5, rtol=0)
 
 
 def packed_positions(seed, rows, width):
