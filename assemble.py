@@ -156,6 +156,7 @@ def setup(cfg, resume=False, engine=None):
         engine_dtype=engine.dtype,
         # a LoRA run's reference is the policy itself: nothing more to count or move
         reference=reference if isinstance(reference, torch.nn.Module) else None,
+        device=trainer.device,
     )
     phases.start()
     stream = PromptStream.for_rank(

@@ -117,6 +117,8 @@ class MemoryPhases:
         bucket_bytes=256 << 20,
         engine_dtype=torch.float32,
         reference=None,
+        *,
+        device,
     ):
         if mode not in MEMORY_MODES:
             raise ValueError(f"memory mode {mode!r}: expected one of {MEMORY_MODES}")
@@ -125,7 +127,9 @@ class MemoryPhases:
         self.optimizer = optimizer
         self.reference = reference
         self.mode, self.bucket_bytes = mode, bucket_bytes
-        self.device = next(policy.parameters()).device
+        # the trainer's device, given: the parameters' own may already be the host's (a machine
+        # built after setup's start() offloaded them)
+        self.device = torch.device(device)
         self.ledger = Ledger.measure(
             policy, optimizer, engine.kv_cache_tokens(), engine_dtype, reference
         )

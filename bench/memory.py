@@ -59,7 +59,15 @@ def main():
     bucket = cfg.memory.bucket_mb << 20
     trainer = run.trainer
     phases = {
-        mode: MemoryPhases(run.engine, trainer.policy, trainer.optimizer, mode, bucket, dtype)
+        mode: MemoryPhases(
+            run.engine,
+            trainer.policy,
+            trainer.optimizer,
+            mode,
+            bucket,
+            dtype,
+            device=trainer.device,
+        )
         for mode in ("staged", "all_at_once")
     }
     for machine in phases.values():

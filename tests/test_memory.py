@@ -28,9 +28,13 @@ def run(engine, tmp_path):
     return train.setup(tiny_config(tmp_path), engine=engine)
 
 
-def started(*args, **kwargs):
-    """A MemoryPhases in its rollout phase (the trainer offloaded), as setup leaves one."""
-    phases = MemoryPhases(*args, **kwargs)
+def started(run, **kwargs):
+    """A MemoryPhases of `run`'s trainer and engine in its rollout phase (the trainer offloaded),
+    as setup leaves one."""
+    trainer = run.trainer
+    phases = MemoryPhases(
+        run.engine, trainer.policy, trainer.optimizer, device=trainer.device, **kwargs
+    )
     phases.start()
     return phases
 
@@ -54,9 +58,7 @@ def test_phase_cycle_release_resume_and_parity(run):
     """Two steps of to_train/sync release and resume both engine memory tags and leave the engine
     generating the same greedy tokens and log-probs; after the policy changes, a staged push in
     several buckets gives the engine the trainer's log-probs."""
-    phases = started(
-        run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged", bucket_bytes=64 << 10
-    )
+    phases = started(run, mode="staged", bucket_bytes=64 << 10)
     ids_before, logprobs_before = greedy(run.engine)
     for step in range(2):  # the sequence runs every step
         phases.to_train()
@@ -93,7 +95,7 @@ def test_the_memory_benchmark_steps_on_the_shared_engine(run, monkeypatch):
     spec.loader.exec_module(bench)
     peaks = {}
     for mode in ("staged", "all_at_once"):
-        phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode=mode)
+        phases = started(run, mode=mode)
         peaks[mode] = bench.one_step(run, phases, 0)
         assert phases.phase == "rollout" and set(peaks[mode]) == {"rollout", "train", "sync"}
     assert peaks["all_at_once"]["sync"] - peaks["staged"]["sync"] >= phases.ledger.engine_weights
@@ -108,7 +110,7 @@ def test_the_rollout_peak_is_the_rollout_as_it_ended(run):
 
     from metrics import local_values
 
-    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged")
+    phases = started(run, mode="staged")
     ledger = phases.ledger
     grown = ledger.engine_weights + ledger.kv_cache + 10**12
     phases.ledger = dataclasses.replace(ledger, kv_cache=ledger.kv_cache + 10**12)
@@ -127,7 +129,7 @@ def test_illegal_transitions_raise_named_errors(run):
     """Out-of-order transitions (sync before to_train, to_train twice, resuming what was not
     released, releasing twice, releasing while a request runs) raise a PhaseError naming the
     problem."""
-    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
+    phases = started(run)
     with pytest.raises(PhaseError, match="to_sync\\(\\) needs phase 'train'"):
         phases.to_sync()
     with pytest.raises(PhaseError, match="not released"):
@@ -253,7 +255,7 @@ def test_staged_peak_is_lower_by_at_least_the_engine_weights(run):
     bucket, and staged's is lower by at least the engine's weights."""
     peaks = {}
     for mode in ("staged", "all_at_once"):
-        phases = started(run.engine, run.trainer.policy, run.trainer.optimizer, mode=mode)
+        phases = started(run, mode=mode)
         phases.to_train()
         sync(run, phases, 1)
         peaks[mode] = phases.peaks["sync"]["modelled"]
@@ -273,9 +275,7 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     weights, then offloads the parameters and empties it again before resuming the KV cache; the
     train peak is noted before the sync; the KL reference is resident only while training."""
     reference = model.build_policy(tiny_config(tmp_path), None)[0].requires_grad_(False)
-    phases = started(
-        run.engine, run.trainer.policy, run.trainer.optimizer, mode="staged", reference=reference
-    )
+    phases = started(run, mode="staged", reference=reference)
     assert phases.ledger.reference_params == sum(p.numel() * 4 for p in reference.parameters())
     assert "reference_params" not in phases.resident  # offloaded with the trainer for the rollout
     phases.to_train()
@@ -304,7 +304,7 @@ def test_release_waits_for_an_idle_engine(run, monkeypatch):
     (flush_cache, retried until it succeeds: here it says busy twice, as a GPU scheduler's overlap
     loop can), then frees every engine memory tag; sync resumes them. A scheduler never idle
     within rollout.abort_timeout_s is a RolloutError, not a hang."""
-    phases = started(run.engine, run.trainer.policy, run.trainer.optimizer)
+    phases = started(run)
     run.engine.generate(PROMPTS, 1, 0.0, 8)
     flushes = []
     flush = run.engine.flush_cache
