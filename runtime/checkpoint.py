@@ -81,7 +81,8 @@ def save(out_dir, step, run):
         sync_to_disk(tmp)  # the files' bytes before the rename that makes them the checkpoint
         # a step saved again (a second save of one step; train.py skips its own): the old copy
         # is renamed aside, not deleted in place, so no moment leaves a half-deleted step_N that
-        # `latest` would pick (a crash between the renames leaves the step before it the latest)
+        # `latest` would pick (a crash between the renames leaves the copy aside, which
+        # `complete_checkpoints` counts while no step_N stands beside it)
         aside = final + ".old"
         if os.path.exists(final):
             shutil.rmtree(aside, ignore_errors=True)
@@ -183,18 +184,25 @@ def load_trained(folder, policy):
 def complete_checkpoints(out_dir):
     """The complete checkpoint folders under `out_dir`, by step ascending: only names `save`
     writes, step_<digits> (a half-written `.tmp`, or a `step_000200_copy2` someone made, never
-    match), each as named (a hand-made `step_11` too)."""
+    match), each as named (a hand-made `step_11` too), and a `step_<digits>.old` with no
+    step_<digits> beside it: the complete copy `save` renames aside to save a step again, left
+    so by a crash before the new copy took its name."""
     folder = os.path.join(out_dir, "checkpoints")
-    found = os.listdir(folder) if os.path.isdir(folder) else []
+    found = set(os.listdir(folder) if os.path.isdir(folder) else [])
     names = [name for name in found if re.fullmatch(r"step_\d+", name)]
+    names += [
+        name
+        for name in found
+        if re.fullmatch(r"step_\d+\.old", name) and name.removesuffix(".old") not in found
+    ]
     # of two folders of one step, the name `save` writes last: the newest is the one it wrote
-    names.sort(key=lambda name: (int(name[5:]), name == f"step_{int(name[5:]):06d}"))
+    names.sort(key=lambda name: (step_of(name), name.startswith(f"step_{step_of(name):06d}")))
     return [os.path.join(folder, name) for name in names]
 
 
 def step_of(folder):
-    """The step a checkpoint folder's name (step_<digits>) says."""
-    return int(os.path.basename(folder)[5:])
+    """The step a checkpoint folder's name (step_<digits>, maybe .old) says."""
+    return int(re.match(r"step_(\d+)", os.path.basename(folder))[1])
 
 
 def latest(out_dir):

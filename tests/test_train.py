@@ -379,7 +379,8 @@ def test_a_step_saved_again_is_never_left_half_deleted(engine, tmp_path, monkeyp
     """A step saved a second time (a caller saving one step twice) that dies
     while the old copy is being deleted leaves the new copy complete as the latest checkpoint. The
     old copy was deleted in place, so a half-deleted step_N became the latest, and the resume
-    refused it instead of taking the step before."""
+    refused it instead of taking the step before. One that dies before the new copy takes its
+    name leaves the old one, renamed aside, as the step's."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100")
     run = train.setup(cfg, engine=engine)
     for step in (1, 2):
@@ -400,6 +401,28 @@ def test_a_step_saved_again_is_never_left_half_deleted(engine, tmp_path, monkeyp
     latest = checkpoint.latest(str(tmp_path))
     assert latest.endswith("step_000002")
     assert checkpoint.check_resume(latest, cfg)["step"] == 2
+    # killed between the two renames, with one checkpoint kept: the old copy aside is the step's
+    # (a reviewer found no checkpoint left: step_000002.old and .tmp, neither a name `latest` read)
+    checkpoint.remove_old(str(tmp_path), keep=1)
+    real_rename = os.rename
+
+    def killed_before_the_new_copy(source, target):
+        if str(source).endswith("step_000002.tmp"):
+            raise KeyboardInterrupt("killed")
+        real_rename(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "rename", killed_before_the_new_copy)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(str(tmp_path), 2, run)
+    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+    folders = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert folders == ["step_000002.old", "step_000002.tmp"]
+    latest = checkpoint.latest(str(tmp_path))
+    assert latest.endswith("step_000002.old") and checkpoint.step_of(latest) == 2
+    assert checkpoint.check_resume(latest, cfg)["step"] == 2
+    # saved again whole: the new copy is the step's, the old one gone
+    checkpoint.save(str(tmp_path), 2, run)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000002"]
 
 
 class RunsCode:
