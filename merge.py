@@ -33,9 +33,9 @@ READ_WHEN = {
 
 def check(cfg):
     """rollout.merge_turns set where a trajectory is one turn is refused (assemble.load_config
-    calls this at load), and so is a sequence-level loss over turns (`one_sequence_each`)."""
+    calls this at load), and so is a sequence-level loss over turns (`sequence_level_loss`)."""
     refuse_unread(cfg, READ_WHEN)
-    if cfg.rollout.max_turns > 1 and not cfg.rollout.merge_turns and one_sequence_each(cfg):
+    if cfg.rollout.max_turns > 1 and not cfg.rollout.merge_turns and sequence_level_loss(cfg):
         raise ConfigError(
             f"rollout.merge_turns=false with train.loss_agg={cfg.train.loss_agg}: each turn would "
             "train as a sequence of its own and count as one in the loss's mean over sequences "
@@ -43,10 +43,10 @@ def check(cfg):
         )
 
 
-def one_sequence_each(cfg):
-    """Whether the loss needs each trajectory in one training sequence: every train.loss_agg but
-    token-mean averages over sequences (GSPO's ratio is one per sequence), so a trajectory in two
-    rows would count twice. token-mean sums tokens, wherever they are."""
+def sequence_level_loss(cfg):
+    """Whether the loss averages over sequences, so needs each trajectory in one: every
+    train.loss_agg but token-mean (GSPO's ratio is one per sequence too). A trajectory in two
+    rows would count twice; token-mean sums tokens, wherever they are."""
     return cfg.train.loss_agg != "token-mean"
 
 
@@ -271,7 +271,7 @@ def training_sequences(trajectories, cfg, max_seq_len):
         num_fitting += len(finished)
         if mask_truncated and turns[-1].finish_reason == "length":
             continue
-        if len(finished) > 1 and merge_turns and one_sequence_each(cfg):
+        if len(finished) > 1 and merge_turns and sequence_level_loss(cfg):
             # a turn that does not extend the tokens before it (a tool loop of your own that
             # re-renders the history) starts a second sequence: refused, not counted twice
             raise MergeError(
