@@ -42,7 +42,7 @@ class RolloutStats:
     # per tool name (every name the tool answers to, 0 if not called: the same keys on every rank)
     tool_calls: dict = dataclasses.field(default_factory=dict)
     tool_errors: dict = dataclasses.field(default_factory=dict)
-    num_timed_out: int = 0  # requests aborted by rollout.rollout_timeout_s
+    num_timed_out: int = 0  # trajectories cut by rollout.rollout_timeout_s's abort
     prompts_launched: int = 0  # new prompts (resumed samples not counted), refills included
     generated_tokens: int = 0  # tokens the engine generated, cancelled ones included
     # dynamic sampling: groups judged informative before the decision
@@ -109,6 +109,7 @@ class Rollout:
         self.cancelled = set()  # request indices cancelled: no new turn starts
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
         self.group_of = {}  # request index -> its group id
+        self.timed_out = False  # rollout.rollout_timeout_s made the decision
         # what features add (each empty, or unused, with the feature off)
         self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.next_group = 0  # dynamic sampling: the group id a refill gets next
@@ -137,21 +138,23 @@ class Rollout:
                 cancel_groups=self.cancel_groups,
                 held=self.settings.held,
             )
+            stats.decision_s = time.perf_counter() - self.start
+            stats.kept_groups = self.group_filter.kept if self.group_filter is not None else 0
+            if pending:
+                await self.cancel_the_rest(pending)
+            # every task is done here (the rewards of the last trajectories too)
+            await asyncio.gather(*self.tasks)
         except BaseException:
-            # a reward function or a refill raised: nothing may keep running in the engine
-            await self.abort([t for t in self.tasks if not t.done()], raise_if_stuck=False)
-            await asyncio.gather(*self.tasks, return_exceptions=True)  # rewards still running
+            # a reward function, a refill, the abort or a request raised: nothing may keep
+            # running in the engine, and no task outlives the rollout
+            await self.stop_every_task()
             raise
-        stats.decision_s = time.perf_counter() - self.start
-        stats.kept_groups = self.group_filter.kept if self.group_filter is not None else 0
-        if pending:
-            await self.cancel_the_rest(pending)
-        # every task is done here (the rewards of the last trajectories too); re-raises nothing
-        # (errors became samples)
-        await asyncio.gather(*self.tasks)
         # cut by the decision or with their group (a request can finish on its own between the
         # decision and the abort: it is kept; a failure is a failure)
-        stats.num_cancelled = sum(t.result()[-1].finish_reason == "abort" for t in self.tasks)
+        cut = [t for t in self.tasks if t.result()[-1].finish_reason == "abort"]
+        stats.num_cancelled = len(cut)
+        if self.timed_out:  # those the timeout's abort cut (not a reward still running then)
+            stats.num_timed_out = sum(t in pending for t in cut)
         stats.rollout_s = time.perf_counter() - self.start
         samples = [turn for t in self.tasks for turn in t.result()]
         # a resumed sample's earlier tokens were generated in an earlier step, not now
@@ -308,18 +311,31 @@ class Rollout:
 
     async def cancel_the_rest(self, pending):
         """At the decision: abort what is still running (timed out, if the rollout timeout
-        decided), and count what the abort cut."""
+        decided: `run` counts what it cut)."""
         stats = self.stats
         timeout_s = self.settings.timeout_s
-        if timeout_s and stats.decision_s >= timeout_s:
-            stats.num_timed_out = len(pending)
+        self.timed_out = bool(timeout_s) and stats.decision_s >= timeout_s
+        if self.timed_out:
             log.warning(
-                "rollout.rollout_timeout_s=%s reached: aborting %d requests (treated as cancelled)",
+                "rollout.rollout_timeout_s=%s reached: %d trajectories unfinished, what they "
+                "still generate aborted (treated as cancelled)",
                 timeout_s,
                 len(pending),
             )
         await self.abort(pending)
         stats.cancel_latency_s = time.perf_counter() - self.start - stats.decision_s
+
+    async def stop_every_task(self):
+        """After an error: abort what still runs in the engine and wait for every task (a
+        reward still running). Should the abort itself fail (the engine's socket), the tasks
+        are cancelled: the run ends on the error, and the engine with it."""
+        running = [t for t in self.tasks if not t.done()]
+        try:
+            await self.abort(running, raise_if_stuck=False)
+        except Exception:
+            for task in running:
+                task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def abort(self, pending, raise_if_stuck=True):
         """Abort inside the engine (not only the asyncio task): a cancelled task alone leaves the

@@ -267,7 +267,9 @@ def rollout_metrics(trajectories, stats):
         "rollout/launched": summed(len(launched)),
         "rollout/aborted": summed(len(aborted)),
         "rollout/aborted_ratio": ratio(len(aborted), len(launched)),
-        "rollout/failed": summed(sum(s.finish_reason == "error" for s in samples)),
+        # this rollout's engine failures (inflight.check_failures): with partial rollout the
+        # trajectories here are the complete groups', whose failures may be older
+        "rollout/failed": summed(stats.num_failed),
         "rollout/dropped": summed(len(dropped)),
         "rollout/truncated_ratio": ratio(
             sum(s.finish_reason == "length" for s in finished), len(finished)

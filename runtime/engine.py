@@ -212,11 +212,14 @@ class Engine:
         engine tracks, one abort_all (a set, not a count: a rid the engine does not track yet
         would make an equal count hold another request)."""
         tracked = self.tokenizer_manager.rid_to_state
-        if tracked and set(tracked) <= set(rids):
-            self.tokenizer_manager.abort_request(abort_all=True)
-        else:
-            for rid in rids:
-                self.tokenizer_manager.abort_request(rid=rid)
+        try:
+            if tracked and set(tracked) <= set(rids):
+                self.tokenizer_manager.abort_request(abort_all=True)
+            else:
+                for rid in rids:
+                    self.tokenizer_manager.abort_request(rid=rid)
+        except Exception as e:  # its send to the scheduler (tokenizer_manager.abort_request)
+            raise RolloutError(f"aborting {len(rids)} requests failed in the engine: {e!r}") from e
 
     async def abort_and_wait(self, rid, timeout_s):
         """Abort one request and wait (at most `timeout_s`) until the engine has let it go."""

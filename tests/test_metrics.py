@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metrics import Summed, joined, length_stats, masked_mean, reduce_metrics, summed
-from inflight import RolloutStats
+from inflight import RolloutStats, check_failures
 from rollout import filter_metrics, rollout_metrics
 from sample import Sample, trajectories_of
 
@@ -42,6 +42,7 @@ def test_completed_vs_launched_reward_means():
         sample(3, 0.0, 0, masked=True, finish_reason="error"),
     ]
     stats = RolloutStats(rollout_s=2.0, generated_tokens=40)
+    check_failures(samples, stats, max_failed_ratio=1.0)  # as Rollout.run counts them
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
     assert out["rollout/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
     assert out["rollout/reward_mean_launched"] == pytest.approx(1.5 / 4)  # unfinished count as 0
@@ -50,8 +51,11 @@ def test_completed_vs_launched_reward_means():
     assert out["rollout/wasted_tokens"] == 30 and out["rollout/aborted_len_max"] == 30
     assert out["rollout/response_len_mean"] == pytest.approx(5.0)
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(40 / 2.0)
-    held = RolloutStats(rollout_s=2.0, generated_tokens=5000)
+    held = RolloutStats(rollout_s=2.0, generated_tokens=5000, num_failed=2)
     assert reduce_metrics(rollout_metrics([], held))["perf/rollout_tokens_per_s"] == 2500
+    # the rollout's own failures too (a reviewer found a held group's counted when it completed,
+    # steps later)
+    assert reduce_metrics(rollout_metrics([], held))["rollout/failed"] == 2
 
 
 def test_multi_turn_trajectories_count_once():
@@ -143,7 +147,9 @@ def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_rewa
         sample(2, 0.0, 1, masked=True, finish_reason="error", turn=1),
         sample(3, 1.0, 6, masked=True, finish_reason="dropped"),  # keep_groups left it out
     ]
-    out = reduce_metrics(rollout_metrics(trajectories_of(samples), RolloutStats(rollout_s=1.0)))
+    stats = RolloutStats(rollout_s=1.0)
+    check_failures(samples, stats, max_failed_ratio=1.0)
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
     assert out["rollout/aborted"] == 1 and out["rollout/failed"] == 1
     assert out["rollout/dropped"] == 1
     assert out["rollout/aborted_len_max"] == 5 and out["rollout/aborted_len_mean"] == 5

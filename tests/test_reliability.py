@@ -599,6 +599,52 @@ def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
     # masked like any cancelled sample
     assert sum(s.masked for s in samples) == stats.num_cancelled
     assert engine.num_in_flight() == 0
+    # a trajectory whose reward still runs at the timeout has nothing left to abort: it trains,
+    # and is not counted as timed out (a reviewer found every unfinished trajectory counted: 16
+    # timed out, 4 cut)
+    engine_limits(rollout_timeout_s=0.5)
+
+    async def slow_reward(turns):
+        await asyncio.sleep(1.5)
+        return 0.5
+
+    samples, stats = engine.generate(PROMPTS, 4, 1.0, 4, reward=slow_reward)
+    assert stats.rollout_s > 1.5 and all(s.reward == 0.5 for s in samples if not s.masked)
+    assert stats.num_timed_out == stats.num_cancelled < len(samples)
+
+
+def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkeypatch):
+    """An abort the engine refuses (its send to the scheduler raised) at the count policy's
+    decision is a RolloutError (the run then saves its checkpoint), and the rollout's tasks end
+    with it: a reviewer found a plain RuntimeError, and the trajectories and rewards still pending
+    on the engine's loop, to run at its next use."""
+    from cancel import plan_launch
+
+    plan = plan_launch(
+        tiny_config("/tmp", "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4
+    )
+    manager = engine.tokenizer_manager
+    real = manager.abort_request
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("zmq send failed")
+
+    monkeypatch.setattr(manager, "abort_request", refused)
+    with pytest.raises(train.RolloutError, match="aborting .* requests failed in the engine"):
+        engine.generate(PROMPTS, 8, 1.0, 200, plan)
+    left = [
+        task
+        for task in asyncio.all_tasks(engine.engine.loop)
+        if task.get_coro().__name__ == "with_reward"
+    ]
+    assert not left, left
+    # the requests were never aborted: let the engine go before the next test
+    monkeypatch.setattr(manager, "abort_request", real)
+    manager.abort_request(abort_all=True)
+    deadline = time.perf_counter() + 30
+    while engine.num_in_flight() and time.perf_counter() < deadline:
+        engine._run(asyncio.sleep(0.05))
+    assert engine.num_in_flight() == 0
 
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
