@@ -11,6 +11,7 @@ import runpy
 import sys
 
 import pytest
+import torch
 
 import runtime.model as model
 import task.data as tasks
@@ -465,6 +466,14 @@ def test_cosine_schedule_decays_to_the_floor_and_constant_stays():
     assert lr_factor(4, 5, t) == pytest.approx(0.1)  # one update after the warmup: the last
     t.warmup_steps = 0  # the demo's schedule: a cosine from update 0
     assert lr_factor(0, 101, t) == 1.0 and lr_factor(50, 101, t) == pytest.approx(0.55)
+    # the optimizer's schedule spans every update: steps x num_minibatches (a reviewer found no
+    # test of it: sized in steps, a cosine of 2 minibatches reached its floor half-way)
+    t.num_minibatches, t.steps = 2, 10
+    _, scheduler = model.build_optimizer(torch.nn.Linear(2, 2), t)
+    for _ in range(t.steps):  # half the run's 20 updates
+        scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(t.lr * lr_factor(10, 20, t))
+    assert scheduler.get_last_lr()[0] > t.lr * (t.min_lr_ratio + 0.3)
 
 
 def test_a_warmup_as_long_as_the_run_is_said(caplog):

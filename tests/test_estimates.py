@@ -515,3 +515,35 @@ def test_a_model_that_cannot_name_its_embedding_gets_the_usual_name():
 
     assert input_embedding(Unresolved()) == "model.embed_tokens.weight"
     assert input_embedding(Named()) == "wte.weight"
+
+
+def test_sharded_terms_divide_by_the_ranks_and_checkpointing_saves_every_layers_input():
+    """On 8 ranks each term named sharded is an eighth of one rank's (the same policy sharded:
+    both estimated as FSDP2 shards), and with gradient checkpointing the activations are each
+    layer's input and the final norm's (layers + 1, in the residual stream's dtype) plus one
+    layer's recompute: a reviewer found both formulas free to change under every test (the
+    gradients counted unsharded, the final norm's input dropped)."""
+    from assemble import load_config
+    from runtime.estimate import H100_80GB_GIB, estimate, model_shape, residual_bytes
+
+    sets = ["data.train_path=unused", "train.max_tokens_per_micro_batch=4096"]
+    cfg = load_config(os.path.join(REPO, "configs/gsm8k.yaml"), sets)
+    gpu = H100_80GB_GIB * 2**30
+    one, _ = estimate(cfg, 1, gpu, sharded=True)
+    eight, _ = estimate(cfg, 8, gpu, sharded=True)
+    sharded = [name for name in one if name.endswith("sharded)")]
+    assert "gradients (fp32, sharded)" in sharded and "AdamW state (fp32, sharded)" in sharded
+    for name in sharded:
+        assert eight[name] == pytest.approx(one[name] / 8), name
+
+    def activations(checkpointing):
+        cfg.train.gradient_checkpointing = checkpointing
+        parts, _ = estimate(cfg, 1, gpu)
+        return next(v for k, v in parts.items() if k.startswith("activations"))
+
+    shape = model_shape(cfg.model.path)
+    saved_input = residual_bytes(cfg.model, shape, False, 2) * shape.hidden
+    # a dense model's layers save alike: without checkpointing, layers x one layer's
+    one_layer = activations(False) / shape.layers
+    expected = 4096 * (shape.layers + 1) * saved_input + one_layer
+    assert activations(True) == pytest.approx(expected)

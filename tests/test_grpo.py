@@ -152,6 +152,30 @@ def test_clipped_ratio_and_kl_hand_computed():
     assert logprobs.grad.item() == pytest.approx(0.1 * (1 - 2))
 
 
+def test_the_loss_statistics_read_trained_tokens_only():
+    """Beside one trained token, a masked one (padding, an aborted or stale token) with wild
+    values moves none of the logged statistics: clip fractions, ppo_kl, the reference's KL and
+    each term's mean are over the trained tokens (a reviewer found kl, ppo_kl and term_<name>
+    untested with a mask: a plain mean passed)."""
+    old = torch.zeros(1, 2)
+    logprobs = torch.tensor([[math.log(1.5), 3.0]])
+    ref = torch.tensor([[math.log(3.0), -5.0]])
+    entropy = torch.tensor([[0.5, 9.0]])
+    loss, stats = losses.policy_loss(
+        logprobs,
+        old,
+        torch.tensor([-1.0]),
+        torch.tensor([[1.0, 0.0]]),
+        ref_logprobs=ref,
+        entropy=entropy,
+        terms={"kl": 0.1, "entropy": 0.01},
+    )
+    assert stats["kl"].item() == pytest.approx(2 - math.log(2) - 1)  # k3 at ref - logp = log 2
+    assert stats["ppo_kl"].item() == pytest.approx(-math.log(1.5))
+    assert stats["term_entropy"].item() == pytest.approx(-0.5)
+    assert stats["clip_frac"].item() == 0.0  # A < 0: min() keeps the unclipped term
+
+
 def test_clip_higher_hand_computed_and_symmetric_by_default():
     """DAPO's clip-higher: ratio 1.25 with A > 0 is inside [0.8, 1.28] (gradient flows), outside
     [0.8, 1.2]; without clip_eps_high the clip is symmetric, and the low side keeps clip_eps."""

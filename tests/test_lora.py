@@ -49,6 +49,16 @@ def test_adapters_start_as_the_base_train_alone_and_merge_exactly(tmp_path):
     base.load_state_dict(merged, strict=False)
     with torch.no_grad():
         torch.testing.assert_close(base(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
+    # the update is scaled by alpha / rank (8 / 4), in the layer and in what the engine is told
+    # (a reviewer found a scale of alpha consistent everywhere, so nothing else caught it)
+    name, layer = next(iter(layers.items()))
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        update = 2.0 * x @ layer.lora_A.T @ layer.lora_B.T
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, frozen[name + ".weight"], layer.bias) + update
+        )
+    assert lora.adapter_config(policy)["lora_alpha"] == 8 and lora.adapter_config(policy)["r"] == 4
 
 
 def test_lora_also_train_trains_those_parameters_in_full(tmp_path):

@@ -120,7 +120,9 @@ def test_several_minibatches_keep_a_forward_for_pi_old(tmp_path):
 def test_a_minibatch_with_no_trained_token_leaves_the_weights_alone(tmp_path, caplog):
     """After a real update (AdamW holds momentum), an update whose samples are all masked, and
     minibatches beyond the sequences (4 minibatches of 2 sequences), take no optimizer step: their
-    gradient is 0, yet AdamW's step would move every weight by its momentum and decay."""
+    gradient is 0, yet AdamW's step would move every weight by its momentum and decay. The
+    learning-rate schedule still advances a slot for each (it counts steps x num_minibatches;
+    a reviewer found no test pinning it)."""
     cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.weight_decay=0.1")
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
     samples, advantages = random_samples(3)
@@ -133,12 +135,14 @@ def test_a_minibatch_with_no_trained_token_leaves_the_weights_alone(tmp_path, ca
     for name, p in trainer.policy.named_parameters():
         assert torch.equal(weights[name], p), name
     assert "optimizer step skipped" in caplog.text
+    assert trainer.scheduler.last_epoch == 2  # the real update's slot and the skipped one's
     cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.num_minibatches=4")
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
     steps = []
     trainer.optimizer.register_step_post_hook(lambda *args: steps.append(1))
     train_on(trainer, samples[:2], advantages[:2])
     assert len(steps) == 2  # one per minibatch that holds a sequence
+    assert trainer.scheduler.last_epoch == 4  # and a slot for each of the 4
 
 
 def test_minibatches_split_the_samples_evenly(tmp_path):
