@@ -29,9 +29,10 @@ def group_advantages(rewards, group_ids, is_valid, scale_by_std=True, eps=1e-6):
     drops the std division, which it shows biases toward easy/hard questions).
     Returns (advantages [B] in the rewards' dtype, `degenerate_groups`).
     """
-    # in float64: a float32 mean of equal rewards (8 x 5/7) can land an ulp off them, and that
-    # ulp over a std of an ulp (+ eps) gave every member an advantage of ~0.05-0.2, all one sign;
-    # a float64 sum of float32 values is exact, so equal rewards deviate by exactly 0
+    # in float64 (compute's rewards already are): a float32 mean of equal rewards (8 x 5/7) can
+    # land an ulp off them, and that ulp over a std of an ulp (+ eps) gave every member an
+    # advantage of ~0.05-0.2, all one sign; a float64 sum of float32 values is exact, so a float32
+    # caller's equal rewards deviate by exactly 0 too
     dtype, rewards = rewards.dtype, rewards.double()
     num_groups = int(group_ids.max()) + 1 if len(group_ids) else 0
     weight = is_valid.to(rewards.dtype)
@@ -121,8 +122,11 @@ def compute(trainer, groups):
     # each trajectory's group as its position in `groups`, 0..G-1 (Sample.group_id numbers the
     # launch, which may have gaps: filtered or held groups)
     group_ids = torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.long)
-    # explicit dtypes: a partial-rollout step where no group completed has no trajectories at all
-    rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float)
+    # explicit dtypes: a partial-rollout step where no group completed has no trajectories at
+    # all. float64, as the rewards were scored and dynamic sampling judged them: near-equal
+    # rewards stay apart (float32 rounded 100 and 100.000003 together: a kept group that trained
+    # nothing)
+    rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float64)
     is_valid = torch.tensor([not s.masked for s in last_turns], dtype=torch.bool)
     metrics = {}
     t = cfg.train
@@ -133,9 +137,14 @@ def compute(trainer, groups):
                 overlong_penalty(len(s.response_ids), budget, t.overlong_buffer, t.overlong_penalty)
                 for s in last_turns
             ],
-            dtype=torch.float,
+            dtype=torch.float64,
         )
-        metrics["train/overlong_penalty"] = ratio((penalty * is_valid).sum(), is_valid.sum())
+        # over the trained members: with train.mask_truncated a cut one is not
+        trained = is_valid & ~torch.tensor(
+            [t.mask_truncated and s.finish_reason == "length" for s in last_turns],
+            dtype=torch.bool,
+        )
+        metrics["train/overlong_penalty"] = ratio((penalty * trained).sum(), trained.sum())
         rewards = rewards + penalty
     if t.kl_in == "reward":
         kl_cost = t.kl_coef * reference_kl(trainer, trajectories)
@@ -182,5 +191,5 @@ def reference_kl(trainer, trajectories):
             )
             kl = loss.kl_estimate(mb["engine_logprobs"], reference, t.kl_estimator)
             per_sample += (kl * mb["loss_mask"]).sum(-1).tolist()
-    total = torch.zeros(len(trajectories), dtype=torch.float)
-    return total.index_add_(0, owner, torch.tensor(per_sample[: len(samples)], dtype=torch.float))
+    total = torch.zeros(len(trajectories), dtype=torch.float64)  # as compute's rewards
+    return total.index_add_(0, owner, torch.tensor(per_sample[: len(samples)], dtype=total.dtype))

@@ -329,12 +329,22 @@ def informative(rewards):
 
 def keeps(survivors, mask_truncated):
     """Dynamic sampling's keep rule on a group's survivors (the last turns of its finished
-    members): their rewards differ (`informative`), and one of them trains. With
-    train.mask_truncated a member cut at the budget does not (merge.training_sequences), so a group
-    of such members trains nothing whatever its rewards, and must not count toward the target.
-    (The rewards are the task's: DAPO's overlong penalty shapes only the advantage.)"""
-    trains = any(not (mask_truncated and s.finish_reason == "length") for s in survivors)
-    return trains and informative([s.reward for s in survivors])
+    members): their rewards differ (`informative`), and one of them trains something. With
+    train.mask_truncated a member cut at the budget does not train (merge.training_sequences) but
+    stays in its group's mean, so a group whose uncut members all sit at that mean (partial
+    credit: 0.5 uncut beside 0 and 1 cut) trains nothing whatever its rewards, and must not count
+    toward the target. (The rewards are the task's: DAPO's overlong penalty shapes only the
+    advantage.)"""
+    rewards = [s.reward for s in survivors]
+    if not informative(rewards):
+        return False
+    mean = statistics.fmean(rewards)
+    # (without mask_truncated every survivor trains, and one is off the mean: the std says so)
+    return any(
+        abs(s.reward - mean) > 1e-6
+        for s in survivors
+        if not (mask_truncated and s.finish_reason == "length")
+    )
 
 
 def solved(rewards):

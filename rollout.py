@@ -71,7 +71,9 @@ def collect(run, step):
     # dynamic sampling keeps the groups whose rewards differ (off: all kept, the counts logged)
     groups, counts = informative_groups(groups, r.filter_groups, run.cfg.train.mask_truncated)
     trained = [turns for group in groups for turns in group]
-    metrics |= filter_metrics(trained, counts, stats, plan.target_groups, r.filter_groups)
+    metrics |= filter_metrics(
+        trained, counts, stats, plan.target_groups, r.filter_groups, run.cfg.train.mask_truncated
+    )
     return groups, metrics
 
 
@@ -306,14 +308,19 @@ def rollout_metrics(trajectories, stats):
     return out
 
 
-def filter_metrics(trajectories, counts, stats, target_groups, filtering):
+def filter_metrics(trajectories, counts, stats, target_groups, filtering, mask_truncated=False):
     """Dynamic sampling's figures (logged with it off too: the zero-variance share says what it
     would save), and the reward statistics of `trajectories`, the trained ones (`counts`:
     cancel.informative_groups'): `train/reward_mean`, `train/accuracy` and `train/reward_std` are
-    what was trained on, `rollout/reward_mean_completed` (rollout_metrics) every finished
-    trajectory (NeMo-RL issue 3794: a filter whose logged reward was silently the unfiltered
-    one)."""
-    rewards = [turns[-1].reward for turns in trajectories if not turns[-1].masked]
+    what was trained on (with `mask_truncated`, train.mask_truncated, not the members cut at the
+    budget: merge.training_sequences drops them), `rollout/reward_mean_completed`
+    (rollout_metrics) every finished trajectory (NeMo-RL issue 3794: a filter whose logged reward
+    was silently the unfiltered one)."""
+    rewards = [
+        turns[-1].reward
+        for turns in trajectories
+        if not (turns[-1].masked or (mask_truncated and turns[-1].finish_reason == "length"))
+    ]
     return {
         **{f"filter/{name}": summed(value) for name, value in counts.items()},
         "filter/prompts_launched": summed(stats.prompts_launched),

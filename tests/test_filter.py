@@ -14,6 +14,7 @@ import rollout
 import train
 from metrics import reduce_metrics
 from cancel import GroupFilter, informative, informative_groups, plan_launch
+from inflight import RolloutStats
 from conftest import tiny_config
 from config import ConfigError
 from rollout import filter_metrics
@@ -110,6 +111,30 @@ def test_a_group_whose_survivors_were_all_cut_is_not_kept_under_mask_truncated()
         assert counts["zero_variance_groups"] == 0
     lone = [[member(0, 1.0)], [member(0)], [member(0)]]
     assert informative_groups([lone])[1]["zero_variance_groups"] == 0
+
+
+def test_a_group_whose_trained_members_all_sit_at_its_mean_is_not_kept():
+    """Under train.mask_truncated the cut members stay in their group's mean but do not train: a
+    partial-credit group whose one uncut member is at that mean (0.5 beside a cut 0 and 1) trains
+    nothing (advantage 0), so it is not kept (a reviewer found it counted toward the target).
+    Without mask_truncated every member trains and it is; an uncut member off the mean keeps it;
+    and the trained batch's logged rewards leave the cut members out, as the step does."""
+    at_mean = [member(0, 0.5), member(0, 0.0, "length"), member(0, 1.0, "length")]
+    off_mean = [member(0, 1.0), member(0, 0.0, "length"), member(0, 0.5, "length")]
+    for survivors, mask_truncated, kept in (
+        (at_mean, True, 0),
+        (at_mean, False, 1),
+        (off_mean, True, 1),
+    ):
+        trajectories = [[turn] for turn in survivors]
+        handed, counts = informative_groups([trajectories], mask_truncated=mask_truncated)
+        assert counts["kept_groups"] == len(handed) == kept, (survivors, mask_truncated)
+    stats = RolloutStats()
+    trained = [[turn] for turn in off_mean]
+    logged = reduce_metrics(filter_metrics(trained, counts, stats, 1, True, mask_truncated=True))
+    assert logged["train/reward_mean"] == 1.0 and logged["train/accuracy"] == 1.0
+    logged = reduce_metrics(filter_metrics(trained, counts, stats, 1, True))
+    assert logged["train/reward_mean"] == 0.5
 
 
 def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):

@@ -86,6 +86,12 @@ def test_the_advantage_stage_leaves_a_cancelled_member_out_of_its_group(tmp_path
     expected = [(1 / 3) / std, (1 / 3) / std, -(2 / 3) / std, 0.0, 0.0, 0.0]
     assert got == pytest.approx(expected, abs=1e-5)
     assert metrics["train/degenerate_groups"].value == 1
+    # near-equal rewards that dynamic sampling keeps (float64, as scored) stay apart in the
+    # stage: float32 rounded 100 and 100.000003 together, every advantage 0 (a reviewer's)
+    near = [[member(2, r) for r in (100.0, 100.000003, 100.0, 100.000003)]]
+    trajectories, _ = advantages.compute(trainer, near)
+    got = [turns[-1].advantage for turns in trajectories]
+    assert got == pytest.approx([-0.549, 0.549, -0.549, 0.549], abs=1e-3)
 
 
 def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
