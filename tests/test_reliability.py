@@ -630,20 +630,24 @@ def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkey
         raise RuntimeError("zmq send failed")
 
     monkeypatch.setattr(manager, "abort_request", refused)
-    with pytest.raises(train.RolloutError, match="aborting .* requests failed in the engine"):
-        engine.generate(PROMPTS, 8, 1.0, 200, plan)
-    left = [
-        task
-        for task in asyncio.all_tasks(engine.engine.loop)
-        if task.get_coro().__name__ == "with_reward"
-    ]
-    assert not left, left
-    # the requests were never aborted: let the engine go before the next test
-    monkeypatch.setattr(manager, "abort_request", real)
-    manager.abort_request(abort_all=True)
-    deadline = time.perf_counter() + 30
-    while engine.num_in_flight() and time.perf_counter() < deadline:
-        engine._run(asyncio.sleep(0.05))
+    try:
+        with pytest.raises(train.RolloutError, match="aborting .* requests failed in the engine"):
+            engine.generate(PROMPTS, 8, 1.0, 200, plan)
+        left = [
+            task
+            for task in asyncio.all_tasks(engine.engine.loop)
+            if task.get_coro().__name__ == "with_reward"
+        ]
+        assert not left, left
+    finally:  # the requests were never aborted: the shared engine lets them go, on its loop
+        monkeypatch.setattr(manager, "abort_request", real)
+
+        async def let_go(deadline=time.perf_counter() + 30):
+            manager.abort_request(abort_all=True)
+            while manager.rid_to_state and time.perf_counter() < deadline:
+                await asyncio.sleep(0.05)
+
+        engine._run(let_go())
     assert engine.num_in_flight() == 0
 
 
