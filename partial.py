@@ -13,7 +13,7 @@ only rollout.collect uses this buffer.
 import dataclasses
 import math
 
-from metrics import ratio, summed
+from metrics import length_stats, ratio, summed
 import runtime.parallel as parallel
 from sample import Prompt, Sample, trajectories_of
 
@@ -59,6 +59,7 @@ class PartialBuffer:
         self._launched = []  # what this step's resumes were, in launch order (set by `launch`)
         self.resumed = {}  # group id -> HeldGroup of this step's resumes (set by `launch`)
         self.counters = dict.fromkeys(COUNTERS, 0)  # this step's; reset by `launch`
+        self.suspended_lengths = []  # this step's suspended samples' tokens; reset by `launch`
 
     def new_prompts_needed(self, num_prompts):
         """How many new prompts fill a batch of `num_prompts` groups beside the unfinished
@@ -79,6 +80,7 @@ class PartialBuffer:
         judges it whole (`held_survivors`). The rollout's refills number on from there.
         """
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.suspended_lengths = []
         # first, so that new prompts take the places of the samples given up
         self.waiting = [
             (g, i) for g, i in self.waiting if not self.give_up(g.members[i][-1], version)
@@ -168,6 +170,7 @@ class PartialBuffer:
             if turns[-1].finish_reason != "abort":
                 continue  # finished (or failed inside the engine: final, masked like any failure)
             self.counters["suspended"] += 1
+            self.suspended_lengths.append(len(turns[-1].response_ids))
             self.waiting.append((group, index))
         self._launched = []
         self.resumed = {}
@@ -181,8 +184,9 @@ class PartialBuffer:
     def metrics(self):
         """This step's counters and the buffer's size after it (all summed over ranks). Its
         rollout/* keys replace rollout_metrics' (which sees only the complete groups):
-        `rollout/aborted` counts the samples cancelled (suspended) this step,
-        `rollout/wasted_tokens` the tokens generated and then thrown away."""
+        `rollout/aborted` counts the samples cancelled (suspended) this step and
+        `rollout/aborted_len_*` their lengths, `rollout/wasted_tokens` the tokens generated and
+        then thrown away."""
         c = self.counters
         return {f"partial/{name}": summed(value) for name, value in c.items()} | {
             "partial/buffer_samples": summed(len(self.waiting)),
@@ -190,6 +194,7 @@ class PartialBuffer:
             "rollout/launched": summed(c["launched"]),
             "rollout/aborted": summed(c["suspended"]),
             "rollout/aborted_ratio": ratio(c["suspended"], c["launched"]),
+            **length_stats(self.suspended_lengths, "rollout/aborted_len"),
             "rollout/wasted_tokens": summed(c["wasted_tokens"]),
         }
 

@@ -111,6 +111,14 @@ def check(cfg):
     ranks (assemble.load_config calls this)."""
     refuse_unread(cfg, READ_WHEN)
     t = cfg.train
+    if cfg.rollout.resumes() and not t.tis_cap and t.max_token_staleness < 0:
+        # partial rollout trains tokens older weights sampled: uncorrected, each would weigh as if
+        # the weights being trained sampled it (slime issue 2092, verl issue 6882)
+        raise ConfigError(
+            "rollout.partial trains resumed tokens that older weights sampled: correct them with "
+            "train.tis_cap (e.g. 2: each token weighted by min(pi_old / pi_engine, 2)) or mask "
+            "them with train.max_token_staleness (0: only tokens of the weights being trained)"
+        )
     if cfg.rollout.resumes() and cfg.rollout.top_p < 1 and t.tis_cap and t.max_token_staleness:
         # engine_logprobs_on_nucleus moves a token's engine log-prob onto the nucleus with the
         # nucleus mass of the weights being trained: exact for tokens they sampled, off by up to
@@ -120,7 +128,7 @@ def check(cfg):
             "train.tis_cap with rollout.partial and rollout.top_p < 1: a resumed token's TIS "
             "weight needs the nucleus mass of the older weights that sampled it, which the engine "
             "does not report; set train.max_token_staleness=0 (older tokens masked out of the "
-            "loss) or train.tis_cap=0"
+            "loss)"
         )
     if t.old_logprobs not in ("trainer", "engine"):
         raise ConfigError(f"train.old_logprobs={t.old_logprobs!r}: expected trainer or engine")
@@ -219,7 +227,7 @@ def update_policy(trainer, sequences, step):
             skipped += not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm))
     if source != "engine":  # engine vs trainer: only where the trainer computed pi_old
         stats |= logprob_gap(every_mb)
-    stats |= offpolicy_stats(every_mb, t.tis_cap)
+    stats |= offpolicy_stats(every_mb, t.tis_cap, trainer.cfg.rollout.top_p)
     if t.routing_replay:  # trained sequences the engine sent no routes for (their own routing)
         stats["train/unrouted_sequences"] = summed(sum(mb["unrouted"] for mb in every_mb))
     stats["train/skipped_updates"] = skipped
@@ -1006,11 +1014,12 @@ def mask_stale_tokens(micro_batches, version, max_staleness):
     return {"staleness/masked_tokens": summed(masked)}
 
 
-def offpolicy_stats(micro_batches, tis_cap):
+def offpolicy_stats(micro_batches, tis_cap, top_p=1.0):
     """How much of the batch an older policy sampled (partial rollout resumes): the trained
     tokens per staleness (a histogram as staleness/tokens_<k> counts), and on the stale tokens
     the importance weight pi_old / pi_engine (capped by `tis_cap` when on) and the fraction the
-    cap cut."""
+    cap cut. Not at `top_p` < 1: the older weights' nucleus mass, which that weight needs, is
+    not reported (check)."""
     trained = [mb["loss_mask"] > 0 for mb in micro_batches]
     staleness = torch.cat([mb["staleness"][m] for mb, m in zip(micro_batches, trained)])
     log_weight = torch.cat(
@@ -1022,7 +1031,7 @@ def offpolicy_stats(micro_batches, tis_cap):
     stats = {f"staleness/tokens_{k}": summed((staleness == k).sum()) for k in range(4)}
     stats["staleness/tokens_4+"] = summed((staleness >= 4).sum())
     stats["train/stale_token_frac"] = ratio((staleness > 0).sum(), len(staleness))
-    if len(log_weight):
+    if len(log_weight) and top_p == 1:
         cap = math.log(tis_cap) if tis_cap else math.inf
         weights = log_weight.clamp(max=cap).exp()
         stats["train/stale_is_weight"] = ratio(weights.sum(), len(log_weight))

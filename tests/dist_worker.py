@@ -192,6 +192,7 @@ def check_ranks(out_dir):
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
             "rollout.partial=true",
+            "train.tis_cap=2",
             # a KV pool of about five requests: each rank's tail queues and is still in its engine
             # at the count, so something is suspended even on a loaded machine (test_partial)
             "rollout.max_total_tokens=256",

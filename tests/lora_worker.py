@@ -48,6 +48,7 @@ def main(out):
         "rollout.cancel=count",
         "rollout.drop_rate=0.25",
         "rollout.partial=true",
+        "train.max_token_staleness=0",  # (top-p: a resumed token's TIS weight is unknown)
         # a KV pool for ~20 requests at once: they run in waves, so the last wave is still running
         # or queued when 3/4 have finished (at top_p 0.9 the untrained model seldom samples its end
         # token: every request of one wave finishes at the same step, too late for an abort)

@@ -1030,6 +1030,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
             "rollout.partial=true",
+            "train.tis_cap=2",
         ],
         "rollout.refill_prompts": ["rollout.filter_groups=true"],
         "rollout.max_prompts_per_step": ["rollout.filter_groups=true"],

@@ -284,7 +284,8 @@ def test_a_held_group_is_judged_whole_with_its_earlier_members_rewards(engine, p
     rewards keep the group or not depending on the held ones."""
     partial = aborted_samples(engine, tmp_path)[:3]
     resumes = [dataclasses.replace(s, group_id=0) for s in partial]
-    plan = filtering_plan(tmp_path, "rollout.max_new_tokens=64", "rollout.partial=true")
+    sets = ["rollout.max_new_tokens=64", "rollout.partial=true", "train.tis_cap=2"]
+    plan = filtering_plan(tmp_path, *sets)
     plan = dataclasses.replace(plan, target_groups=1)
     for prior, kept in (([0.0, 0.0], 1), ([1.0, 1.0], 0)):
         samples, stats = engine.generate(
@@ -314,6 +315,7 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
         "rollout.cancel=count",
         "rollout.over_sample_rate=2.0",
         "rollout.partial=true",
+        "train.tis_cap=2",
         "rollout.filter_groups=true",
         "rollout.prompts_per_step=4",
         # groups of 2 finish at spread-out times: one of 8 nearly always waits for a member at the

@@ -18,6 +18,7 @@ import update
 import loss as losses
 import merge
 import rollout
+from inflight import RolloutStats
 import runtime.checkpoint as checkpoint
 import train
 from partial import PartialBuffer
@@ -40,6 +41,7 @@ def cancelling_plan(tmp_path, num_prompts, drop_rate=0.5):
         "rollout.cancel=count",
         f"rollout.drop_rate={drop_rate}",
         "rollout.partial=true",
+        "train.tis_cap=2",
         f"rollout.max_new_tokens={BUDGET}",
     )
     return plan_launch(cfg.rollout, num_prompts)
@@ -252,6 +254,10 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
             len(resumes) == 1 and buffer.collect(continue_and_cancel(resumes, version), held) == []
         )
         counters.append(dict(buffer.counters))
+        # the lengths logged for the cancelled: this step's suspended sample's
+        group, index = buffer.waiting[0]
+        logged = reduce_metrics(buffer.metrics())
+        assert logged["rollout/aborted_len_max"] == len(group.members[index][-1].response_ids)
     # version 6, a batch of one group: the sample is given up, not launched, and a new prompt takes
     # its place
     other = sample.Prompt([1, 3], "2")
@@ -261,6 +267,12 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
     answers = [Sample([1, 3], [8], [-1.0], [1], 0, trajectory_id=t) for t in range(2)]
     [[[kept], [given_up]], fresh] = buffer.collect(answers, new)
     assert fresh == [[a] for a in answers] and not buffer.waiting and not buffer.groups
+    # nothing suspended this step: no length for the cancelled (the given-up member's 30 tokens,
+    # in a group that completed, were logged as this step's: a reviewer's)
+    complete = [[kept], [given_up], *fresh]
+    stats = RolloutStats()
+    logged = reduce_metrics(rollout.rollout_metrics(complete, stats) | buffer.metrics())
+    assert logged["rollout/aborted"] == 0 and "rollout/aborted_len_max" not in logged
     # versions 1, 2: continued; 3: restarted (30 tokens of versions 0-2 wasted); 4, 5: continued;
     # 6: given up (the 30 tokens since its restart wasted)
     assert [c["resumed"] for c in counters] == [1, 1, 0, 1, 1, 0]
@@ -301,7 +313,7 @@ def test_partial_rollout_with_tools_turns_is_refused_and_its_checkpoint_not_resu
         )
     assert "holds 1 partial-rollout groups; rollout.partial is off: not resumed" in caplog.text
     # without tools' turns the same state resumes its sample
-    cfg = load_config("configs/tiny.yaml", sets + ["rollout.partial=true"])
+    cfg = load_config("configs/tiny.yaml", sets + ["rollout.partial=true", "train.tis_cap=2"])
     assert len(partial_buffer(cfg, single.state_dict()).waiting) == 1
 
 
@@ -363,6 +375,10 @@ def test_old_tokens_are_importance_weighted_or_masked(engine, policy, tmp_path):
         )
         assert loss_stats["tis_weight"].item() == pytest.approx(expected.mean().item(), rel=1e-5)
     assert update.offpolicy_stats([batch], 1.0)["train/stale_is_capped_frac"].value > 0
+    # at top_p < 1 the weight would need the older weights' nucleus mass: not logged (a reviewer
+    # found the full softmax's ratio logged as it, 1.17 for a true 0.94)
+    nucleus = update.offpolicy_stats([batch], 2.0, top_p=0.9)
+    assert "train/stale_is_weight" not in nucleus and nucleus["train/stale_token_frac"].count
     num_stale = int(stale.sum())
     assert num_stale > 0 and stats["train/stale_token_frac"] == pytest.approx(
         num_stale / int(batch["loss_mask"].sum())

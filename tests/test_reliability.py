@@ -99,7 +99,12 @@ def test_config_fuzzing_gives_a_config_or_a_config_error():
 
 
 # partial rollout on the CPU demo
-PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=true"]
+PARTIAL = [
+    "rollout.cancel=count",
+    "rollout.drop_rate=0.25",
+    "rollout.partial=true",
+    "train.tis_cap=2",
+]
 
 
 @pytest.mark.parametrize(
@@ -112,6 +117,10 @@ PARTIAL = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=tr
         (
             ["rollout.partial=true"],
             "rollout.partial=true suspends cancelled samples, but rollout.cancel=none",
+        ),
+        (  # resumed tokens trained as if the weights being trained sampled them (a reviewer's)
+            PARTIAL[:-1],
+            "rollout.partial trains resumed tokens that older weights sampled: correct them",
         ),
         (
             ["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"],
@@ -222,15 +231,19 @@ def test_a_cancel_policy_cut_only_by_the_rollout_timeout_loads():
     rollout resumes the cut samples (cancel.decide): read with no rate, so not refused."""
     timeout = ["rollout.rollout_timeout_s=60"]
     assert load_config("configs/tiny.yaml", ["rollout.cancel=group", *timeout]).rollout.cancel
-    sets = ["rollout.cancel=count", "rollout.partial=true", *timeout]
+    sets = ["rollout.cancel=count", "rollout.partial=true", "train.tis_cap=2", *timeout]
     assert load_config("configs/tiny.yaml", sets).rollout.resumes()
 
 
 def test_the_ways_out_of_a_refused_nucleus_tis_load():
-    """Partial rollout with top_p < 1 and TIS loads with older tokens masked, or without TIS."""
+    """Partial rollout with top_p < 1 and TIS loads with older tokens masked, with or without
+    TIS; without TIS and unmasked they would train uncorrected, refused."""
     nucleus = PARTIAL + ["rollout.top_p=0.9"]
-    for way_out in (["train.tis_cap=2", "train.max_token_staleness=0"], ["train.tis_cap=0"]):
+    masked = ["train.max_token_staleness=0"]
+    for way_out in (["train.tis_cap=2", *masked], ["train.tis_cap=0", *masked]):
         assert load_config("configs/tiny.yaml", nucleus + way_out).rollout.resumes()
+    with pytest.raises(ConfigError, match="correct them with train.tis_cap"):
+        load_config("configs/tiny.yaml", nucleus + ["train.tis_cap=0"])
 
 
 def test_hostile_dataset_rows_are_counted_and_skipped(tmp_path, caplog):
@@ -876,7 +889,12 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
             assemble.setup(tiny_config(tmp_path, item))
     # partial rollout resumes a cancelled response as the next request's prompt (up to the
     # prompt and 247 tokens here, past the 249 a prompt may hold), though the whole fits
-    partial = ["rollout.cancel=count", "rollout.drop_rate=0.25", "rollout.partial=true"]
+    partial = [
+        "rollout.cancel=count",
+        "rollout.drop_rate=0.25",
+        "rollout.partial=true",
+        "train.tis_cap=2",
+    ]
     with pytest.raises(ConfigError, match="needs up to 252 tokens .* prompt of up to 251"):
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248", *partial))
     with pytest.raises(AssertionError, match="the engine was started"):  # fits without partial
