@@ -9,7 +9,8 @@ the rollout: what dynamic sampling, accuracy and the logged reward read) nor the
 
 To add an estimator: a function `(rewards, group_ids, is_valid, cfg) -> advantages` below, its
 entry in ESTIMATORS, and `train.advantage: <name>` picks it (README "Fork it";
-tests/test_forks.py follows that recipe).
+tests/test_forks.py follows that recipe). The rewards come in float64: build its tensors with
+`rewards.new_zeros` or `dtype=rewards.dtype`.
 """
 
 import torch
@@ -65,7 +66,7 @@ def grpo(rewards, group_ids, is_valid, cfg):
     return group_advantages(rewards, group_ids, is_valid, cfg.train.scale_by_std)[0]
 
 
-# train.advantage -> (rewards [N], group_ids [N], is_valid [N], cfg) -> advantages [N]
+# train.advantage -> (rewards [N] float64, group_ids [N], is_valid [N], cfg) -> advantages [N]
 ESTIMATORS = {"grpo": grpo}
 
 # config.refuse_unread's table: the fields only some estimators read (an estimator of yours that

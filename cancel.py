@@ -406,7 +406,8 @@ def informative_groups(groups, drop=True, mask_truncated=False):
     with `drop`, only the groups it keeps (`keeps`); without, all of them. And the counts: kept
     groups, and zero-variance ones split into all-solved and all-unsolved. A group with fewer than
     two survivors (the rest cancelled or failed) is neither: it has no variance to judge, and
-    trains nothing anyway; nor is one whose every survivor was cut under train.mask_truncated."""
+    trains nothing anyway; nor is one whose uncut survivors (train.mask_truncated) are none or
+    all at its mean (`keeps`)."""
     kept = []
     counts = {"kept_groups": 0, "zero_variance_all_correct": 0, "zero_variance_all_wrong": 0}
     for members in groups:

@@ -111,13 +111,14 @@ def check(cfg):
     ranks (assemble.load_config calls this)."""
     refuse_unread(cfg, READ_WHEN)
     t = cfg.train
-    if cfg.rollout.resumes() and not t.tis_cap and t.max_token_staleness < 0:
+    if cfg.rollout.resumes() and not t.tis_cap and t.max_token_staleness != 0:
         # partial rollout trains tokens older weights sampled: uncorrected, each would weigh as if
-        # the weights being trained sampled it (slime issue 2092, verl issue 6882)
+        # the weights being trained sampled it (slime issue 2092, verl issue 6882); without TIS a
+        # staleness bound k > 0 would still train tokens up to k versions old so
         raise ConfigError(
             "rollout.partial trains resumed tokens that older weights sampled: correct them with "
             "train.tis_cap (e.g. 2: each token weighted by min(pi_old / pi_engine, 2)) or mask "
-            "them with train.max_token_staleness (0: only tokens of the weights being trained)"
+            "them with train.max_token_staleness=0 (only the tokens of the weights being trained)"
         )
     if cfg.rollout.resumes() and cfg.rollout.top_p < 1 and t.tis_cap and t.max_token_staleness:
         # engine_logprobs_on_nucleus moves a token's engine log-prob onto the nucleus with the
@@ -522,7 +523,8 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         prefix_of = torch.full((len(rows), row_width), -1, dtype=torch.long)
         gather = torch.zeros((len(samples), width - 1), dtype=torch.long)
         gathered = torch.zeros((len(samples), width - 1), dtype=torch.bool)
-        # flat positions in [R * W] whose hidden state predicts a response token
+        # flat positions in [R * W] whose hidden state predicts a token the sample trains (not a
+        # tool observation)
         head_index, done = [], 0  # head positions so far, and their count
         pieces = []
         for r, row in enumerate(segments):
@@ -972,9 +974,10 @@ def pack_rows(lengths, max_tokens):
 
 def layout_stats(micro_batches, shared_prefix=False):
     """What the model computed on: the sequences' tokens, the share of padding among the positions
-    it ran (`padded_fraction`), the positions its output head ran on (packed: response tokens
-    only), micro-batch count and sequence tokens per micro-batch. With train.shared_prefix, the
-    positions a shared prompt saved (`shared_prefix_tokens`: tokens the model did not compute)."""
+    it ran (`padded_fraction`), the positions its output head ran on (packed: trained response
+    tokens only, no tool observation), micro-batch count and sequence tokens per micro-batch. With
+    train.shared_prefix, the positions a shared prompt saved (`shared_prefix_tokens`: tokens the
+    model did not compute)."""
     tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches if "filler" not in mb)
     # positions a shared prompt saved (collate counts them)
     saved = sum(int(mb.get("shared_prefix_tokens", 0)) for mb in micro_batches)

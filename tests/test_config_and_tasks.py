@@ -1060,6 +1060,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         "train.overlong_buffer": ["train.overlong_penalty=1.0"],
         "train.max_token_staleness": [
             "rollout.partial=true",
+            "train.tis_cap=2",
             "rollout.cancel=count",
             "rollout.drop_rate=0.25",
         ],

@@ -122,6 +122,10 @@ PARTIAL = [
             PARTIAL[:-1],
             "rollout.partial trains resumed tokens that older weights sampled: correct them",
         ),
+        (  # without TIS a bound > 0 leaves tokens up to that many versions old uncorrected
+            PARTIAL[:-1] + ["train.max_token_staleness=1"],
+            "or mask them with train.max_token_staleness=0",
+        ),
         (
             ["rollout.drop_rate=0.2", "rollout.over_sample_rate=0.2", "rollout.cancel=count"],
             "rollout.drop_rate=0.2 with rollout.over_sample_rate=0.2: set one, not both",

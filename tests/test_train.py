@@ -682,9 +682,11 @@ def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_
         assert kl[i] == pytest.approx(expected.item(), rel=1e-4, abs=1e-4)
     assert kl.abs().max() > 0.1
     compute_advantages(run.trainer, groups)  # kl_in=reward: the cost subtracted first
-    advantages = torch.tensor([turns[-1].advantage for turns in trajectories])
+    # (the stage computes in float64: advantages.compute)
+    advantages = torch.tensor([t[-1].advantage for t in trajectories], dtype=torch.float64)
     first = [i for i, (turn,) in enumerate(trajectories) if turn.group_id == 0]
-    x = torch.tensor([trajectories[i][0].reward for i in first]) - 0.5 * kl[first]
+    x = torch.tensor([trajectories[i][0].reward for i in first], dtype=torch.float64)
+    x = x - 0.5 * kl[first]
     by_hand = (x - x.mean()) / (x.std() + 1e-6)
     torch.testing.assert_close(advantages[first], by_hand, atol=1e-5, rtol=1e-4)
     train.train(run)
