@@ -142,7 +142,7 @@ def compute(trainer, groups):
         )
         # over the trained members: with train.mask_truncated a cut one is not
         trained = is_valid & ~torch.tensor(
-            [t.mask_truncated and s.finish_reason == "length" for s in last_turns],
+            [s.overlong_filtered(t.mask_truncated) for s in last_turns],
             dtype=torch.bool,
         )
         metrics["train/overlong_penalty"] = ratio((penalty * trained).sum(), trained.sum())

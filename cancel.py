@@ -341,9 +341,7 @@ def keeps(survivors, mask_truncated):
     mean = statistics.fmean(rewards)
     # (without mask_truncated every survivor trains, and one is off the mean: the std says so)
     return any(
-        abs(s.reward - mean) > 1e-6
-        for s in survivors
-        if not (mask_truncated and s.finish_reason == "length")
+        abs(s.reward - mean) > 1e-6 for s in survivors if not s.overlong_filtered(mask_truncated)
     )
 
 

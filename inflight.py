@@ -109,7 +109,6 @@ class Rollout:
         self.cancelled = set()  # request indices cancelled: no new turn starts
         self.cancelling = set()  # rids this side aborted on purpose (any other abort: a failure)
         self.group_of = {}  # request index -> its group id
-        self.timed_out = False  # rollout.rollout_timeout_s made the decision
         # what features add (each empty, or unused, with the feature off)
         self.group_filter = group_filter  # dynamic sampling's GroupFilter, or None
         self.next_group = 0  # dynamic sampling: the group id a refill gets next
@@ -153,7 +152,7 @@ class Rollout:
         # decision and the abort: it is kept; a failure is a failure)
         cut = [t for t in self.tasks if t.result()[-1].finish_reason == "abort"]
         stats.num_cancelled = len(cut)
-        if self.timed_out:  # those the timeout's abort cut (not a reward still running then)
+        if self.timed_out():  # those the timeout's abort cut (not a reward still running then)
             stats.num_timed_out = sum(t in pending for t in cut)
         stats.rollout_s = time.perf_counter() - self.start
         samples = [turn for t in self.tasks for turn in t.result()]
@@ -312,18 +311,20 @@ class Rollout:
     async def cancel_the_rest(self, pending):
         """At the decision: abort what is still running (timed out, if the rollout timeout
         decided: `run` counts what it cut)."""
-        stats = self.stats
-        timeout_s = self.settings.timeout_s
-        self.timed_out = bool(timeout_s) and stats.decision_s >= timeout_s
-        if self.timed_out:
+        if self.timed_out():
             log.warning(
                 "rollout.rollout_timeout_s=%s reached: %d trajectories unfinished, what they "
                 "still generate aborted (treated as cancelled)",
-                timeout_s,
+                self.settings.timeout_s,
                 len(pending),
             )
         await self.abort(pending)
-        stats.cancel_latency_s = time.perf_counter() - self.start - stats.decision_s
+        self.stats.cancel_latency_s = time.perf_counter() - self.start - self.stats.decision_s
+
+    def timed_out(self):
+        """Whether rollout.rollout_timeout_s made the decision."""
+        timeout_s = self.settings.timeout_s
+        return bool(timeout_s) and self.stats.decision_s >= timeout_s
 
     async def stop_every_task(self):
         """After an error: abort what still runs in the engine and wait for every task (a

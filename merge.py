@@ -269,7 +269,7 @@ def training_sequences(trajectories, cfg, max_seq_len):
         if any(len(s.prompt_ids) + len(s.response_ids) > max_seq_len for s in finished):
             continue
         num_fitting += len(finished)
-        if mask_truncated and turns[-1].finish_reason == "length":
+        if turns[-1].overlong_filtered(mask_truncated):
             continue
         if len(finished) > 1 and merge_turns and sequence_level_loss(cfg):
             # a turn that does not extend the tokens before it (a tool loop of your own that

@@ -319,7 +319,7 @@ def filter_metrics(trajectories, counts, stats, target_groups, filtering, mask_t
     rewards = [
         turns[-1].reward
         for turns in trajectories
-        if not (turns[-1].masked or (mask_truncated and turns[-1].finish_reason == "length"))
+        if not (turns[-1].masked or turns[-1].overlong_filtered(mask_truncated))
     ]
     return {
         **{f"filter/{name}": summed(value) for name, value in counts.items()},

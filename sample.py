@@ -89,6 +89,13 @@ class Sample:
         if not self.versions and self.response_ids:
             self.versions = array.array("i", [self.weight_version]) * len(self.response_ids)
 
+    def overlong_filtered(self, mask_truncated):
+        """Whether this last turn's trajectory is left out of training by DAPO's overlong
+        filtering (train.mask_truncated): cut at the token budget. It stays in its group's
+        statistics; merge.training_sequences drops it, and what counts the trained batch
+        (dynamic sampling's keep rule, the logged rewards, the overlong penalty) leaves it out."""
+        return mask_truncated and self.finish_reason == "length"
+
     def prompt_key(self):
         """What samples computing their prompt once (train.shared_prefix) must have in common:
         its tokens and, with routing replay, the experts the engine routed them to (computed
