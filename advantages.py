@@ -129,8 +129,13 @@ def compute(trainer, groups):
     # nothing)
     rewards = torch.tensor([s.reward for s in last_turns], dtype=torch.float64)
     is_valid = torch.tensor([not s.masked for s in last_turns], dtype=torch.bool)
-    metrics = {}
     t = cfg.train
+    # what the logged means read: the members that train (with train.mask_truncated a cut one is
+    # in its group's statistics but trains nothing)
+    trained = is_valid & ~torch.tensor(
+        [s.overlong_filtered(t.mask_truncated) for s in last_turns], dtype=torch.bool
+    )
+    metrics = {}
     if t.overlong_penalty:  # single-turn (`check`): the response is the last turn's
         budget = cfg.rollout.max_trajectory_tokens()
         penalty = torch.tensor(
@@ -140,16 +145,11 @@ def compute(trainer, groups):
             ],
             dtype=torch.float64,
         )
-        # over the trained members: with train.mask_truncated a cut one is not
-        trained = is_valid & ~torch.tensor(
-            [s.overlong_filtered(t.mask_truncated) for s in last_turns],
-            dtype=torch.bool,
-        )
         metrics["train/overlong_penalty"] = ratio((penalty * trained).sum(), trained.sum())
         rewards = rewards + penalty
     if t.kl_in == "reward":
         kl_cost = t.kl_coef * reference_kl(trainer, trajectories)
-        metrics["train/reward_kl_cost"] = ratio((kl_cost * is_valid).sum(), is_valid.sum())
+        metrics["train/reward_kl_cost"] = ratio((kl_cost * trained).sum(), trained.sum())
         rewards = rewards - kl_cost
     advantages = ESTIMATORS[cfg.train.advantage](rewards, group_ids, is_valid, cfg)
     # an estimator of yours: one advantage per trajectory, or the update would broadcast a [N, 1]

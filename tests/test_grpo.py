@@ -94,6 +94,42 @@ def test_the_advantage_stage_leaves_a_cancelled_member_out_of_its_group(tmp_path
     assert got == pytest.approx([-0.549, 0.549, -0.549, 0.549], abs=1e-3)
 
 
+def test_the_stage_logs_its_reward_shaping_over_trained_members_only(tmp_path, monkeypatch):
+    """The overlong penalty and the KL cost in the reward are logged as means over the members
+    that train: not a cancelled one, and under train.mask_truncated not one cut at the budget
+    (the cut one's shaped reward stays in its group's statistics). Demo budget 48, buffer 16: 40
+    tokens -0.5, 44 -0.75, 48 -1."""
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            f"run.out={tmp_path}",
+            "train.overlong_penalty=1.0",
+            "train.overlong_buffer=16",
+            "train.mask_truncated=true",
+            "train.kl_in=reward",
+            "train.kl_coef=0.5",
+        ],
+    )
+    # the KL each trajectory would have to the reference
+    kl = torch.tensor([1.0, 2.0, 3.0, 8.0], dtype=torch.float64)
+    monkeypatch.setattr(advantages, "reference_kl", lambda trainer, trajectories: kl)
+
+    def member(length, reason, masked=False):
+        turn = Sample([1], [2] * length, [0.0] * length, [1] * length, group_id=0, reward=1.0)
+        turn.finish_reason, turn.masked = reason, masked
+        return [turn]
+
+    group = [
+        member(40, "stop"),
+        member(48, "length"),  # cut: trains nothing under mask_truncated
+        member(44, "abort", masked=True),  # cancelled
+        member(36, "stop"),  # -0.25
+    ]
+    _, metrics = advantages.compute(types.SimpleNamespace(cfg=cfg), [group])
+    assert metrics["train/overlong_penalty"].value == pytest.approx((-0.5 - 0.25) / 2)
+    assert metrics["train/reward_kl_cost"].value == pytest.approx(0.5 * (1 + 8) / 2)
+
+
 def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
     """Groups with fewer than two survivors get advantage 0 (finite) and are counted as
     degenerate; with every sample aborted, all groups are."""
@@ -436,8 +472,8 @@ def test_kl_estimators_hand_computed():
     """Schulman's estimators at log pi = -1.0, log pi_ref = -1.2 (r = -0.2): k1 0.2, k2 0.02,
     k3 = exp(-0.2) + 0.2 - 1; low_var_kl is k3 until verl's clamps bite (r clamped to 20 before
     exp, the estimate to 10). Their gradients in log pi: k1 1, k2 -r = 0.2, k3 1 - exp(r)."""
-    logprobs = torch.tensor([[-1.0, -31.0]], dtype=torch.float64, requires_grad=True)
-    ref = torch.tensor([[-1.2, -1.0]], dtype=torch.float64)  # the second: r = 30
+    logprobs = torch.tensor([[-1.0, -31.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0, -16.0]], dtype=torch.float64)  # then r = 30 and r = -15
     k3 = math.exp(-0.2) + 0.2 - 1
     expected = {"k1": 0.2, "k2": 0.02, "k3": k3, "low_var_kl": k3}
     grads = {"k1": 1.0, "k2": 0.2, "k3": 1 - math.exp(-0.2), "low_var_kl": 1 - math.exp(-0.2)}
@@ -448,6 +484,8 @@ def test_kl_estimators_hand_computed():
         assert grad[0, 0].item() == pytest.approx(grads[name], abs=1e-12), name
     assert losses.kl_estimate(logprobs, ref, "k3")[0, 1].item() == pytest.approx(math.exp(30) - 31)
     assert losses.kl_estimate(logprobs, ref, "low_var_kl")[0, 1].item() == 10.0
+    # r = -15: k3 = e^-15 + 14, clamped to 10 (r clamped to -10 first would give e^-10 + 9)
+    assert losses.kl_estimate(logprobs, ref, "low_var_kl")[0, 2].item() == 10.0
     with pytest.raises(ValueError, match="k4"):
         losses.kl_estimate(logprobs, ref, "k4")
 
@@ -502,6 +540,19 @@ def test_entropy_bonus_subtracts_coef_times_entropy_with_its_gradient():
     assert loss.item() == pytest.approx(base.item() - 0.1 * 0.75)
     loss.backward()
     assert entropy.grad.tolist()[0] == pytest.approx([-0.05, -0.05, 0.0])
+    # its logged value is the mean over trained tokens whatever the loss's aggregation: sequences
+    # of 1 and 3 trained tokens, entropies 1 and 2, 2, 2: 7/4 (the mean of the sequence means
+    # would be 1.5)
+    _, stats = losses.policy_loss(
+        torch.zeros(2, 3),
+        torch.zeros(2, 3),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]]),
+        agg_mode="seq-mean-token-mean",
+        entropy=torch.tensor([[1.0, 5.0, 5.0], [2.0, 2.0, 2.0]]),
+        terms={"entropy": 0.1},
+    )
+    assert stats["term_entropy"].item() == pytest.approx(-7 / 4)
 
 
 def test_token_entropy_has_a_graph_only_when_asked():
