@@ -211,9 +211,10 @@ class Rollout:
                 self.engine.request(rid, prompt_ids, sampling), timeout=timeout_s
             )
         except asyncio.TimeoutError:
-            # abort it inside the engine too, and wait until the engine let it go
-            await self.engine.abort_and_wait(rid, self.cfg.abort_timeout_s)
             log.error("request %s timed out after rollout.request_timeout_s=%s", rid, timeout_s)
+            # abort it inside the engine too, and wait until the engine let it go (a RolloutError
+            # if it does not, as the decision's abort raises: the run saves and ends)
+            await self.engine.abort_and_wait(rid, self.cfg.abort_timeout_s)
             return self.failed(request, prompt_ids=prompt_ids, turn=turn)
         except Exception as e:  # noqa: BLE001 - counted and logged, never silently padding
             log.error("request %s failed inside the engine: %r", rid, e)

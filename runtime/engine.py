@@ -222,10 +222,14 @@ class Engine:
             raise RolloutError(f"aborting {len(rids)} requests failed in the engine: {e!r}") from e
 
     async def abort_and_wait(self, rid, timeout_s):
-        """Abort one request and wait (at most `timeout_s`) until the engine has let it go."""
-        self.tokenizer_manager.abort_request(rid=rid)
+        """Abort one request and wait (at most `timeout_s`) until the engine has let it go; a
+        RolloutError if it has not (still in the engine, it would hold its memory into the
+        train phase: memory.MemoryPhases refuses to release with a request in flight)."""
+        self.abort([rid])
         deadline = time.perf_counter() + timeout_s
-        while rid in self.tokenizer_manager.rid_to_state and time.perf_counter() < deadline:
+        while rid in self.tokenizer_manager.rid_to_state:
+            if time.perf_counter() >= deadline:
+                raise RolloutError(f"request {rid}'s abort did not return within {timeout_s}s")
             await asyncio.sleep(0.01)
 
     def num_in_flight(self):

@@ -411,6 +411,8 @@ def test_an_over_long_trajectory_is_dropped_whole_merged_or_not(tmp_path):
         assert {s.trajectory_id for s in kept} == {1}, merge_turns
         dropped = 1 if merge_turns == "true" else len(long)
         assert metrics["merge/over_length_dropped"].value == dropped
+        # dropped for its length, not masked as cut at the budget
+        assert metrics["train/truncated_masked"].value == 0
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum"])

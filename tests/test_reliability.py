@@ -585,10 +585,12 @@ def engine_limits(engine):
     engine.cfg = original
 
 
-def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits, caplog):
+def test_a_request_over_its_timeout_is_aborted_and_counted(
+    engine, engine_limits, caplog, monkeypatch
+):
     """Requests over request_timeout_s are aborted inside the engine and logged: over
     max_failed_ratio a RolloutError, within it counted as failed samples; no request is left in
-    the engine."""
+    the engine, and one whose abort the engine does not act on is a RolloutError."""
     engine_limits(request_timeout_s=0.05)
     with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
         engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
@@ -600,6 +602,26 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(engine, engine_limits
     engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)
     samples, stats = engine.generate(PROMPTS, 8, 1.0, 200)
     assert stats.num_failed > 0 and all(s.masked for s in samples if s.finish_reason == "error")
+    assert engine.num_in_flight() == 0
+    # an abort the engine does not act on within rollout.abort_timeout_s: a RolloutError (the run
+    # saves), as at the cancel decision; a reviewer found the rollout returning with the request
+    # still in the engine, and the step then failing on the memory release with no checkpoint
+    engine_limits(request_timeout_s=0.05, abort_timeout_s=0.1, max_failed_ratio=1.0)
+    manager = engine.tokenizer_manager
+    real = manager.abort_request
+    monkeypatch.setattr(manager, "abort_request", lambda *args, **kwargs: None)  # dropped
+    try:
+        with pytest.raises(train.RolloutError, match="abort did not return within 0.1s"):
+            engine.generate(PROMPTS, 2, 1.0, 200)
+        left = [
+            task
+            for task in asyncio.all_tasks(engine.engine.loop)
+            if task.get_coro().__name__ == "with_reward"
+        ]
+        assert not left, left
+    finally:
+        monkeypatch.setattr(manager, "abort_request", real)
+        let_go(engine)
     assert engine.num_in_flight() == 0
 
 
@@ -656,16 +678,22 @@ def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkey
             if task.get_coro().__name__ == "with_reward"
         ]
         assert not left, left
-    finally:  # the requests were never aborted: the shared engine lets them go, on its loop
+    finally:
         monkeypatch.setattr(manager, "abort_request", real)
-
-        async def let_go(deadline=time.perf_counter() + 30):
-            manager.abort_request(abort_all=True)
-            while manager.rid_to_state and time.perf_counter() < deadline:
-                await asyncio.sleep(0.05)
-
-        engine._run(let_go())
+        let_go(engine)
     assert engine.num_in_flight() == 0
+
+
+def let_go(engine):
+    """Requests a test kept from being aborted: the shared engine lets them go, on its loop."""
+    manager = engine.tokenizer_manager
+
+    async def abort_all(deadline=time.perf_counter() + 30):
+        manager.abort_request(abort_all=True)
+        while manager.rid_to_state and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+
+    engine._run(abort_all())
 
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
