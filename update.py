@@ -216,15 +216,16 @@ def update_policy(trainer, sequences, step):
         if trainer.reference is not None and t.kl_in == "loss":
             reference_logprobs(trainer, every_mb)
         for minibatch in minibatches:
-            minibatch_loss, grad_norm = optimizer_step(
+            minibatch_loss, grad_norm, trained = optimizer_step(
                 trainer,
                 minibatch,
                 token_stats,
                 mark_last,
                 pi_old_detached=source == "detached",
             )
-            losses.append(minibatch_loss)
-            grad_norms.append(grad_norm)
+            if trained:  # one that trained nothing (its 0 and 0) would pull the means down
+                losses.append(minibatch_loss)
+                grad_norms.append(grad_norm)
             skipped += not (math.isfinite(minibatch_loss) and math.isfinite(grad_norm))
     if source != "engine":  # engine vs trainer: only where the trainer computed pi_old
         stats |= logprob_gap(every_mb)
@@ -232,8 +233,9 @@ def update_policy(trainer, sequences, step):
     if t.routing_replay:  # trained sequences the engine sent no routes for (their own routing)
         stats["train/unrouted_sequences"] = summed(sum(mb["unrouted"] for mb in every_mb))
     stats["train/skipped_updates"] = skipped
-    stats["train/loss"] = sum(losses) / len(losses)  # mean over the step's minibatches
-    stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    # means over the step's minibatches that trained a token (0 when none did)
+    stats["train/loss"] = sum(losses) / len(losses) if losses else 0.0
+    stats["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
     stats |= token_stats.means()
     if stats.get("train/routes_refused"):
         log.warning(
@@ -352,7 +354,8 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
     `mark_last(flag)` (a function from parallel.gathered_for_update) is told whether the coming
     micro-batch is the minibatch's last.
     With top_p < 1 the head's nucleus reads the host once per 1,024-token chunk (loss.nucleus_edge).
-    Returns (the minibatch's loss, its gradient norm), both global over ranks."""
+    Returns (the minibatch's loss, its gradient norm, its trained count), all global over
+    ranks."""
     t = trainer.cfg.train
     terms = loss.term_coefficients(t)
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -385,7 +388,7 @@ def optimizer_step(trainer, minibatch, token_stats, mark_last, pi_old_detached=F
         # AdamW for good
         log.warning("non-finite loss %s or grad norm %s: update skipped", minibatch_loss, grad_norm)
         trainer.optimizer.zero_grad(set_to_none=True)
-    return minibatch_loss, grad_norm
+    return minibatch_loss, grad_norm, trained
 
 
 def micro_batch_backward(trainer, mb, count, total, token_stats, terms, pi_old_detached):

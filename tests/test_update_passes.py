@@ -140,9 +140,16 @@ def test_a_minibatch_with_no_trained_token_leaves_the_weights_alone(tmp_path, ca
     trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
     steps = []
     trainer.optimizer.register_step_post_hook(lambda *args: steps.append(1))
-    train_on(trainer, samples[:2], advantages[:2])
+    stats = train_on(trainer, samples[:2], advantages[:2])
     assert len(steps) == 2  # one per minibatch that holds a sequence
     assert trainer.scheduler.last_epoch == 4  # and a slot for each of the 4
+    # the logged loss and norm are means over the 2 that trained, as 2 minibatches give: the
+    # empty ones' 0 had halved both (a reviewer's)
+    cfg = dist_worker.parity_config(tmp_path, "token-mean", "train.num_minibatches=2")
+    trainer = setup_run.trainer_only(cfg, model.build_policy(cfg, None)[0])
+    two = train_on(trainer, samples[:2], advantages[:2])
+    for key in ("train/loss", "train/grad_norm"):
+        assert stats[key] == pytest.approx(two[key], rel=1e-6) and abs(two[key]) > 1e-3, key
 
 
 def test_minibatches_split_the_samples_evenly(tmp_path):
