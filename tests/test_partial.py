@@ -250,6 +250,9 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
     counters = []
     for version in range(1, 6):
         resumes, new, held = buffer.launch(Handout([]), 0, version)
+        # what dynamic sampling judges the held group on: its finished member, not the one
+        # resumed (still the aborted sample in the group)
+        assert buffer.held_survivors() == {resumes[0].group_id: [finished]}
         assert (
             len(resumes) == 1 and buffer.collect(continue_and_cancel(resumes, version), held) == []
         )
@@ -258,6 +261,7 @@ def test_a_restarted_sample_too_old_again_is_given_up_and_its_group_trains():
         group, index = buffer.waiting[0]
         logged = reduce_metrics(buffer.metrics())
         assert logged["rollout/aborted_len_max"] == len(group.members[index][-1].response_ids)
+        assert logged["rollout/aborted_ratio"] == 1.0  # the one launched was cancelled again
     # version 6, a batch of one group: the sample is given up, not launched, and a new prompt takes
     # its place
     other = sample.Prompt([1, 3], "2")
@@ -466,6 +470,13 @@ def test_each_rank_resumes_the_groups_it_held():
     assert answers(share_state(merged, 1, 2)) == (["d"], [(0, 0)])
     assert answers(share_state(merged, 0, 1)) == (["a", "b", "c", "d"], [(i, 0) for i in range(4)])
     assert [answers(share_state(merged, r, 4))[0] for r in range(4)] == [["a"], ["b"], ["c"], ["d"]]
+    # five held by ranks of 3 and 2, resumed on 3 ranks: even contiguous shares, none twice
+    five = merge_states([state("a", "b", "c"), state("d", "e")])
+    assert [answers(share_state(five, r, 3))[0] for r in range(3)] == [
+        ["a"],
+        ["b", "c"],
+        ["d", "e"],
+    ]
     old = {key: merged[key] for key in ("groups", "waiting")}
     assert answers(share_state(old, 1, 2))[0] == ["c", "d"]
 
