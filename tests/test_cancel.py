@@ -162,3 +162,60 @@ def test_under_the_group_policy_a_group_with_a_failed_member_is_not_kept():
         tally.returned(member(0, 0.0))
         tally.returned(member(0))  # failed
         assert tally.kept == kept
+
+
+def test_what_the_filter_and_partial_rollout_change_in_the_group_policys_decision():
+    """The group policy trains the first `target_groups` complete groups; with dynamic sampling
+    every complete group goes to the filter (it judges each: the target counts kept ones), and
+    with partial rollout nothing is dropped (an incomplete group's finished members wait)."""
+    progress = finished((0, 1.0), (0, 1.0), (1, 1.0), (1, 1.0), (3, 1.0), (3, 1.0), (2, 1.0))
+    progress.returned([Sample([1], [2], [0.0], [1], group_id=2)], elapsed_s=2.0)
+    assert progress.complete_groups == [0, 1, 3, 2]
+    assert decide(plan("group"), progress).keep_groups == {0, 1, 3}
+    assert decide(plan("group", filter_groups=True), progress).keep_groups == {0, 1, 2, 3}
+    assert decide(plan("group", partial=True), progress).keep_groups is None
+
+
+def test_the_rollout_timeout_is_the_latest_wake_up():
+    """A policy's own wake-up later than rollout.rollout_timeout_s (time's deadline of 5 s,
+    a timeout of 3 s) wakes at the timeout, to stop there."""
+    policy = plan("time", time_quantile=0.8, time_factor=1.5)
+    progress = finished((0, 1.0), (0, 1.0), (1, 1.5), (1, 1.5), (2, 2.0))
+    progress.elapsed_s = 2.5
+    assert decide(policy, progress).wake_at_s == 5.0
+    decision = decide(policy, progress, timeout_s=3.0)
+    assert not decision.stop and decision.wake_at_s == 3.0
+
+
+def test_progress_counts_every_turns_tokens_and_dropping_keeps_an_abort_an_abort():
+    """Progress.returned_tokens (what a token-budget policy of yours reads) counts every turn of a
+    returned trajectory, cancelled ones too; drop_other_groups masks the finished members of the
+    groups not kept as "dropped" and leaves a cancelled one "abort" (rollout/aborted counts it)."""
+    from cancel import drop_other_groups
+
+    progress = Progress(group_size=2)
+    turns = [
+        Sample([1], [2, 3, 4], [0.0] * 3, [1] * 3, 0),
+        Sample([1], [5, 6], [0.0] * 2, [1] * 2, 0),
+    ]
+    progress.returned(turns, elapsed_s=1.0)
+    progress.returned([Sample([1], [7], [0.0], [1], 0, masked=True, finish_reason="abort")], 1.0)
+    assert progress.returned_tokens == 6
+    done = Sample([1], [2], [0.0], [1], group_id=1)
+    cut = Sample([1], [2], [0.0], [1], group_id=1, masked=True, finish_reason="abort")
+    kept = Sample([1], [2], [0.0], [1], group_id=0)
+    drop_other_groups([done, cut, kept], keep_groups=frozenset({0}))
+    assert (done.masked, done.finish_reason) == (True, "dropped")
+    assert cut.finish_reason == "abort" and (kept.masked, kept.finish_reason) == (False, "stop")
+
+
+def test_a_zero_variance_group_is_all_correct_only_at_full_reward():
+    """informative_groups' zero-variance kinds: every survivor at reward 1 is all-correct; equal
+    partial credit (0.7 each) is not."""
+    from cancel import informative_groups
+
+    def group(reward):
+        return [[Sample([1], [2], [0.0], [1], 0, reward=reward)] for _ in range(2)]
+
+    _, counts = informative_groups([group(1.0), group(0.7), group(0.0)])
+    assert counts["zero_variance_all_correct"] == 1 and counts["zero_variance_all_wrong"] == 2
