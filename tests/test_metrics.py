@@ -30,18 +30,18 @@ def sample(trajectory_id, reward, length, masked=False, finish_reason="stop", tu
 
 def test_completed_vs_launched_reward_means():
     """The completed reward mean averages survivors only, the launched mean counts aborted and
-    failed samples as 0; counts, ratios, wasted tokens, lengths and throughput come out as
-    computed by hand. The throughput is what the engine generated in the rollout
-    (`RolloutStats.generated_tokens`), not the tokens of the trajectories handed back: with
-    partial rollout those are the complete groups', earlier steps' tokens in, this step's
-    suspended out (an all-held step logged 0 tokens/s)."""
+    failed samples as 0; counts, ratios, wasted tokens, lengths, throughput and the trained batch's
+    figures come out as computed by hand. The throughput is what the engine generated in the rollout
+    (`RolloutStats.generated_tokens`), not the tokens of the trajectories handed back: with partial
+    rollout those are the complete groups', earlier steps' tokens in, this step's suspended out (an
+    all-held step logged 0 tokens/s)."""
     samples = [
         sample(0, 1.0, 4),
-        sample(1, 0.5, 6),
+        sample(1, 0.5, 6, finish_reason="length"),
         sample(2, 0.0, 30, masked=True, finish_reason="abort"),
         sample(3, 0.0, 0, masked=True, finish_reason="error"),
     ]
-    stats = RolloutStats(rollout_s=2.0, generated_tokens=40)
+    stats = RolloutStats(rollout_s=2.0, generated_tokens=40, num_tool_calls=3)
     check_failures(samples, stats, max_failed_ratio=1.0)  # as Rollout.run counts them
     out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
     assert out["rollout/reward_mean_completed"] == pytest.approx(0.75)  # survivors only
@@ -51,6 +51,18 @@ def test_completed_vs_launched_reward_means():
     assert out["rollout/wasted_tokens"] == 30 and out["rollout/aborted_len_max"] == 30
     assert out["rollout/response_len_mean"] == pytest.approx(5.0)
     assert out["perf/rollout_tokens_per_s"] == pytest.approx(40 / 2.0)
+    assert out["rollout/truncated_ratio"] == 0.5  # of the finished
+    assert out["rollout/tool_calls_per_trajectory"] == 0.75  # of the launched
+    # the trained batch's figures: accuracy counts full rewards; the filter's truncated steps
+    # only where it filters
+    counts = {"kept_groups": 0, "zero_variance_all_correct": 0, "zero_variance_all_wrong": 0}
+    trained = reduce_metrics(filter_metrics(trajectories_of(samples), counts, stats, 1, False))
+    assert trained["train/accuracy"] == 0.5 and trained["train/reward_mean"] == 0.75
+    assert trained["filter/truncated_steps"] == 0
+    partial_credit = filter_metrics(trajectories_of([sample(0, 0.7, 4)]), counts, stats, 1, False)
+    assert reduce_metrics(partial_credit)["train/accuracy"] == 0
+    filtered = filter_metrics(trajectories_of(samples), counts, stats, 1, True)
+    assert reduce_metrics(filtered)["filter/truncated_steps"] == 1
     held = RolloutStats(rollout_s=2.0, generated_tokens=5000, num_failed=2)
     assert reduce_metrics(rollout_metrics([], held))["perf/rollout_tokens_per_s"] == 2500
     # the rollout's own failures too (a reviewer found a held group's counted when it completed,
