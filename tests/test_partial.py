@@ -87,9 +87,12 @@ def test_resumed_sample_holds_every_token_aligned(engine, policy, tmp_path):
     assert ((old_logprobs - batch["engine_logprobs"]).abs() * batch["loss_mask"]).max() < 1e-4
     perturb_and_sync(engine, policy, version=1)
     resumes = [dataclasses.replace(s, group_id=i, masked=False) for i, s in enumerate(partial)]
-    resumed, _ = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
+    resumed, stats = engine.generate([], 8, 1.0, BUDGET, resumes=resumes)
     assert engine.num_in_flight() == 0
     assert len(resumed) == len(partial)
+    # what this rollout generated and launched: the new tokens only, and no new prompt
+    new_tokens = sum(len(a.response_ids) - len(b.response_ids) for a, b in zip(resumed, partial))
+    assert stats.generated_tokens == new_tokens and stats.prompts_launched == 0
     for before, after in zip(partial, resumed):
         k = len(before.response_ids)
         assert after.prompt_ids == before.prompt_ids  # the prompt, not prompt + partial
