@@ -4,6 +4,7 @@ slowest member; the staleness bound restarts old samples; old tokens are importa
 masked; the buffer survives a checkpoint."""
 
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -492,6 +493,24 @@ def test_a_sample_state_written_before_the_masked_rename_loads():
     assert Sample.from_state(state) == s
     state["is_aborted"] = state.pop("masked")
     assert Sample.from_state(state) == s
+
+
+def test_the_staleness_histogram_and_stale_weights_hand_computed():
+    """update.offpolicy_stats over the trained tokens: staleness 0, 0, 1, 2, 5 (and one untrained
+    token of staleness 3) count one bin each, 4+ holding the 5; the stale tokens' importance
+    weight pi_old / pi_engine capped at tis_cap 2: e^0.5 = 1.65 and e^1 capped at 2 and 1, mean
+    (1.6487 + 2 + 1) / 3, one capped of three."""
+    mb = {
+        "loss_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]),
+        "staleness": torch.tensor([[0, 0, 1, 2, 5, 3]]),
+        "old_logprobs": torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0, -1.0]]),
+        "engine_logprobs": torch.tensor([[-1.0, -1.0, -1.5, -2.5, -1.0, -9.0]]),
+    }
+    out = reduce_metrics(update.offpolicy_stats([mb], tis_cap=2.0))
+    bins = [out[f"staleness/tokens_{k}"] for k in ("0", "1", "2", "3", "4+")]
+    assert bins == [2, 1, 1, 0, 1] and out["train/stale_token_frac"] == pytest.approx(3 / 5)
+    assert out["train/stale_is_weight"] == pytest.approx((math.exp(0.5) + 2 + 1) / 3)
+    assert out["train/stale_is_capped_frac"] == pytest.approx(1 / 3)
 
 
 def test_merged_turns_carry_their_token_versions():
