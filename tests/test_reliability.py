@@ -607,22 +607,11 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(
     # saves), as at the cancel decision; a reviewer found the rollout returning with the request
     # still in the engine, and the step then failing on the memory release with no checkpoint
     engine_limits(request_timeout_s=0.05, abort_timeout_s=0.1, max_failed_ratio=1.0)
-    manager = engine.tokenizer_manager
-    real = manager.abort_request
-    monkeypatch.setattr(manager, "abort_request", lambda *args, **kwargs: None)  # dropped
-    try:
-        with pytest.raises(train.RolloutError, match="abort did not return within 0.1s"):
-            engine.generate(PROMPTS, 2, 1.0, 200)
-        left = [
-            task
-            for task in asyncio.all_tasks(engine.engine.loop)
-            if task.get_coro().__name__ == "with_reward"
-        ]
-        assert not left, left
-    finally:
-        monkeypatch.setattr(manager, "abort_request", real)
-        let_go(engine)
-    assert engine.num_in_flight() == 0
+
+    def dropped(*args, **kwargs):  # sent, and never acted on
+        return None
+
+    with_aborts(engine, monkeypatch, dropped, "abort did not return within 0.1s", PROMPTS, 2)
 
 
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
@@ -662,16 +651,24 @@ def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkey
     plan = plan_launch(
         tiny_config("/tmp", "rollout.cancel=count", "rollout.drop_rate=0.5").rollout, 4
     )
-    manager = engine.tokenizer_manager
-    real = manager.abort_request
 
     def refused(*args, **kwargs):
         raise RuntimeError("zmq send failed")
 
-    monkeypatch.setattr(manager, "abort_request", refused)
+    match = "aborting .* requests failed in the engine"
+    with_aborts(engine, monkeypatch, refused, match, PROMPTS, 8, plan)
+
+
+def with_aborts(engine, monkeypatch, abort_request, match, prompts, group_size, plan=None):
+    """A rollout on the shared engine whose SGLang abort_request is replaced: a RolloutError
+    matching `match`, and no rollout task left on the engine's loop. Then the requests it kept
+    from being aborted are let go, on that loop."""
+    manager = engine.tokenizer_manager
+    real = manager.abort_request
+    monkeypatch.setattr(manager, "abort_request", abort_request)
     try:
-        with pytest.raises(train.RolloutError, match="aborting .* requests failed in the engine"):
-            engine.generate(PROMPTS, 8, 1.0, 200, plan)
+        with pytest.raises(train.RolloutError, match=match):
+            engine.generate(prompts, group_size, 1.0, 200, plan)
         left = [
             task
             for task in asyncio.all_tasks(engine.engine.loop)
@@ -680,20 +677,14 @@ def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkey
         assert not left, left
     finally:
         monkeypatch.setattr(manager, "abort_request", real)
-        let_go(engine)
+
+        async def let_go(deadline=time.perf_counter() + 30):
+            manager.abort_request(abort_all=True)
+            while manager.rid_to_state and time.perf_counter() < deadline:
+                await asyncio.sleep(0.05)
+
+        engine._run(let_go())
     assert engine.num_in_flight() == 0
-
-
-def let_go(engine):
-    """Requests a test kept from being aborted: the shared engine lets them go, on its loop."""
-    manager = engine.tokenizer_manager
-
-    async def abort_all(deadline=time.perf_counter() + 30):
-        manager.abort_request(abort_all=True)
-        while manager.rid_to_state and time.perf_counter() < deadline:
-            await asyncio.sleep(0.05)
-
-    engine._run(abort_all())
 
 
 def test_4096_concurrent_requests_complete_or_cancel(engine, tmp_path):
