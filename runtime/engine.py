@@ -410,22 +410,27 @@ class Engine:
         self.engine.shutdown()
 
     def kill(self):
-        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown): SIGKILL
-        to every process below this one, neither logged nor waited for, unlike SGLang's
-        kill_process_tree (srt/utils/common.py: an INFO line first, then up to 60 s of reaping,
-        then a RuntimeError), since stderr may be a full pipe and nothing here may block.
-        Multiprocessing's resource tracker is spared (SGLang's kill takes it too): once this
-        process has exited it unlinks the shared memory and semaphores the engine's processes
-        registered, which would otherwise stay in /dev/shm (after its warning about them, which
-        goes to stderr: while that is a stalled pipe, it waits there)."""
-        tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-        for child in psutil.Process().children(recursive=True):
-            if child.pid == tracker:
-                continue
-            try:
-                child.kill()
-            except psutil.Error:  # gone meanwhile
-                pass
+        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown):
+        `kill_engine_processes`."""
+        kill_engine_processes()
+
+
+def kill_engine_processes():
+    """SIGKILL to every process below this one, neither logged nor waited for, unlike SGLang's
+    kill_process_tree (srt/utils/common.py: an INFO line first, then up to 60 s of reaping, then a
+    RuntimeError), since stderr may be a full pipe and nothing here may block. Multiprocessing's
+    resource tracker is spared (SGLang's kill takes it too): once this process has exited it
+    unlinks the shared memory and semaphores the engine's processes registered, which would
+    otherwise stay in /dev/shm (after its warning about them, which goes to stderr: while that is
+    a stalled pipe, it waits there)."""
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    for child in psutil.Process().children(recursive=True):
+        if child.pid == tracker:
+            continue
+        try:
+            child.kill()
+        except psutil.Error:  # gone meanwhile
+            pass
 
 
 def write_without_blocking(line, wait_s=0.2):
@@ -487,6 +492,66 @@ class StopSignal:
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class HeldSignals:
+    """SIGINT and SIGTERM during the engine's start-up, from the fork of its processes until it
+    is up (its model load: minutes for a large model on a GPU), held and handed on once it is up
+    (`hand_on`), as if they came then; a second one exits at once (the engine's processes killed,
+    exit 130). A Ctrl-C at start-up used to be ignored, and the run went on to train; one in the
+    second before the fork still is (SIGINT is ignored while SGLang forks: `start_sglang`)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum, self.received_at = None, 0.0
+
+    def once_forked(self, sglang_engine):
+        """`sglang_engine` (the class), holding signals once its processes are forked: sglang
+        0.5.23's `Engine._launch_subprocesses` (srt/entrypoints/engine.py) forks the scheduler and
+        detokenizer processes, then calls `init_tokenizer_manager_func` in this process, then
+        waits for the model to load. That function is one of the fields SGLang keeps for forks to
+        override: here it starts holding, then runs SGLang's."""
+        init_tokenizer_manager = sglang_engine.init_tokenizer_manager_func
+
+        def hold_then_init(*args, **kwargs):
+            for sig in self.SIGNALS:
+                signal.signal(sig, self._hold)
+            return init_tokenizer_manager(*args, **kwargs)
+
+        class HoldingEngine(sglang_engine):
+            init_tokenizer_manager_func = staticmethod(hold_then_init)
+
+        return HoldingEngine
+
+    def _hold(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum, self.received_at = signum, time.monotonic()
+            # (SGLang's logging set-up drops the trainer's warnings until the engine is up)
+            write_without_blocking(
+                f"{name} during the engine's start-up: handled once it is up (send it again to "
+                "exit at once)\n"
+            )
+        elif time.monotonic() - self.received_at >= StopSignal.REPEAT_S:  # else the first again
+            kill_engine_processes()
+            write_without_blocking(f"interrupted (second signal ({name})): exited at once\n")
+            os._exit(130)
+
+    def hand_on(self, engine):
+        """The held signal, raised again now that the engine is up and this process's handlers
+        are back: Ctrl-C's KeyboardInterrupt (before training: train.py exits 130), an installed
+        handler's call (StopSignal's), SIGTERM's default exit. The engine is shut down first where
+        that ends this process."""
+        if self.signum is None or signal.getsignal(self.signum) == signal.SIG_IGN:
+            return
+        if signal.getsignal(self.signum) == signal.SIG_DFL:  # the process ends in raise_signal
+            engine.shutdown()
+        try:
+            signal.raise_signal(self.signum)
+        except BaseException:
+            engine.shutdown()
+            raise
 
 
 def request_limits(model_config, max_total_tokens):
@@ -594,7 +659,8 @@ def start_sglang(
             "(sglang/srt/arg_groups/overrides.py, _deterministic_attention_backend)"
         )
     prepare_engine_environment(on_gpu)
-    import sglang
+    # (`sglang.Engine` is a lazy stand-in for this class: sglang/__init__.py)
+    from sglang.srt.entrypoints.engine import Engine as SGLangEngine
 
     device_args = engine_device_args(on_gpu, gpu_id, lora)
 
@@ -604,11 +670,14 @@ def start_sglang(
     root_logger = logging.getLogger()
     root_level, root_handlers = root_logger.level, root_logger.handlers[:]
     # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides
-    # how to stop, and shuts them down itself. (A spawned Python keeps an inherited SIG_IGN for
-    # SIGINT.)
-    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # how to stop, and shuts them down itself. A process inherits an ignored signal at its fork (and
+    # a spawned Python keeps it), so SIGINT is ignored here while SGLang forks them; from then on
+    # until the engine is up, SIGINT and SIGTERM are held (HeldSignals).
+    held = HeldSignals()
+    previous = {sig: signal.getsignal(sig) for sig in HeldSignals.SIGNALS}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine = sglang.Engine(
+        engine = held.once_forked(SGLangEngine)(
             model_path=model_path,
             dtype=dtype,
             random_seed=seed,
@@ -633,7 +702,9 @@ def start_sglang(
             **device_args,
         )
     finally:
-        signal.signal(signal.SIGINT, previous_sigint)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    held.hand_on(engine)
     root_logger.setLevel(root_level)
     root_logger.handlers[:] = root_handlers
     return engine

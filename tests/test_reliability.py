@@ -843,6 +843,62 @@ def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
+CTRL_C_AT_START_OUT = os.path.join(tempfile.gettempdir(), f"ctrl_c_at_start_{os.getpid()}")
+CTRL_C_AT_START = """
+import json, os, signal, subprocess, sys, time
+import psutil
+out = {out!r}
+os.makedirs(out, exist_ok=True)
+command = [sys.executable, "train.py", "--config", "configs/tiny.yaml", "--out", out,
+           "--set", "data.num_val_prompts=8", "--set", "train.steps=3"]
+stderr = open(os.path.join(out, "stderr.txt"), "w")
+process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                           start_new_session=True)
+def engine_processes():  # the scheduler and the detokenizer once forked (not the resource tracker)
+    found = []
+    for child in psutil.Process(process.pid).children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+while len(engine_processes()) < 2 and process.poll() is None:
+    time.sleep(0.05)
+time.sleep(1)  # they import SGLang for ~10 s more before the engine is up
+forked = engine_processes()
+os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
+try:
+    rc = process.wait(timeout=120)
+except subprocess.TimeoutExpired:
+    os.killpg(process.pid, signal.SIGKILL)
+    rc = "timeout"
+alive = [p.pid for p in forked if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+print(json.dumps({{"rc": rc, "forked": len(forked), "alive": alive,
+                  "stdout": process.stdout.read()}}))
+"""
+
+
+@pytest.mark.background(
+    "ctrl_c_at_start", [sys.executable, "-c", CTRL_C_AT_START.format(out=CTRL_C_AT_START_OUT)]
+)
+def test_ctrl_c_during_the_engine_start_up_stops_the_run_once_it_is_up(background_runs):
+    """`python train.py` with Ctrl-C while its engine starts (its processes forked, importing
+    SGLang; its own engine: the start-up is the subject; run in the background by a small script
+    that drives it): the signal is held (it was ignored, and the run went on to train), the engine
+    comes up (its processes ignored the Ctrl-C: one that died would fail the start with a
+    RuntimeError), then the trainer shuts it down and exits 130 before any step."""
+    done = background_runs.result("ctrl_c_at_start")
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    err = open(os.path.join(CTRL_C_AT_START_OUT, "stderr.txt")).read()
+    assert result["forked"] >= 2 and result["rc"] == 130, (result, err[-2000:])
+    assert "SIGINT during the engine's start-up: handled once it is up" in err
+    assert "interrupted (SIGINT): exited at once" in err and "Traceback" not in err
+    assert "step" not in result["stdout"] and not result["alive"], result
+    shutil.rmtree(CTRL_C_AT_START_OUT)
+
+
 def test_ctrl_c_during_setup_names_sigint_and_exits_130(monkeypatch, capsys):
     """A Ctrl-C before the loop holds its signal (here while the config loads) is Python's own
     KeyboardInterrupt, whose text is empty: the message names SIGINT, and train.py exits 130.
