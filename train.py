@@ -267,7 +267,8 @@ def config_of(args):
 
 def run_rank(argv):
     """One rank's whole job (the only one with `run.nproc: 1`): join the process group when a
-    launcher started us, set up, train, shut the engine down. Returns what `train` returns."""
+    launcher started us, set up, train, shut the engine down. Returns what `train` returns
+    ("SIGINT" for a Ctrl-C in set-up too)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the steps
     args = parse_args(argv)
@@ -275,7 +276,12 @@ def run_rank(argv):
     if parallel.under_launcher():
         parallel.init()
     try:
-        run = setup(cfg, resume=args.resume)
+        try:
+            run = setup(cfg, resume=args.resume)
+        except KeyboardInterrupt:
+            # Ctrl-C in set-up (in the engine's start-up: once it is up): the run stops as in
+            # training, on every rank alike, nothing trained (an engine still up: SGLang's atexit)
+            return "SIGINT"
         # held until the engine is down: a second signal exits at once until then
         stop = StopSignal(run.engine)
         try:
