@@ -97,10 +97,12 @@ def train(run, stop=None):
     logger = Logger(cfg.run.out, cfg, first_step=run.start_step) if parallel.rank() == 0 else None
     own_stop = stop is None
     if own_stop:
-        stop = StopSignal(run.engine)
+        stop = StopSignal()
     steps = range(run.start_step, cfg.train.steps)
     before = data_before_step(run)
     try:
+        if signalled(stop):  # in set-up (the engine's start-up: minutes on a GPU): no step
+            return stopped(run, stop)
         for step in tqdm.tqdm(
             steps, initial=run.start_step, total=cfg.train.steps, disable=not logger
         ):
@@ -267,29 +269,24 @@ def config_of(args):
 
 def run_rank(argv):
     """One rank's whole job (the only one with `run.nproc: 1`): join the process group when a
-    launcher started us, set up, train, shut the engine down. Returns what `train` returns
-    ("SIGINT" for a Ctrl-C in set-up too)."""
+    launcher started us, set up, train, shut the engine down. Returns what `train` returns."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("sglang").setLevel(logging.WARNING)  # its INFO lines would bury the steps
     args = parse_args(argv)
     cfg = config_of(args)
     if parallel.under_launcher():
         parallel.init()
+    # from set-up on (a Ctrl-C there stops the run before its first step), until the engine is
+    # down: a second signal exits at once until then
+    stop = StopSignal()
     try:
-        try:
-            run = setup(cfg, resume=args.resume)
-        except KeyboardInterrupt:
-            # Ctrl-C in set-up (in the engine's start-up: once it is up): the run stops as in
-            # training, on every rank alike, nothing trained (an engine still up: SGLang's atexit)
-            return "SIGINT"
-        # held until the engine is down: a second signal exits at once until then
-        stop = StopSignal(run.engine)
+        run = setup(cfg, resume=args.resume)
         try:
             return train(run, stop)
         finally:
             run.engine.shutdown()
-            stop.restore()
     finally:
+        stop.restore()
         parallel.close()
 
 

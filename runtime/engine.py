@@ -409,11 +409,6 @@ class Engine:
     def shutdown(self):
         self.engine.shutdown()
 
-    def kill(self):
-        """Kill the engine's processes now (a second Ctrl-C: no time for a clean shutdown):
-        `kill_engine_processes`."""
-        kill_engine_processes()
-
 
 def kill_engine_processes():
     """SIGKILL to every process below this one, neither logged nor waited for, unlike SGLang's
@@ -452,17 +447,18 @@ def write_without_blocking(line, wait_s=0.2):
 
 
 class StopSignal:
-    """While training, SIGINT (Ctrl-C) or SIGTERM asks the loop to finish the current step (or
-    validation, or checkpoint), save a checkpoint and return; a second one exits at once (the
-    engine killed, no checkpoint, exit 130). The engine's processes ignore SIGINT and hand SIGTERM
-    here (`trainer_signals`), so only the trainer decides. A repeat within REPEAT_S is the same
-    signal arriving twice: a Ctrl-C reaches each rank from the terminal and again from its
-    launcher (parallel.forward_to_ranks; torchrun forwards it too)."""
+    """From set-up on, SIGINT (Ctrl-C) or SIGTERM asks the run to finish the set-up, step,
+    validation or checkpoint it is in, save a checkpoint (none before an update) and stop; a
+    second one exits at once (the engine's processes killed, no checkpoint, exit 130). The engine's
+    processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only the trainer decides;
+    in the engine's start-up it is heard once SGLang has forked them (`hearing_sigint_once_forked`).
+    A repeat within REPEAT_S is the same signal arriving twice: a Ctrl-C reaches each rank from the
+    terminal and again from its launcher (parallel.forward_to_ranks; torchrun forwards it too)."""
 
     REPEAT_S = 2.0
 
-    def __init__(self, engine):
-        self.received, self.engine = None, engine
+    def __init__(self):
+        self.received = None
         self.received_at = 0.0
         self._previous = {
             sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -472,21 +468,19 @@ class StopSignal:
         name = signal.Signals(signum).name
         if self.received and time.monotonic() - self.received_at < self.REPEAT_S:
             return  # the first one, again
-        # may run inside the engine's event loop, which swallows exceptions: exit from here
+        # may run inside the engine's event loop, which swallows exceptions: exit from here. Each
+        # line cannot block: stderr may be a full pipe (piped to a pager, a terminal paused with
+        # Ctrl-S), where print would wait, and this process with it; nor be dropped (a logging
+        # call is, while SGLang's start-up has the root logger)
         if self.received:
-            # the engine first, and a line that cannot block: stderr may be a full pipe (piped
-            # to a pager, a terminal paused with Ctrl-S), where print would wait, and the engine
-            # and this process with it
-            self.engine.kill()
+            kill_engine_processes()
             line = f"interrupted (second signal ({name})): exited at once; the last checkpoint "
-            line += "stands\n"
-            write_without_blocking(line)
+            write_without_blocking(line + "stands\n")
             os._exit(130)
         self.received, self.received_at = name, time.monotonic()
-        log.warning(
-            "%s: finishing this step or validation, then a checkpoint and exit (send it again to "
-            "exit at once)",
-            name,
+        write_without_blocking(
+            f"{name}: finishing this set-up, step or validation, then a checkpoint and exit (send "
+            "it again to exit at once)\n"
         )
 
     def restore(self):
@@ -494,64 +488,23 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-class HeldSignals:
-    """SIGINT and SIGTERM during the engine's start-up, from the fork of its processes until it
-    is up (its model load: minutes for a large model on a GPU), held and handed on once it is up
-    (`hand_on`), as if they came then; a second one exits at once (the engine's processes killed,
-    exit 130). A Ctrl-C at start-up used to be ignored, and the run went on to train; one in the
-    second before the fork still is (SIGINT is ignored while SGLang forks: `start_sglang`)."""
+def hearing_sigint_once_forked(sglang_engine, handler):
+    """`sglang_engine` (the class) with SIGINT's `handler` back in this process once the engine's
+    processes are forked (they ignore SIGINT: `start_sglang`). sglang 0.5.23's
+    `Engine._launch_subprocesses` (srt/entrypoints/engine.py) forks the scheduler and
+    detokenizer processes, then calls `init_tokenizer_manager_func` in this process, then waits
+    for the model to load (minutes for a large model on a GPU); that function is one of the fields
+    SGLang keeps for forks to override: here it puts `handler` back, then runs SGLang's."""
+    init_tokenizer_manager = sglang_engine.init_tokenizer_manager_func
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    def hear_sigint_then_init(*args, **kwargs):
+        signal.signal(signal.SIGINT, handler)
+        return init_tokenizer_manager(*args, **kwargs)
 
-    def __init__(self):
-        self.signum, self.received_at = None, 0.0
+    class Engine(sglang_engine):
+        init_tokenizer_manager_func = staticmethod(hear_sigint_then_init)
 
-    def once_forked(self, sglang_engine):
-        """`sglang_engine` (the class), holding signals once its processes are forked: sglang
-        0.5.23's `Engine._launch_subprocesses` (srt/entrypoints/engine.py) forks the scheduler and
-        detokenizer processes, then calls `init_tokenizer_manager_func` in this process, then
-        waits for the model to load. That function is one of the fields SGLang keeps for forks to
-        override: here it starts holding, then runs SGLang's."""
-        init_tokenizer_manager = sglang_engine.init_tokenizer_manager_func
-
-        def hold_then_init(*args, **kwargs):
-            for sig in self.SIGNALS:
-                signal.signal(sig, self._hold)
-            return init_tokenizer_manager(*args, **kwargs)
-
-        class HoldingEngine(sglang_engine):
-            init_tokenizer_manager_func = staticmethod(hold_then_init)
-
-        return HoldingEngine
-
-    def _hold(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum, self.received_at = signum, time.monotonic()
-            # (SGLang's logging set-up drops the trainer's warnings until the engine is up)
-            write_without_blocking(
-                f"{name} during the engine's start-up: handled once it is up (send it again to "
-                "exit at once)\n"
-            )
-        elif time.monotonic() - self.received_at >= StopSignal.REPEAT_S:  # else the first again
-            kill_engine_processes()
-            write_without_blocking(f"interrupted (second signal ({name})): exited at once\n")
-            os._exit(130)
-
-    def hand_on(self, engine):
-        """The held signal, raised again now that the engine is up and this process's handlers
-        are back: Ctrl-C's KeyboardInterrupt (before training: train.py exits 130), an installed
-        handler's call (StopSignal's), SIGTERM's default exit. The engine is shut down first where
-        that ends this process."""
-        if self.signum is None or signal.getsignal(self.signum) == signal.SIG_IGN:
-            return
-        if signal.getsignal(self.signum) == signal.SIG_DFL:  # the process ends in raise_signal
-            engine.shutdown()
-        try:
-            signal.raise_signal(self.signum)
-        except BaseException:
-            engine.shutdown()
-            raise
+    return Engine
 
 
 def request_limits(model_config, max_total_tokens):
@@ -671,13 +624,11 @@ def start_sglang(
     root_level, root_handlers = root_logger.level, root_logger.handlers[:]
     # The engine's processes ignore Ctrl-C (it reaches the whole process group): the trainer decides
     # how to stop, and shuts them down itself. A process inherits an ignored signal at its fork (and
-    # a spawned Python keeps it), so SIGINT is ignored here while SGLang forks them; from then on
-    # until the engine is up, SIGINT and SIGTERM are held (HeldSignals).
-    held = HeldSignals()
-    previous = {sig: signal.getsignal(sig) for sig in HeldSignals.SIGNALS}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a spawned Python keeps it), so SIGINT is ignored here while SGLang forks them, and heard again
+    # from then on. (Ignored for the whole start-up, a Ctrl-C there was lost: the run trained on.)
+    previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine = held.once_forked(SGLangEngine)(
+        engine = hearing_sigint_once_forked(SGLangEngine, previous_sigint)(
             model_path=model_path,
             dtype=dtype,
             random_seed=seed,
@@ -702,9 +653,7 @@ def start_sglang(
             **device_args,
         )
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    held.hand_on(engine)
+        signal.signal(signal.SIGINT, previous_sigint)
     root_logger.setLevel(root_level)
     root_logger.handlers[:] = root_handlers
     return engine

@@ -98,7 +98,7 @@ def launch(nproc, entrypoint, *args):
         sig: signal.signal(sig, forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        return elastic_launch(config, entrypoint)(*args)
+        return elastic_launch(config, run_as_rank)(entrypoint, *args)
     except ChildFailedError as e:
         failures = [
             f"rank {r}: {f.message or f'exit code {f.exitcode}'}"
@@ -108,6 +108,17 @@ def launch(nproc, entrypoint, *args):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def run_as_rank(entrypoint, *args):
+    """`entrypoint(*args)` in a rank, a Ctrl-C that raised there (before the rank's own handler is
+    in: its imports, its config) returned as "SIGINT", the name a rank stopped by a signal returns.
+    Raised, torch's process wrapper takes it for its parent's kill and exits 0 without a result
+    (torch/multiprocessing/spawn.py, `_wrap`), and the launch waited for that result forever."""
+    try:
+        return entrypoint(*args)
+    except KeyboardInterrupt:
+        return "SIGINT"
 
 
 def forward_to_ranks(signum, frame):

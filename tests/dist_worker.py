@@ -389,6 +389,12 @@ def fail_on_rank_1(out_dir):
     parallel.close()
 
 
+def interrupted(out_dir):
+    """A Ctrl-C in a rank before its own handler is in (its imports, its config): Python's
+    KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
 def count_signals(out_dir):
     """A rank that records each SIGINT or SIGTERM it gets, for a launcher test: ready once its
     handlers are in, then, from the first signal, one second more to collect any repeat (as a

@@ -243,6 +243,13 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
         parallel.launch(2, dist_worker.fail_on_rank_1, str(tmp_path))
 
 
+def test_a_ctrl_c_before_a_ranks_handler_returns_sigint_instead_of_hanging(tmp_path):
+    """A rank whose Ctrl-C raised KeyboardInterrupt (before StopSignal is in) returns "SIGINT",
+    as one stopped by a signal does: train.py then says the run stopped. (torch's process wrapper
+    took it for its parent's kill and exited without a result, and the launch waited forever.)"""
+    assert parallel.launch(2, dist_worker.interrupted, str(tmp_path)) == {0: "SIGINT", 1: "SIGINT"}
+
+
 LAUNCH_AND_REPORT = """
 import json, sys
 sys.path[:0] = [{repo!r}, {tests!r}]

@@ -586,11 +586,13 @@ def engine_limits(engine):
 
 
 def test_a_request_over_its_timeout_is_aborted_and_counted(
-    engine, engine_limits, caplog, monkeypatch
+    engine, policy, engine_limits, caplog, monkeypatch
 ):
     """Requests over request_timeout_s are aborted inside the engine and logged: over
     max_failed_ratio a RolloutError, within it counted as failed samples; no request is left in
-    the engine, and one whose abort the engine does not act on is a RolloutError."""
+    the engine, and one whose abort the engine does not act on is a RolloutError. (The seeded
+    policy's weights in the engine: with an earlier test's trained ones, answers short enough to
+    end within the abort's wait left nothing running, and no error.)"""
     engine_limits(request_timeout_s=0.05)
     with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
         engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
@@ -885,15 +887,15 @@ print(json.dumps({{"rc": rc, "forked": len(forked), "alive": alive,
 def test_ctrl_c_during_the_engine_start_up_stops_the_run_once_it_is_up(background_runs):
     """`python train.py` with Ctrl-C while its engine starts (its processes forked, importing
     SGLang; its own engine: the start-up is the subject; run in the background by a small script
-    that drives it): the signal is held (it was ignored, and the run went on to train), the engine
-    comes up (its processes ignored the Ctrl-C: one that died would fail the start with a
-    RuntimeError), then the trainer shuts it down and stops before any step, exit 130."""
+    that drives it): the trainer hears it (it was ignored, and the run went on to train), the
+    engine comes up (its processes ignored the Ctrl-C: one that died would fail the start with a
+    RuntimeError), and the run stops before any step, the engine shut down, exit 130."""
     done = background_runs.result("ctrl_c_at_start")
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     err = open(os.path.join(CTRL_C_AT_START_OUT, "stderr.txt")).read()
     assert result["forked"] >= 2 and result["rc"] == 130, (result, err[-2000:])
-    assert "SIGINT during the engine's start-up: handled once it is up" in err
+    assert "SIGINT: finishing this set-up, step or validation" in err
     assert "stopped by SIGINT before any update: nothing saved" in err and "Traceback" not in err
     assert "step" not in result["stdout"] and not result["alive"], result
     shutil.rmtree(CTRL_C_AT_START_OUT)
@@ -921,15 +923,15 @@ def test_a_second_signal_exits_at_once_with_130(engine):
     """The first SIGTERM is only noted (the step goes on); a repeat within REPEAT_S is the same
     signal (a launcher forwarding the terminal's Ctrl-C) and changes nothing; a second one later
     kills the engine's processes and exits 130 at once. Run in a forked copy of this process:
-    `StopSignal.kill` ends the children of the process it runs in, and the fork has none (the
-    shared engine's processes are the parent's)."""
+    `kill_engine_processes` ends the children of the process it runs in, and the fork has none
+    (the shared engine's processes are the parent's)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr; the exit's
         # line is written to fd 2 itself, without blocking), two signals
         os.dup2(write, 2)
         sys.stderr = os.fdopen(write, "w")
-        stop = StopSignal(engine)
+        stop = StopSignal()
         os.kill(os.getpid(), signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # the same one, forwarded: still going
         print(f"first: {stop.received}", file=sys.stderr, flush=True)
@@ -1061,18 +1063,18 @@ def test_the_second_signals_line_never_holds_the_exit(tmp_path):
 
 
 def test_the_second_signals_kill_spares_the_resource_tracker():
-    """`Engine.kill` (a second Ctrl-C) kills every process below the trainer but multiprocessing's
-    resource tracker: once the trainer has exited, the tracker unlinks the shared memory and
-    semaphores the engine's processes registered; killed with the rest (as SGLang's kill does)
-    they stayed in /dev/shm. In a fresh process with one child and one shared-memory block
-    registered, no engine (the kill reads no state of it)."""
+    """`kill_engine_processes` (a second Ctrl-C) kills every process below the trainer but
+    multiprocessing's resource tracker: once the trainer has exited, the tracker unlinks the shared
+    memory and semaphores the engine's processes registered; killed with the rest (as SGLang's
+    kill does) they stayed in /dev/shm. In a fresh process with one child and one shared-memory
+    block registered, no engine."""
     script = """if True:
         import os, subprocess, sys
         from multiprocessing import resource_tracker, shared_memory
         import runtime.engine as engine
         block = shared_memory.SharedMemory(create=True, size=4096)  # starts the tracker
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        engine.Engine.kill(None)
+        engine.kill_engine_processes()
         print(block.name, child.wait(10), resource_tracker._resource_tracker._pid, flush=True)
         os._exit(130)  # as the second signal exits
     """
@@ -1095,9 +1097,9 @@ def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, mo
     repeat counts as a second signal, and the exit and the kill are recorded, not done."""
     exits = []
     monkeypatch.setattr(StopSignal, "REPEAT_S", 0.0)
-    monkeypatch.setattr(engine, "kill", lambda: exits.append("kill"))
+    monkeypatch.setattr("runtime.engine.kill_engine_processes", lambda: exits.append("kill"))
     monkeypatch.setattr(os, "_exit", exits.append)
-    stop = StopSignal(engine)
+    stop = StopSignal()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         engine._run(asyncio.sleep(0.05))  # what the step runs next
