@@ -88,7 +88,7 @@ def train_step(run, step):
 # ---------------------------------------------------------------- the step loop
 def train(run, stop=None):
     """The step loop: validate, step, log, dump for replay, checkpoint; stop cleanly on
-    SIGINT/SIGTERM, after the step or the validation it came in (returns the signal's name; `stop`
+    SIGINT/SIGTERM, after the set-up, step or validation it came in (returns its name; `stop`
     is the StopSignal to read, else one held while the loop runs), and with a checkpoint when the
     engine dies or the rollout fails (RolloutError, RewardError; on one rank: with several, the
     last periodic one stands). Returns None when all steps ran."""
