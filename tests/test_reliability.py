@@ -902,7 +902,7 @@ def test_ctrl_c_during_the_engine_start_up_stops_the_run_once_it_is_up(backgroun
 
 
 def test_ctrl_c_during_setup_names_sigint_and_exits_130(monkeypatch, capsys):
-    """A Ctrl-C before the loop holds its signal (here while the config loads) is Python's own
+    """A Ctrl-C before run_rank's StopSignal is in (here while the config loads) is Python's own
     KeyboardInterrupt, whose text is empty: the message names SIGINT, and train.py exits 130.
     (train.py's command-line block run in this process: its modules are already imported.)"""
 
@@ -919,12 +919,12 @@ def test_ctrl_c_during_setup_names_sigint_and_exits_130(monkeypatch, capsys):
     assert "interrupted (SIGINT): exited at once" in capsys.readouterr().err
 
 
-def test_a_second_signal_exits_at_once_with_130(engine):
+def test_a_second_signal_exits_at_once_with_130():
     """The first SIGTERM is only noted (the step goes on); a repeat within REPEAT_S is the same
     signal (a launcher forwarding the terminal's Ctrl-C) and changes nothing; a second one later
     kills the engine's processes and exits 130 at once. Run in a forked copy of this process:
     `kill_engine_processes` ends the children of the process it runs in, and the fork has none
-    (the shared engine's processes are the parent's)."""
+    (the shared engine's processes, if started, are the parent's)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its stderr into the pipe (pytest replaced sys.stderr; the exit's
