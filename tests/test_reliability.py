@@ -590,19 +590,21 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(
 ):
     """Requests over request_timeout_s are aborted inside the engine and logged: over
     max_failed_ratio a RolloutError, within it counted as failed samples; no request is left in
-    the engine, and one whose abort the engine does not act on is a RolloutError. (The seeded
-    policy's weights in the engine: with an earlier test's trained ones, answers short enough to
-    end within the abort's wait left nothing running, and no error.)"""
+    the engine, and one whose abort the engine does not act on is a RolloutError. Greedy, the
+    seeded policy never ends these prompts: every request runs its 200 tokens (~0.7 s on 2
+    cores), far past each timeout. (Sampled, the last part's 8 answers took 0.17-0.47 s in all
+    in five tries: they could all end within its timeout plus the abort's wait, 0.15 s, leaving
+    nothing running and no error; it failed so twice.)"""
     engine_limits(request_timeout_s=0.05)
     with pytest.raises(train.RolloutError, match="requests failed inside the engine"):
-        engine.generate(PROMPTS, 8, 1.0, 200)  # every request needs far more than 50 ms
+        engine.generate(PROMPTS, 8, 0.0, 200)
     assert (
         engine.num_in_flight() == 0
         and "timed out after rollout.request_timeout_s=0.05" in caplog.text
     )
     # tolerated: failures are counted, not raised
     engine_limits(request_timeout_s=0.05, max_failed_ratio=1.0)
-    samples, stats = engine.generate(PROMPTS, 8, 1.0, 200)
+    samples, stats = engine.generate(PROMPTS, 8, 0.0, 200)
     assert stats.num_failed > 0 and all(s.masked for s in samples if s.finish_reason == "error")
     assert engine.num_in_flight() == 0
     # an abort the engine does not act on within rollout.abort_timeout_s: a RolloutError (the run
@@ -613,7 +615,8 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(
     def dropped(*args, **kwargs):  # sent, and never acted on
         return None
 
-    with_aborts(engine, monkeypatch, dropped, "abort did not return within 0.1s", PROMPTS, 2)
+    match = "abort did not return within 0.1s"
+    with_aborts(engine, monkeypatch, dropped, match, PROMPTS, 2, temperature=0.0)
 
 
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
@@ -661,7 +664,9 @@ def test_an_abort_that_fails_in_the_engine_leaves_no_task_running(engine, monkey
     with_aborts(engine, monkeypatch, refused, match, PROMPTS, 8, plan)
 
 
-def with_aborts(engine, monkeypatch, abort_request, match, prompts, group_size, plan=None):
+def with_aborts(
+    engine, monkeypatch, abort_request, match, prompts, group_size, plan=None, temperature=1.0
+):
     """A rollout on the shared engine whose SGLang abort_request is replaced: a RolloutError
     matching `match`, and no rollout task left on the engine's loop. Then the requests it kept
     from being aborted are let go, on that loop."""
@@ -670,7 +675,7 @@ def with_aborts(engine, monkeypatch, abort_request, match, prompts, group_size, 
     monkeypatch.setattr(manager, "abort_request", abort_request)
     try:
         with pytest.raises(train.RolloutError, match=match):
-            engine.generate(prompts, group_size, 1.0, 200, plan)
+            engine.generate(prompts, group_size, temperature, 200, plan)
         left = [
             task
             for task in asyncio.all_tasks(engine.engine.loop)
