@@ -8,8 +8,8 @@ import importlib.util
 import asyncio
 import json
 import os
+import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 
@@ -289,77 +289,67 @@ CPU_SIZES = [
 ]
 
 
-def rehearse(config, out, model_dir, *sets, torchrun=0):
-    """`python train.py --config <a shipped GPU config>` with CPU-size overrides only (under
-    `torchrun --nproc-per-node <torchrun>` when given)."""
-    launcher = (
-        ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
-    )
-    command = [
-        sys.executable,
-        *launcher,
-        "train.py",
-        "--config",
-        config,
-        "--out",
-        str(out),
-        "--set",
-        f"model.path={model_dir}",
-    ]
-    for item in CPU_SIZES + list(sets):
+def rehearsal(config, *sets, torchrun=0):
+    """(its folder, its command): `python train.py --config <a shipped GPU config>` with CPU-size
+    overrides only (under `torchrun --nproc-per-node <torchrun>` when given), after the small
+    Qwen's build; run in the background from collection on (conftest.py)."""
+    out = os.path.join(tempfile.mkdtemp(prefix="rehearsal-"), "run")
+    launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else []
+    command = [sys.executable, *launcher, "train.py", "--config", config, "--out", out]
+    for item in CPU_SIZES + [f"model.path={QWEN_TINY}", *sets]:
         command += ["--set", item]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return out, ["bash", "-c", f"{BUILD_QWEN} && {shlex.join(command)}"]
+
+
+def rehearsed(background_runs, name, out):
+    """A rehearsal's (folder, logged scalars, validation sample texts, resolved config), once it
+    has exited 0."""
+    background_runs.lines(name)
     events = EventAccumulator(os.path.join(out, "tb"), size_guidance={"tensors": 0})
     events.Reload()
     texts = [
         e.tensor_proto.string_val[0].decode() for e in events.Tensors("val/samples/text_summary")
     ]
     with open(os.path.join(out, "config.yaml")) as f:
-        return scalars(out), texts, load_yaml(f)
+        return out, scalars(out), texts, load_yaml(f)
+
+
+# configs/gsm8k.yaml on one rank (bf16 compute and engine, partial rollout), 2 steps. Its own
+# process: the shipped config's launch path is what is rehearsed. (Two ranks: test_distributed's
+# job, partial rollout and its checkpoint included, and `train.py --set run.nproc=2` there; a
+# second rank here cost the suite ~60 s.) A KV pool of about two requests (the longest prompt,
+# 221 tokens, plus 32 fits): the over-sampled fifth group queues behind the first four and is
+# still queued or running at the count (7-8 suspended a step in 3 runs beside 4 busy processes).
+# With the 16,384-token pool all 40 ran at once and ended within a token of each other (this
+# model answers in 4-8): whether one was still running at the count was a race, and CI once saw
+# none.
+GSM8K_RUN, GSM8K_COMMAND = rehearsal(
+    "configs/gsm8k.yaml", "rollout.max_new_tokens=32", "rollout.max_total_tokens=384", "run.nproc=1"
+)
+# configs/gsm8k_tool.yaml under torchrun, 2 steps, with README's two tools (the calculator and
+# examples/math_tools.py's percent_of): Qwen JSON tool calls executed, errors answered, turns
+# merged. torchrun is the other launch path: train.py joins its process group. One rank: two
+# ranks' data parallelism is test_distributed's, and a second rank here cost the suite ~60 s.
+TOOL_RUN, TOOL_COMMAND = rehearsal(
+    "configs/gsm8k_tool.yaml",
+    "rollout.max_new_tokens=48",
+    "rollout.max_response_tokens=160",
+    "rollout.tools=[task.tools:calculator,examples/math_tools.py:percent_of]",
+    torchrun=1,
+)
 
 
 @pytest.fixture(scope="module")
-def gsm8k_run(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k.yaml on one rank (bf16 compute and engine, partial rollout), 2 steps. Its own
-    process: the shipped config's launch path is what is rehearsed. (Two ranks: test_distributed's
-    job, partial rollout and its checkpoint included, and `train.py --set run.nproc=2` there; a
-    second rank here cost the suite ~60 s.)"""
-    out = tmp_path_factory.mktemp("gsm8k")
-    # A KV pool of about two requests (the longest prompt, 221 tokens, plus 32 fits): the
-    # over-sampled fifth group queues behind the first four and is still queued or running at the
-    # count (7-8 suspended a step in 3 runs beside 4 busy processes). With the 16,384-token pool all
-    # 40 ran at once and ended within a token of each other (this model answers in 4-8): whether
-    # one was still running at the count was a race, and CI once saw none.
-    return out, *rehearse(
-        "configs/gsm8k.yaml",
-        out,
-        qwen_tiny_dir,
-        "rollout.max_new_tokens=32",
-        "rollout.max_total_tokens=384",
-        "run.nproc=1",
-    )
+def gsm8k_run(background_runs):
+    return rehearsed(background_runs, "gsm8k", GSM8K_RUN)
 
 
 @pytest.fixture(scope="module")
-def gsm8k_tool(qwen_tiny_dir, tmp_path_factory):
-    """configs/gsm8k_tool.yaml under torchrun, 2 steps, with README's two tools (the calculator
-    and examples/math_tools.py's percent_of): Qwen JSON tool calls executed, errors answered, turns
-    merged. torchrun is the other launch path: train.py joins its process group.
-    One rank: two ranks' data parallelism is test_distributed's, and a second rank here cost the
-    suite ~60 s."""
-    out = tmp_path_factory.mktemp("gsm8k_tool")
-    return out, *rehearse(
-        "configs/gsm8k_tool.yaml",
-        out,
-        qwen_tiny_dir,
-        "rollout.max_new_tokens=48",
-        "rollout.max_response_tokens=160",
-        "rollout.tools=[task.tools:calculator,examples/math_tools.py:percent_of]",
-        torchrun=1,
-    )
+def gsm8k_tool(background_runs):
+    return rehearsed(background_runs, "gsm8k_tool", TOOL_RUN)
 
 
+@pytest.mark.background("gsm8k", GSM8K_COMMAND)
 def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
     """configs/gsm8k.yaml rehearsed: bf16 compute and engine, finite losses, the over-sampled
     launch count, a bf16 log-prob gap small but not 0, and the suspended tail logged and saved in
@@ -384,37 +374,23 @@ def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
     assert logged["partial/buffer_samples"][-1] == len(state["buffer"]["waiting"])
 
 
-DAPO_RUN = tempfile.mkdtemp(prefix="gsm8k-dapo-")
-DAPO_SETS = CPU_SIZES + [
-    f"model.path={QWEN_TINY}",
+DAPO_RUN, DAPO_COMMAND = rehearsal(
+    "configs/gsm8k_dapo.yaml",
     "rollout.max_new_tokens=32",
     "run.nproc=1",
     "rollout.refill_prompts=2",
     "rollout.max_prompts_per_step=8",
-]
-DAPO_COMMAND = " ".join(
-    [
-        BUILD_QWEN,
-        "&&",
-        sys.executable,
-        "train.py",
-        "--config",
-        "configs/gsm8k_dapo.yaml",
-        "--out",
-        f"{DAPO_RUN}/run",
-        *[f"--set {item}" for item in DAPO_SETS],
-    ]
 )
 
 
-@pytest.mark.background("gsm8k_dapo", ["bash", "-c", DAPO_COMMAND])
+@pytest.mark.background("gsm8k_dapo", DAPO_COMMAND)
 def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filtering(background_runs):
     """configs/gsm8k_dapo.yaml on one rank, 2 steps (its own model build and engine, in the
     background: the CPU counts only are overridden, the prompt bound among them). Dynamic
     sampling runs fused with partial rollout: every step reports its kept and zero-variance
     groups and the prompts it launched."""
     background_runs.lines("gsm8k_dapo")
-    with open(os.path.join(DAPO_RUN, "run", "config.yaml")) as f:
+    with open(os.path.join(DAPO_RUN, "config.yaml")) as f:
         resolved = load_yaml(f)
     r, t = resolved["rollout"], resolved["train"]
     assert (
@@ -422,7 +398,7 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
     )
     # clip-higher clips only where a later minibatch's ratio moves: with one, every ratio is 1
     assert t["num_minibatches"] > 1
-    logged = scalars(os.path.join(DAPO_RUN, "run"))
+    logged = scalars(DAPO_RUN)
     assert len(logged["train/loss"]) == 2 and all(
         torch.isfinite(torch.tensor(logged["train/loss"]))
     )
@@ -435,6 +411,7 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
     assert "rollout/reward_mean_completed" in logged and "train/truncated_masked" in logged
 
 
+@pytest.mark.background("gsm8k", GSM8K_COMMAND)
 def test_gsm8k_config_stops_at_im_end(gsm8k_run):
     """The model's config.json names only <|endoftext|>: a stop at <|im_end|> comes from its
     generation_config.json, which SGLang must read (the engine does not tokenize: it stops on
@@ -447,6 +424,7 @@ def test_gsm8k_config_stops_at_im_end(gsm8k_run):
 TOOL_NAMES = ["calculator", "percent_of", tools.UNPARSED]
 
 
+@pytest.mark.background("gsm8k_tool", TOOL_COMMAND)
 def test_gsm8k_tool_config_executes_calls_answers_errors_and_merges_turns(gsm8k_tool):
     """configs/gsm8k_tool.yaml rehearsed under torchrun: tool calls executed, malformed ones
     answered as errors, turns merged, finite losses, every trajectory launched, and responses that
