@@ -6,9 +6,11 @@ configs."""
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -27,23 +29,36 @@ from conftest import tiny_config, train_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# dist_worker.check_ranks on 2 ranks, in the background from collection on (conftest.py): the job
+# ends with rank 1's engine raising on purpose, and the script prints the launcher's RankError
+TWO_RANKS = pathlib.Path(tempfile.mkdtemp(prefix="two-ranks-"))
+TWO_RANKS_JOB = f"""
+import sys
+sys.path[:0] = [{REPO!r}, {os.path.join(REPO, "tests")!r}]
+import dist_worker, runtime.parallel as parallel
+try:
+    parallel.launch(2, dist_worker.check_ranks, {str(TWO_RANKS)!r})
+except parallel.RankError as error:
+    print(error)
+else:
+    sys.exit("the 2-rank job ended without rank 1's error")
+"""
+ON_TWO_RANKS = pytest.mark.background("two_ranks", [sys.executable, "-c", TWO_RANKS_JOB])
+
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Runs dist_worker.check_ranks on 2 ranks once; the tests below read what it wrote. The job
-    ends with rank 1's engine raising on purpose, so the launcher's RankError is expected and
-    kept for the test."""
-    out = tmp_path_factory.mktemp("two_ranks")
-    with pytest.raises(parallel.RankError) as failure:
-        parallel.launch(2, dist_worker.check_ranks, str(out))
-    written = [out / f"results_rank{r}.json" for r in range(2)]
+def two_ranks(background_runs):
+    """(the job's folder, each rank's results, the launcher's RankError as text): the tests below
+    read what the 2-rank job wrote."""
+    error = "\n".join(background_runs.lines("two_ranks"))
+    written = [TWO_RANKS / f"results_rank{r}.json" for r in range(2)]
     if not all(path.exists() for path in written):
         # the job failed before its planned end: its ranks' errors are the only clue, so show them
-        pytest.fail(f"the 2-rank job ended early: {failure.value}")
-    results = [json.loads(path.read_text()) for path in written]
-    return out, results, str(failure.value)
+        pytest.fail(f"the 2-rank job ended early: {error}")
+    return TWO_RANKS, [json.loads(path.read_text()) for path in written], error
 
 
+@ON_TWO_RANKS
 @pytest.mark.parametrize("mode, layout, compiled", dist_worker.PARITY_RUNS)
 def test_two_ranks_update_equals_one_rank_on_the_combined_batch(
     two_ranks, tmp_path, mode, layout, compiled
@@ -75,6 +90,7 @@ def test_two_ranks_update_equals_one_rank_on_the_combined_batch(
     assert moved > 0.9 * sum(p.numel() for p in policy.parameters())  # the update really happened
 
 
+@ON_TWO_RANKS
 def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_ranks, tmp_path):
     """LoRA under FSDP2 (dist_worker.lora_under_fsdp): two ranks with uneven shares end one update
     with the adapters, gradients and loss of one rank on the combined batch; the checkpoint both
@@ -110,6 +126,7 @@ def test_lora_on_two_ranks_equals_one_rank_and_its_checkpoint_loads_on_one(two_r
     assert results[0]["reference_resharded"] and results[1]["reference_resharded"]
 
 
+@ON_TWO_RANKS
 def test_fsdp_keeps_fp32_masters_under_bf16_compute(two_ranks):
     """Under FSDP2 with bf16 compute both ranks keep fp32 parameters and AdamW state, and an
     update at lr 1e-6 changes nearly every parameter (bf16 masters would keep ~98% unchanged)."""
@@ -149,6 +166,7 @@ def test_one_rank_bf16_compute_keeps_fp32_masters(engine, tmp_path):
     assert torch.isfinite(torch.tensor(stats["train/loss"]))
 
 
+@ON_TWO_RANKS
 def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
     """After one trained step and its weight sync, each rank's engine holds version 1, gives the
     trainer's log-probs (within 1e-4) and has no request left; each rank's GapWatch was given the
@@ -165,6 +183,7 @@ def test_each_ranks_engine_scores_like_the_trainer_after_the_sync(two_ranks):
     assert results[0]["gaps"]["watched"] == results[1]["gaps"]["watched"] == largest
 
 
+@ON_TWO_RANKS
 def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, engine):
     """A 2-rank checkpoint holds both ranks' suspended samples (partial rollout), resumes on 2
     ranks with equal parameters and optimizer state, resumes resharded on one rank with the
@@ -195,6 +214,7 @@ def test_checkpoint_of_two_ranks_resumes_with_two_and_loads_with_one(two_ranks, 
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+@ON_TWO_RANKS
 def test_rank_0_logs_the_step_once_with_counts_summed_over_the_ranks(two_ranks):
     """The 2-rank step's TensorBoard events: rank 0 alone writes them (one value per step), the
     launch count is both ranks' (4 prompts x 8), and the fastest rank's rollout time is beside the
@@ -207,6 +227,7 @@ def test_rank_0_logs_the_step_once_with_counts_summed_over_the_ranks(two_ranks):
     assert logged["timing/rollout_s_min"][0] <= logged["timing/rollout_s"][0]
 
 
+@ON_TWO_RANKS
 def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(two_ranks):
     """Rank 0 froze its scheduler, started flush_cache (SGLang's own call would wait on a reply
     forever, managers/communicator.py), and SIGKILLed the scheduler a second later: the call
@@ -217,6 +238,7 @@ def test_a_control_call_on_an_engine_that_dies_raises_within_the_liveness_tick(t
     assert result["seconds_after_kill"] < 2.0, result
 
 
+@ON_TWO_RANKS
 def test_an_engine_that_raises_on_one_rank_ends_the_job_with_its_message(two_ranks):
     """Rank 1's scheduler raised on a pushed tensor and sent SIGQUIT to its rank: the rank raised
     EngineDiedError (SGLang's handler would have SIGKILLed it: "Signal 9", no message) and the
