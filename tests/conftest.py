@@ -28,6 +28,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # need no download.
 GSM8K_TRAIN = os.path.join(REPO, "tests", "data", "gsm8k_train_100.jsonl")
 
+# The session's scratch folder: the small Qwen and the background runs' folders, whose paths the
+# tests name at import; removed when the session ends (pytest_unconfigure). A process of the suite
+# that imports this module (a rank importing dist_worker) takes its parent's from the environment
+# instead of making one of its own (before, every such import and every collection left a folder
+# in /tmp: 700 of them on this machine).
+SCRATCH_VARIABLE = "NANO_GRPO_TEST_SCRATCH"
+MADE_SCRATCH = SCRATCH_VARIABLE not in os.environ
+if MADE_SCRATCH:
+    os.environ[SCRATCH_VARIABLE] = tempfile.mkdtemp(prefix="nano-grpo-tests-")
+SCRATCH = os.environ[SCRATCH_VARIABLE]
+
+
+def scratch(name):
+    """The folder `name` in the session's scratch folder, made if new."""
+    path = os.path.join(SCRATCH, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
 
 def tiny_config(out_dir, *sets):
     """The CPU demo config, smaller and faster, writing under `out_dir`."""
@@ -89,8 +107,8 @@ def policy(engine, tmp_path):
 # A small Qwen2.5-shaped model (tests/qwen_tiny.py: ~40 s, most of it supervised steps on the
 # shipped GSM8K rows, so it stops at <|im_end|> and writes tool calls), built once per session by
 # the background worker, first in its queue when a collected test needs it; the background runs that
-# train it chain BUILD_QWEN (a no-op once built). Its folder is removed when the session ends.
-QWEN_TINY = os.path.join(tempfile.mkdtemp(prefix="qwen-tiny-"), "model")
+# train it chain BUILD_QWEN (a no-op once built).
+QWEN_TINY = os.path.join(SCRATCH, "qwen_tiny")  # made by its build
 BUILD_QWEN = (
     f"(test -d {QWEN_TINY} || PYTHONPATH=. {sys.executable} tests/qwen_tiny.py {QWEN_TINY})"
 )
@@ -260,7 +278,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def pytest_unconfigure(config):
     if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing queued starts any more
         config.stash[BACKGROUND].cancel_queued()
-    shutil.rmtree(os.path.dirname(QWEN_TINY), ignore_errors=True)
+    if MADE_SCRATCH:
+        shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 STARTED = pytest.StashKey[float]()

@@ -10,7 +10,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -25,13 +24,13 @@ import runtime.parallel as parallel
 import train
 import runtime.model as model
 import runtime.lora as lora
-from conftest import tiny_config, train_on
+from conftest import scratch, tiny_config, train_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # dist_worker.check_ranks on 2 ranks, in the background from collection on (conftest.py): the job
 # ends with rank 1's engine raising on purpose, and the script prints the launcher's RankError
-TWO_RANKS = pathlib.Path(tempfile.mkdtemp(prefix="two-ranks-"))
+TWO_RANKS = pathlib.Path(scratch("two_ranks"))
 TWO_RANKS_JOB = f"""
 import sys
 sys.path[:0] = [{REPO!r}, {os.path.join(REPO, "tests")!r}]

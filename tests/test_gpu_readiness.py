@@ -11,7 +11,6 @@ import os
 import shlex
 import socket
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ import runtime.engine as sglang_engine
 import task.tools as tools
 import runtime.model as model
 from assemble import load_config
-from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO
+from conftest import BUILD_QWEN, GSM8K_TRAIN, QWEN_TINY, REPO, scratch
 from test_train import scalars
 
 TESTS = os.path.join(REPO, "tests")
@@ -289,11 +288,11 @@ CPU_SIZES = [
 ]
 
 
-def rehearsal(config, *sets, torchrun=0):
+def rehearsal(name, config, *sets, torchrun=0):
     """(its folder, its command): `python train.py --config <a shipped GPU config>` with CPU-size
     overrides only (under `torchrun --nproc-per-node <torchrun>` when given), after the small
     Qwen's build; run in the background from collection on (conftest.py)."""
-    out = os.path.join(tempfile.mkdtemp(prefix="rehearsal-"), "run")
+    out = os.path.join(scratch(name), "run")
     launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else []
     command = [sys.executable, *launcher, "train.py", "--config", config, "--out", out]
     for item in CPU_SIZES + [f"model.path={QWEN_TINY}", *sets]:
@@ -324,13 +323,18 @@ def rehearsed(background_runs, name, out):
 # model answers in 4-8): whether one was still running at the count was a race, and CI once saw
 # none.
 GSM8K_RUN, GSM8K_COMMAND = rehearsal(
-    "configs/gsm8k.yaml", "rollout.max_new_tokens=32", "rollout.max_total_tokens=384", "run.nproc=1"
+    "gsm8k",
+    "configs/gsm8k.yaml",
+    "rollout.max_new_tokens=32",
+    "rollout.max_total_tokens=384",
+    "run.nproc=1",
 )
 # configs/gsm8k_tool.yaml under torchrun, 2 steps, with README's two tools (the calculator and
 # examples/math_tools.py's percent_of): Qwen JSON tool calls executed, errors answered, turns
 # merged. torchrun is the other launch path: train.py joins its process group. One rank: two
 # ranks' data parallelism is test_distributed's, and a second rank here cost the suite ~60 s.
 TOOL_RUN, TOOL_COMMAND = rehearsal(
+    "gsm8k_tool",
     "configs/gsm8k_tool.yaml",
     "rollout.max_new_tokens=48",
     "rollout.max_response_tokens=160",
@@ -375,6 +379,7 @@ def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
 
 
 DAPO_RUN, DAPO_COMMAND = rehearsal(
+    "gsm8k_dapo",
     "configs/gsm8k_dapo.yaml",
     "rollout.max_new_tokens=32",
     "run.nproc=1",

@@ -7,7 +7,6 @@ checksums over the merged weights) and resumes exactly."""
 import json
 import re
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import runtime.model as model
 import update
 from assemble import load_config
 from config import ConfigError
-from conftest import tiny_config
+from conftest import scratch, tiny_config
 from test_packing import random_samples
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]
@@ -162,7 +161,7 @@ def test_the_engine_arguments_for_lora_on_each_device():
     assert "enable_lora" not in plain and "enable_weights_cpu_backup" not in plain
 
 
-LORA_RUN = tempfile.mkdtemp(prefix="lora-run-")
+LORA_RUN = scratch("lora_run")
 
 
 @pytest.mark.background("lora_run", [sys.executable, "tests/lora_worker.py", LORA_RUN])

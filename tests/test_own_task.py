@@ -8,7 +8,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 
 import pytest
 from transformers import AutoTokenizer
@@ -20,7 +19,7 @@ import task.chat as chat
 import rewards
 from config import ConfigError
 from assemble import load_config
-from conftest import GSM8K_TRAIN, REPO
+from conftest import GSM8K_TRAIN, REPO, scratch
 from test_gpu_readiness import CPU_SIZES
 from test_train import scalars
 
@@ -331,7 +330,7 @@ def test_countdown_reward_divides_exactly():
     )
 
 
-COUNTDOWN_RUN = tempfile.mkdtemp(prefix="countdown-")
+COUNTDOWN_RUN = scratch("countdown")
 COUNTDOWN_SETS = [s for s in CPU_SIZES if not s.startswith("data.")] + [
     f"data.train_path={COUNTDOWN_RUN}/train.jsonl",
     f"data.val_path={COUNTDOWN_RUN}/test.jsonl",

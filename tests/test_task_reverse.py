@@ -7,7 +7,6 @@ engine, as its model's vocabulary differs from the shared engine's)."""
 import logging
 import os
 import sys
-import tempfile
 
 import pytest
 
@@ -17,11 +16,11 @@ import task.data as tasks
 import task.reverse as reverse
 from assemble import load_config
 from config import ConfigError
-from conftest import REPO
+from conftest import REPO, scratch
 from test_train import scalars
 
 CONFIG = os.path.join(REPO, "configs", "tiny_reverse.yaml")
-RUN = tempfile.mkdtemp(prefix="reverse-")
+RUN = scratch("reverse")
 RUN_SETS = ["train.steps=3", "run.val_every=3", "data.num_val_prompts=16", f"run.out={RUN}"]
 RUN_COMMAND = [sys.executable, "train.py", "--config", CONFIG]
 for item in RUN_SETS:
