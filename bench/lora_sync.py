@@ -12,7 +12,9 @@ full_bytes=<n> adapter_bytes=<n> full_s=<f> adapter_s=<f> bytes_ratio=<f> time_r
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,6 +42,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="bench-lora-sync-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # at exit: its model and run files
     cfg = assemble.load_config(
         "configs/tiny_lora.yaml",
         [

@@ -6,7 +6,9 @@ the same script samples device-wide memory at every transition and reports *meas
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -51,9 +53,9 @@ def main():
     )
     parser.add_argument("--repeats", type=int, default=2, help="steps per mode, alternating")
     args = parser.parse_args()
-    cfg = load_config(
-        args.config, args.set + [f"run.out={tempfile.mkdtemp(prefix='bench_memory_')}"]
-    )
+    out = tempfile.mkdtemp(prefix="bench_memory_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # at exit: its model and run files
+    cfg = load_config(args.config, args.set + [f"run.out={out}"])
     run = train.setup(cfg)
     dtype = getattr(torch, cfg.model.engine_dtype)
     bucket = cfg.memory.bucket_mb << 20

@@ -134,6 +134,8 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     """Trained tokens per step, merged vs step-wise, on the CPU multi-turn demo
     (configs/tiny_tool.yaml): real rollouts from the real engine with the calculator tool,
     medians over `steps` rollouts."""
+    import atexit
+    import shutil
     import tempfile
 
     # imported only when the demo runs: they import torch and SGLang's engine
@@ -142,10 +144,9 @@ def demo_token_counts(steps: int) -> tuple[int, int]:
     from assemble import load_config
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(
-        os.path.join(repo, "configs", "tiny_tool.yaml"),
-        [f"run.out={tempfile.mkdtemp(prefix='bench_merge_')}"],
-    )
+    out = tempfile.mkdtemp(prefix="bench_merge_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # at exit: its model and run files
+    cfg = load_config(os.path.join(repo, "configs", "tiny_tool.yaml"), [f"run.out={out}"])
     run = train.setup(cfg)
     merged, stepwise = [], []
     try:

@@ -12,7 +12,9 @@ mean_gap_own=<f> mean_gap_replayed=<f> p99_own=<f> p99_replayed=<f> max_own=<f> 
 """
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -53,6 +55,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="bench-routing-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # at exit: its model and run files
     folder = os.path.join(out, "qwen3_moe")
     families.build_folder("qwen3_moe", folder, num_experts=args.experts, norm_topk_prob=True)
     sets = [s for s in families.CPU_SIZES if not s.startswith(("data.reward", "run.check"))]

@@ -65,11 +65,13 @@ the shared arm's.
 """
 
 import argparse
+import atexit
 import gc
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -521,9 +523,11 @@ def fsdp_one_rank(device):
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        rendezvous = tempfile.mkdtemp()  # a file, not a port: nothing to collide on
+        atexit.register(shutil.rmtree, rendezvous, ignore_errors=True)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{tempfile.mkdtemp()}/rendezvous",  # no port to collide on
+            init_method=f"file://{rendezvous}/rendezvous",
             rank=0,
             world_size=1,
         )
@@ -783,6 +787,7 @@ def main():
     if args.shape:
         return shape_main(args)
     out_dir = tempfile.mkdtemp(prefix="bench-train-step-")
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)  # at exit: its model and run files
     summary, peak_ratios = [], []
     for mix, samples in (
         ("demo", demo_samples(out_dir, args.demo_prompts)),
