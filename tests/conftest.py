@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -140,6 +141,7 @@ class BackgroundRuns:
         self.lock = threading.Lock()
         self.max_lanes = 1
         self.lanes = 0  # worker threads running
+        self.running = {}  # name -> Popen of each command running
 
     def start(self, name, command, timeout=400):
         with self.lock:
@@ -170,22 +172,34 @@ class BackgroundRuns:
             future = self.runs[name]
             start = time.monotonic()
             try:
-                future.set_result(
-                    subprocess.run(
-                        command, cwd=REPO, capture_output=True, text=True, timeout=timeout
+                with self.lock:
+                    process = self.running[name] = subprocess.Popen(
+                        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                     )
+                try:
+                    out, err = process.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    kill_tree(process)
+                    raise
+                future.set_result(
+                    subprocess.CompletedProcess(command, process.returncode, out, err)
                 )
             except Exception as e:  # noqa: BLE001 - the reading test re-raises it
                 future.set_exception(e)
             finally:
+                self.running.pop(name, None)
                 self.seconds[name] = time.monotonic() - start
 
-    def cancel_queued(self):
-        """Nothing queued starts any more (a run cut short: -x, Ctrl-C)."""
+    def stop(self):
+        """Nothing queued starts any more, and what runs is killed with every process it started
+        (a run cut short: -x, Ctrl-C), before the scratch folder goes."""
         with self.lock:
             for name, _, _ in self.queue:
                 self.runs[name].cancel()
             self.queue.clear()
+            running = list(self.running.values())
+        for process in running:
+            kill_tree(process)
 
     def result(self, name):
         if not self.runs[name].done():
@@ -200,6 +214,21 @@ class BackgroundRuns:
         return done.stdout.strip().splitlines()
 
 
+def kill_tree(process):
+    """SIGKILL a command and every process under it (its engine's too, in any session), reaped."""
+    try:
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for each in [process, *tree]:
+        try:
+            each.kill()
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            pass
+    process.wait()
+    psutil.wait_procs(tree, timeout=10)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "background(name, command): run `command` in the background from collection on"
@@ -207,16 +236,19 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Start the background runs, in test order, and move the tests that read them to the end:
-    the in-process tests run meanwhile instead of waiting on the worker (both cores stay busy)."""
-    runs = config.stash[BACKGROUND] = BackgroundRuns()
-    if any("qwen_tiny_dir" in item.fixturenames for item in items):
-        runs.start("qwen_build", ["bash", "-c", BUILD_QWEN])
-    for item in items:
-        for marker in item.iter_markers("background"):
-            runs.start(*marker.args)
+    """Start the background runs, in test order (none when only collecting), and move the tests
+    that read them to the end: the in-process tests run meanwhile instead of waiting on the worker
+    (both cores stay busy)."""
     reads = [item for item in items if any(item.iter_markers("background"))]
     items[:] = [item for item in items if item not in reads] + reads
+    runs = config.stash[BACKGROUND] = BackgroundRuns()
+    if config.option.collectonly:
+        return
+    if any("qwen_tiny_dir" in item.fixturenames for item in items):
+        runs.start("qwen_build", ["bash", "-c", BUILD_QWEN])
+    for item in reads:  # in test order
+        for marker in item.iter_markers("background"):
+            runs.start(*marker.args)
 
 
 def pytest_runtest_setup(item):
@@ -262,6 +294,8 @@ def pytest_sessionfinish(session, exitstatus):
         f"{'met' if elapsed <= SUITE_TARGET_S else 'not met'}), engines started in this process: "
         f"{config.stash[ENGINE_STARTS][0]}"
     )
+    # a session with a failed test keeps the background runs' files for a look
+    config.stash[KEEP_SCRATCH] = exitstatus == pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -273,12 +307,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
     if BUDGET_LINE in config.stash:
         terminalreporter.write_line(config.stash[BUDGET_LINE])
+    if MADE_SCRATCH and config.stash.get(KEEP_SCRATCH, False):
+        terminalreporter.write_line(f"the background runs' files, kept: {SCRATCH}")
 
 
 def pytest_unconfigure(config):
-    if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing queued starts any more
-        config.stash[BACKGROUND].cancel_queued()
-    if MADE_SCRATCH:
+    if BACKGROUND in config.stash:  # a run cut short (-x, Ctrl-C): nothing more runs
+        config.stash[BACKGROUND].stop()
+    if MADE_SCRATCH and not config.stash.get(KEEP_SCRATCH, False):
         shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
@@ -286,3 +322,4 @@ STARTED = pytest.StashKey[float]()
 ENGINE_STARTS = pytest.StashKey[list]()
 BUDGET_LINE = pytest.StashKey[str]()
 BACKGROUND = pytest.StashKey[BackgroundRuns]()
+KEEP_SCRATCH = pytest.StashKey[bool]()

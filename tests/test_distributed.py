@@ -28,17 +28,21 @@ from conftest import scratch, tiny_config, train_on
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# dist_worker.check_ranks on 2 ranks, in the background from collection on (conftest.py): the job
-# ends with rank 1's engine raising on purpose, and the script prints the launcher's RankError
+# dist_worker.check_ranks on 2 ranks, in the background from collection on (conftest.py), in a
+# folder it empties first (no earlier job's results to read): the job ends with rank 1's engine
+# raising on purpose, and the script writes the launcher's RankError to rank_error.txt
 TWO_RANKS = pathlib.Path(scratch("two_ranks"))
 TWO_RANKS_JOB = f"""
-import sys
+import pathlib, shutil, sys
 sys.path[:0] = [{REPO!r}, {os.path.join(REPO, "tests")!r}]
 import dist_worker, runtime.parallel as parallel
+out = pathlib.Path({str(TWO_RANKS)!r})
+shutil.rmtree(out)
+out.mkdir()
 try:
-    parallel.launch(2, dist_worker.check_ranks, {str(TWO_RANKS)!r})
+    parallel.launch(2, dist_worker.check_ranks, str(out))
 except parallel.RankError as error:
-    print(error)
+    (out / "rank_error.txt").write_text(str(error))
 else:
     sys.exit("the 2-rank job ended without rank 1's error")
 """
@@ -49,7 +53,8 @@ ON_TWO_RANKS = pytest.mark.background("two_ranks", [sys.executable, "-c", TWO_RA
 def two_ranks(background_runs):
     """(the job's folder, each rank's results, the launcher's RankError as text): the tests below
     read what the 2-rank job wrote."""
-    error = "\n".join(background_runs.lines("two_ranks"))
+    background_runs.lines("two_ranks")
+    error = (TWO_RANKS / "rank_error.txt").read_text()
     written = [TWO_RANKS / f"results_rank{r}.json" for r in range(2)]
     if not all(path.exists() for path in written):
         # the job failed before its planned end: its ranks' errors are the only clue, so show them

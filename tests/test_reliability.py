@@ -10,11 +10,9 @@ import os
 import random
 import re
 import runpy
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tokenize
 import types
@@ -36,7 +34,7 @@ import update
 from advantages import ESTIMATORS, group_advantages
 from advantages import compute as compute_advantages
 from config import Config, ConfigError, numbers
-from conftest import tiny_config, train_on
+from conftest import scratch, tiny_config, train_on
 from metrics import summed
 from runtime.engine import StopSignal
 from assemble import load_config
@@ -775,8 +773,7 @@ def engine_processes(process):
     return [p for p in psutil.Process(process.pid).children(recursive=True)]
 
 
-# the pytest process's pid
-DEAD_ENGINE_OUT = os.path.join(tempfile.gettempdir(), f"dead_engine_{os.getpid()}")
+DEAD_ENGINE_OUT = os.path.join(scratch("dead_engine"), "run")
 KILL_THE_SCHEDULER = """
 import json, os, subprocess, sys, time
 import psutil
@@ -826,7 +823,6 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
     # dead before its update, the step put back the 32 prompts it took: --resume runs it again
     assert state["prompt_positions"] == [32 * state["step"]], state["prompt_positions"]
     AutoModelForCausalLM.from_pretrained(saved)
-    shutil.rmtree(DEAD_ENGINE_OUT)
 
 
 def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path):
@@ -850,7 +846,7 @@ def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-CTRL_C_AT_START_OUT = os.path.join(tempfile.gettempdir(), f"ctrl_c_at_start_{os.getpid()}")
+CTRL_C_AT_START_OUT = os.path.join(scratch("ctrl_c_at_start"), "run")
 CTRL_C_AT_START = """
 import json, os, signal, subprocess, sys, time
 import psutil
@@ -903,7 +899,6 @@ def test_ctrl_c_during_the_engine_start_up_stops_the_run_once_it_is_up(backgroun
     assert "SIGINT: finishing this set-up, step or validation" in err
     assert "stopped by SIGINT before any update: nothing saved" in err and "Traceback" not in err
     assert "step" not in result["stdout"] and not result["alive"], result
-    shutil.rmtree(CTRL_C_AT_START_OUT)
 
 
 def test_ctrl_c_during_setup_names_sigint_and_exits_130(monkeypatch, capsys):
