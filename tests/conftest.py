@@ -142,6 +142,7 @@ class BackgroundRuns:
         self.max_lanes = 1
         self.lanes = 0  # worker threads running
         self.running = {}  # name -> Popen of each command running
+        self.stopped = False  # the session ended: nothing more starts
 
     def start(self, name, command, timeout=400):
         with self.lock:
@@ -173,6 +174,8 @@ class BackgroundRuns:
             start = time.monotonic()
             try:
                 with self.lock:
+                    if self.stopped:
+                        raise RuntimeError("the session ended before this run started")
                     process = self.running[name] = subprocess.Popen(
                         command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                     )
@@ -194,6 +197,7 @@ class BackgroundRuns:
         """Nothing queued starts any more, and what runs is killed with every process it started
         (a run cut short: -x, Ctrl-C), before the scratch folder goes."""
         with self.lock:
+            self.stopped = True
             for name, _, _ in self.queue:
                 self.runs[name].cancel()
             self.queue.clear()
