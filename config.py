@@ -98,7 +98,10 @@ class ModelConfig:
     # LoRA (runtime/lora.py): > 0 trains rank-r adapters on a frozen base instead of every weight
     # (FSDP2 shards them with several ranks); the others are read only then
     lora_rank: NonNegativeInt = 0
-    lora_alpha: PositiveFloat = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    # the adapters' update is scaled by lora_alpha / lora_rank
+    lora_alpha: Annotated[
+        float, Range(gt=0, le=1e6, why="a scale past float32's range makes B = 0 give NaN")
+    ] = 16.0
     # parameters trained in full beside the adapters, by a part of their name (peft's
     # modules_to_save): ["norm"] trains every RMSNorm's weight, which a random base needs to sharpen
     # its logits (configs/tiny_lora.yaml)
@@ -401,7 +404,8 @@ class RunConfig:
     # bound per dtype
     max_logprob_gap: NonNegativeFloat = 0.05
     max_logprob_gap_steps: NonNegativeInt = 3
-    # write each step's trained sequences under run.out/rollouts/step_N (train.py --replay reads)
+    # write each step's trained sequences under run.out/rollouts/step_NNNNNN (what train.py
+    # --replay reads)
     dump_rollouts: bool = False
 
 

@@ -254,7 +254,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--replay",
-        metavar="RUN/rollouts/step_N",
+        metavar="RUN/rollouts/step_NNNNNN",
         help="re-run that dumped step's update without the engine (run.dump_rollouts; "
         "extras/replay.py)",
     )
@@ -297,11 +297,14 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.replay:
-        loss, grad_norm, logged_loss, logged_grad_norm = replay.replay(args.replay)
-        exact = loss == logged_loss and grad_norm == logged_grad_norm
+        done = replay.replay(args.replay)
+        weights = {None: f"not compared (no {done.after})", 0: f"equal to {done.after}'s"}.get(
+            done.weights_differ, f"{done.weights_differ} tensors unlike {done.after}'s"
+        )
         print(
-            f"replay: loss={loss!r} (logged {logged_loss!r}) grad_norm={grad_norm!r} "
-            f"(logged {logged_grad_norm!r}) exact={exact}"
+            f"replay: loss={done.loss!r} (logged {done.logged_loss!r}) grad_norm="
+            f"{done.grad_norm!r} (logged {done.logged_grad_norm!r}) weights {weights} "
+            f"exact={done.exact}"
         )
         return None
     cfg = config_of(args)

@@ -2,14 +2,16 @@
 
 With `run.dump_rollouts: true` every step writes its trained sequences (token ids, loss masks,
 engine log-probs, weight versions, rewards) and their advantages, with the loss and gradient norm
-the update logged, to RUN/rollouts/step_N/rank_0.pt. `python train.py --replay RUN/rollouts/step_N`
-then loads the policy as it was before that step (the checkpoint of step N, or the seeded initial
-policy for step 0), runs the same update in the trainer alone and prints both figures against the
-logged ones: on CPU they are equal, bit for bit. Owns the dump format and the replay; the update
+the update logged, to RUN/rollouts/step_NNNNNN/rank_0.pt. `python train.py --replay
+RUN/rollouts/step_NNNNNN` then loads the policy as it was before that step (the checkpoint of step
+N, or the seeded initial policy for step 0), runs the same update in the trainer alone and prints
+both figures against the logged ones, and the weights it ends at against checkpoint N + 1's where
+one was kept: on CPU they are equal, bit for bit. Owns the dump format and the replay; the update
 itself is update.update_policy.
 """
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -45,9 +47,33 @@ def dump(cfg, step, start_step, sequences, stats):
     os.replace(path + ".tmp", path)  # whole or absent
 
 
+@dataclasses.dataclass
+class Replayed:
+    """A replayed step beside what training logged and saved. The loss and gradient norm come
+    before the optimizer step; the weights after it, so they also check what the step's AdamW
+    state, settings and learning rate did."""
+
+    loss: float
+    grad_norm: float
+    logged_loss: float
+    logged_grad_norm: float
+    after: str  # checkpoint N + 1, the weights the step trained
+    weights_differ: int | None  # parameters not equal to `after`'s (None: no such checkpoint kept)
+
+    @property
+    def exact(self):
+        """Bit for bit (a non-finite step's NaN as its logged NaN), weights too where compared."""
+
+        def same(a, b):
+            return a == b or (math.isnan(a) and math.isnan(b))
+
+        figures = same(self.loss, self.logged_loss) and same(self.grad_norm, self.logged_grad_norm)
+        return figures and not self.weights_differ
+
+
 def replay(folder):
-    """Re-run the update dumped in `folder` (RUN/rollouts/step_N) on one rank; returns
-    (loss, grad norm, the logged loss, the logged grad norm)."""
+    """Re-run the update dumped in `folder` (RUN/rollouts/step_NNNNNN) on one rank; returns its
+    Replayed."""
     if not os.path.isdir(folder):
         parent = os.path.dirname(os.path.abspath(folder))
         dumps = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
@@ -101,4 +127,24 @@ def replay(folder):
         checkpoint.restore(before, state, trainer, cfg.train)
     sequences = [Sample.from_state(s) for s in dumped["sequences"]]
     stats = update.update_policy(trainer, sequences, step=step)
-    return stats["train/loss"], stats["train/grad_norm"], dumped["loss"], dumped["grad_norm"]
+    after = os.path.join(run_dir, "checkpoints", f"step_{step + 1:06d}")
+    return Replayed(
+        stats["train/loss"],
+        stats["train/grad_norm"],
+        dumped["loss"],
+        dumped["grad_norm"],
+        after,
+        weights_differ(policy, after, cfg, chars) if os.path.isdir(after) else None,
+    )
+
+
+def weights_differ(policy, after, cfg, chars):
+    """How many of `policy`'s parameters are not bit for bit those of checkpoint `after` (its
+    sharded state, loaded as a resume loads it)."""
+    saved, _ = build_policy(cfg, checkpoint.init_folder(after, cfg), chars)
+    checkpoint.load_trained(after, saved)
+    saved = dict(saved.named_parameters())
+    return sum(
+        not torch.equal(tensor.detach().cpu(), saved[name].detach())
+        for name, tensor in policy.named_parameters()
+    )

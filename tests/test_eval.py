@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import extras.eval as evaluation
 import extras.replay as replay
@@ -111,18 +112,25 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     config_yaml = tmp_path / "config.yaml"
     written = config_yaml.read_text()
     config_yaml.write_text(written.replace("loss_agg: token-mean", "loss_agg: seq-mean-token-sum"))
-    loss, grad_norm, logged_loss, logged_grad_norm = replay.replay(
-        str(tmp_path / "rollouts" / "step_000002")
-    )
+    replayed = replay.replay(str(tmp_path / "rollouts" / "step_000002"))
     config_yaml.write_text(written)
     assert (
-        (loss, grad_norm)
-        == (logged_loss, logged_grad_norm)
-        == (
-            logged["train/loss"][2],
-            logged["train/grad_norm"][2],
-        )
+        (replayed.loss, replayed.grad_norm)
+        == (replayed.logged_loss, replayed.logged_grad_norm)
+        == (logged["train/loss"][2], logged["train/grad_norm"][2])
     )
+    # and the weights the step ends at are checkpoint 3's, bit for bit
+    assert replayed.exact and replayed.weights_differ == 0
+    assert replayed.after == str(tmp_path / "checkpoints" / "step_000003")
+    # another learning rate in the dump: loss and gradient norm come before the optimizer step,
+    # so they still agree; the weights after it do not
+    dumped = tmp_path / "rollouts" / "step_000002" / "rank_0.pt"
+    state = torch.load(dumped, weights_only=True)
+    state["config"]["train"]["lr"] *= 100
+    torch.save(state, dumped)
+    other = replay.replay(str(dumped.parent))
+    assert (other.loss, other.grad_norm) == (replayed.loss, replayed.grad_norm)
+    assert other.weights_differ > 0 and not other.exact
 
     # a run's config that a later load_config refuses (a setting it does not read: the clip
     # range with one minibatch) still evaluates: eval reads its types and bounds again only
@@ -212,12 +220,21 @@ def test_eval_seeds_every_request(engine, policy, tmp_path, sent_seeds):
     assert len(set(sent_seeds)) == len(sent_seeds)
 
 
+def test_a_replayed_non_finite_step_is_exact_when_its_nans_are_the_logged_ones():
+    """A step whose loss was NaN (skipped, train/skipped_updates) replays as exact when the replay
+    gives the NaN training logged (NaN == NaN is False in Python); a number where training had a
+    NaN, or weights unlike the next checkpoint's, is not exact."""
+    nan = float("nan")
+    assert replay.Replayed(nan, nan, nan, nan, "step_000003", None).exact
+    assert replay.Replayed(nan, 1.5, nan, 1.5, "step_000003", 0).exact
+    assert not replay.Replayed(0.25, nan, nan, nan, "step_000003", None).exact
+    assert not replay.Replayed(0.25, 1.5, 0.25, 1.5, "step_000003", 2).exact
+
+
 def test_replay_refuses_what_is_not_a_dump(tmp_path):
     """--replay of a missing folder, a truncated rank_0.pt and a file without a dump's keys each
     give a ConfigError naming the folder (they were a traceback: FileNotFoundError,
     UnpicklingError, KeyError). The file is read with weights_only, never unpickled."""
-    import torch
-
     with pytest.raises(ConfigError, match="no such folder"):
         replay.replay(str(tmp_path / "rollouts" / "step_000002"))
     # the step's number as a user may type it: the dumps there are named
