@@ -49,6 +49,10 @@ def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
     nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
     hold it in `base_dtype`, except those whose name holds a part of `also_train` (trained in full,
     fp32). Returns the adapted layers' names."""
+    # an empty part is in every name: the whole model would train in full beside the adapters
+    blank = [part for part in also_train if not part.strip()]
+    if blank:
+        raise ValueError(f"model.lora_also_train: {blank} would name every parameter")
     for name, parameter in model.named_parameters():
         trained = is_also_trained(name, also_train)
         parameter.requires_grad_(trained)
@@ -69,6 +73,14 @@ def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
         module.lora_on = True
         module.forward = _forward.__get__(module)  # this instance only: nn.Linear is untouched
         names.append(name)
+    # a rank above a layer's smaller side adds parameters, not rank: its update is full rank there
+    narrow = {n: min(m.in_features, m.out_features) for n, m in adapted(model).items()}
+    if narrow and rank > min(narrow.values()):
+        name = min(narrow, key=narrow.get)
+        raise ValueError(
+            f"model.lora_rank={rank} is above the rank of {name} ({narrow[name]} features): "
+            f"use at most {narrow[name]}, or train every weight (model.lora_rank: 0)"
+        )
     # a name that matches nothing (a typo) would train less than it says, silently
     found = {name.rsplit(".", 1)[-1] for name in names}
     unmatched = [t for t in targets if t not in found]
@@ -191,7 +203,8 @@ def base_weights(model, trained_only=False):
 def merged(tensors, model):
     """(name, tensor) of `tensors` (a model's parameters or full state dict, as pairs), each
     adapted layer's weight merged, W + scale * B A in the base's dtype, and the adapters left
-    out: what the engine serves and a HF folder holds. Without adapters: `tensors` as they are."""
+    out: what a merged HF folder holds (checkpoint.merged_export; the engine serves the base and
+    the adapter from its LoRA pool). Without adapters: `tensors` as they are."""
     tensors = dict(tensors)
     scales = {f"{name}.weight": m.lora_scale for name, m in adapted(model).items()}
     for name, tensor in tensors.items():

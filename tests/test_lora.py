@@ -1,8 +1,9 @@
-"""LoRA (model.lora_rank, runtime/lora.py): the adapters start as the base and train alone, the
-merged weights the engine serves compute what the adapters do, the KL reference is the policy with
-its adapters off (equal to a separately built base, no second model), the fields LoRA reads are
-refused without it, and a LoRA run trains on the real engine (the log-prob gap and the weight
-checksums over the merged weights) and resumes exactly."""
+"""LoRA (model.lora_rank, runtime/lora.py): the adapters start as the base and train alone, merged
+weights (a deployment's HF folder) compute what the adapters do, the KL reference is the policy
+with its adapters off (equal to a separately built base, no second model), the fields LoRA reads
+are refused without it, and a LoRA run trains on the real engine, which serves the base and the
+adapter from its LoRA pool (the log-prob gap, the base's and the adapter's checksums), replays a
+step and resumes exactly."""
 
 import json
 import re
@@ -114,6 +115,9 @@ def test_lora_fields_are_refused_without_lora():
         with pytest.raises(ConfigError, match="read only with model.lora_rank > 0"):
             load_config("configs/tiny.yaml", [item])
     load_config("configs/tiny.yaml", [*LORA, "model.lora_targets=[q_proj,v_proj]"])
+    # a scale alpha / rank past float32's range would make the untrained adapters' 0 x inf NaN
+    with pytest.raises(ConfigError, match=r"model.lora_alpha=1e\+308.*<= 1000000.0"):
+        load_config("configs/tiny.yaml", ["model.lora_rank=1", "model.lora_alpha=1e308"])
     # what SGLang's pool cannot serve alone (it skipped or refused them, so the engine sampled
     # without what trained): q, k or v without q_proj and v_proj; up_proj without gate_proj
     for targets, missing in (
@@ -134,6 +138,10 @@ def test_lora_fields_are_refused_without_lora():
     for item, message in (
         ("model.lora_targets=[q_proj,v_proj,k_prj]", r"\['k_prj'\] name no linear layer"),
         ("model.lora_also_train=[nrom]", r"\['nrom'\] are in no parameter's name"),
+        # an empty part is in every name: the whole model would train beside the adapters
+        ("model.lora_also_train=[norm,' ']", r"\[' '\] would name every parameter"),
+        # the tiny model's projections are 64 features on their smaller side
+        ("model.lora_rank=65", r"lora_rank=65 is above the rank of .*\(64 features\)"),
     ):
         with pytest.raises(ConfigError, match=message):
             model.build_policy(load_config("configs/tiny.yaml", [*LORA, item]), None)
@@ -202,8 +210,9 @@ def test_a_lora_run_syncs_the_adapter_alone_and_resumes_exactly(background_runs)
     # the tiny base is rebuilt from train.seed on resume: another seed would move it under the
     # trained adapters, so it is refused
     assert "train.seed=7, but" in result["other_seed"], result["other_seed"]
-    loss, grad_norm, logged_loss, logged_grad_norm = result["replay"]  # bit for bit on CPU
-    assert (loss, grad_norm) == (logged_loss, logged_grad_norm)
+    # bit for bit on CPU: loss, gradient norm and the weights after, against step 2's checkpoint
+    exact, weights_differ, loss, grad_norm = result["replay"]
+    assert exact and weights_differ == 0 and grad_norm > 0, result["replay"]
     # every push carried the adapter's checksums (run.check_weights_every=1) and passed; one whose
     # bytes differ from their checksums ends the engine with a named error
     assert result["mismatch"].startswith("EngineDiedError"), result["mismatch"]
