@@ -10,7 +10,9 @@ the rollout: what dynamic sampling, accuracy and the logged reward read) nor the
 To add an estimator: a function `(rewards, group_ids, is_valid, cfg) -> advantages` below, its
 entry in ESTIMATORS, and `train.advantage: <name>` picks it (README "Fork it";
 tests/test_forks.py follows that recipe). The rewards come in float64: build its tensors with
-`rewards.new_zeros` or `dtype=rewards.dtype`.
+`rewards.new_zeros` or `dtype=rewards.dtype`. They are this rank's groups only (a group never
+spans ranks): a statistic over the whole batch (REINFORCE++'s batch-wide baseline, say) needs
+runtime.parallel.all_reduce, which every rank must call at every step.
 """
 
 import torch

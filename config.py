@@ -373,8 +373,9 @@ class TrainConfig:
     # broken, not unlucky
     max_bad_updates: PositiveInt = 3
     threads: PositiveInt = 1  # torch threads of the trainer process
-    # the model's init, the prompt order, the tiny tasks' prompts, the engine's sampling seeds; a
-    # --resume refuses another
+    # the model's init, the prompt order, the tiny tasks' prompts, the engine's sampling seeds
+    # (which SGLang reads only with rollout.deterministic, on a GPU: a CPU run's samples differ
+    # between runs); a --resume refuses another
     seed: int = 0
 
 

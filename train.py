@@ -103,9 +103,10 @@ def train(run, stop=None):
     try:
         if signalled(stop):  # in set-up (the engine's start-up: minutes on a GPU): no step
             return stopped(run, stop)
-        for step in tqdm.tqdm(
-            steps, initial=run.start_step, total=cfg.train.steps, disable=not logger
-        ):
+        # the bar on rank 0's terminal only: redirected to a file (None: tqdm/std.py's isatty
+        # check) its carriage returns would run into the step lines
+        bar = None if logger else True
+        for step in tqdm.tqdm(steps, initial=run.start_step, total=cfg.train.steps, disable=bar):
             before = data_before_step(run)  # what an engine death before the update puts back
             # the weights the engine holds before this step, every run.val_every steps and at a
             # run's first step: a resumed run's TensorBoard drops what the earlier run logged from

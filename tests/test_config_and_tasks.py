@@ -823,8 +823,8 @@ TASK_SETS = {
 
 def other_value(key, listed):
     """A value for `key` other than its default, as a --set string: `listed`'s, or for a flag its
-    negation, for a number twice the default (1 or 0.5 for a zero); any other type needs an entry
-    in `listed`."""
+    negation, for a number one its config.Range admits (twice the default, 1 or 0.5 for a zero,
+    one more, one less, half); any other type needs an entry in `listed`."""
     import config as config_module
 
     section, name = key.split(".")
@@ -833,10 +833,13 @@ def other_value(key, listed):
         return listed[key]
     if isinstance(default, bool):
         return str(not default).lower()
-    if isinstance(default, int):
-        return str(default * 2 or 1)
-    if isinstance(default, float):
-        return str(default * 2 or 0.5)
+    if isinstance(default, (int, float)):
+        bounds = {k: r for k, _, r in config_module.numbers(config_module.Config())}[key]
+        step = 1 if isinstance(default, int) else 0.5
+        tried = [default * 2 or step, default + step, default - step, default / 2]
+        admitted = [v for v in tried if v != default and bounds.admits(type(default)(v))]
+        if admitted:
+            return str(type(default)(admitted[0]))
     raise AssertionError(f"{key}: add a value other than its default to FIELD_VALUES")
 
 
@@ -983,10 +986,11 @@ class Recorder:
 
 
 @pytest.mark.parametrize("task", tasks.task_names())
-def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
+def test_the_task_fields_table_is_what_build_task_reads(task, request):
     """Each task module's FIELDS (its TOOL_FIELDS only with tools' turns) is exactly what
     build_task reads of the task-specific fields, and data.reward replaces each task's own
-    reward."""
+    reward. (The small Qwen's tokenizer only for the tasks that need one: a character task's
+    case waits for no build.)"""
     from transformers import AutoTokenizer
 
     turns = 2 if task in ("tiny_tool", "gsm8k") else 1
@@ -996,7 +1000,7 @@ def test_the_task_fields_table_is_what_build_task_reads(task, qwen_tiny_dir):
         sets += ["data.prompt_field=question"]
     cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
     tokenizer = (
-        AutoTokenizer.from_pretrained(qwen_tiny_dir)
+        AutoTokenizer.from_pretrained(request.getfixturevalue("qwen_tiny_dir"))
         if task in ("gsm8k", "chat")
         else model.build_char_tokenizer(tasks.vocabulary(cfg, model.TINY_CHARS))
     )

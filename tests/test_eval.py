@@ -88,7 +88,7 @@ def test_pass_at_k_and_eval_summaries_count_what_scored_1():
     }
 
 
-def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_path):
+def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_path, capsys):
     """A 3-step demo run with run.val_samples=4 logs val/pass@1..4 (non-decreasing in k); its
     last checkpoint, loaded into the engine as `extras/eval.py --run` loads it, evaluates to the
     eval line (pass@k non-decreasing, pass@1 inside its interval) with every sample recorded; and
@@ -122,6 +122,10 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
     # and the weights the step ends at are checkpoint 3's, bit for bit
     assert replayed.exact and replayed.weights_differ == 0
     assert replayed.after == str(tmp_path / "checkpoints" / "step_000003")
+    capsys.readouterr()
+    train.main(["--replay", str(tmp_path / "rollouts" / "step_000002")])  # what a user runs
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("step_000003's exact=True") and f"loss={replayed.loss!r} " in line, line
     # another learning rate in the dump: loss and gradient norm come before the optimizer step,
     # so they still agree; the weights after it do not
     dumped = tmp_path / "rollouts" / "step_000002" / "rank_0.pt"
