@@ -117,6 +117,7 @@ def train(run, stop=None):
                 return stopped(run, stop)
             metrics, sequences = train_step(run, step)
             record(run, logger, step, scalars | metrics, texts, sequences)
+            update.stop_after_bad_updates(run.trainer, step)  # the policy is broken, not unlucky
             if signalled(stop):  # every rank stops after the same step
                 return stopped(run, stop)
             every = cfg.run.checkpoint_every

@@ -190,7 +190,8 @@ def update_policy(trainer, sequences, step):
     computed locally). Each rank's loss is divided by the *global* count of trained tokens (or
     sequences) and FSDP sums the gradients, so N ranks make the same update as one rank on the
     combined batch, in every loss mode. Minibatch i is every rank's i-th slice of its own
-    sequences. Raises NonFiniteError after `train.max_bad_updates` skipped steps in a row."""
+    sequences. A non-finite step is skipped and counted (`trainer.bad_steps`, the streak that
+    `stop_after_bad_updates` reads)."""
     t = trainer.cfg.train
     minibatches, over_budget = make_minibatches(
         sequences, t, trainer.pad_id, trainer.device, trainer.route_replay.width
@@ -245,12 +246,18 @@ def update_policy(trainer, sequences, step):
         )
     stats["train/lr"] = lr
     trainer.bad_steps = trainer.bad_steps + 1 if skipped else 0
-    if trainer.bad_steps >= t.max_bad_updates:
+    return stats
+
+
+def stop_after_bad_updates(trainer, step):
+    """NonFiniteError once `train.max_bad_updates` steps in a row skipped their update. The loop
+    asks after the step is logged and dumped, so the step that stops the run can be read in
+    TensorBoard and replayed (train.py --replay) like the skipped ones before it."""
+    if trainer.bad_steps >= trainer.cfg.train.max_bad_updates:
         raise NonFiniteError(
             f"{trainer.bad_steps} steps in a row had a non-finite loss or gradient "
             f"(step {step})"
         )
-    return stats
 
 
 def pi_old_before_update(trainer, micro_batches, source):

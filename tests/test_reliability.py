@@ -417,10 +417,17 @@ def test_degenerate_batches_give_finite_zeros(mode):
 def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, caplog, monkeypatch):
     """A NaN advantage makes the update non-finite: it is skipped (counted, logged) with
     parameters and AdamW moments untouched, training goes on after it, and max_bad_updates such
-    steps in a row stop the run with a NonFiniteError."""
-    from test_train import rollout_batch
+    steps in a row stop the run with a NonFiniteError, the step that stops it logged and dumped
+    (train.py --replay) like the one before it."""
+    from test_train import rollout_batch, scalars
 
-    cfg = tiny_config(tmp_path, "train.steps=5", "run.val_every=100", "train.max_bad_updates=2")
+    cfg = tiny_config(
+        tmp_path,
+        "train.steps=5",
+        "run.val_every=100",
+        "train.max_bad_updates=2",
+        "run.dump_rollouts=true",
+    )
     run = train.setup(cfg, engine=engine)
     samples, advantages = rollout_batch(run)
     before = {name: p.detach().clone() for name, p in run.trainer.policy.named_parameters()}
@@ -449,9 +456,11 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     # the direct update above changed the policy, not the engine: sync it, or the first step's
     # log-prob gap check (memory.py) rightly stops the run first
     engine.update_weights(run.trainer.policy.named_parameters(), version=0)
-    with pytest.raises(update.NonFiniteError, match="2 steps in a row"):
+    with pytest.raises(update.NonFiniteError, match=r"2 steps in a row .*\(step 1\)"):
         train.train(run)
     assert all(torch.isfinite(p).all() for p in run.trainer.policy.parameters())
+    assert scalars(tmp_path)["train/skipped_updates"] == [1, 1]  # steps 0 and 1
+    assert sorted(os.listdir(tmp_path / "rollouts")) == ["step_000000", "step_000001"]
 
 
 def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
