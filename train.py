@@ -303,10 +303,11 @@ def main(argv=None):
         weights = {None: f"not compared (no {done.after})", 0: f"equal to {done.after}'s"}.get(
             done.weights_differ, f"{done.weights_differ} tensors unlike {done.after}'s"
         )
+        exact = "loss-and-grad-norm-only" if done.exact is None else done.exact
         print(
             f"replay: loss={done.loss!r} (logged {done.logged_loss!r}) grad_norm="
             f"{done.grad_norm!r} (logged {done.logged_grad_norm!r}) weights {weights} "
-            f"exact={done.exact}"
+            f"exact={exact}"
         )
         return None
     cfg = config_of(args)

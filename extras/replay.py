@@ -62,13 +62,18 @@ class Replayed:
 
     @property
     def exact(self):
-        """Bit for bit (a non-finite step's NaN as its logged NaN), weights too where compared."""
+        """True: the loss, the gradient norm (a non-finite step's NaN as its logged NaN) and the
+        weights after the step bit for bit; False: one differs; None: the figures agree and no
+        checkpoint N + 1 was kept to compare the weights with (they alone would miss another
+        learning rate or AdamW setting)."""
 
         def same(a, b):
             return a == b or (math.isnan(a) and math.isnan(b))
 
         figures = same(self.loss, self.logged_loss) and same(self.grad_norm, self.logged_grad_norm)
-        return figures and not self.weights_differ
+        if not figures or self.weights_differ:
+            return False
+        return None if self.weights_differ is None else True
 
 
 def replay(folder):
@@ -105,9 +110,10 @@ def replay(folder):
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
     if step > 0 and not os.path.isdir(before):
+        keep = "and run.keep_checkpoints=0 " if cfg.run.checkpoint_every == 1 else ""
         raise ConfigError(
             f"--replay {folder}: no checkpoint {before} to start from; dump with "
-            "run.checkpoint_every=1 to replay any step"
+            f"run.checkpoint_every=1 {keep}to replay any step"
         )
     chars = vocabulary(cfg, TINY_CHARS)
     policy, _ = build_policy(cfg, checkpoint.init_folder(before, cfg) if step > 0 else None, chars)

@@ -73,13 +73,14 @@ def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
         module.lora_on = True
         module.forward = _forward.__get__(module)  # this instance only: nn.Linear is untouched
         names.append(name)
-    # a rank above a layer's smaller side adds parameters, not rank: its update is full rank there
-    narrow = {n: min(m.in_features, m.out_features) for n, m in adapted(model).items()}
-    if narrow and rank > min(narrow.values()):
-        name = min(narrow, key=narrow.get)
+    # a rank above every adapted layer's smaller side adds parameters, not rank: each update is
+    # full rank already (above some layers' only, as GQA's narrow k and v, it still adds rank to
+    # the others)
+    widest = max((min(m.in_features, m.out_features) for m in adapted(model).values()), default=0)
+    if names and rank > widest:
         raise ValueError(
-            f"model.lora_rank={rank} is above the rank of {name} ({narrow[name]} features): "
-            f"use at most {narrow[name]}, or train every weight (model.lora_rank: 0)"
+            f"model.lora_rank={rank} is above every adapted layer's rank (at most {widest}): "
+            f"use at most {widest}, or train every weight (model.lora_rank: 0)"
         )
     # a name that matches nothing (a typo) would train less than it says, silently
     found = {name.rsplit(".", 1)[-1] for name in names}

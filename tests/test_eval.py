@@ -226,13 +226,17 @@ def test_eval_seeds_every_request(engine, policy, tmp_path, sent_seeds):
 
 def test_a_replayed_non_finite_step_is_exact_when_its_nans_are_the_logged_ones():
     """A step whose loss was NaN (skipped, train/skipped_updates) replays as exact when the replay
-    gives the NaN training logged (NaN == NaN is False in Python); a number where training had a
-    NaN, or weights unlike the next checkpoint's, is not exact."""
+    gives the NaN training logged (NaN == NaN is False in Python) and the weights checkpoint N + 1
+    holds; a number where training had a NaN, or weights unlike the next checkpoint's, is not
+    exact; with no checkpoint N + 1 there is no verdict (None)."""
     nan = float("nan")
-    assert replay.Replayed(nan, nan, nan, nan, "step_000003", None).exact
-    assert replay.Replayed(nan, 1.5, nan, 1.5, "step_000003", 0).exact
-    assert not replay.Replayed(0.25, nan, nan, nan, "step_000003", None).exact
-    assert not replay.Replayed(0.25, 1.5, 0.25, 1.5, "step_000003", 2).exact
+    assert replay.Replayed(nan, 1.5, nan, 1.5, "step_000003", 0).exact is True
+    assert replay.Replayed(nan, nan, nan, nan, "step_000003", 0).exact is True
+    # without checkpoint 3 the weights were not compared: not a verdict (another learning rate
+    # gives the same figures)
+    assert replay.Replayed(nan, nan, nan, nan, "step_000003", None).exact is None
+    assert replay.Replayed(0.25, nan, nan, nan, "step_000003", None).exact is False
+    assert replay.Replayed(0.25, 1.5, 0.25, 1.5, "step_000003", 2).exact is False
 
 
 def test_replay_refuses_what_is_not_a_dump(tmp_path):
@@ -251,3 +255,12 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path):
     torch.save({"step": 2, "loss": 0.5}, tmp_path / "rank_0.pt")
     with pytest.raises(ConfigError, match="rank_0.pt is not a dump"):
         replay.replay(str(tmp_path))
+    # a dump whose checkpoint to start from was pruned (run.keep_checkpoints) names that setting
+    import dataclasses
+
+    cfg = tiny_config(tmp_path, "run.checkpoint_every=1", "run.keep_checkpoints=2")
+    dump = {"step": 2, "start_step": 0, "sequences": [], "loss": 0.5, "grad_norm": 1.0}
+    folder = tmp_path / "rollouts" / "step_000002"
+    torch.save(dump | {"config": dataclasses.asdict(cfg)}, folder / "rank_0.pt")
+    with pytest.raises(ConfigError, match="checkpoint_every=1 and run.keep_checkpoints=0 to"):
+        replay.replay(str(folder))
