@@ -91,7 +91,10 @@ def plan_launch(r, num_prompts, mask_truncated=False):
 
 @dataclasses.dataclass
 class Progress:
-    """What a rollout has seen so far, as `decide` reads it (inflight.py records each return)."""
+    """What a rollout has seen so far, as `decide` reads it (inflight.py records each return):
+    counts, times and tokens, no rewards. A policy of yours that needs more (say, the rewards of
+    each group's returned members) adds a field here and fills it in `returned`, which sees every
+    returned trajectory's turns, rewards on them."""
 
     group_size: int = 0
     elapsed_s: float = 0.0  # since launch
@@ -238,6 +241,21 @@ def check(cfg):
             f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
         )
     refuse_unread(cfg, READ_WHEN)
+    # the policy's first decision, as the rollout asks it before anything returned: a fork's that
+    # returns no Decision fails here, not after the engine's start-up
+    plan = plan_launch(r, r.prompts_per_step, cfg.train.mask_truncated)
+    policy_decision(plan, Progress(group_size=plan.group_size))
+
+
+def policy_decision(plan, progress):
+    """`plan.cancel`'s Decision on `progress`; a policy that returns anything else is named."""
+    decision = POLICIES[plan.cancel](plan, progress)
+    if not isinstance(decision, Decision):
+        raise ConfigError(
+            f"rollout.cancel={plan.cancel!r}: its policy returned {decision!r}, where a policy "
+            "returns a cancel.Decision (e.g. Decision(stop=...))"
+        )
+    return decision
     if (
         r.cancel in ("count", "group")
         and not r.filter_groups
@@ -292,7 +310,7 @@ def decide(plan, progress, timeout_s=0.0):
         return Decision(stop=timed_out, wake_at_s=timeout_s or None)
     if plan.cancel not in POLICIES:  # a plan made in code, not checked at load
         raise ValueError(f"cancel policy {plan.cancel!r}: expected one of {tuple(POLICIES)}")
-    decision = POLICIES[plan.cancel](plan, progress)
+    decision = policy_decision(plan, progress)
     if plan.filter_groups and plan.cancel != "none":
         keep = decision.keep_groups
         decision = dataclasses.replace(

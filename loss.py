@@ -593,6 +593,17 @@ def policy_loss(
     )
     for name, coef in (terms or {}).items():
         values = TERMS[name](inputs)  # [B, T] (a term may return [B, 1]: broadcast)
+        # a [B] or a scalar would broadcast silently (along T where B == T): named instead
+        if not (
+            torch.is_tensor(values)
+            and values.dim() == 2
+            and values.shape[0] == len(per_token)
+            and values.shape[1] in (1, per_token.shape[1])
+        ):
+            raise ValueError(
+                f"loss term {name!r} returned {tuple(getattr(values, 'shape', ()))}: a term "
+                f"returns per-token values [B, T] = {tuple(per_token.shape)}, or [B, 1]"
+            )
         per_token = per_token + coef * values
         if name != "kl":
             values = values.detach().expand_as(per_token)

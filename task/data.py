@@ -111,7 +111,7 @@ def check(cfg):
             f"rollout.max_turns={cfg.rollout.max_turns}: task/{name}.py has no tool, so every "
             f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
         )
-    refuse_unread(cfg, READ_WHEN)
+    refuse_unread(cfg, READ_WHEN, fork="list it in your task module's FIELDS")
     # the files the functions are in, now; the functions when setup loads them
     if cfg.data.reward:
         check_function_spec(cfg.data.reward, "data.reward")

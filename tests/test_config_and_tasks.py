@@ -871,7 +871,9 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         if key in read:
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
         else:
-            with pytest.raises(ConfigError, match=f"{key}=.* is read only by "):
+            # with what a task of yours that reads it does (not the modes' READ_WHEN tables')
+            refused = f"{key}=.* is read only by .*: list it in your task module's FIELDS"
+            with pytest.raises(ConfigError, match=refused):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
     if "data.hub_subset" in tasks.task_module(task).FIELDS:
         hub = [*base, "data.train_path=openai/gsm8k", "data.val_path=''", "data.hub_subset=main"]

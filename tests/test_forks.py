@@ -120,6 +120,22 @@ def test_a_per_sample_value_reaches_a_loss_term_shaped_per_sample(forked):
     assert filler[0]["advantages"].tolist() == [0.0] * 4 and "filler" in filler[0]
 
 
+def test_a_term_or_a_policy_of_the_wrong_kind_is_named(tmp_path, monkeypatch):
+    """A loss term returning [B] (a per-sample value without its keepdim) failed with a
+    broadcast error naming neither the term nor the shape, and where B == T (or as a scalar) it
+    trained silently; a cancel policy returning a bool failed after the engine's start-up with
+    `'bool' object has no attribute 'stop'`. Each is named now: the term at its first micro-batch,
+    the policy at load (its first decision is asked then, on an empty Progress)."""
+    logprobs, mask = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]]), torch.ones(2, 2)
+    for wrong in (lambda i: i["logprobs"].sum(-1), lambda i: i["logprobs"].sum(), lambda i: 1.0):
+        monkeypatch.setitem(loss.TERMS, "wrong", wrong)
+        with pytest.raises(ValueError, match=r"loss term 'wrong' returned .* \[B, T\] = \(2, 2\)"):
+            loss.policy_loss(logprobs, logprobs, torch.tensor([1.0, 0.0]), mask, terms={"wrong": 1})
+    monkeypatch.setitem(cancel.POLICIES, "hopeless", lambda plan, progress: False)
+    with pytest.raises(ConfigError, match="rollout.cancel='hopeless': its policy returned False"):
+        load_config("configs/tiny.yaml", [f"run.out={tmp_path}", "rollout.cancel=hopeless"])
+
+
 def _trainer_stub(cfg):
     """What advantages.compute reads without a KL reference: only the config."""
 
