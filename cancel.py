@@ -241,21 +241,6 @@ def check(cfg):
             f"{FILTER_POLICIES} (count keeps every finished member, group complete groups only)"
         )
     refuse_unread(cfg, READ_WHEN)
-    # the policy's first decision, as the rollout asks it before anything returned: a fork's that
-    # returns no Decision fails here, not after the engine's start-up
-    plan = plan_launch(r, r.prompts_per_step, cfg.train.mask_truncated)
-    policy_decision(plan, Progress(group_size=plan.group_size))
-
-
-def policy_decision(plan, progress):
-    """`plan.cancel`'s Decision on `progress`; a policy that returns anything else is named."""
-    decision = POLICIES[plan.cancel](plan, progress)
-    if not isinstance(decision, Decision):
-        raise ConfigError(
-            f"rollout.cancel={plan.cancel!r}: its policy returned {decision!r}, where a policy "
-            "returns a cancel.Decision (e.g. Decision(stop=...))"
-        )
-    return decision
     if (
         r.cancel in ("count", "group")
         and not r.filter_groups
@@ -273,6 +258,21 @@ def policy_decision(plan, progress):
             f"rollout.prompts_per_step={r.prompts_per_step}: no step could fill its batch"
         )
     check_shares(r, 1)
+    # the policy's first decision, as the rollout asks it before anything returned: a fork's that
+    # returns no Decision fails here, not after the engine's start-up
+    plan = plan_launch(r, r.prompts_per_step, cfg.train.mask_truncated)
+    policy_decision(plan, Progress(group_size=plan.group_size))
+
+
+def policy_decision(plan, progress):
+    """`plan.cancel`'s Decision on `progress`; a policy that returns anything else is named."""
+    decision = POLICIES[plan.cancel](plan, progress)
+    if not isinstance(decision, Decision):
+        raise ConfigError(
+            f"rollout.cancel={plan.cancel!r}: its policy returned {decision!r}, where a policy "
+            "returns a cancel.Decision (e.g. Decision(stop=...))"
+        )
+    return decision
 
 
 def check_shares(r, world):
