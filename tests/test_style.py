@@ -123,3 +123,22 @@ def test_the_substrate_imports_no_stage():
                 if top in local and top not in ("runtime", "config"):
                     found.setdefault(name, []).append(module)
     assert not found, f"runtime/ imports stage modules: {found}"
+
+
+def test_no_statement_follows_a_return_or_raise_in_its_block():
+    """Code after a return, raise, continue or break in the same block never runs. A function
+    pasted into another's body by an edit once made a check's last four refusals dead code, which
+    only two tests elsewhere noticed."""
+    found = []
+    for path in python_files():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if not isinstance(block, list):
+                    continue
+                for ended, after in zip(block, block[1:]):
+                    if isinstance(ended, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                        found.append(f"{os.path.relpath(path, REPO)}:{after.lineno}")
+    assert not found, f"unreachable statements: {found}"
