@@ -297,7 +297,8 @@ def decide(plan, progress, timeout_s=0.0):
     """Whether the rollout stops now (aborting what is still running), and when to look again:
     the policy's Decision, with what every policy shares.
 
-    - no plan (validation): wait for every request;
+    - no plan (validation, eval): wait for every request (`RolloutEngine.generate` gives them
+      no timeout);
     - dynamic sampling (any policy but none; `check` allows count and group): stop at
       `target_groups` kept groups (the group policy then keeps every complete group: the filter
       judges each);

@@ -241,7 +241,8 @@ class RolloutConfig:
     abort_timeout_s: PositiveFloat = 10.0  # aborted requests must return by then, or it is an error
     # a request running longer is aborted and counts as failed (0 = no limit)
     request_timeout_s: NonNegativeFloat = 0.0
-    # a rollout running longer aborts what is left, as a cancellation (0 = no limit)
+    # a training rollout running longer aborts what is left, as a cancellation (0 = no limit);
+    # validation and eval wait for every request
     rollout_timeout_s: NonNegativeFloat = 0.0
 
     def max_trajectory_tokens(self):

@@ -152,7 +152,9 @@ class RolloutEngine(Engine):
             reward=reward,
             plan=plan,
             more_prompts=more_prompts,
-            timeout_s=self.cfg.rollout_timeout_s,
+            # a training rollout's bound only: validation and eval wait for every request (a
+            # cut answer would score 0 in their means; request_timeout_s bounds a hung one)
+            timeout_s=self.cfg.rollout_timeout_s if plan is not None else 0.0,
             seed=seed,
             held={group_id: len(s) for group_id, s in (held_survivors or {}).items()},
         )

@@ -215,11 +215,15 @@ def test_group_cancellation_keeps_whole_groups(engine, policy):
 
 
 def test_validation_never_cancels(engine, policy, tmp_path):
-    """Validation ignores rollout.cancel: every one of its samples finishes, none is aborted."""
+    """Validation ignores rollout.cancel and rollout.rollout_timeout_s: every one of its samples
+    finishes, none is aborted (a reviewer found the timeout cutting validation and eval, each cut
+    answer scored 0 in val/reward_mean and pass@k, and counted nowhere)."""
     cfg = tiny_config(
         tmp_path, "rollout.cancel=count", "rollout.drop_rate=0.5", "rollout.max_new_tokens=200"
     )
     run = train.setup(cfg, engine=engine)
+    configured = engine.cfg
+    engine.cfg = dataclasses.replace(configured, rollout_timeout_s=0.01)
     samples_seen = []
     original = engine.generate
 
@@ -233,6 +237,7 @@ def test_validation_never_cancels(engine, policy, tmp_path):
         rollout.validate(run, version=0)
     finally:
         del engine.generate
+        engine.cfg = configured
     assert len(samples_seen) == 2 * len(run.val_prompts) and not any(s.masked for s in samples_seen)
 
 
