@@ -680,6 +680,12 @@ def read_config(path=None, sets=(), values=None):
             value = load_yaml(text)
         except yaml.YAMLError:
             raise ConfigError(f"--set {item!r}: the value is not a valid YAML scalar") from None
+        if text.count("#") > repr(value).count("#"):  # a path or name cut at " #", silently
+            raise ConfigError(
+                f"--set {item!r}: a '#' after a space starts a YAML comment, which cut the value "
+                f"to {value!r}: quote the value if the '#' is part of it (--set '{key}=\"...\"'), "
+                "else leave the comment out"
+            )
         owner = mapping_owner(config, sections)
         if owner is not None:  # one entry of a mapping (train.loss_terms.x=0.1): the others stay
             value = {**getattr(owner, sections[-1]), leaf: value}

@@ -14,6 +14,7 @@ re-import the main module). README.md has the map.
 
 import argparse
 import glob
+import json
 import logging
 import os
 import signal
@@ -264,9 +265,10 @@ def parse_args(argv=None):
 
 
 def config_of(args):
-    """The run's Config: config.py's defaults <- the YAML file <- --set <- --out."""
-    sets = args.set + ([f"run.out={args.out}"] if args.out is not None else [])
-    return load_config(args.config, sets)
+    """The run's Config: config.py's defaults <- the YAML file <- --set <- --out (a folder name
+    taken as written: as a YAML value, `runs/exp #2` was cut to `runs/exp` and `2026` an int)."""
+    out = [f"run.out={json.dumps(args.out, ensure_ascii=False)}"] if args.out is not None else []
+    return load_config(args.config, args.set + out)
 
 
 def run_rank(argv):

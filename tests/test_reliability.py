@@ -222,10 +222,19 @@ def test_impossible_configs_name_the_problem(sets, message):
         load_config("configs/tiny.yaml", sets)
 
 
-def test_an_empty_out_on_the_command_line_is_refused_not_ignored():
-    """`--out ""` was skipped (`if args.out`): the run wrote to the config's folder instead."""
-    with pytest.raises(ConfigError, match="run.out=None: expected str"):  # an empty YAML value
+def test_an_out_on_the_command_line_is_the_folder_as_written():
+    """`--out ""` was skipped (`if args.out`): the run wrote to the config's folder instead. A
+    reviewer found --out read as a YAML value: `runs/exp #2` cut to `runs/exp` (a --resume then
+    resumed that other run), `2026` an int, `~` None. A '#' that YAML would read as a comment in a
+    --set is refused."""
+    with pytest.raises(ConfigError, match="run.out='': expected a path"):
         train.config_of(train.parse_args(["--config", "configs/tiny.yaml", "--out", ""]))
+    for out in ("runs/exp #2", "2026", "~", "runs/a: b", "@home/run", 'runs/"x" \\y'):
+        assert train.config_of(train.parse_args(["--out", out])).run.out == out
+    with pytest.raises(ConfigError, match="starts a YAML comment, which cut the value to 'data/x'"):
+        load_config(None, ["data.train_path=data/x #1.jsonl"])
+    assert load_config(None, ['run.out="runs/exp #2"']).run.out == "runs/exp #2"
+    assert load_config(None, ["run.out=runs/exp#2"]).run.out == "runs/exp#2"  # no comment
 
 
 def test_a_cancel_policy_cut_only_by_the_rollout_timeout_loads():
