@@ -198,7 +198,7 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS, check=True):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, trust_remote_code=trust
             )
-    except OSError as e:
+    except (OSError, ValueError) as e:  # no such folder; a config.json transformers cannot read
         raise unloadable(path, e) from None
     if check:
         check_family(cfg, model)
@@ -457,7 +457,9 @@ def load_tokenizer(cfg, path, chars=TINY_CHARS):
 
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    except OSError as e:  # no such folder or hub id: named (assemble.setup loads it first)
+    # no such folder or hub id, a folder without tokenizer files (ValueError): named
+    # (assemble.setup loads it first)
+    except (OSError, ValueError) as e:
         raise unloadable(path, e) from None
 
 

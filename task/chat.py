@@ -132,7 +132,13 @@ def read_rows(source, split, subset=None):
             return list(datasets.load_dataset("parquet", data_files=source, split="train"))
         except Exception as e:  # an empty or damaged file: pyarrow's and datasets' own errors
             raise DataError(f"{source} cannot be read as parquet: {type(e).__name__}: {e}") from e
-    return list(datasets.load_dataset(source, subset or None, split=split))
+    try:
+        return list(datasets.load_dataset(source, subset or None, split=split))
+    except Exception as e:  # a folder of no data files, a hub id not reached: the library's errors
+        raise DataError(
+            f"{source}: not a local .jsonl or .parquet file, and datasets could not load it: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
 
 
 def read_jsonl(source):

@@ -158,6 +158,30 @@ def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, cap
     assert exited.value.code == 2 and message in stderr and "Traceback" not in stderr
 
 
+def test_a_folder_without_data_or_tokenizer_files_exits_with_a_message(
+    tmp_path, monkeypatch, capsys
+):
+    """A reviewer found two tracebacks: a data path `datasets` cannot load (a folder without data
+    files; a `.json` typo goes to the hub) and a model folder without tokenizer files (a
+    ValueError, where a missing folder was a ModelError). Each is a named error now, exit 2."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args, message in (
+        (["--set", "data.task=gsm8k", f"--set=data.train_path={empty}"], "datasets could not load"),
+        (
+            [
+                f"--set=model.path={empty}",
+                "--set=data.task=gsm8k",
+                f"--set=data.train_path={GSM8K_TRAIN}",
+            ],
+            "could not be loaded",
+        ),
+    ):
+        test_cli_fatal_errors_exit_nonzero_with_a_message(
+            tmp_path / "out", monkeypatch, capsys, args, message
+        )
+
+
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
     """Unparseable lines and rows of the wrong shape are skipped and counted in warnings: for
     GSM8K also an answer that is no solution ending in '#### <number>' (a number, no '####', no
