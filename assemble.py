@@ -75,24 +75,17 @@ class Run:
     updates_done: int = 0
 
 
-def setup(cfg, resume=False, engine=None):
-    """Build policy, task, engine and optimizer on this rank; with `resume`, restore the latest
-    checkpoint. An `engine` passed in (tests share one) is synced to the policy instead of
-    starting another. The trainer's memory is offloaded last: the first step's rollout comes
-    first."""
-    torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
-    world = parallel.world_size()
+def check_run(cfg, world, resume):
+    """The refusals that need no model: each of `world` ranks takes whole groups, and the run
+    folder matches --resume. Called by `setup` on each rank, and by train.main before it starts
+    ranks (there a refusal is one line, not every rank's error). Returns the checkpoint folder to
+    resume from, or None."""
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(
             f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must divide evenly over "
             f"{world} ranks (each rank takes whole GRPO groups)"
         )
     cancel.check_shares(cfg.rollout, world)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", parallel.gpu_index())
-    else:
-        device = torch.device("cpu")
-    check_attention(cfg, device)
     resume_dir = checkpoint.latest(cfg.run.out)
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
@@ -102,6 +95,21 @@ def setup(cfg, resume=False, engine=None):
             f"{resume_dir}): --resume continues that run; to start a new one, pass another --out "
             "or remove that folder"
         )
+    return resume_dir
+
+
+def setup(cfg, resume=False, engine=None):
+    """Build policy, task, engine and optimizer on this rank; with `resume`, restore the latest
+    checkpoint. An `engine` passed in (tests share one) is synced to the policy instead of
+    starting another. The trainer's memory is offloaded last: the first step's rollout comes
+    first."""
+    torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
+    resume_dir = check_run(cfg, parallel.world_size(), resume)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", parallel.gpu_index())
+    else:
+        device = torch.device("cpu")
+    check_attention(cfg, device)
     state = checkpoint.check_resume(resume_dir, cfg) if resume_dir else {}
     start_step = state.get("step", 0)
     if start_step > cfg.train.steps:  # the loop would run no step and exit as if it had finished

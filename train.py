@@ -37,7 +37,7 @@ import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
 from runtime.engine import RolloutError, StopSignal, strip_expandable_segments
 from runtime.model import ModelError
-from assemble import load_config, setup
+from assemble import check_run, load_config, setup
 from task.data import DataError
 
 log = logging.getLogger("train")
@@ -326,6 +326,7 @@ def main(argv=None):
     if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
     if nproc > 1 and not parallel.under_launcher():
+        check_run(cfg, nproc, args.resume)  # once here, not once per rank
         each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
         stopped_by = next((name for name in each if name), None)
     else:

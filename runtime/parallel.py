@@ -100,14 +100,22 @@ def launch(nproc, entrypoint, *args):
     try:
         return elastic_launch(config, run_as_rank)(entrypoint, *args)
     except ChildFailedError as e:
-        failures = [
-            f"rank {r}: {f.message or f'exit code {f.exitcode}'}"
-            for r, f in sorted(e.failures.items())
-        ]
+        failures = [f"rank {r}: {failure_message(f)}" for r, f in sorted(e.failures.items())]
         raise RankError("; ".join(failures)) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def failure_message(failure):
+    """A failed rank's error as one line: torch elastic's `ProcessFailure.message` is the error
+    file's record, a dict holding the message and the traceback as text, for a rank that raised
+    (torch/distributed/elastic/multiprocessing/errors/__init__.py, `_get_error_data`), and a
+    string for one a signal ended. The traceback is in the launcher's log above."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message or f"exit code {failure.exitcode}"
 
 
 def run_as_rank(entrypoint, *args):

@@ -145,6 +145,11 @@ def test_unknown_key_in_yaml(tmp_path):
             "model.path='/nonexistent/model' could not be loaded",
         ),
         (["--set", "run.nproc=1000000"], "run.nproc=1000000 but this machine has"),
+        # checked before the ranks start: one line, not each rank's error (1 rank on a GPU box)
+        (
+            ["--set", "run.nproc=2", "--set", "rollout.prompts_per_step=3"],
+            "rollout.prompts_per_step=3 must divide evenly over 2 ranks",
+        ),
     ],
 )
 def test_cli_fatal_errors_exit_nonzero_with_a_message(tmp_path, monkeypatch, capsys, args, message):
