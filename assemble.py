@@ -104,7 +104,8 @@ def setup(cfg, resume=False, engine=None):
     starting another. The trainer's memory is offloaded last: the first step's rollout comes
     first."""
     torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
-    resume_dir = check_run(cfg, parallel.world_size(), resume)
+    world = parallel.world_size()
+    resume_dir = check_run(cfg, world, resume)
     if torch.cuda.is_available():
         device = torch.device("cuda", parallel.gpu_index())
     else:
@@ -294,18 +295,27 @@ def check_fits_a_request(cfg, task, model_config):
     the overlong penalty assume the whole budget), or refuses the request. A later request's
     prompt holds what came before it: with tools' turns the earlier turns, with partial rollout
     the cancelled response it resumes (inflight.py); up to the prompt and the budget but one."""
-    longest = max(len(p.prompt_ids) for p in (*task.train_prompts, *task.val_prompts))
+    lengths = [len(p.prompt_ids) for p in (*task.train_prompts, *task.val_prompts)]
+    longest = max(lengths)
     budget = cfg.rollout.max_trajectory_tokens()
     most, longest_prompt = request_limits(model_config, cfg.rollout.max_total_tokens)
     continued = cfg.rollout.max_turns > 1 or cfg.rollout.resumes()
     last_prompt = longest + (budget - 1 if continued else 0)
-    if longest + budget > most or last_prompt > longest_prompt:
+    over = max(longest + budget - most, last_prompt - longest_prompt)
+    if over > 0:
+        # the prompt and the budget each count once in both limits: either gives back `over`
+        kept = sum(n <= longest - over for n in lengths)  # the prompts a shorter bound keeps
+        prompts = (
+            f", or data.max_prompt_len to {longest - over} (keeps {kept} of {len(lengths)} prompts)"
+            if kept
+            else ""
+        )
         raise ConfigError(
             f"a trajectory needs up to {longest + budget} tokens (its prompt, up to {longest}, and "
             f"rollout's budget {budget}) and sends a prompt of up to {last_prompt}, but one engine "
             f"request holds {most} and a prompt {longest_prompt} (the model's context length, "
-            "rollout.max_total_tokens): lower rollout.max_new_tokens (or max_response_tokens) or "
-            "data.max_prompt_len"
+            f"rollout.max_total_tokens when set): {over} tokens too many; lower "
+            f"rollout.max_new_tokens (or max_response_tokens) by {over}{prompts}"
         )
 
 
