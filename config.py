@@ -439,13 +439,13 @@ class Config:
 def refuse_unread(
     cfg, read_when, fork="say when in READ_WHEN, beside the check of the module that owns it"
 ):
-    """Each field of `read_when` ({"section.field": (is_read(cfg), "when it is read")}) set to a
-    value but its default where `is_read` says nothing reads it is a ConfigError: a value nothing
-    reads would look like it took effect. Each owner module declares the fields it reads only in
-    some tasks or modes beside its `check`, which calls this; `fork`: what a fork of yours that
-    reads the field does about it."""
+    """Each field of `read_when` ({"section.field": (is_read(cfg), "when it is read"[, fork])})
+    set to a value but its default where `is_read` says nothing reads it is a ConfigError: a value
+    nothing reads would look like it took effect. Each owner module declares the fields it reads
+    only in some tasks or modes beside its `check`, which calls this; `fork`: what a fork of yours
+    that reads the field does about it (an entry's own third element first)."""
     defaults = Config()
-    for key, (is_read, when) in read_when.items():
+    for key, (is_read, when, *own) in read_when.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
         default = getattr(getattr(defaults, section), name)
@@ -453,7 +453,7 @@ def refuse_unread(
             # the default as a --set value: JSON's spelling is YAML's (null, "", [], true)
             raise ConfigError(
                 f"{key}={shown(value)} is read only {when}: unset it (--set "
-                f"'{key}={json.dumps(default)}'; a fork of yours that reads it: {fork})"
+                f"'{key}={json.dumps(default)}'; a fork of yours that reads it: {own[0] if own else fork})"
             )
 
 

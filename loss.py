@@ -104,7 +104,7 @@ def check(cfg):
     if t.kl_in == "reward" and t.kl_coef and cfg.rollout.top_p < 1:
         raise ConfigError(
             "train.kl_in=reward reads the engine's log-probs, of the full softmax (SGLang's), and "
-            "rollout.top_p < 1 samples from a nucleus: use train.kl_in=loss, or top_p=1"
+            "rollout.top_p < 1 samples from a nucleus: use train.kl_in=loss, or rollout.top_p=1"
         )
 
 

@@ -110,7 +110,7 @@ def replay(folder):
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
     if step > 0 and not os.path.isdir(before):
-        keep = "and run.keep_checkpoints=0 " if cfg.run.checkpoint_every == 1 else ""
+        keep = "and run.keep_checkpoints=0 " if cfg.run.keep_checkpoints else ""
         raise ConfigError(
             f"--replay {folder}: no checkpoint {before} to start from; dump with "
             f"run.checkpoint_every=1 {keep}to replay any step"

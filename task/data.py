@@ -86,14 +86,22 @@ def fields_read(cfg):
     return read
 
 
+def read_when(key):
+    """config.refuse_unread's entry for one of this module's fields: when `fields_read` reads it,
+    and what a fork that reads it does (a reviewer found a shipped task's tool field, refused at
+    one turn, told to list it in FIELDS, which the task already did)."""
+    listed, fork = "by the tasks whose FIELDS list it (task/*.py)", "list it in its FIELDS"
+    if key in TOOL_FIELDS:
+        listed += " at rollout.max_turns > 1 (tools run between turns)"
+        fork += " and set rollout.max_turns above 1"
+    elif key == "data.hub_subset":
+        listed += " reading a hub dataset (data.train_path, val_path: not .jsonl/.parquet files)"
+        fork += " and read a hub dataset"
+    return (lambda cfg: key in fields_read(cfg), listed, fork)
+
+
 # config.refuse_unread's table of this module's fields
-READ_WHEN = {
-    key: (
-        lambda cfg, key=key: key in fields_read(cfg),
-        "by the tasks whose FIELDS list it (task/*.py; tool fields with rollout.max_turns > 1)",
-    )
-    for key in sorted(TASK_FIELDS | TOOL_FIELDS)
-}
+READ_WHEN = {key: read_when(key) for key in sorted(TASK_FIELDS | TOOL_FIELDS)}
 
 
 def check(cfg):
@@ -111,7 +119,7 @@ def check(cfg):
             f"rollout.max_turns={cfg.rollout.max_turns}: task/{name}.py has no tool, so every "
             f"trajectory is one turn; tools' turns need a task with one ({', '.join(with_tool)})"
         )
-    refuse_unread(cfg, READ_WHEN, fork="list it in your task module's FIELDS")
+    refuse_unread(cfg, READ_WHEN)
     # the files the functions are in, now; the functions when setup loads them
     if cfg.data.reward:
         check_function_spec(cfg.data.reward, "data.reward")

@@ -900,8 +900,12 @@ def test_a_field_the_task_does_not_read_is_refused_when_set(task, turns):
         if key in read:
             load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
         else:
-            # with what a task of yours that reads it does (not the modes' READ_WHEN tables')
-            refused = f"{key}=.* is read only by .*: list it in your task module's FIELDS"
+            # with what a task of yours that reads it does (not the modes' READ_WHEN tables'),
+            # and for a field a shipped task lists, the condition it missed
+            refused = f"{key}=.* is read only by .*: list it in its FIELDS" + {
+                **dict.fromkeys(tasks.TOOL_FIELDS, " and set rollout.max_turns above 1"),
+                "data.hub_subset": " and read a hub dataset",
+            }.get(key, r"\)$")
             with pytest.raises(ConfigError, match=refused):
                 load_config(os.path.join(ROOT, "configs/tiny.yaml"), sets)
     if "data.hub_subset" in tasks.task_module(task).FIELDS:

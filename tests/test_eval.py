@@ -264,3 +264,9 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path):
     torch.save(dump | {"config": dataclasses.asdict(cfg)}, folder / "rank_0.pt")
     with pytest.raises(ConfigError, match="checkpoint_every=1 and run.keep_checkpoints=0 to"):
         replay.replay(str(folder))
+    # pruned as well when checkpoints are written less often (a reviewer found the message then
+    # naming checkpoint_every alone)
+    cfg = tiny_config(tmp_path, "run.checkpoint_every=5", "run.keep_checkpoints=2")
+    torch.save(dump | {"config": dataclasses.asdict(cfg)}, folder / "rank_0.pt")
+    with pytest.raises(ConfigError, match="checkpoint_every=1 and run.keep_checkpoints=0 to"):
+        replay.replay(str(folder))

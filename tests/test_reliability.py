@@ -986,6 +986,14 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
     for item, message in sets.items():
         with pytest.raises(ConfigError, match=message):
             assemble.setup(tiny_config(tmp_path, item))
+    # the advice, followed as given, fits (a reviewer found it naming data.max_prompt_len where
+    # the prompts are 4 tokens, and no number)
+    with pytest.raises(
+        ConfigError, match="150 tokens too many; lower rollout.max_new_tokens .* by 150$"
+    ):
+        assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=400"))
+    with pytest.raises(AssertionError, match="the engine was started"):
+        assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=250"))
     # partial rollout resumes a cancelled response as the next request's prompt (up to the
     # prompt and 247 tokens here, past the 249 a prompt may hold), though the whole fits
     partial = [
@@ -994,8 +1002,10 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
         "rollout.partial=true",
         "train.tis_cap=2",
     ]
-    with pytest.raises(ConfigError, match="needs up to 252 tokens .* prompt of up to 251"):
+    with pytest.raises(ConfigError, match="needs up to 252 tokens .* prompt of up to 251.* by 2$"):
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248", *partial))
+    with pytest.raises(AssertionError, match="the engine was started"):
+        assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=246", *partial))
     with pytest.raises(AssertionError, match="the engine was started"):  # fits without partial
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248"))
     cfg = tiny_config(tmp_path)

@@ -196,7 +196,9 @@ def test_a_tool_that_cannot_be_described_or_found_is_a_config_error(tmp_path):
     loaded = tools.load_tools(["task.tools:calculator", "examples/math_tools.py:percent_of"])
     assert [fn.__name__ for fn in loaded] == ["calculator", "percent_of"]
     assert tools.load_tools([]) == [tools.calculator]  # none named: the calculator
-    tools_unread = r"read only by the tasks whose FIELDS list it \(task/\*.py; tool fields with"
+    tools_unread = (
+        r"read only by the tasks whose FIELDS list it \(task/\*.py\) at rollout.max_turns > 1"
+    )
     with pytest.raises(ConfigError, match=tools_unread):
         load_config("configs/tiny.yaml", ["rollout.tools=[task.tools:calculator]"])
     with pytest.raises(ConfigError, match=tools_unread):  # its own tool, not the calculator list
