@@ -49,10 +49,21 @@ def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
     nn.Linear's default init, B zero: the model is unchanged), freeze every other parameter and
     hold it in `base_dtype`, except those whose name holds a part of `also_train` (trained in full,
     fp32). Returns the adapted layers' names."""
-    # an empty part is in every name: the whole model would train in full beside the adapters
-    blank = [part for part in also_train if not part.strip()]
-    if blank:
-        raise ValueError(f"model.lora_also_train: {blank} would name every parameter")
+    # a part in an adapted layer's weight's name ('', '.', 'weight', 'layers') would train that
+    # weight in full under its own adapter: the whole model, where an empty part was given
+    targeted = [
+        f"{n}.weight"
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and is_target(n, targets)
+    ]
+    both = {p: w for p in also_train for w in reversed(targeted) if p in w}  # (the first one)
+    if both:
+        part, weight = next(iter(both.items()))
+        raise ValueError(
+            f"model.lora_also_train: {sorted(both)} would train the adapted weights in full "
+            f"({part!r} is in {weight}): name parts of the other parameters' names (norm, "
+            "embed_tokens, lm_head)"
+        )
     for name, parameter in model.named_parameters():
         trained = is_also_trained(name, also_train)
         parameter.requires_grad_(trained)

@@ -138,8 +138,13 @@ def test_lora_fields_are_refused_without_lora():
     for item, message in (
         ("model.lora_targets=[q_proj,v_proj,k_prj]", r"\['k_prj'\] name no linear layer"),
         ("model.lora_also_train=[nrom]", r"\['nrom'\] are in no parameter's name"),
-        # an empty part is in every name: the whole model would train beside the adapters
-        ("model.lora_also_train=[norm,' ']", r"\[' '\] would name every parameter"),
+        # a part in an adapted weight's name would train it in full under its adapter: an empty
+        # one, in every name, the whole model (a reviewer found '.' and 'weight' accepted)
+        ("model.lora_also_train=[norm,'']", r"\[''\] would train the adapted weights in full"),
+        ("model.lora_also_train=['.']", r"\['.'\] would train the adapted weights in full"),
+        ("model.lora_also_train=[weight]", r"\['weight'\] would train the adapted weights"),
+        ("model.lora_also_train=[layers]", r"'layers' is in model.layers.0.self_attn.q_proj"),
+        ("model.lora_also_train=[' ']", r"\[' '\] are in no parameter's name"),
         # the tiny model's projections are 64 features on their smaller side
         ("model.lora_rank=65", r"lora_rank=65 is above every adapted layer's rank \(at most 64\)"),
     ):
