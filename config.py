@@ -451,9 +451,10 @@ def refuse_unread(
         default = getattr(getattr(defaults, section), name)
         if value != default and not is_read(cfg):
             # the default as a --set value: JSON's spelling is YAML's (null, "", [], true)
+            advice = own[0] if own else fork
             raise ConfigError(
                 f"{key}={shown(value)} is read only {when}: unset it (--set "
-                f"'{key}={json.dumps(default)}'; a fork of yours that reads it: {own[0] if own else fork})"
+                f"'{key}={json.dumps(default)}'; a fork of yours that reads it: {advice})"
             )
 
 

@@ -203,14 +203,20 @@ def parse_args(argv=None):
     source.add_argument("--run", help="a run directory: evaluate its latest checkpoint")
     source.add_argument("--model", help="any HF model folder (with --config)")
     parser.add_argument("--step", type=int, help="--run: this checkpoint's step instead")
-    parser.add_argument("--config", default="configs/tiny.yaml", help="--model: the task's config")
+    parser.add_argument("--config", help="--model: the task's config (configs/tiny.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--samples", type=int, default=8, help="sampled responses per prompt")
     parser.add_argument("--k", default="1", help="comma-separated k for pass@k and maj@k")
     parser.add_argument("--temperature", type=float, help="default: rollout.temperature")
     parser.add_argument("--out", help="default: eval.jsonl beside the checkpoint")
     args = parser.parse_args(argv)
-    # usage errors before anything starts (argparse exits 2 with the usage line)
+    # usage errors before anything starts (argparse exits 2 with the usage line); a flag the
+    # chosen source never reads among them (--step with --model was dropped, silently)
+    if args.step is not None and args.model:
+        parser.error("--step picks one of a run's checkpoints: use it with --run")
+    if args.config is not None and args.run:
+        parser.error("--config is --model's: a run is evaluated with its own config.yaml")
+    args.config = args.config or "configs/tiny.yaml"
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: expected a count >= 1")
     try:

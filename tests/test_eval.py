@@ -165,10 +165,11 @@ def test_a_run_logs_pass_at_k_evaluates_and_replays_a_step_exactly(engine, tmp_p
 
 
 def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
-    """--k a, --k 0, --k -3, --samples 0 and a --temperature below rollout.temperature's bound
-    (SGLang samples greedily under 1e-6, sglang/srt/sampling/sampling_params.py; -1 and nan fail
-    every request) are usage errors (exit 2, a one-line reason) from the argument parser, before
-    any config, model or engine is touched; an --out whose folder is missing is refused before
+    """--k a, --k 0, --k -3, --samples 0, a flag the source does not read and a --temperature
+    below rollout.temperature's bound (SGLang samples greedily under 1e-6,
+    sglang/srt/sampling/sampling_params.py; -1 and nan fail every request) are usage errors
+    (exit 2, a one-line reason) from the argument parser, before any config, model or engine is
+    touched; an --out whose folder is missing is refused before
     the engine starts (it was found after every sample was drawn)."""
     for argv, reason in (
         (["--k", "a"], "expected comma-separated integers"),
@@ -178,10 +179,16 @@ def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
         (["--temperature", "-1"], "--temperature -1.0: expected a finite value >= 0.01"),
         (["--temperature", "nan"], "--temperature nan: expected a finite value >= 0.01"),
         (["--temperature", "0.001"], "--temperature 0.001: expected a finite value >= 0.01"),
+        # a flag the chosen source never reads (a reviewer found each dropped, silently)
+        (["--config", "configs/tiny_tool.yaml"], "--config is --model's"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             evaluation.parse_args(["--run", str(tmp_path), *argv])
         assert exit_info.value.code == 2 and reason in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        evaluation.parse_args(["--model", str(tmp_path), "--step", "1"])
+    assert exit_info.value.code == 2 and "use it with --run" in capsys.readouterr().err
+    assert evaluation.parse_args(["--model", str(tmp_path)]).config == "configs/tiny.yaml"
     out = tmp_path / "missing" / "eval.jsonl"
     with pytest.raises(ConfigError, match="its folder does not exist or is not writable"):
         evaluation.main(["--model", str(tmp_path), "--out", str(out)])
