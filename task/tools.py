@@ -237,17 +237,23 @@ def arguments_schema(schema):
 
 
 def with_null_types(spec):
-    """`spec` (a JSON schema, or a part of one) with every `nullable: true` turned into a "null"
-    among its types."""
+    """`spec` (a JSON schema, or a part of one) with every `nullable: true` turned into a null
+    each of its constraints takes: a "null" among its types, None among its `enum`
+    (Optional[Literal["cm", "in"]]), a null schema among its `anyOf` (Optional[list[int] | str],
+    which has no types): a reviewer found the last two refusing a null the function takes."""
     if isinstance(spec, list):
         return [with_null_types(item) for item in spec]
     if not isinstance(spec, dict):
         return spec
     spec = {key: with_null_types(value) for key, value in spec.items()}
-    if spec.get("nullable") is True and "type" in spec:
-        del spec["nullable"]
-        types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
-        spec["type"] = [*types, "null"]
+    if spec.pop("nullable", None) is True:
+        if "type" in spec:
+            types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
+            spec["type"] = [*types, "null"]
+        if "enum" in spec:
+            spec["enum"] = [*spec["enum"], None]
+        if "anyOf" in spec:
+            spec["anyOf"] = [*spec["anyOf"], {"type": "null"}]
     return spec
 
 
@@ -271,8 +277,8 @@ def result_text(result):
 
 
 def cut(text, max_chars):
-    """An observation's text within `max_chars` (rollout.max_observation_chars), with a visible
-    marker where it was cut: it shares the trajectory's token budget."""
+    """An observation's text cut to its first `max_chars` characters (rollout.max_observation_chars)
+    and a visible marker, " ... (cut)", after them: it shares the trajectory's token budget."""
     if len(text) > max_chars:
         text = text[:max_chars] + " ... (cut)"
     return text

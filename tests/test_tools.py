@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import time
+from typing import Literal
 
 import pytest
 
@@ -70,6 +71,25 @@ def total(xs: list[int | None]) -> int:
         xs: The numbers, some null.
     """
     return sum(x for x in xs if x is not None)
+
+
+def measure(x: int, unit: Literal["cm", "in"] | None = None) -> str:
+    """A length with its unit, if any.
+
+    Args:
+        x: The length.
+        unit: Its unit, or null.
+    """
+    return f"{x} {unit}"
+
+
+def either(x: list[int] | str | None) -> str:
+    """Numbers, a word, or null.
+
+    Args:
+        x: What to show.
+    """
+    return repr(x)
 
 
 def no_docstring(x: int) -> int:
@@ -222,8 +242,10 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
     tool called (or `unparsed`), the call well-formed (the tool ran) only where the tool itself
     failed; the arguments never reach eval. Arguments under "parameters" are read, as SGLang's
     parser reads them; under any other key (they were dropped unread) the call is malformed; a
-    nested nullable type takes null."""
-    tool = tools.QwenTools(tokenizer, [tools.calculator, percent_of, repeat, later, refuses, total])
+    nested nullable type takes null, and so does a nullable enum or union (a reviewer found them
+    refusing it)."""
+    functions = [tools.calculator, percent_of, repeat, later, refuses, total, measure, either]
+    tool = tools.QwenTools(tokenizer, functions)
     assert tool.names == [
         "calculator",
         "percent_of",
@@ -231,6 +253,8 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         "later",
         "refuses",
         "total",
+        "measure",
+        "either",
         tools.UNPARSED,
     ]
     answers = [
@@ -246,6 +270,10 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         # "parameters" for "arguments", as SGLang's own parser reads a call
         ('{"name": "repeat", "parameters": {"word": "b", "times": 1}}', "repeat", '["b"]'),
         ('{"name": "total", "arguments": {"xs": [1, null, 2]}}', "total", "3"),
+        ('{"name": "measure", "arguments": {"x": 3, "unit": null}}', "measure", "3 None"),
+        ('{"name": "measure", "arguments": {"x": 3, "unit": "cm"}}', "measure", "3 cm"),
+        ('{"name": "either", "arguments": {"x": null}}', "either", "None"),
+        ('{"name": "either", "arguments": {"x": [1]}}', "either", "[1]"),
     ]
     for body, name, result in answers:
         observation, text = ask(tool, tokenizer, body)
@@ -320,6 +348,8 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         ),
         # list[int | None]: null items allowed where the schema the model saw says so
         ('{"name": "total", "arguments": {"xs": [1, null, "2"]}}', "total", "is not of type"),
+        ('{"name": "measure", "arguments": {"x": 3, "unit": "mm"}}', "measure", "is not one of"),
+        ('{"name": "either", "arguments": {"x": 3}}', "either", "is not valid"),
         ('["calculator"]', tools.UNPARSED, '{"name": ..., "arguments": {...}}'),
     ]
     # the tool ran (a well-formed call: sample.tool_call 1) where it failed on its own
