@@ -201,22 +201,24 @@ def test_the_lora_estimate_counts_what_trains_in_full_too():
     the adapters and what model.lora_also_train trains in full (configs/tiny_lora.yaml: the norms
     and the embedding, 16 bytes each with gradients and AdamW state, not the base's 2-4), by any
     part of a name (`self_attn`, `mlp`, `bias`, `embed` counted 0: the estimate's names lacked the
-    blocks). With a KL, a reference that is a second adapted model (the base moves) is counted
+    blocks; a block of adapted layers is refused, so the attention alone is adapted there). With
+    a KL, a reference that is a second adapted model (the base moves) is counted
     byte for byte; with two ranks, the embedding's root gradient wherever a part names it."""
     import runtime.model as model
     from assemble import load_config
     from runtime.estimate import estimate, shape_of
 
-    for also in (
-        "[norm,embed_tokens]",
-        "[norm]",
-        "[]",
-        "[self_attn]",
-        "[mlp]",
-        "[bias]",
-        "[embed]",
+    attention = "model.lora_targets=[q_proj,k_proj,v_proj]"
+    for also, *targets in (
+        ("[norm,embed_tokens]",),
+        ("[norm]",),
+        ("[]",),
+        ("[self_attn.o_proj]", attention),
+        ("[mlp]", attention),
+        ("[bias]",),
+        ("[embed]",),
     ):
-        sets = [f"model.lora_also_train={also}", "train.kl_coef=0.1"]
+        sets = [f"model.lora_also_train={also}", "train.kl_coef=0.1", *targets]
         cfg = load_config(os.path.join(REPO, "configs/tiny_lora.yaml"), sets)
         policy, _ = model.build_policy(cfg, None)
         shape = shape_of(policy.config)

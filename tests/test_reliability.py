@@ -637,9 +637,17 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(
 
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
     """At rollout_timeout_s the rollout aborts what still runs (counted as timed out and
-    cancelled, masked like any cancelled sample) and returns within the timeout plus the abort's."""
+    cancelled, masked like any cancelled sample) and returns within the timeout plus the abort's.
+    A training rollout's (a plan, here cancel: none): validation waits for every request."""
+    from cancel import plan_launch
+
+    def training(num_prompts, group_size):
+        rollout = tiny_config("/tmp", f"rollout.group_size={group_size}").rollout
+        return plan_launch(rollout, num_prompts)
+
     engine_limits(rollout_timeout_s=0.3)
-    samples, stats = engine.generate(PROMPTS * 8, 8, 1.0, 200)  # 256 requests of up to 200 tokens
+    # 256 requests of up to 200 tokens
+    samples, stats = engine.generate(PROMPTS * 8, 8, 1.0, 200, plan=training(len(PROMPTS) * 8, 8))
     assert (
         stats.num_timed_out > 0
         and stats.num_cancelled > 0
@@ -657,7 +665,8 @@ def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
         await asyncio.sleep(1.5)
         return 0.5
 
-    samples, stats = engine.generate(PROMPTS, 4, 1.0, 4, reward=slow_reward)
+    plan = training(len(PROMPTS), 4)
+    samples, stats = engine.generate(PROMPTS, 4, 1.0, 4, reward=slow_reward, plan=plan)
     assert stats.rollout_s > 1.5 and all(s.reward == 0.5 for s in samples if not s.masked)
     assert stats.num_timed_out == stats.num_cancelled < len(samples)
 
