@@ -10,6 +10,7 @@ checkpoint on `--resume`. Does not own the training step or the loop (train.py),
 
 import dataclasses
 import logging
+import math
 
 import torch
 
@@ -295,28 +296,43 @@ def check_fits_a_request(cfg, task, model_config):
     the overlong penalty assume the whole budget), or refuses the request. A later request's
     prompt holds what came before it: with tools' turns the earlier turns, with partial rollout
     the cancelled response it resumes (inflight.py); up to the prompt and the budget but one."""
-    lengths = [len(p.prompt_ids) for p in (*task.train_prompts, *task.val_prompts)]
-    longest = max(lengths)
+    splits = [
+        [len(p.prompt_ids) for p in prompts] for prompts in (task.train_prompts, task.val_prompts)
+    ]
+    longest = max(max(lengths, default=0) for lengths in splits)
     budget = cfg.rollout.max_trajectory_tokens()
     most, longest_prompt = request_limits(model_config, cfg.rollout.max_total_tokens)
     continued = cfg.rollout.max_turns > 1 or cfg.rollout.resumes()
     last_prompt = longest + (budget - 1 if continued else 0)
     over = max(longest + budget - most, last_prompt - longest_prompt)
     if over > 0:
-        # the prompt and the budget each count once in both limits: either gives back `over`
-        kept = sum(n <= longest - over for n in lengths)  # the prompts a shorter bound keeps
-        prompts = (
-            f", or data.max_prompt_len to {longest - over} (keeps {kept} of {len(lengths)} prompts)"
-            if kept
-            else ""
-        )
         raise ConfigError(
             f"a trajectory needs up to {longest + budget} tokens (its prompt, up to {longest}, and "
             f"rollout's budget {budget}) and sends a prompt of up to {last_prompt}, but one engine "
             f"request holds {most} and a prompt {longest_prompt} (the model's context length, "
-            f"rollout.max_total_tokens when set): {over} tokens too many; lower "
-            f"rollout.max_new_tokens (or max_response_tokens) by {over}{prompts}"
+            f"rollout.max_total_tokens when set): {over} tokens too many; "
+            + "; or ".join(ways_to_fit(cfg.rollout, splits, longest, over))
         )
+
+
+def ways_to_fit(r, splits, longest, over):
+    """The settings that give back `over` tokens (the prompt and the budget each count once in
+    both limits): the field that sets the budget (config.max_trajectory_tokens), and a shorter
+    prompt bound where each split keeps a prompt. A way that cannot be set is left out."""
+    ways = []
+    if r.max_response_tokens and (r.max_turns > 1 or r.max_response_tokens < r.max_new_tokens):
+        field, value = "max_response_tokens", r.max_trajectory_tokens() - over
+    else:  # max_new_tokens x max_turns: each turn gives back max_turns tokens
+        field, value = "max_new_tokens", r.max_new_tokens - math.ceil(over / r.max_turns)
+    if value >= 1:
+        ways.append(f"set rollout.{field} to {value}")
+    kept = [sum(n <= longest - over for n in lengths) for lengths in splits]
+    if all(k or not lengths for k, lengths in zip(kept, splits)):
+        counts = " and ".join(
+            f"{k} of {len(n)} {name}" for k, n, name in zip(kept, splits, ("train", "val")) if n
+        )
+        ways.append(f"set data.max_prompt_len to {longest - over} (keeps {counts} prompts)")
+    return ways or ["a model with a longer context (the prompts alone leave no room)"]
 
 
 def partial_buffer(cfg, state):

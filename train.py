@@ -14,7 +14,6 @@ re-import the main module). README.md has the map.
 
 import argparse
 import glob
-import json
 import logging
 import os
 import signal
@@ -267,8 +266,16 @@ def parse_args(argv=None):
 def config_of(args):
     """The run's Config: config.py's defaults <- the YAML file <- --set <- --out (a folder name
     taken as written: as a YAML value, `runs/exp #2` was cut to `runs/exp` and `2026` an int)."""
-    out = [f"run.out={json.dumps(args.out, ensure_ascii=False)}"] if args.out is not None else []
+    out = [f"run.out={yaml_quoted(args.out)}"] if args.out is not None else []
     return load_config(args.config, args.set + out)
+
+
+def yaml_quoted(text):
+    """`text` as a YAML double-quoted scalar that reads back exactly: every character but
+    printable ASCII escaped (YAML folds U+0085 and U+2028 as line breaks, and refuses DEL and
+    other unprintable characters even inside quotes)."""
+    printable = (c if " " <= c <= "~" and c not in '"\\' else f"\\U{ord(c):08x}" for c in text)
+    return '"' + "".join(printable) + '"'
 
 
 def run_rank(argv):

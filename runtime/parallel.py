@@ -108,14 +108,14 @@ def launch(nproc, entrypoint, *args):
 
 
 def failure_message(failure):
-    """A failed rank's error as one line: torch elastic's `ProcessFailure.message` is the error
-    file's record, a dict holding the message and the traceback as text, for a rank that raised
-    (torch/distributed/elastic/multiprocessing/errors/__init__.py, `_get_error_data`), and a
-    string for one a signal ended. The traceback is in the launcher's log above."""
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message")
-    return message or f"exit code {failure.exitcode}"
+    """A failed rank's error: torch elastic's `ProcessFailure.message` is the error file's
+    record, a dict holding the message and the traceback as text, for a rank that raised
+    (torch/distributed/elastic/multiprocessing/errors/__init__.py, `_get_error_data`): its
+    message then (the traceback is in the launcher's log above); else torch's own text (a signal
+    named, or where to read about tracebacks), with the exit code."""
+    if isinstance(failure.message, dict):
+        return failure.message.get("message") or f"exit code {failure.exitcode}"
+    return f"{failure.message} (exit code {failure.exitcode})"
 
 
 def run_as_rank(entrypoint, *args):

@@ -246,7 +246,9 @@ def with_null_types(spec):
     if not isinstance(spec, dict):
         return spec
     spec = {key: with_null_types(value) for key, value in spec.items()}
-    if spec.pop("nullable", None) is True:
+    # (a `properties` map is a dict too: a parameter named "nullable" is a spec, never True)
+    if spec.get("nullable") is True:
+        del spec["nullable"]
         if "type" in spec:
             types = spec["type"] if isinstance(spec["type"], list) else [spec["type"]]
             spec["type"] = [*types, "null"]

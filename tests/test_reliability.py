@@ -229,7 +229,8 @@ def test_an_out_on_the_command_line_is_the_folder_as_written():
     --set is refused."""
     with pytest.raises(ConfigError, match="run.out='': expected a path"):
         train.config_of(train.parse_args(["--config", "configs/tiny.yaml", "--out", ""]))
-    for out in ("runs/exp #2", "2026", "~", "runs/a: b", "@home/run", 'runs/"x" \\y'):
+    odd = ("a\x85b", "a \u2028 b", "del\x7f", "surr\udcff", "tab\tnl\n", " é😀 ", "-")
+    for out in ("runs/exp #2", "2026", "~", "runs/a: b", "@home/run", 'runs/"x" \\y', *odd):
         assert train.config_of(train.parse_args(["--out", out])).run.out == out
     with pytest.raises(ConfigError, match="starts a YAML comment, which cut the value to 'data/x'"):
         load_config(None, ["data.train_path=data/x #1.jsonl"])
@@ -635,6 +636,33 @@ def test_a_request_over_its_timeout_is_aborted_and_counted(
     with_aborts(engine, monkeypatch, dropped, match, PROMPTS, 2, temperature=0.0)
 
 
+def test_the_ways_to_fit_a_request_name_the_field_that_sets_the_budget():
+    """A reviewer found the request-limit advice "lower max_new_tokens by N" doing nothing where
+    max_response_tokens sets the budget (configs/gsm8k_tool.yaml's 5 turns), going below 1, and a
+    prompt bound emptying the val split. Each way, followed, gives back the tokens over."""
+    from assemble import ways_to_fit
+    from config import RolloutConfig
+
+    def fits(r, over):
+        return [way for way in ways_to_fit(r, [[4, 30]], 30, over) if "rollout." in way]
+
+    tool = RolloutConfig(max_new_tokens=512, max_turns=5, max_response_tokens=2048)
+    assert fits(tool, 206) == ["set rollout.max_response_tokens to 1842"]
+    turns = RolloutConfig(max_new_tokens=100, max_turns=3)  # 300: each token of a turn gives 3
+    assert fits(turns, 7) == ["set rollout.max_new_tokens to 97"]
+    one = RolloutConfig(max_new_tokens=1500, max_response_tokens=1000)
+    assert fits(one, 98) == ["set rollout.max_response_tokens to 902"]
+    assert fits(RolloutConfig(max_new_tokens=8), 9) == []  # no budget left to give
+    # a prompt bound that keeps a prompt of each split, or none offered
+    r = RolloutConfig(max_new_tokens=8)
+    assert ways_to_fit(r, [[4, 30], [20]], 30, 9)[-1] == (
+        "set data.max_prompt_len to 21 (keeps 1 of 2 train and 1 of 1 val prompts)"
+    )
+    assert ways_to_fit(r, [[4, 30], [25]], 30, 9) == [
+        "a model with a longer context (the prompts alone leave no room)"
+    ]
+
+
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
     """At rollout_timeout_s the rollout aborts what still runs (counted as timed out and
     cancelled, masked like any cancelled sample) and returns within the timeout plus the abort's.
@@ -998,7 +1026,7 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
     # the advice, followed as given, fits (a reviewer found it naming data.max_prompt_len where
     # the prompts are 4 tokens, and no number)
     with pytest.raises(
-        ConfigError, match="150 tokens too many; lower rollout.max_new_tokens .* by 150$"
+        ConfigError, match="150 tokens too many; set rollout.max_new_tokens to 250$"
     ):
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=400"))
     with pytest.raises(AssertionError, match="the engine was started"):
@@ -1011,7 +1039,9 @@ def test_a_trajectory_longer_than_an_engine_request_is_refused_before_the_engine
         "rollout.partial=true",
         "train.tis_cap=2",
     ]
-    with pytest.raises(ConfigError, match="needs up to 252 tokens .* prompt of up to 251.* by 2$"):
+    with pytest.raises(
+        ConfigError, match="up to 252 tokens .* of up to 251.*max_new_tokens to 246$"
+    ):
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=248", *partial))
     with pytest.raises(AssertionError, match="the engine was started"):
         assemble.setup(tiny_config(tmp_path, "rollout.max_new_tokens=246", *partial))

@@ -83,6 +83,15 @@ def measure(x: int, unit: Literal["cm", "in"] | None = None) -> str:
     return f"{x} {unit}"
 
 
+def flag(nullable: bool) -> str:
+    """A parameter that shares its name with the schema's word.
+
+    Args:
+        nullable: Whether it may be null.
+    """
+    return str(nullable)
+
+
 def either(x: list[int] | str | None) -> str:
     """Numbers, a word, or null.
 
@@ -244,7 +253,7 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
     parser reads them; under any other key (they were dropped unread) the call is malformed; a
     nested nullable type takes null, and so does a nullable enum or union (a reviewer found them
     refusing it)."""
-    functions = [tools.calculator, percent_of, repeat, later, refuses, total, measure, either]
+    functions = [tools.calculator, percent_of, repeat, later, refuses, total, measure, either, flag]
     tool = tools.QwenTools(tokenizer, functions)
     assert tool.names == [
         "calculator",
@@ -255,6 +264,7 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         "total",
         "measure",
         "either",
+        "flag",
         tools.UNPARSED,
     ]
     answers = [
@@ -274,6 +284,8 @@ def test_calls_are_dispatched_by_name_and_checked_against_the_schema(tokenizer):
         ('{"name": "measure", "arguments": {"x": 3, "unit": "cm"}}', "measure", "3 cm"),
         ('{"name": "either", "arguments": {"x": null}}', "either", "None"),
         ('{"name": "either", "arguments": {"x": [1]}}', "either", "[1]"),
+        # a parameter named "nullable" stays in the schema (a reviewer found it dropped)
+        ('{"name": "flag", "arguments": {"nullable": true}}', "flag", "True"),
     ]
     for body, name, result in answers:
         observation, text = ask(tool, tokenizer, body)
