@@ -81,6 +81,9 @@ def main():
     finally:
         run.engine.shutdown()
     trainer = run.trainer
+    # setup ends with the trainer offloaded for the first rollout (MemoryPhases.start): back on
+    # its device for the forwards below (on a GPU they met CUDA inputs with CPU weights)
+    trainer.policy.to(trainer.device)
     micro_batches, _ = update.make_minibatches(
         samples, cfg.train, trainer.pad_id, trainer.device, trainer.route_replay.width
     )

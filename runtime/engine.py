@@ -763,17 +763,40 @@ def prepare_engine_environment(on_gpu):
     - CUDA tensors pushed to the engine name their device by UUID, not index
       (sglang.srt.utils.patch_torch.monkey_patch_torch_reductions; the scheduler applies it on
       its side, managers/tp_worker.py): an index is wrong when the two processes see the GPUs in
-      another order (a launcher that sets CUDA_VISIBLE_DEVICES per rank). CUDA-only: the patch
-      breaks CPU tensor pickling."""
+      another order (a launcher that sets CUDA_VISIBLE_DEVICES per rank): `name_gpus_by_uuid`."""
     strip_expandable_segments()
     quiet_harmless_warnings()
     keep_semaphores_out()
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if on_gpu:
         os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        name_gpus_by_uuid()
 
-        monkey_patch_torch_reductions()
+
+def name_gpus_by_uuid():
+    """SGLang's patch of torch's tensor pickling (sglang/srt/utils/patch_torch.py,
+    `monkey_patch_torch_reductions`: a CUDA tensor's device by UUID), kept to CUDA tensors. The
+    patch rewrites argument 6 of every tensor's reduction, and a CPU tensor's has 3
+    (torch/multiprocessing/reductions.py, `reduce_tensor`): every CPU tensor pushed after it
+    raised IndexError (a reviewer found eval of a LoRA checkpoint, whose policy stays on the CPU,
+    and the benches that push from the CPU failing so on a GPU). A CPU tensor goes through
+    torch's own reduction (shared memory), as on a machine without a GPU."""
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.multiprocessing import reductions
+
+    monkey_patch_torch_reductions()  # once per process (it checks)
+    by_uuid = reductions.reduce_tensor
+    if getattr(by_uuid, "cuda_only", False):
+        return
+
+    def reduce_tensor(tensor):
+        if tensor.is_cuda:
+            return by_uuid(tensor)
+        return reductions._reduce_tensor_original(tensor)
+
+    reduce_tensor.cuda_only = True
+    reductions.reduce_tensor = reduce_tensor
+    reductions.init_reductions()  # the picklers' table holds the function: registered again
 
 
 def tensor_hash(tensor):

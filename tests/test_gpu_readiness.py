@@ -6,6 +6,7 @@ job's engines); what only a GPU shows is listed in README "GPU smoke test"."""
 
 import importlib.util
 import asyncio
+import inspect
 import json
 import os
 import shlex
@@ -37,7 +38,10 @@ TESTS = os.path.join(REPO, "tests")
 def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uuid(monkeypatch):
     """On GPU the engine's environment puts CUDA graphs in the releasable memory region (a user's
     own setting is kept) and patches torch's CUDA tensor sharing to name devices by UUID; on CPU
-    it does neither."""
+    it does neither. A CPU tensor pushed after the patch (eval's LoRA policy, the benches') is
+    pickled as before: a reviewer found SGLang's patch raising IndexError on every one."""
+    from sglang.srt.utils import MultiprocessingSerializer  # what update_weights_from_tensor uses
+
     monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     sglang_engine.prepare_engine_environment(on_gpu=False)
     assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
@@ -48,8 +52,14 @@ def test_engine_environment_on_gpu_releases_cuda_graphs_and_names_devices_by_uui
         sglang_engine.prepare_engine_environment(on_gpu=True)
         # graphs inside the releasable region
         assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
-        # device UUIDs, not indices
-        assert reductions.reduce_tensor.__name__ == "_reduce_tensor_modified"
+        # device UUIDs, not indices, for a CUDA tensor; a CPU tensor as torch pickles it
+        by_uuid = inspect.getclosurevars(reductions.reduce_tensor).nonlocals["by_uuid"]
+        assert by_uuid.__name__ == "_reduce_tensor_modified"
+        weight = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        [(name, back)] = MultiprocessingSerializer.deserialize(
+            MultiprocessingSerializer.serialize([("w", weight)], output_str=True)
+        )
+        assert name == "w" and torch.equal(back, weight)
         monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")
         sglang_engine.prepare_engine_environment(on_gpu=True)
         assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "0"  # a user's own choice is kept
