@@ -306,26 +306,35 @@ def check_fits_a_request(cfg, task, model_config):
     last_prompt = longest + (budget - 1 if continued else 0)
     over = max(longest + budget - most, last_prompt - longest_prompt)
     if over > 0:
+        # a first prompt over its own limit: no budget gives that back
+        prompt_over = 0 if continued else last_prompt - longest_prompt
+        # how much more a larger KV pool would hold (rollout.max_total_tokens below the context)
+        pool_room = request_limits(model_config, 0)[0] - most
+        ways = ways_to_fit(cfg.rollout, splits, longest, over, prompt_over, pool_room)
         raise ConfigError(
             f"a trajectory needs up to {longest + budget} tokens (its prompt, up to {longest}, and "
             f"rollout's budget {budget}) and sends a prompt of up to {last_prompt}, but one engine "
             f"request holds {most} and a prompt {longest_prompt} (the model's context length, "
-            f"rollout.max_total_tokens when set): {over} tokens too many; "
-            + "; or ".join(ways_to_fit(cfg.rollout, splits, longest, over))
+            f"rollout.max_total_tokens when set): {over} tokens too many; " + "; or ".join(ways)
         )
 
 
-def ways_to_fit(r, splits, longest, over):
+def ways_to_fit(r, splits, longest, over, prompt_over=0, pool_room=0):
     """The settings that give back `over` tokens (the prompt and the budget each count once in
-    both limits): the field that sets the budget (config.max_trajectory_tokens), and a shorter
-    prompt bound where each split keeps a prompt. A way that cannot be set is left out."""
+    both limits, the KV pool's size in both): the field that sets the budget
+    (config.max_trajectory_tokens), unless the first prompt alone is over its limit
+    (`prompt_over` > 0); a shorter prompt bound where each split keeps a prompt; a larger
+    rollout.max_total_tokens where the pool, not the context, is the limit (`pool_room`: how much
+    more the context holds). A way that cannot be set is left out."""
     ways = []
     if r.max_response_tokens and (r.max_turns > 1 or r.max_response_tokens < r.max_new_tokens):
         field, value = "max_response_tokens", r.max_trajectory_tokens() - over
     else:  # max_new_tokens x max_turns: each turn gives back max_turns tokens
         field, value = "max_new_tokens", r.max_new_tokens - math.ceil(over / r.max_turns)
-    if value >= 1:
+    if value >= 1 and prompt_over <= 0:
         ways.append(f"set rollout.{field} to {value}")
+    if over <= pool_room:
+        ways.append(f"set rollout.max_total_tokens to {r.max_total_tokens + over}")
     kept = [sum(n <= longest - over for n in lengths) for lengths in splits]
     if all(k or not lengths for k, lengths in zip(kept, splits)):
         counts = " and ".join(

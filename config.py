@@ -684,8 +684,9 @@ def read_config(path=None, sets=(), values=None):
         if text.count("#") > repr(value).count("#"):  # a path or name cut at " #", silently
             raise ConfigError(
                 f"--set {item!r}: a '#' after a space starts a YAML comment, which cut the value "
-                f"to {value!r}: quote the value if the '#' is part of it (--set '{key}=\"...\"'), "
-                "else leave the comment out"
+                f"to {value!r}: if the '#' is part of it, write it in YAML's single quotes, which "
+                f"keep backslashes ({key}='{text.replace(chr(39), chr(39) * 2)}'), else leave "
+                "the comment out"
             )
         owner = mapping_owner(config, sections)
         if owner is not None:  # one entry of a mapping (train.loss_terms.x=0.1): the others stay

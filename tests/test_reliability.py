@@ -661,6 +661,17 @@ def test_the_ways_to_fit_a_request_name_the_field_that_sets_the_budget():
     assert ways_to_fit(r, [[4, 30], [25]], 30, 9) == [
         "a model with a longer context (the prompts alone leave no room)"
     ]
+    # a later reader: a first prompt over its own limit takes no budget cut (the advice, followed,
+    # was refused again), and where rollout.max_total_tokens (the KV pool), not the context, is
+    # the limit, raising it is offered
+    assert fits(RolloutConfig(max_new_tokens=48), 9) == ["set rollout.max_new_tokens to 39"]
+    assert ways_to_fit(RolloutConfig(max_new_tokens=48), [[4, 30]], 30, 9, prompt_over=2) == [
+        "set data.max_prompt_len to 21 (keeps 1 of 2 train prompts)"
+    ]
+    pool = RolloutConfig(max_new_tokens=48, max_total_tokens=256)
+    assert ways_to_fit(pool, [[300]], 300, 94, pool_room=1000) == [
+        "set rollout.max_total_tokens to 350"
+    ]
 
 
 def test_a_rollout_over_its_timeout_aborts_the_rest(engine, engine_limits):
