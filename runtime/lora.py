@@ -56,13 +56,14 @@ def add_adapters(model, rank, alpha, targets, base_dtype, also_train=()):
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and is_target(n, targets)
     ]
-    both = {p: w for p in also_train for w in reversed(targeted) if p in w}  # (the first one)
-    if both:
-        part, weight = next(iter(both.items()))
+    overlapping = [part for part in also_train if any(part in w for w in targeted)]
+    if overlapping:
+        part = overlapping[0]
+        weight = next(w for w in targeted if part in w)
         raise ValueError(
-            f"model.lora_also_train: {sorted(both)} would train the adapted weights in full "
-            f"({part!r} is in {weight}): name parts of the other parameters' names (norm, "
-            "embed_tokens, lm_head)"
+            f"model.lora_also_train: {overlapping} would train the adapted weights in full "
+            f"({part!r} is in {weight}): name parts found only in the other parameters' names "
+            "(norm, embed_tokens, lm_head)"
         )
     for name, parameter in model.named_parameters():
         trained = is_also_trained(name, also_train)
