@@ -17,6 +17,7 @@ import math
 import os
 import re
 import reprlib
+import shlex
 import sys
 import types
 import typing
@@ -663,6 +664,14 @@ def read_yaml(path):
         raise ConfigError(f"{path}: {e}") from None
 
 
+def yaml_quoted(text):
+    """`text` as a YAML double-quoted scalar that reads back exactly: every character but
+    printable ASCII escaped (YAML folds U+0085 and U+2028 as line breaks, and refuses DEL and
+    other unprintable characters even inside quotes)."""
+    printable = (c if " " <= c <= "~" and c not in '"\\' else f"\\U{ord(c):08x}" for c in text)
+    return '"' + "".join(printable) + '"'
+
+
 def read_config(path=None, sets=(), values=None):
     """Defaults <- YAML file (or `values`, a mapping as one holds) <- `section.key=value` strings
     (values parsed as YAML scalars), each value of the right type and within its bounds. The
@@ -684,9 +693,8 @@ def read_config(path=None, sets=(), values=None):
         if text.count("#") > repr(value).count("#"):  # a path or name cut at " #", silently
             raise ConfigError(
                 f"--set {item!r}: a '#' after a space starts a YAML comment, which cut the value "
-                f"to {value!r}: if the '#' is part of it, write it in YAML's single quotes, which "
-                f"keep backslashes ({key}='{text.replace(chr(39), chr(39) * 2)}'), else leave "
-                "the comment out"
+                f"to {value!r}: if the '#' is part of it, quote it (--set "
+                f"{shlex.quote(key + '=' + yaml_quoted(text))}), else leave the comment out"
             )
         owner = mapping_owner(config, sections)
         if owner is not None:  # one entry of a mapping (train.loss_terms.x=0.1): the others stay

@@ -28,7 +28,7 @@ import memory
 import merge
 import rollout
 import update
-from config import ConfigError, config_yaml
+from config import ConfigError, config_yaml, yaml_quoted
 from extras import replay
 from metrics import Logger, joined, reduce_metrics, slowest, summed
 from rewards import RewardError
@@ -268,14 +268,6 @@ def config_of(args):
     taken as written: as a YAML value, `runs/exp #2` was cut to `runs/exp` and `2026` an int)."""
     out = [f"run.out={yaml_quoted(args.out)}"] if args.out is not None else []
     return load_config(args.config, args.set + out)
-
-
-def yaml_quoted(text):
-    """`text` as a YAML double-quoted scalar that reads back exactly: every character but
-    printable ASCII escaped (YAML folds U+0085 and U+2028 as line breaks, and refuses DEL and
-    other unprintable characters even inside quotes)."""
-    printable = (c if " " <= c <= "~" and c not in '"\\' else f"\\U{ord(c):08x}" for c in text)
-    return '"' + "".join(printable) + '"'
 
 
 def run_rank(argv):

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -235,6 +236,14 @@ def test_an_out_on_the_command_line_is_the_folder_as_written():
     with pytest.raises(ConfigError, match="starts a YAML comment, which cut the value to 'data/x'"):
         load_config(None, ["data.train_path=data/x #1.jsonl"])
     assert load_config(None, ['run.out="runs/exp #2"']).run.out == "runs/exp #2"
+    # the refusal's advice, pasted into a shell, reads back exactly (readers found plain quotes
+    # turning a backslash into an escape or folding a line break, and the form unquoted for the
+    # shell)
+    for path in ("data\\runs #1", "it's #1", 'say "hi" #1', "a\nb #1", "$HOME `x` #1"):
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, [f"run.out={path}"])
+        [pasted] = shlex.split(re.search(r"\(--set (.*)\), else", str(refused.value))[1])
+        assert load_config(None, [pasted]).run.out == path
     assert load_config(None, ["run.out=runs/exp#2"]).run.out == "runs/exp#2"  # no comment
 
 
