@@ -169,8 +169,8 @@ def test_eval_usage_errors_come_before_anything_starts(tmp_path, capsys):
     below rollout.temperature's bound (SGLang samples greedily under 1e-6,
     sglang/srt/sampling/sampling_params.py; -1 and nan fail every request) are usage errors
     (exit 2, a one-line reason) from the argument parser, before any config, model or engine is
-    touched; an --out whose folder is missing is refused before
-    the engine starts (it was found after every sample was drawn)."""
+    touched; an --out whose folder is missing is refused before the engine starts (it was found
+    after every sample was drawn)."""
     for argv, reason in (
         (["--k", "a"], "expected comma-separated integers"),
         (["--k", "0"], "each k must be >= 1"),
