@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import update
 import runtime.checkpoint as checkpoint
 import dist_worker
+import launch_worker
 import runtime.parallel as parallel
 import train
 import runtime.model as model
@@ -267,21 +268,24 @@ def test_ranks_on_several_hosts_are_refused():
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     """A rank that raises ends the 2-rank job with a RankError carrying that rank's message."""
     with pytest.raises(parallel.RankError, match="rank 1 could not go on"):
-        parallel.launch(2, dist_worker.fail_on_rank_1, str(tmp_path))
+        parallel.launch(2, launch_worker.fail_on_rank_1, str(tmp_path))
 
 
 def test_a_ctrl_c_before_a_ranks_handler_returns_sigint_instead_of_hanging(tmp_path):
     """A rank whose Ctrl-C raised KeyboardInterrupt (before StopSignal is in) returns "SIGINT",
     as one stopped by a signal does: train.py then says the run stopped. (torch's process wrapper
     took it for its parent's kill and exited without a result, and the launch waited forever.)"""
-    assert parallel.launch(2, dist_worker.interrupted, str(tmp_path)) == {0: "SIGINT", 1: "SIGINT"}
+    assert parallel.launch(2, launch_worker.interrupted, str(tmp_path)) == {
+        0: "SIGINT",
+        1: "SIGINT",
+    }
 
 
 LAUNCH_AND_REPORT = """
 import json, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-import dist_worker, runtime.parallel as parallel
-print(json.dumps(parallel.launch(2, dist_worker.count_signals, {out!r})), flush=True)
+import launch_worker, runtime.parallel as parallel
+print(json.dumps(parallel.launch(2, launch_worker.count_signals, {out!r})), flush=True)
 """
 
 
