@@ -331,11 +331,16 @@ def decide(plan, progress, timeout_s=0.0):
 def drop_other_groups(samples, keep_groups):
     """A Decision's `keep_groups` applied at the end of a rollout: every finished sample of any
     other group is masked out (`masked`) with finish_reason "dropped": it finished, so it is
-    neither counted as aborted (rollout/dropped counts it) nor resumed by partial rollout."""
+    neither counted as aborted (rollout/dropped counts it) nor resumed by partial rollout.
+    Returns how many of them had been cut at the token budget (finish_reason "length", replaced:
+    rollout/truncated_ratio counts them)."""
+    cut = 0
     for s in samples:
         if s.group_id not in keep_groups and not s.masked:
+            cut += s.finish_reason == "length"
             s.masked = True
             s.finish_reason = "dropped"
+    return cut
 
 
 def informative(rewards):

@@ -43,6 +43,8 @@ class RolloutStats:
     tool_calls: dict = dataclasses.field(default_factory=dict)
     tool_errors: dict = dataclasses.field(default_factory=dict)
     num_timed_out: int = 0  # trajectories cut by rollout.rollout_timeout_s's abort
+    # finished samples a Decision's keep_groups dropped that had been cut at the token budget
+    num_dropped_truncated: int = 0
     prompts_launched: int = 0  # new prompts (resumed samples not counted), refills included
     generated_tokens: int = 0  # tokens the engine generated, cancelled ones included
     # dynamic sampling: groups judged informative before the decision
@@ -160,7 +162,7 @@ class Rollout:
         earlier = sum(len(r.resumed.response_ids) for r in requests if r.resumed is not None)
         stats.generated_tokens = sum(len(s.response_ids) for s in samples) - earlier
         if decision.keep_groups is not None:  # e.g. the group policy: complete groups only
-            cancel.drop_other_groups(samples, decision.keep_groups)
+            stats.num_dropped_truncated = cancel.drop_other_groups(samples, decision.keep_groups)
         check_failures(samples, stats, self.cfg.max_failed_ratio)
         return samples, stats
 

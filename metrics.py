@@ -1,10 +1,10 @@
 """Stage 6 of the step: metrics reduced over ranks, and where they go (TensorBoard events, one
 console line per step, config.yaml in the run directory).
 
-Owns how a metric is reduced over ranks (`summed`, `slowest`, `ratio`, `quantile`, `spread`,
-else averaged: declared where the metric is made), masked means, pass@k, and the logger. Each stage
-computes its own metrics (the rollout's in rollout.py, the update's in update.py, ...); none of
-the training math is here.
+Owns how a metric is reduced over ranks (`summed`, `slowest`, `rate`, `ratio`, `quantile`,
+`spread`, else averaged: declared where the metric is made), masked means, pass@k, and the
+logger. Each stage computes its own metrics (the rollout's in rollout.py, the update's in
+update.py, ...); none of the training math is here.
 A metric's prefix says what it measures, not which stage made it: train/ the batch trained on (its
 rewards, from stage 1; its loss, from stage 4), val/ validation, rollout/ the engine's work
 (launched, aborted, lengths), timing/, perf/, memory/, and one per feature (partial/, staleness/,
@@ -39,6 +39,22 @@ class Slowest:
     the step waits for the slowest rank. Made by `slowest(value)`; not a number, as Summed."""
 
     value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+    """A throughput of the whole job (tokens per second), made by `rate(amount, seconds)`:
+    reduced as the amounts summed over the slowest rank's seconds, since the ranks work side by
+    side and the phase lasts as long as its slowest. Each rank's own rate summed would count a
+    rank that finished early as busy all along. Not a number, as Summed."""
+
+    amount: float
+    seconds: float
+
+    @property
+    def value(self):
+        """This rank's own rate (0 over no time)."""
+        return self.amount / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +114,12 @@ def slowest(value):
     return Slowest(value.item() if torch.is_tensor(value) else value)
 
 
+def rate(amount, seconds):
+    """`amount` done in `seconds` on this rank, marked to be reduced over ranks as a Rate."""
+    amount, seconds = (v.item() if torch.is_tensor(v) else v for v in (amount, seconds))
+    return Rate(float(amount), float(seconds))
+
+
 def ratio(total, count):
     """The mean `total / count`, marked to be reduced over ranks as a Ratio (its value 0 with no
     items; `reduce_metrics` leaves it out when no rank has one)."""
@@ -130,22 +152,28 @@ def joined(*stages):
 
 def reduce_metrics(scalars):
     """One dict of plain numbers from every rank's step metrics, each reduced as its producer
-    declared it: Summed, Slowest, Ratio, Quantile, Spread, else averaged. A mean or quantile over
-    no item on any rank is left out, not 0 (a step with nothing finished: TensorBoard shows a gap,
-    not "every answer wrong, length 0"). A collective: every rank calls it. With several ranks,
-    `timing/rollout_s_min` beside the max shows how unevenly their rollouts ended."""
+    declared it: Summed, Slowest, Rate, Ratio, Quantile, Spread, else averaged. A mean or
+    quantile over no item on any rank is left out, not 0 (a step with nothing finished:
+    TensorBoard shows a gap, not "every answer wrong, length 0"), and so is a spread over fewer
+    than two (one reward's deviation is no "all rewards equal"). A collective: every rank calls
+    it. With several ranks, `timing/rollout_s_min` beside the max shows how unevenly their
+    rollouts ended."""
     per_rank = parallel.gather_objects(scalars)
     out = {}
     for key in dict.fromkeys(k for d in per_rank for k in d):
         values = [d[key] for d in per_rank if key in d]
-        if isinstance(values[0], (Ratio, Quantile, Spread)) and not any(
+        if isinstance(values[0], (Ratio, Quantile)) and not any(
             v.count if isinstance(v, Ratio) else v.values for v in values
         ):
             continue  # no item anywhere
+        if isinstance(values[0], Spread) and sum(len(v.values) for v in values) < 2:
+            continue  # no deviation
         if isinstance(values[0], Summed):
             out[key] = sum(v.value for v in values)
         elif isinstance(values[0], Slowest):
             out[key] = max(v.value for v in values)
+        elif isinstance(values[0], Rate):
+            out[key] = Rate(sum(v.amount for v in values), max(v.seconds for v in values)).value
         elif isinstance(values[0], Ratio):
             out[key] = sum(v.total for v in values) / sum(v.count for v in values)
         elif isinstance(values[0], Quantile):

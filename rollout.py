@@ -14,7 +14,7 @@ API (runtime/engine.py), or the loss.
 from cancel import GroupFilter, informative_groups, plan_launch
 from config import max_trajectory_tokens
 from inflight import Request, Rollout, Settings, check_launch
-from metrics import length_stats, pass_at_k, ratio, slowest, spread, summed, trajectory_texts
+from metrics import length_stats, pass_at_k, rate, ratio, slowest, spread, summed, trajectory_texts
 import runtime.parallel as parallel
 from runtime.engine import Engine
 import runtime.seeds as seeds
@@ -275,15 +275,17 @@ def rollout_metrics(trajectories, stats):
         # trajectories here are the complete groups', whose failures may be older
         "rollout/failed": summed(stats.num_failed),
         "rollout/dropped": summed(len(dropped)),
+        # over every finished trajectory, the dropped ones' too (cut: counted as they were dropped)
         "rollout/truncated_ratio": ratio(
-            sum(s.finish_reason == "length" for s in finished), len(finished)
+            sum(s.finish_reason == "length" for s in finished) + stats.num_dropped_truncated,
+            len(finished) + len(dropped),
         ),
         "rollout/wasted_tokens": summed(
             sum(len(t.response_ids) for turns in aborted + dropped for t in turns)
         ),
         # what the engine generated in this rollout: with partial rollout the trajectories here
         # are the complete groups', which hold earlier steps' tokens and not this step's suspended
-        "perf/rollout_tokens_per_s": summed(stats.generated_tokens / max(stats.rollout_s, 1e-9)),
+        "perf/rollout_tokens_per_s": rate(stats.generated_tokens, stats.rollout_s),
         "timing/rollout_s": slowest(stats.rollout_s),
         "rollout/cancel_decision_s": slowest(stats.decision_s),  # launch -> enough finished
         # decision -> every aborted request returned
@@ -297,13 +299,11 @@ def rollout_metrics(trajectories, stats):
         "rollout/timed_out": summed(stats.num_timed_out),
         "rollout/reward_errors": summed(stats.num_reward_errors),
     }
-    lengths = [sum(len(t.response_ids) for t in turns) for turns in trajectories]
-    out.update(
-        length_stats(
-            [n for n, turns in zip(lengths, trajectories) if not turns[-1].masked],
-            "rollout/response_len",
-        )
-    )
+    # every finished trajectory's length, the dropped ones' too: the groups dropped are the last
+    # to finish, often the longest
+    done = [t for t in trajectories if not t[-1].masked or t[-1].finish_reason == "dropped"]
+    lengths = [sum(len(t.response_ids) for t in turns) for turns in done]
+    out.update(length_stats(lengths, "rollout/response_len"))
     if aborted:
         cut = [sum(len(t.response_ids) for t in turns) for turns in aborted]
         out.update(length_stats(cut, "rollout/aborted_len"))

@@ -30,7 +30,7 @@ import rollout
 import update
 from config import ConfigError, config_yaml, yaml_quoted
 from extras import replay
-from metrics import Logger, joined, reduce_metrics, slowest, summed
+from metrics import Logger, joined, rate, reduce_metrics, slowest
 from rewards import RewardError
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
@@ -52,6 +52,10 @@ def train_step(run, step):
     # the engine's memory is released and the trainer's brought back (memory.py)
     to_train_start = time.perf_counter()
     run.phases.to_train()
+    # the ranks meet here, each rollout done: the update's time is then its own, not a wait for
+    # another rank's rollout (its first collective would wait as long)
+    wait_start = time.perf_counter()
+    parallel.barrier()
     train_start = time.perf_counter()
     # 2. each trajectory's advantage, from its group's rewards
     trajectories, advantage_metrics = advantages.compute(run.trainer, groups)
@@ -78,10 +82,11 @@ def train_step(run, step):
         raise
     metrics = joined(metrics, sync)
     # 6. metrics, each reduced over ranks as its stage declared
-    metrics["timing/to_train_s"] = slowest(train_start - to_train_start)
+    metrics["timing/to_train_s"] = slowest(wait_start - to_train_start)
+    metrics["timing/rank_wait_s"] = slowest(train_start - wait_start)
     metrics["timing/train_s"] = slowest(train_s)
     metrics["timing/step_s"] = slowest(time.perf_counter() - start)
-    metrics["perf/train_tokens_per_s"] = summed(update_metrics["train/tokens"].value / train_s)
+    metrics["perf/train_tokens_per_s"] = rate(update_metrics["train/tokens"].value, train_s)
     return reduce_metrics(metrics), sequences
 
 

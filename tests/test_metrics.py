@@ -121,6 +121,24 @@ def test_means_over_samples_weigh_every_sample_alike_over_ranks(monkeypatch):
     assert out["train/reward_std"] == pytest.approx(1 / 3)
 
 
+def test_a_throughput_over_ranks_is_every_ranks_tokens_over_the_slowest_ranks_seconds(
+    monkeypatch,
+):
+    """perf/rollout_tokens_per_s (and perf/train_tokens_per_s, made alike in train.py) is the
+    job's: all ranks' tokens over the phase's time, the slowest rank's. A reviewer found each
+    rank's own rate summed: a rank done in 0.3 s counted as generating the whole 3 s, 3,667
+    tokens/s logged for 2,000 tokens in 3 s (667)."""
+    import metrics
+
+    per_rank = [
+        rollout_metrics([], RolloutStats(rollout_s=seconds, generated_tokens=1000))
+        for seconds in (0.3, 3.0)
+    ]
+    monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
+    assert reduce_metrics(per_rank[0])["perf/rollout_tokens_per_s"] == pytest.approx(2000 / 3.0)
+    assert metrics.rate(5, 0).value == 0.0  # one rank's own, over no time
+
+
 def test_with_dynamic_sampling_the_train_reward_figures_are_the_trained_batchs():
     """train/reward_mean, train/accuracy and train/reward_std describe the groups trained on; with
     rollout.filter_groups a reviewer found accuracy and std computed over every finished
@@ -175,6 +193,28 @@ def test_cancellation_counts_whole_trajectories_and_dropped_groups_at_their_rewa
     assert out["rollout/reward_mean_completed"] == out["rollout/reward_mean_launched"] == 0.75
 
 
+def test_a_dropped_groups_finished_members_count_in_the_lengths_and_the_truncated_share():
+    """rollout/response_len_* and rollout/truncated_ratio cover every finished trajectory, as
+    rollout/reward_mean_completed does: a reviewer found the members of a group a cancel policy's
+    keep_groups dropped (the last groups to finish, often the longest) left out, and their cut at
+    the token budget lost with the finish_reason "dropped" replaced (lengths 10 and 10 logged
+    where the four finished were 10, 10, 64 cut and 60)."""
+    from cancel import drop_other_groups
+
+    samples = [sample(0, 1.0, 10), sample(1, 0.0, 10)]
+    samples += [sample(2, 1.0, 64, finish_reason="length"), sample(3, 0.0, 60)]
+    for s in samples[2:]:
+        s.group_id = 1
+    stats = RolloutStats(rollout_s=1.0)
+    stats.num_dropped_truncated = drop_other_groups(samples, keep_groups=frozenset({0}))
+    assert stats.num_dropped_truncated == 1
+    out = reduce_metrics(rollout_metrics(trajectories_of(samples), stats))
+    assert out["rollout/dropped"] == 2 and out["rollout/reward_mean_completed"] == 0.5
+    assert out["rollout/response_len_mean"] == (10 + 10 + 64 + 60) / 4
+    assert out["rollout/response_len_max"] == 64
+    assert out["rollout/truncated_ratio"] == 1 / 4
+
+
 def test_a_metric_two_stages_report_is_named_not_replaced():
     """The step joined its stages' metrics with `|`: a fork's metric under a name a stage
     already logs (train/reward_std, say) silently replaced it. `joined` names it instead."""
@@ -185,16 +225,19 @@ def test_a_metric_two_stages_report_is_named_not_replaced():
 
 
 def test_masked_mean_is_never_nan_and_a_mean_over_nothing_is_left_out(monkeypatch):
-    """An all-masked mean is 0, not NaN. A mean, quantile or spread over no item on any rank is
-    left out of the reduced metrics (a reviewer found a step with nothing finished logged reward
-    0 and length 0, read as every answer wrong), and one rank's items decide where the other has
-    none."""
+    """An all-masked mean is 0, not NaN. A mean, quantile or spread over no item on any rank (a
+    spread: over fewer than two) is left out of the reduced metrics (a reviewer found a step with
+    nothing finished logged reward 0 and length 0, read as every answer wrong), and one rank's
+    items decide where the other has none."""
     import metrics
     import torch
 
     assert masked_mean(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0])).item() == 0.0
     assert reduce_metrics(length_stats([], "x") | {"r": metrics.ratio(0, 0)}) == {}
     assert reduce_metrics({"s": metrics.spread([]), "n": summed(0)}) == {"n": 0}
+    # one item has no deviation: a reviewer found 0 logged, read as "every reward equal"
+    assert reduce_metrics({"s": metrics.spread([0.5])}) == {}
+    assert reduce_metrics({"s": metrics.spread([0.5, 1.5])}) == {"s": pytest.approx(0.5**0.5)}
     per_rank = [length_stats([], "x"), length_stats([3, 5], "x")]
     monkeypatch.setattr(metrics.parallel, "gather_objects", lambda local: per_rank)
     assert reduce_metrics(per_rank[0]) == {"x_mean": 4.0, "x_p50": 4.0, "x_p90": 4.8, "x_max": 5.0}
