@@ -70,19 +70,22 @@ class Rewards:
 async def call_reward_off_loop(reward_fn, response_text, answer, finished, pool, timeout_s=0.0):
     """`call_reward` without blocking the event loop: an `async def` reward_fn is awaited, a plain
     one runs in `pool`. With `timeout_s`, a reward still running then is a RewardError (a thread
-    cannot be stopped: it finishes in the background, its result dropped). The limit counts from
-    the call, the wait for a free worker included: a reward stuck for good keeps its thread, and
-    were every worker stuck, a limit from the start of the work would never come. So with slow
-    rewards, rollout.reward_workers should cover the trajectories that finish together."""
+    cannot be stopped: it finishes in the background, its result dropped, and the pool starts
+    another in its place: `DaemonPool.abandon`). The limit counts from the call, the wait for a
+    free worker included. So with slow rewards, rollout.reward_workers should cover the
+    trajectories that finish together."""
     where = f"on answer {answer!r}, response ...{response_text[-120:]!r}"
     if is_async(reward_fn):
         pending = call_async_reward(reward_fn, response_text, answer, finished)
     else:
         call = functools.partial(call_reward, reward_fn, response_text, answer, finished)
-        pending = asyncio.wrap_future(pool.submit(call))
+        submitted = pool.submit(call)
+        pending = asyncio.wrap_future(submitted)
     try:
         return await asyncio.wait_for(pending, timeout_s or None)
     except asyncio.TimeoutError:
+        if not is_async(reward_fn):  # its thread may never come back: another takes its place
+            pool.abandon(submitted)
         raise RewardError(
             f"the reward function took longer than rollout.reward_timeout_s={timeout_s} {where}"
         ) from None

@@ -444,14 +444,14 @@ class QwenTools:
         if problems:
             return name, f"error: {name}: {'; '.join(problems)}", False
         fn = self.functions[name]
-        pending = None
+        pending = submitted = None  # the asyncio future; a plain tool's, the pool's
         try:
             if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
                 # (inside the try: a signature may refuse the keywords)
                 pending = asyncio.ensure_future(fn(**arguments))
             else:
-                pending, call, started = self.submit(fn, arguments)
-                if not await self.thread_started(call, started):
+                pending, submitted, started = self.submit(fn, arguments)
+                if not await self.thread_started(submitted, started):
                     return (
                         name,
                         f"error: {name} found no free thread within {self.timeout_s:g} s",
@@ -461,6 +461,8 @@ class QwenTools:
             # (socket.timeout is one) is an exception it raised, not the time limit
             done, _ = await asyncio.wait({pending}, timeout=self.timeout_s)
             if not done:
+                if submitted is not None:  # its thread may not come back: another takes its place
+                    self.pool.abandon(submitted)
                 return name, f"error: {name} did not return within {self.timeout_s:g} s", True
             return name, result_text(pending.result()), True
         # the user's function: an observation, never a crash; its own CancelledError too (a
@@ -497,8 +499,8 @@ class QwenTools:
     async def thread_started(self, call, started):
         """Whether a thread started the queued `call` (the pool's future). A call waits behind
         those ahead of it (more in flight than rollout.tool_workers) untimed while threads come
-        free; once none has for timeout_s, each is running a call past its limit (tools that
-        never return hold their threads for good), and it gives up, unless a thread took it just
+        free; once none has for timeout_s (every thread busy that long; one whose call passed
+        its limit is replaced: `DaemonPool.abandon`), it gives up, unless a thread took it just
         then (it cannot be cancelled: it runs, and is timed)."""
         queued_at = time.monotonic()
         # asyncio.wait, not wait_for: Python 3.11's wait_for returns the result of a wait that

@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import threading
 import time
 import types
 import uuid
@@ -343,6 +344,35 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     assert awaited.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, awaited)
     _, blocking = _timed_rollout(engine, lambda turns: slow("text", "answer", True))
     assert blocking.cancel_latency_s > instant.cancel_latency_s + 0.2, (instant, blocking)
+
+
+def test_rewards_stuck_past_their_limit_never_use_the_pool_up():
+    """A reward that hangs, given up at its time limit more times than there are
+    rollout.reward_workers, leaves the next reward a thread: it is scored. A reviewer found each
+    hung call kept its thread for good, so after `workers` hangs spread over a long run every
+    reward waited out its limit behind them and failed, and the run ended. Each written-off
+    thread is counted (and logged); should its call return after all, the thread ends."""
+    release = threading.Event()
+    pool = DaemonPool(2, "stuck_reward")
+
+    def hangs(text, answer, finished):
+        release.wait(30)
+        return 0.0
+
+    def call(fn, timeout_s):
+        return asyncio.run(rewards.call_reward_off_loop(fn, "t", "a", True, pool, timeout_s))
+
+    for _ in range(5):
+        with pytest.raises(rewards.RewardError, match="longer than rollout.reward_timeout_s"):
+            call(hangs, 0.05)
+    assert call(lambda text, answer, finished: 1.0, 5.0) == 1.0
+    assert pool.written_off == 5 and len(pool.threads) == 5 + 2
+    release.set()  # the hung calls return: their threads end, the pool keeps its two
+    deadline = time.monotonic() + 10
+    while len(pool.threads) > 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(pool.threads) == 2 and not pool.abandoned
+    assert call(lambda text, answer, finished: 0.5, 5.0) == 0.5
 
 
 def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():

@@ -455,6 +455,20 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
 
 
+def test_a_tool_stuck_past_its_limit_leaves_the_next_call_a_thread(tokenizer):
+    """One worker, three calls of a tool that sleeps past the limit, one after another: each runs
+    and is answered "did not return", and a quick call after them runs. Each stuck call kept its
+    thread, so from the second on every call found no free thread (a reviewer found the same
+    with rewards, which ended the run): its thread is written off and another started."""
+    tool = tools.QwenTools(tokenizer, [slow], timeout_s=0.1, workers=1)
+    call = '{"name": "slow", "arguments": {"seconds": %s}}'
+    for _ in range(3):
+        _, text = ask(tool, tokenizer, call % 2)
+        assert text == "error: slow did not return within 0.1 s", text
+    _, text = ask(tool, tokenizer, call % 0.01)
+    assert "done" in text and tool.pool.written_off == 3
+
+
 def test_a_call_a_thread_took_at_its_deadline_runs_timed_not_refused(tokenizer):
     """A queued call gives up when no thread came free for the limit, unless a thread took it at
     that moment: the pool's future can no longer be cancelled, so the tool runs (its side
