@@ -20,6 +20,7 @@ Each failure is a HealthError (train.py ends the run with exit 2). The engine ca
 in runtime/engine.py; this file decides their order and refuses illegal transitions.
 """
 
+import collections
 import dataclasses
 import math
 import time
@@ -139,8 +140,9 @@ class MemoryPhases:
         if reference is not None:
             self.resident.add("reference_params")
         self.engine_released = set()
-        # every action in order ("release weights", "offload optimizer", "empty cache", ...)
-        self.events = []
+        # the last 64 actions in order ("release weights", "offload optimizer", "empty cache",
+        # ...): about 9 a step, so a long run's would pile up
+        self.events = collections.deque(maxlen=64)
         # phase -> {"modelled": ledger bytes, "measured": device-wide bytes in use, "trainer": this
         # process's allocator peak}; the last two on GPU only. Reset each step.
         self.peaks = {}

@@ -6,13 +6,16 @@ the update logged, to RUN/rollouts/step_NNNNNN/rank_0.pt. `python train.py --rep
 RUN/rollouts/step_NNNNNN` then loads the policy as it was before that step (the checkpoint of step
 N, or the seeded initial policy for step 0), runs the same update in the trainer alone and prints
 both figures against the logged ones, and the weights it ends at against checkpoint N + 1's where
-one was kept: on CPU they are equal, bit for bit. Owns the dump format and the replay; the update
-itself is update.update_policy.
+one was kept: on CPU they are equal, bit for bit. A dump whose checkpoint run.keep_checkpoints
+removed is removed too. Owns the dump format and the replay; the update itself is
+update.update_policy.
 """
 
 import dataclasses
 import math
 import os
+import re
+import shutil
 
 import torch
 
@@ -45,6 +48,23 @@ def dump(cfg, step, start_step, sequences, stats):
         path + ".tmp",
     )
     os.replace(path + ".tmp", path)  # whole or absent
+    if parallel.rank() == 0:
+        remove_unreplayable(cfg.run.out)
+
+
+def remove_unreplayable(out_dir):
+    """Remove the dumps no checkpoint is left to replay from: each step_N older than the oldest
+    checkpoint kept (run.keep_checkpoints removed checkpoint N), but step 0's (replayed from the
+    seeded initial policy). Unremoved, a dump a step (~0.4 MB a rank at GSM8K's shape) piled up
+    for the whole run."""
+    kept = checkpoint.complete_checkpoints(out_dir)
+    folder = os.path.join(out_dir, "rollouts")
+    if not kept or not os.path.isdir(folder):
+        return
+    oldest = checkpoint.step_of(kept[0])
+    for name in os.listdir(folder):
+        if re.fullmatch(r"step_\d{6,}", name) and 0 < int(name[5:]) < oldest:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 @dataclasses.dataclass

@@ -277,3 +277,19 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path):
     torch.save(dump | {"config": dataclasses.asdict(cfg)}, folder / "rank_0.pt")
     with pytest.raises(ConfigError, match="checkpoint_every=1 and run.keep_checkpoints=0 to"):
         replay.replay(str(folder))
+
+
+def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):
+    """run.dump_rollouts wrote a folder a step that nothing removed, where run.keep_checkpoints
+    bounds the checkpoints (a reviewer counted ~17 GB over 5,000 steps of configs/gsm8k.yaml's
+    shape on 8 ranks). A dump goes once its checkpoint is gone, before the oldest kept; step 0's
+    (replayed from the seeded initial policy) and the later ones stay."""
+    for step in (3, 4):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    for step in range(6):
+        (tmp_path / "rollouts" / f"step_{step:06d}").mkdir(parents=True)
+    (tmp_path / "rollouts" / "notes").mkdir()  # not a dump: left alone
+    replay.remove_unreplayable(str(tmp_path))
+    left = sorted(os.listdir(tmp_path / "rollouts"))
+    assert left == ["notes", "step_000000", "step_000003", "step_000004", "step_000005"]
+    replay.remove_unreplayable(str(tmp_path / "no_run"))  # nothing saved yet: nothing to do

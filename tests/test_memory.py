@@ -287,7 +287,7 @@ def test_sync_returns_freed_blocks_before_the_engine_resumes_and_notes_the_train
     sync(run, phases, 1)
     # the train phase's peak is taken after the update, before sync begins
     assert noted_in[0] == "train"
-    events = phases.events[start:]
+    events = list(phases.events)[start:]
     assert events == [
         "offload optimizer",
         "empty cache",
