@@ -87,6 +87,10 @@ class ModelConfig:
     compute_dtype: str = "float32"
     # the rollout engine's weights, cast from the masters at every weight sync
     engine_dtype: str = "float32"
+    # with bfloat16 (either dtype): the output head's logits summed and kept in float32 in the
+    # trainer and the engine (loss.head_logits; SGLang's enable_lm_head_fp32), not rounded to
+    # bfloat16 (1/8 apart at logits of 16-32: noise in a later minibatch's ratio and the KL)
+    fp32_head: bool = False
     # the trainer's attention: sdpa | flex_attention (GPU only; see model.ATTENTION)
     attn_implementation: str = "sdpa"
     # run Python code shipped in a model folder (trainer and engine): only if you trust it

@@ -325,18 +325,74 @@ def outside_nucleus(logits, edge, target_ids):
 
 
 def _linear_token_logprobs(
-    hidden, weight, bias, target_ids, temperature, index=None, entropy_grad=False, top_p=1.0
+    hidden,
+    weight,
+    bias,
+    target_ids,
+    temperature,
+    index=None,
+    entropy_grad=False,
+    top_p=1.0,
+    fp32_logits=False,
 ):
-    """One chunk of head_logprobs: the projection and token_logprobs, with the full softmax's
-    log-probs always (a third value)."""
+    """One chunk of head_logprobs: the projection (`head_logits`) and token_logprobs, with the
+    full softmax's log-probs always (a third value)."""
     return token_logprobs(
-        F.linear(hidden if index is None else hidden[index], weight, bias),
+        head_logits(hidden if index is None else hidden[index], weight, bias, fp32_logits),
         target_ids,
         temperature,
         entropy_grad,
         top_p,
         full=True,
     )
+
+
+def head_logits(hidden, weight, bias, fp32_logits=False):
+    """The output projection's logits: F.linear, in the compute dtype. With `fp32_logits`
+    (model.fp32_head) and a bf16 compute dtype, the same products of bf16 values, summed and kept
+    in fp32 (`Fp32Logits`): not rounded to bf16, whose spacing is 1/16 to 1/8 at |logits| of 16
+    to 32, larger than what one optimizer step moves them (a reviewer found GSPO's 3e-4 sequence
+    clip range cutting a quarter of an on-policy batch's tokens on that noise alone). SGLang
+    computes the engine's logits alike when the model's config says enable_lm_head_fp32
+    (sglang/srt/layers/logits_processor.py, `_compute_lm_head`)."""
+    dtype = (
+        torch.get_autocast_dtype(hidden.device.type)
+        if torch.is_autocast_enabled(hidden.device.type)
+        else weight.dtype  # FSDP2: its mixed precision gathered the weight in the compute dtype
+    )
+    if not fp32_logits or dtype == torch.float32:
+        return F.linear(hidden, weight, bias)
+    logits = Fp32Logits.apply(hidden.to(dtype), weight.to(dtype))
+    return logits if bias is None else logits + bias.to(dtype).float()
+
+
+class Fp32Logits(torch.autograd.Function):
+    """hidden [N, H] @ weight [V, H].T, both in a 16-bit compute dtype, -> [N, V] fp32 logits:
+    each product exact in fp32 and summed there, as the usual matmul does before it rounds its
+    output. A GPU runs the 16-bit matmul with an fp32 output (`torch.mm(..., out_dtype=)`, not
+    run here: no GPU in this project's tests), a CPU the fp32 matmul of the same values (CPU
+    torch has no such kernel). The backward is the 16-bit linear's (as autocast runs it): the
+    logits' gradient rounded to the compute dtype, two matmuls (torch gives `mm.dtype` no
+    derivative: torch 2.14, "derivative for aten::mm is not implemented")."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        with torch.autocast(flat.device.type, enabled=False):  # it would cast them back
+            if flat.is_cuda:
+                logits = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+            else:
+                logits = flat.float() @ weight.float().t()
+        return logits.view(*hidden.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(hidden.dtype)
+        grad_hidden = grad @ weight
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ hidden.reshape(-1, hidden.shape[-1])
+        return grad_hidden, grad_weight
 
 
 # with top_p < 1 a checkpointed head chunk keeps these ops' outputs from its forward for the
@@ -368,16 +424,20 @@ def keep_nucleus_search():
 
 
 @functools.cache
-def compiled_chunk():
+def compiled_chunk(fp32_logits=False):
     """`head_logprobs(compiled=True)`'s chunk: `_linear_token_logprobs` as one torch.compile'd
     function (its elementwise passes over the vocabulary fused), shapes dynamic so a new chunk
-    length does not recompile; made once per process, compiled at its first call."""
-    return torch.compile(_linear_token_logprobs, dynamic=True)
+    length does not recompile; made once per process, compiled at its first call. With
+    `fp32_logits` Inductor keeps each cast's rounding (emulate_precision_casts): by default it
+    drops a cast down and back up within a graph, so one rank's fp32 weight, cast to bf16 for
+    `head_logits`, reached the fp32 matmul unrounded (tested: 0.2 off the bf16 values' products)."""
+    options = {"emulate_precision_casts": True} if fp32_logits else None
+    return torch.compile(_linear_token_logprobs, dynamic=True, options=options)
 
 
-def chunk_function(compiled):
+def chunk_function(compiled, fp32_logits=False):
     """The per-chunk function head_logprobs runs: `_linear_token_logprobs`, or `compiled_chunk`."""
-    return compiled_chunk() if compiled else _linear_token_logprobs
+    return compiled_chunk(fp32_logits) if compiled else _linear_token_logprobs
 
 
 def head_logprobs(
@@ -392,6 +452,7 @@ def head_logprobs(
     top_p=1.0,
     full=False,
     compiled=False,
+    fp32_logits=False,
 ):
     """token_logprobs(F.linear(hidden, weight, bias), ...) without ever holding the [B, T, V]
     logits.
@@ -409,7 +470,8 @@ def head_logprobs(
     and nonzero do not, their outputs kept for the backward (keep_nucleus_search: NUCLEUS_TOP_K
     values and int64 indices a position, ~2.5 KB in bf16, until the micro-batch's backward).
     `compiled` (train.compile): each chunk's work is one torch.compile'd function
-    (`chunk_function`).
+    (`chunk_function`). `fp32_logits` (model.fp32_head): the logits summed and kept in fp32
+    (`head_logits`).
     """
     # (hidden, positions, targets): chunks of positions, gathered from the flat hidden states
     if index is not None:
@@ -424,12 +486,12 @@ def head_logprobs(
             (h, None, targets)
             for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))
         ]
-    function = chunk_function(compiled)
+    function = chunk_function(compiled, fp32_logits)
     # top_p < 1: the recompute takes the nucleus's search from the forward (keep_nucleus_search)
     kept = {"context_fn": keep_nucleus_search} if top_p < 1 else {}
     outputs = []
     for h, i, targets in chunks:
-        args = (h, weight, bias, targets, temperature, i, entropy_grad, top_p)
+        args = (h, weight, bias, targets, temperature, i, entropy_grad, top_p, fp32_logits)
         if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
             outputs.append(checkpoint(function, *args, use_reentrant=False, **kept))
         else:

@@ -658,6 +658,8 @@ def sequence_logprobs(
     the first. `compiled_head` (train.compile): the head's chunks compiled (loss.chunk_function).
     """
     head = model.get_output_embeddings()
+    # model.fp32_head, in the model's config for the engine to read too (runtime/model.py)
+    fp32_logits = getattr(model.config, "enable_lm_head_fp32", False)
     packed = "packed_ids" in batch
     input_ids = batch["packed_ids"] if packed else batch["input_ids"]
     # packed: only the positions that predict a response token (the next one in the row is its
@@ -677,6 +679,7 @@ def sequence_logprobs(
             top_p=top_p,
             full=True,
             compiled=compiled_head,
+            fp32_logits=fp32_logits,
         )
         # [B, T-1, 3] (packed: [N, 3]), where the logits would be
         return torch.stack(values, -1)

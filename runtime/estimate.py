@@ -202,6 +202,7 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
     shape = shape or model_shape(cfg.model.path, cfg.model.trust_remote_code)
     params = shape.params
     compute = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    logit = 4 if cfg.model.fp32_head else compute  # the head's logits (loss.head_logits)
     # LoRA (runtime/lora.py): the base frozen in the compute dtype; fp32 masters, gradients and
     # AdamW state for the adapters alone, rank x (in + out) per adapted projection
     m = cfg.model
@@ -301,9 +302,10 @@ def estimate(cfg, ranks, gpu_bytes, shape=None, budget=None, sharded=None):
         # drop mask, a sort's values and int64 indices;
         # per token, its top k's values (compute dtype) and int64 indices, which the forward
         # keeps for the backward (loss.keep_nucleus_search)
+        # (model.fp32_head: the logits fp32, 4 bytes for each `compute` here)
         "top-p nucleus (chunked head)": (
-            CHUNK_TOKENS * shape.vocab * (4 + compute + 4 + 1 + compute + 8)
-            + tokens * NUCLEUS_TOP_K * (compute + 8)
+            CHUNK_TOKENS * shape.vocab * (4 + logit + 4 + 1 + logit + 8)
+            + tokens * NUCLEUS_TOP_K * (logit + 8)
             if r.top_p < 1
             else 0
         ),

@@ -83,6 +83,10 @@ READ_WHEN = {
         lambda cfg: cfg.model.path != "tiny",
         "with a model loaded from model.path (tiny is built here)",
     ),
+    "model.fp32_head": (
+        lambda cfg: "bfloat16" in (cfg.model.compute_dtype, cfg.model.engine_dtype),
+        "with model.compute_dtype or model.engine_dtype bfloat16 (float32 logits are float32)",
+    ),
 }
 
 
@@ -203,6 +207,11 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS, check=True):
     if check:
         check_family(cfg, model)
     model.set_attn_implementation(cfg.model.attn_implementation)
+    # model.fp32_head, where the trainer (update.sequence_logprobs) and the engine read it: the
+    # model's config, which the engine's folder and every checkpoint hold (SGLang's
+    # LogitsProcessor reads enable_lm_head_fp32 from it: sglang/srt/layers/logits_processor.py)
+    if cfg.model.fp32_head:
+        model.config.enable_lm_head_fp32 = True
     if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
         m = cfg.model
         torch.manual_seed(seeds.derive(cfg.train.seed, "lora"))

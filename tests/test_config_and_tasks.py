@@ -1093,6 +1093,7 @@ def test_a_mode_field_set_where_its_mode_is_off_is_refused(module):
         **{key: ["model.lora_rank=4"] for key in model.READ_WHEN if ".lora_" in key},
         **{key: [] for key in model.TINY_SHAPE},  # tiny.yaml's model
         "model.trust_remote_code": ["model.path=Qwen/Qwen2.5-0.5B"],
+        "model.fp32_head": ["model.compute_dtype=bfloat16"],
         "train.min_lr_ratio": [],  # tiny.yaml's schedule is cosine
         "train.fsdp_keep_gathered": ["run.nproc=2"],
         "train.shared_prefix": [],  # tiny.yaml packs

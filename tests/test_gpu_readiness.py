@@ -388,6 +388,8 @@ def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
     assert logged["partial/buffer_samples"][-1] == len(state["buffer"]["waiting"])
 
 
+# with model.fp32_head (off in the shipped configs), whose several minibatches it is for: the
+# engine's bf16 logits summed in fp32 too (SGLang reads it from the model folder's config.json)
 DAPO_RUN, DAPO_COMMAND = rehearsal(
     "gsm8k_dapo",
     "configs/gsm8k_dapo.yaml",
@@ -395,6 +397,7 @@ DAPO_RUN, DAPO_COMMAND = rehearsal(
     "run.nproc=1",
     "rollout.refill_prompts=2",
     "rollout.max_prompts_per_step=8",
+    "model.fp32_head=true",
 )
 
 
@@ -403,8 +406,11 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
     """configs/gsm8k_dapo.yaml on one rank, 2 steps (its own model build and engine, in the
     background: the CPU counts only are overridden, the prompt bound among them). Dynamic
     sampling runs fused with partial rollout: every step reports its kept and zero-variance
-    groups and the prompts it launched."""
+    groups and the prompts it launched. With model.fp32_head: the engine's model folder says so
+    to SGLang, and the engine's log-probs stay close to the trainer's."""
     background_runs.lines("gsm8k_dapo")
+    with open(os.path.join(DAPO_RUN, "model", "config.json")) as f:
+        assert json.load(f)["enable_lm_head_fp32"] is True
     with open(os.path.join(DAPO_RUN, "config.yaml")) as f:
         resolved = load_yaml(f)
     r, t = resolved["rollout"], resolved["train"]
@@ -424,6 +430,7 @@ def test_gsm8k_dapo_config_filters_groups_with_clip_higher_and_overlong_filterin
         assert launched <= 8 and kept + logged["filter/zero_variance_groups"][step] >= 1
         assert logged["filter/truncated_steps"][step] == (kept < 4)
     assert "rollout/reward_mean_completed" in logged and "train/truncated_masked" in logged
+    assert 0 < max(logged["train/logprob_gap"]) < 0.1
 
 
 @pytest.mark.background("gsm8k", GSM8K_COMMAND)
