@@ -178,14 +178,14 @@ class RolloutConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
     # a tool still running after this many seconds answers with an error observation (timed from
     # its start: a call queued for a thread waits while threads come free, and gives up after
-    # this long with none coming free: every one running a call past its limit)
+    # this long with none coming free)
     tool_timeout_s: PositiveFloat = 10.0
     # a tool's result or error message longer than this is cut, with a visible marker: it shares
     # the trajectory's token budget (a tool raising a 100 KB message would fill it)
     max_observation_chars: PositiveInt = 2000
-    # threads running plain tool functions, apart from the rewards' (a tool that never returns
-    # holds one for good: once all are held, every call times out, counted per tool; daemon
-    # threads, runtime/threads.py: it cannot keep the process from exiting)
+    # threads running plain tool functions, apart from the rewards' (a call past its limit or
+    # cancelled has its thread replaced, up to tool_workers at a time: runtime/threads.py; daemon
+    # threads: one that never returns cannot keep the process from exiting)
     tool_workers: PositiveInt = 4
     # per trajectory: generated + observation tokens (0 = max_new_tokens x max_turns)
     max_response_tokens: NonNegativeInt = 0
@@ -201,8 +201,9 @@ class RolloutConfig:
     # def reward is awaited on the loop instead
     reward_workers: PositiveInt = 4
     # a reward still running after this many seconds fails its trajectory (counted in
-    # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward that never
-    # returns holds its worker for good, so give a judge or sandbox its own timeout
+    # rollout/reward_errors); 0 = no limit. A thread cannot be stopped: a reward past its limit
+    # has its worker replaced, up to reward_workers at a time (runtime/threads.py), so give a
+    # judge or sandbox its own timeout
     reward_timeout_s: NonNegativeFloat = 60.0
     # OMP threads of each engine process: on 2 cores, 1 is ~70x faster than OMP's default (a
     # thread per core: the engine's processes oversubscribe the cores)

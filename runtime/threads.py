@@ -24,19 +24,22 @@ class DaemonPool:
     threads, started as calls come (a cancelled future is skipped, never run). Once the pool is
     garbage, each idle thread ends (a None in the queue); a stuck one is abandoned.
 
-    A call its caller gave up on while it ran (`abandon`, at its time limit) may never return: its
-    thread is written off and another takes its place, so calls stuck for good never use the pool
-    up (a reviewer found a reward that hung once every few steps took a thread each time, until
-    every reward of the run failed); should the call return after all, its thread ends."""
+    A call its caller gave up on while it ran (`abandon`: its time limit, or its trajectory
+    cancelled) may never return: its thread is written off and another takes its place, so calls
+    stuck for good do not use the pool up at once (a reviewer found a reward that hung once every
+    few steps took a thread each time, until every reward of the run failed). At most `workers`
+    threads are written off at a time, so the pool runs at most twice `workers` calls at once (a
+    slow judge past its limit would otherwise get ever more calls); past that a stuck call keeps
+    its thread, as before. Should a written-off call return after all, its thread ends."""
 
     def __init__(self, workers, name):
         self.workers, self.name = workers, name
         self.calls = queue.SimpleQueue()
         self.threads = []
         self.lock = threading.Lock()
-        # futures given up on while running: their threads do not count among the workers
-        self.abandoned = set()
-        self.written_off = 0  # threads written off so far
+        # futures given up on while running -> whether another thread took their thread's place
+        self.abandoned = {}
+        self.written_off = 0  # threads written off so far (replaced)
         # the threads hold the queue, not the pool, so the pool can be collected
         weakref.finalize(
             self, lambda calls, n: [calls.put(None) for _ in range(n)], self.calls, workers
@@ -46,27 +49,41 @@ class DaemonPool:
         future = concurrent.futures.Future()
         self.calls.put((future, functools.partial(fn, *args, **kwargs)))
         with self.lock:  # one more thread while fewer than `workers` are not written off
-            if len(self.threads) - len(self.abandoned) < self.workers:
+            if len(self.threads) - self.replaced() < self.workers:
                 self.start_thread()
         return future
 
+    def replaced(self):
+        """Threads written off and replaced whose calls still run (the lock held)."""
+        return sum(self.abandoned.values())
+
     def abandon(self, future):
-        """The caller gave up on `future` (its time limit): queued, it never runs; running, its
-        thread is written off (logged) and another started in its place."""
+        """The caller gave up on `future`: queued, it never runs; running, its thread is written
+        off (logged) and another started in its place, while fewer than `workers` are."""
         if future.cancel():
             return
         with self.lock:
             if future.done() or future in self.abandoned:
                 return
-            self.abandoned.add(future)
-            self.written_off += 1
-            self.start_thread()
-        log.warning(
-            "a %s call still runs past its time limit: its thread is written off (%d so far) and "
-            "another takes its place",
-            self.name,
-            self.written_off,
-        )
+            replace = self.replaced() < self.workers
+            self.abandoned[future] = replace
+            if replace:
+                self.written_off += 1
+                self.start_thread()
+        if replace:
+            log.warning(
+                "a %s call still runs past its time limit: its thread is written off (%d so far) "
+                "and another takes its place",
+                self.name,
+                self.written_off,
+            )
+        else:
+            log.warning(
+                "a %s call still runs past its time limit, and %d calls written off still run: "
+                "it keeps its thread (a function that never returns is a bug to fix)",
+                self.name,
+                self.workers,
+            )
 
     def start_thread(self):
         """One more worker thread (the lock held)."""
@@ -82,7 +99,7 @@ class DaemonPool:
 
 def work(calls, lock, threads, abandoned):
     """A pool thread: run each queued call into its future, until a None (the pool is gone), or
-    until a call its caller abandoned returns (another thread took this one's place)."""
+    until a call its caller abandoned returns where another thread took this one's place."""
     while (item := calls.get()) is not None:
         future, call = item
         if not future.set_running_or_notify_cancel():  # cancelled while queued
@@ -94,7 +111,6 @@ def work(calls, lock, threads, abandoned):
         except BaseException as e:  # noqa: BLE001
             future.set_exception(e)
         with lock:
-            if future in abandoned:
-                abandoned.discard(future)
+            if abandoned.pop(future, False):  # replaced: this thread is one too many
                 threads.remove(threading.current_thread())
                 return

@@ -461,8 +461,6 @@ class QwenTools:
             # (socket.timeout is one) is an exception it raised, not the time limit
             done, _ = await asyncio.wait({pending}, timeout=self.timeout_s)
             if not done:
-                if submitted is not None:  # its thread may not come back: another takes its place
-                    self.pool.abandon(submitted)
                 return name, f"error: {name} did not return within {self.timeout_s:g} s", True
             return name, result_text(pending.result()), True
         # the user's function: an observation, never a crash; its own CancelledError too (a
@@ -474,6 +472,13 @@ class QwenTools:
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()  # a queued call never starts; a running thread finishes unread
+            # given up on while it runs (its time limit, or the trajectory cancelled: a hung tool
+            # is the tail a cancellation cuts): its thread may never come back, another takes its
+            # place (DaemonPool.abandon), and a call queued behind it counts that as a thread
+            # come free
+            if submitted is not None and not submitted.done():
+                self.pool.abandon(submitted)
+                self.freed_at = time.monotonic()
 
     def submit(self, fn, arguments):
         """fn(**arguments) queued for a thread of the pool: (its asyncio future, the pool's, the

@@ -347,11 +347,13 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
 
 
 def test_rewards_stuck_past_their_limit_never_use_the_pool_up():
-    """A reward that hangs, given up at its time limit more times than there are
+    """A reward that hangs, given up at its time limit as often as there are
     rollout.reward_workers, leaves the next reward a thread: it is scored. A reviewer found each
     hung call kept its thread for good, so after `workers` hangs spread over a long run every
-    reward waited out its limit behind them and failed, and the run ended. Each written-off
-    thread is counted (and logged); should its call return after all, the thread ends."""
+    reward waited out its limit behind them and failed, and the run ended. At most `workers`
+    threads are written off at a time (a slow judge past its limit would otherwise get ever more
+    calls at once: another reviewer): past that a stuck call keeps its thread. Should a
+    written-off call return after all, its thread ends."""
     release = threading.Event()
     pool = DaemonPool(2, "stuck_reward")
 
@@ -362,17 +364,26 @@ def test_rewards_stuck_past_their_limit_never_use_the_pool_up():
     def call(fn, timeout_s):
         return asyncio.run(rewards.call_reward_off_loop(fn, "t", "a", True, pool, timeout_s))
 
-    for _ in range(5):
+    def quick(value):
+        return lambda text, answer, finished: value
+
+    for _ in range(2):
         with pytest.raises(rewards.RewardError, match="longer than rollout.reward_timeout_s"):
             call(hangs, 0.05)
-    assert call(lambda text, answer, finished: 1.0, 5.0) == 1.0
-    assert pool.written_off == 5 and len(pool.threads) == 5 + 2
-    release.set()  # the hung calls return: their threads end, the pool keeps its two
+    assert call(quick(1.0), 5.0) == 1.0
+    assert pool.written_off == 2 and len(pool.threads) == 2 + 2
+    for _ in range(2):  # past the cap: they keep their threads
+        with pytest.raises(rewards.RewardError):
+            call(hangs, 0.05)
+    assert pool.written_off == 2 and len(pool.threads) == 4  # twice `workers` at most
+    with pytest.raises(rewards.RewardError):
+        call(quick(1.0), 0.2)  # every thread held
+    release.set()  # the hung calls return: the replaced threads end, the pool keeps its two
     deadline = time.monotonic() + 10
     while len(pool.threads) > 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(pool.threads) == 2 and not pool.abandoned
-    assert call(lambda text, answer, finished: 0.5, 5.0) == 0.5
+    assert call(quick(0.5), 5.0) == 0.5
 
 
 def test_reward_timeouts_and_errors_off_the_loop_are_counted_failures():

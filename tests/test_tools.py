@@ -5,8 +5,10 @@ on the small Qwen model: tests/test_gpu_readiness.py rehearses configs/gsm8k_too
 README's two tools."""
 
 import asyncio
+import contextlib
 import json
 import os
+import threading
 import time
 from typing import Literal
 
@@ -455,18 +457,50 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
 
 
-def test_a_tool_stuck_past_its_limit_leaves_the_next_call_a_thread(tokenizer):
-    """One worker, three calls of a tool that sleeps past the limit, one after another: each runs
-    and is answered "did not return", and a quick call after them runs. Each stuck call kept its
-    thread, so from the second on every call found no free thread (a reviewer found the same
-    with rewards, which ended the run): its thread is written off and another started."""
-    tool = tools.QwenTools(tokenizer, [slow], timeout_s=0.1, workers=1)
+def test_a_tool_stuck_past_its_limit_or_cancelled_leaves_the_next_call_a_thread(tokenizer):
+    """Two workers, two calls of a tool that sleeps past the limit, one after another: each runs
+    and is answered "did not return", and a quick call after them runs; each stuck call kept its
+    thread, so from the third on every call found no free thread (a reviewer found the same with
+    rewards, which ended the run): its thread is written off and another started. So too for a
+    call whose trajectory the rollout cancelled while it ran (a hung tool is the tail that a
+    cancellation cuts: another reviewer found its thread kept)."""
+    tool = tools.QwenTools(tokenizer, [slow], timeout_s=0.1, workers=2)
     call = '{"name": "slow", "arguments": {"seconds": %s}}'
-    for _ in range(3):
+    for _ in range(2):
         _, text = ask(tool, tokenizer, call % 2)
         assert text == "error: slow did not return within 0.1 s", text
     _, text = ask(tool, tokenizer, call % 0.01)
-    assert "done" in text and tool.pool.written_off == 3
+    assert "done" in text and tool.pool.written_off == 2
+    release = threading.Event()
+
+    def stuck(text: str) -> str:
+        """Wait.
+
+        Args:
+            text: Anything.
+        """
+        release.wait(30)
+        return text
+
+    one = tools.QwenTools(tokenizer, [stuck, slow], timeout_s=5, workers=1)
+
+    def ids(name, arguments):
+        body = json.dumps({"name": name, "arguments": arguments})
+        return tokenizer(f"<tool_call>{body}</tool_call>", add_special_tokens=False).input_ids
+
+    async def cancelled_then_another():
+        calling = asyncio.ensure_future(one(ids("stuck", {"text": "x"})))
+        await asyncio.sleep(0.2)
+        calling.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await calling
+        return await one(ids("slow", {"seconds": 0.01}))  # (before: no thread within 5 s)
+
+    try:
+        observation = asyncio.run(asyncio.wait_for(cancelled_then_another(), 3))
+    finally:
+        release.set()
+    assert not observation.is_error and one.pool.written_off == 1
 
 
 def test_a_call_a_thread_took_at_its_deadline_runs_timed_not_refused(tokenizer):
