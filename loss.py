@@ -355,15 +355,19 @@ def head_logits(hidden, weight, bias, fp32_logits=False):
     clip range cutting a quarter of an on-policy batch's tokens on that noise alone). SGLang
     computes the engine's logits alike when the model's config says enable_lm_head_fp32
     (sglang/srt/layers/logits_processor.py, `_compute_lm_head`)."""
-    dtype = (
-        torch.get_autocast_dtype(hidden.device.type)
-        if torch.is_autocast_enabled(hidden.device.type)
-        else weight.dtype  # FSDP2: its mixed precision gathered the weight in the compute dtype
-    )
+    dtype = compute_dtype(hidden, weight)
     if not fp32_logits or dtype == torch.float32:
         return F.linear(hidden, weight, bias)
     logits = Fp32Logits.apply(hidden.to(dtype), weight.to(dtype))
     return logits if bias is None else logits + bias.to(dtype).float()
+
+
+def compute_dtype(hidden, weight):
+    """The dtype the head's matmul runs in: autocast's (one rank), else the weight's (FSDP2: its
+    mixed precision gathered the weight in the compute dtype)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return weight.dtype
 
 
 class Fp32Logits(torch.autograd.Function):
@@ -372,8 +376,8 @@ class Fp32Logits(torch.autograd.Function):
     output. A GPU runs the 16-bit matmul with an fp32 output (`torch.mm(..., out_dtype=)`, not
     run here: no GPU in this project's tests), a CPU the fp32 matmul of the same values (CPU
     torch has no such kernel). The backward is the 16-bit linear's (as autocast runs it): the
-    logits' gradient rounded to the compute dtype, two matmuls (torch gives `mm.dtype` no
-    derivative: torch 2.14, "derivative for aten::mm is not implemented")."""
+    logits' gradient rounded to the compute dtype, a matmul for each input that needs one (torch
+    gives `mm.dtype` no derivative: torch 2.14, "derivative for aten::mm is not implemented")."""
 
     @staticmethod
     def forward(ctx, hidden, weight):
@@ -390,8 +394,11 @@ class Fp32Logits(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight = ctx.saved_tensors
         grad = grad.to(hidden.dtype)
-        grad_hidden = grad @ weight
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t() @ hidden.reshape(-1, hidden.shape[-1])
+        grad_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # (not for a frozen head: LoRA's)
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_weight = flat.t() @ hidden.reshape(-1, hidden.shape[-1])
         return grad_hidden, grad_weight
 
 
@@ -487,6 +494,8 @@ def head_logprobs(
             for h, targets in zip(hidden.split(step, dim=1), target_ids.split(step, dim=1))
         ]
     function = chunk_function(compiled, fp32_logits)
+    if fp32_logits:  # the head's weight cast once for every chunk, as autocast's cache would
+        weight = weight.to(compute_dtype(hidden, weight))
     # top_p < 1: the recompute takes the nucleus's search from the forward (keep_nucleus_search)
     kept = {"context_fn": keep_nucleus_search} if top_p < 1 else {}
     outputs = []

@@ -6,8 +6,8 @@ the update logged, to RUN/rollouts/step_NNNNNN/rank_0.pt. `python train.py --rep
 RUN/rollouts/step_NNNNNN` then loads the policy as it was before that step (the checkpoint of step
 N, or the seeded initial policy for step 0), runs the same update in the trainer alone and prints
 both figures against the logged ones, and the weights it ends at against checkpoint N + 1's where
-one was kept: on CPU they are equal, bit for bit. A dump whose checkpoint run.keep_checkpoints
-removed is removed too. Owns the dump format and the replay; the update itself is
+one was kept: on CPU they are equal, bit for bit. A dump older than the oldest checkpoint kept
+(run.keep_checkpoints) is removed. Owns the dump format and the replay; the update itself is
 update.update_policy.
 """
 
@@ -53,10 +53,11 @@ def dump(cfg, step, start_step, sequences, stats):
 
 
 def remove_unreplayable(out_dir):
-    """Remove the dumps no checkpoint is left to replay from: each step_N older than the oldest
-    checkpoint kept (run.keep_checkpoints removed checkpoint N), but step 0's (replayed from the
-    seeded initial policy). Unremoved, a dump a step (~0.4 MB a rank at GSM8K's shape) piled up
-    for the whole run."""
+    """Remove the dumps older than the oldest checkpoint kept: run.keep_checkpoints removed the
+    checkpoints they start from (step 0's stays: it starts from the seeded initial policy). So
+    the dumps are bounded as the checkpoints are (keep_checkpoints: 0 keeps every one); before,
+    a dump a step (~0.4 MB a rank at GSM8K's shape) piled up for the whole run. (Between two
+    checkpoints of run.checkpoint_every > 1, a dump has none to start from either: they stay.)"""
     kept = checkpoint.complete_checkpoints(out_dir)
     folder = os.path.join(out_dir, "rollouts")
     if not kept or not os.path.isdir(folder):

@@ -209,9 +209,11 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS, check=True):
     model.set_attn_implementation(cfg.model.attn_implementation)
     # model.fp32_head, where the trainer (update.sequence_logprobs) and the engine read it: the
     # model's config, which the engine's folder and every checkpoint hold (SGLang's
-    # LogitsProcessor reads enable_lm_head_fp32 from it: sglang/srt/layers/logits_processor.py)
-    if cfg.model.fp32_head:
-        model.config.enable_lm_head_fp32 = True
+    # LogitsProcessor reads enable_lm_head_fp32 from it: sglang/srt/layers/logits_processor.py).
+    # Set either way: a folder this trainer wrote with it on says so too
+    if getattr(model.config, "enable_lm_head_fp32", False) and not cfg.model.fp32_head:
+        log.warning("%s's config.json says enable_lm_head_fp32: off (model.fp32_head)", path)
+    model.config.enable_lm_head_fp32 = cfg.model.fp32_head
     if cfg.model.lora_rank:  # a frozen base in the compute dtype, fp32 adapters (runtime/lora.py)
         m = cfg.model
         torch.manual_seed(seeds.derive(cfg.train.seed, "lora"))

@@ -7,8 +7,10 @@ with the tiny Qwen2 (no engine)."""
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -515,6 +517,51 @@ def test_fp32_head_logits_are_the_bf16_products_summed_in_fp32(tmp_path):
             )  # fmt: skip
         results.append((values, *torch.autograd.grad(values.sum(), (hidden, weight))))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_fp32_head_is_the_runs_setting_in_every_folder_and_a_resume_cannot_change_it(
+    tmp_path, caplog
+):
+    """model.fp32_head lives in the model's config (enable_lm_head_fp32), which every folder the
+    trainer writes holds and the engine reads. A reviewer found it only ever set: a run with it
+    off, from a folder written with it on, ran fp32 logits anyway, and a resume that changed it
+    left the engine (which loads the checkpoint's folder) with the old one. Now the run's setting
+    is written either way (said where it turns a folder's off), and a resume changing it is
+    refused. One update casts the head's weight once a micro-batch (a reviewer counted two a
+    chunk), and a frozen head (LoRA's) gets no gradient computed."""
+    import runtime.checkpoint as checkpoint
+    import task.data as tasks
+
+    sets = PATHS["packed"] + ["model.compute_dtype=bfloat16", "model.fp32_head=true"]
+    on = dist_worker.parity_config(tmp_path, "token-mean", *sets)
+    policy, tokenizer = model.build_policy(on, None)
+    run = setup_run.Run(
+        on,
+        trainer=setup_run.trainer_only(on, policy, autocast_dtype=torch.bfloat16),
+        tokenizer=tokenizer,
+        stream=tasks.PromptStream([], 0),
+    )
+    with CastCounter(policy.named_parameters()) as counter:
+        stats, _ = update_with_gradients(run.trainer, *random_samples(3))
+    head = "model.embed_tokens.weight"  # tied: the head's weight
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight
+    assert counter.casts[head] == stats["train/micro_batches"] >= 2
+    folder = checkpoint.save(str(tmp_path / "run"), 1, run)
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["enable_lm_head_fp32"] is True
+    off = dataclasses.replace(on, model=dataclasses.replace(on.model, fp32_head=False))
+    with caplog.at_level(logging.WARNING, logger="model"):
+        again, _ = model.build_policy(off, folder)
+    assert again.config.enable_lm_head_fp32 is False and "says enable_lm_head_fp32" in caplog.text
+    with pytest.raises(checkpoint.CheckpointError, match="model.fp32_head=False, but"):
+        checkpoint.check_resume(folder, off)
+    assert checkpoint.check_resume(folder, on)["step"] == 1
+    # a frozen head: no gradient for it
+    hidden = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    frozen = torch.randn(40, 64, dtype=torch.bfloat16)
+    logits = losses.Fp32Logits.apply(hidden, frozen)
+    logits.sum().backward()
+    assert hidden.grad is not None and frozen.grad is None
 
 
 class CastCounter(TorchDispatchMode):
