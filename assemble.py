@@ -280,6 +280,7 @@ def start_engine(cfg, model_dir, start_step, training=True):
         trust_remote_code=cfg.model.trust_remote_code,
         lora=lora_engine(cfg.model),
         routing_replay=training and cfg.train.routing_replay,
+        fp32_head=cfg.model.fp32_head,
     )
     engine.set_version(start_step)  # the weights it loaded are version start_step
     return engine

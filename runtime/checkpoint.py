@@ -290,14 +290,6 @@ def check_resume(folder, cfg):
                 "weights, and the prompts its position counts, are that setting's. Start a new "
                 "run (another run.out) to change it."
             )
-    # model.fp32_head is in the checkpoint's config.json, whose folder a resumed engine loads
-    was = (saved or {}).get("model", {}).get("fp32_head")
-    if was is not None and was != cfg.model.fp32_head:
-        raise CheckpointError(
-            f"--resume: model.fp32_head={cfg.model.fp32_head!r}, but {folder} was written with "
-            f"{was!r}, which its config.json tells the engine. Start a new run (another run.out) "
-            "to change it."
-        )
     for key, (was, now) in changed_settings(saved, cfg).items():
         log.warning("resume: %s=%r (the checkpoint had %r) applies from here on", key, now, was)
     return state | {"config": saved}

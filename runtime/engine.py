@@ -10,6 +10,7 @@ import array
 import asyncio
 import base64
 import hashlib
+import json
 import logging
 import multiprocessing.resource_tracker
 import os
@@ -61,6 +62,7 @@ class Engine:
         trust_remote_code=False,
         lora=None,
         routing_replay=False,
+        fp32_head=False,
     ):
         self.cfg = cfg
         self.routing_replay = routing_replay  # each request returns the experts it routed to
@@ -79,6 +81,7 @@ class Engine:
             on_gpu,
             lora,
             routing_replay,
+            fp32_head,
         )
         self.tokenizer_manager = self.engine.tokenizer_manager
         # An engine process that dies must end the step with EngineDiedError (and a checkpoint),
@@ -587,12 +590,15 @@ def start_sglang(
     on_gpu,
     lora=None,
     routing_replay=False,
+    fp32_head=False,
 ):
     """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes)
     for this rank: the environment its processes inherit, its device, its port; returns it.
     `Engine` then takes it over. `lora` ({"rank", "targets"}): with SGLang's LoRA pool, which
     `Engine.load_adapter` fills. `routing_replay`: it records the experts of every token it
-    computes (a host buffer of KV tokens x layers x top-k int32: srt/state_capturer/)."""
+    computes (a host buffer of KV tokens x layers x top-k int32: srt/state_capturer/).
+    `fp32_head` (model.fp32_head): its head's logits summed and kept in fp32, whatever the
+    folder's config.json says (a checkpoint of another setting, a LoRA run's base)."""
     # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
     # being oversubscribed (measured 70x faster generation than the default thread count).
     os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
@@ -650,6 +656,9 @@ def start_sglang(
             # every member of a group the same tokens; the trainer sends one per request)
             enable_deterministic_inference=cfg.deterministic,
             enable_return_routed_experts=routing_replay,
+            # set on the model's config as loaded (sglang/srt/utils/hf_transformers/config.py,
+            # get_config), where its LogitsProcessor reads it (srt/layers/logits_processor.py)
+            json_model_override_args=json.dumps({"enable_lm_head_fp32": fp32_head}),
             **device_args,
         )
     finally:

@@ -207,10 +207,10 @@ def build_policy(cfg, init_dir, chars=TINY_CHARS, check=True):
     if check:
         check_family(cfg, model)
     model.set_attn_implementation(cfg.model.attn_implementation)
-    # model.fp32_head, where the trainer (update.sequence_logprobs) and the engine read it: the
-    # model's config, which the engine's folder and every checkpoint hold (SGLang's
-    # LogitsProcessor reads enable_lm_head_fp32 from it: sglang/srt/layers/logits_processor.py).
-    # Set either way: a folder this trainer wrote with it on says so too
+    # model.fp32_head, where the trainer (update.sequence_logprobs) and SGLang read it: the
+    # model's config (its LogitsProcessor reads enable_lm_head_fp32: logits_processor.py), which
+    # every folder written from here holds (the engine is also given it: start_sglang). Set
+    # either way: a folder this trainer wrote with it on says so too
     if getattr(model.config, "enable_lm_head_fp32", False) and not cfg.model.fp32_head:
         log.warning("%s's config.json says enable_lm_head_fp32: off (model.fp32_head)", path)
     model.config.enable_lm_head_fp32 = cfg.model.fp32_head

@@ -53,18 +53,15 @@ class DaemonPool:
                 self.start_thread()
         return future
 
-    def replaced(self):
-        """Threads written off and replaced whose calls still run (the lock held)."""
-        return sum(self.abandoned.values())
-
     def abandon(self, future):
         """The caller gave up on `future`: queued, it never runs; running, its thread is written
-        off (logged) and another started in its place, while fewer than `workers` are."""
+        off (logged) and another started in its place, while fewer than `workers` are. Returns
+        whether a thread was started (a thread came free, for calls waiting on one)."""
         if future.cancel():
-            return
+            return False
         with self.lock:
             if future.done() or future in self.abandoned:
-                return
+                return False
             replace = self.replaced() < self.workers
             self.abandoned[future] = replace
             if replace:
@@ -84,6 +81,14 @@ class DaemonPool:
                 self.name,
                 self.workers,
             )
+        return replace
+
+    def replaced(self, future=None):
+        """Whether `future`'s thread was written off and replaced; without one, how many such
+        threads' calls still run (the lock held)."""
+        if future is not None:
+            return self.abandoned.get(future, False)
+        return sum(self.abandoned.values())
 
     def start_thread(self):
         """One more worker thread (the lock held)."""

@@ -476,8 +476,7 @@ class QwenTools:
             # is the tail a cancellation cuts): its thread may never come back, another takes its
             # place (DaemonPool.abandon), and a call queued behind it counts that as a thread
             # come free
-            if submitted is not None and not submitted.done():
-                self.pool.abandon(submitted)
+            if submitted is not None and not submitted.done() and self.pool.abandon(submitted):
                 self.freed_at = time.monotonic()
 
     def submit(self, fn, arguments):
@@ -496,9 +495,9 @@ class QwenTools:
         return asyncio.wrap_future(future), future, started
 
     def thread_freed(self, future):
-        """When a pool thread last came free: its call ended (a queued call cancelled frees
-        none)."""
-        if not future.cancelled():
+        """When a pool thread last came free: its call ended (a queued call cancelled frees none,
+        nor does one whose thread was written off and replaced: that thread ends)."""
+        if not future.cancelled() and not self.pool.replaced(future):
             self.freed_at = time.monotonic()
 
     async def thread_started(self, call, started):

@@ -389,7 +389,8 @@ def test_gsm8k_config_trains_with_bf16_and_partial_rollout(gsm8k_run):
 
 
 # with model.fp32_head (off in the shipped configs), whose several minibatches it is for: the
-# engine's bf16 logits summed in fp32 too (SGLang reads it from the model folder's config.json)
+# engine's bf16 logits summed in fp32 too (enable_lm_head_fp32 on the model's config: its folder's
+# config.json, and the engine's model-config override)
 DAPO_RUN, DAPO_COMMAND = rehearsal(
     "gsm8k_dapo",
     "configs/gsm8k_dapo.yaml",

@@ -503,6 +503,53 @@ def test_a_tool_stuck_past_its_limit_or_cancelled_leaves_the_next_call_a_thread(
     assert not observation.is_error and one.pool.written_off == 1
 
 
+def test_a_queued_call_gives_up_on_time_while_others_are_cancelled(tokenizer):
+    """One worker, both threads the pool may have held by stuck calls (one written off and
+    replaced, the next kept: the cap): a call queued then gives up after tool_timeout_s, though
+    other queued calls are cancelled meanwhile. A reviewer found each cancellation taken for a
+    thread come free, so every one restarted the queued call's clock (answered after 2.6 s,
+    saying 0.5)."""
+    release = threading.Event()
+
+    def stuck(text: str) -> str:
+        """Wait.
+
+        Args:
+            text: Anything.
+        """
+        release.wait(30)
+        return text
+
+    one = tools.QwenTools(tokenizer, [stuck], timeout_s=0.3, workers=1)
+    body = '<tool_call>{"name": "stuck", "arguments": {"text": "x"}}</tool_call>'
+    ids = tokenizer(body, add_special_tokens=False).input_ids
+
+    async def queued_while_others_are_cancelled():
+        for _ in range(2):  # the first written off and replaced, the second keeps its thread
+            assert "did not return" in tokenizer.decode((await one(ids)).ids)
+
+        async def cancel_others():
+            for _ in range(8):
+                other = asyncio.ensure_future(one(ids))
+                await asyncio.sleep(0.1)
+                other.cancel()
+
+        start = time.monotonic()
+        waiting = asyncio.ensure_future(one(ids))
+        cancelling = asyncio.ensure_future(cancel_others())
+        observation = await waiting
+        took = time.monotonic() - start
+        await cancelling
+        return tokenizer.decode(observation.ids), took
+
+    try:
+        text, took = asyncio.run(queued_while_others_are_cancelled())
+    finally:
+        release.set()
+    assert "found no free thread within 0.3 s" in text and took < 0.8, (text, took)
+    assert one.pool.written_off == 1
+
+
 def test_a_call_a_thread_took_at_its_deadline_runs_timed_not_refused(tokenizer):
     """A queued call gives up when no thread came free for the limit, unless a thread took it at
     that moment: the pool's future can no longer be cancelled, so the tool runs (its side
