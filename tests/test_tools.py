@@ -457,6 +457,21 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
 
 
+def stuck_until(release):
+    """A plain tool that hangs until `release` is set (at most 30 s)."""
+
+    def stuck(text: str) -> str:
+        """Wait.
+
+        Args:
+            text: Anything.
+        """
+        release.wait(30)
+        return text
+
+    return stuck
+
+
 def test_a_tool_stuck_past_its_limit_or_cancelled_leaves_the_next_call_a_thread(tokenizer):
     """Two workers, two calls of a tool that sleeps past the limit, one after another: each runs
     and is answered "did not return", and a quick call after them runs; each stuck call kept its
@@ -473,14 +488,7 @@ def test_a_tool_stuck_past_its_limit_or_cancelled_leaves_the_next_call_a_thread(
     assert "done" in text and tool.pool.written_off == 2
     release = threading.Event()
 
-    def stuck(text: str) -> str:
-        """Wait.
-
-        Args:
-            text: Anything.
-        """
-        release.wait(30)
-        return text
+    stuck = stuck_until(release)
 
     one = tools.QwenTools(tokenizer, [stuck, slow], timeout_s=5, workers=1)
 
@@ -511,14 +519,7 @@ def test_a_queued_call_gives_up_on_time_while_others_are_cancelled(tokenizer):
     saying 0.5)."""
     release = threading.Event()
 
-    def stuck(text: str) -> str:
-        """Wait.
-
-        Args:
-            text: Anything.
-        """
-        release.wait(30)
-        return text
+    stuck = stuck_until(release)
 
     one = tools.QwenTools(tokenizer, [stuck], timeout_s=0.3, workers=1)
     body = '<tool_call>{"name": "stuck", "arguments": {"text": "x"}}</tool_call>'
