@@ -267,9 +267,11 @@ def place_models(cfg, policy, compute_dtype, device):
     return models[0], reference if own else models[1]
 
 
-def start_engine(cfg, model_dir, start_step, training=True):
+def start_engine(cfg, model_dir, start_step, training=True, folder_head=False):
     """This rank's SGLang engine, serving the weights in `model_dir` as version `start_step`;
-    recording routes (train.routing_replay) only for `training`."""
+    recording routes (train.routing_replay) only for `training`. Its head as model.fp32_head
+    says, or with `folder_head` (eval of any HF folder) as the folder's config.json does unless
+    the config sets it on."""
     engine = RolloutEngine(
         model_dir,
         cfg.rollout,
@@ -280,7 +282,7 @@ def start_engine(cfg, model_dir, start_step, training=True):
         trust_remote_code=cfg.model.trust_remote_code,
         lora=lora_engine(cfg.model),
         routing_replay=training and cfg.train.routing_replay,
-        fp32_head=cfg.model.fp32_head,
+        fp32_head=(cfg.model.fp32_head or None) if folder_head else cfg.model.fp32_head,
     )
     engine.set_version(start_step)  # the weights it loaded are version start_step
     return engine

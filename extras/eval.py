@@ -15,6 +15,7 @@ when `run.val_samples` > 1.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -163,7 +164,9 @@ def model_folder(args):
     holds its adapters alone: the engine loads the base and serves them as in training
     (checkpoint.lora_served)."""
     if args.model:
-        return load_config(args.config, args.set), args.model, 0, None
+        cfg = load_config(args.config, args.set)
+        # model.fp32_head: the folder's config.json decides, unless set on (start_engine)
+        return cfg, args.model, 0, None
     # the run's config: types and bounds read again (config.read_config), its choices checked by
     # load_config when the run started (a later check, of settings eval never reads, would
     # refuse an older run's; train.py's --resume does check them)
@@ -176,7 +179,14 @@ def model_folder(args):
         folder = os.path.join(args.run, "checkpoints", f"step_{args.step:06d}")
         if not os.path.isdir(folder):
             raise ConfigError(f"--step {args.step}: no checkpoint {folder}")
-    step = checkpoint.check_resume(folder, cfg)["step"]
+    state = checkpoint.check_resume(folder, cfg)
+    step = state["step"]
+    # the head this checkpoint's run trained with: a later resume may have changed the run's
+    saved = (state["config"] or {}).get("model", {})
+    if "fp32_head" in saved:
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, fp32_head=bool(saved["fp32_head"]))
+        )
     if not cfg.model.lora_rank:
         return cfg, folder, step, None
     return cfg, folder, step, checkpoint.lora_served(folder, cfg, vocabulary(cfg, TINY_CHARS))
@@ -246,7 +256,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(cfg, folder, vocabulary(cfg, TINY_CHARS))
     temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
     engine_dir, adapted = lora_served or (folder, None)
-    engine = start_engine(cfg, engine_dir, step, training=False)
+    engine = start_engine(cfg, engine_dir, step, training=False, folder_head=bool(args.model))
     try:
         if adapted is not None:  # LoRA: the checkpoint's adapter into the engine's pool
             push_weights(engine, adapted, step, cfg.memory.bucket_mb << 20)

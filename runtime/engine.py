@@ -62,7 +62,7 @@ class Engine:
         trust_remote_code=False,
         lora=None,
         routing_replay=False,
-        fp32_head=False,
+        fp32_head=None,
     ):
         self.cfg = cfg
         self.routing_replay = routing_replay  # each request returns the experts it routed to
@@ -579,6 +579,23 @@ def trainer_signals(sglang_signal_handler, rollout_engine):
     return TrainerSignals
 
 
+def head_override(model_path, fp32_head):
+    """SGLang's model-config override for `fp32_head` (None: none): enable_lm_head_fp32, set on
+    the config as loaded (sglang/srt/utils/hf_transformers/config.py, get_config) where the
+    model's LogitsProcessor reads it (srt/layers/logits_processor.py); for a folder whose
+    config.json nests its text model (text_config: Qwen3.5's, Llama 4's), on that one too, whose
+    config their head is given (srt/models/qwen3_vl.py)."""
+    if fp32_head is None:
+        return {}
+    override = {"enable_lm_head_fp32": fp32_head}
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            nested = isinstance(json.load(f).get("text_config"), dict)
+    except (OSError, ValueError, AttributeError):  # a hub id, or no readable config: none nested
+        nested = False
+    return override | ({"text_config": dict(override)} if nested else {})
+
+
 def start_sglang(
     model_path,
     cfg,
@@ -590,15 +607,16 @@ def start_sglang(
     on_gpu,
     lora=None,
     routing_replay=False,
-    fp32_head=False,
+    fp32_head=None,
 ):
     """Start an in-process `sglang.Engine` (its scheduler and detokenizer are child processes)
     for this rank: the environment its processes inherit, its device, its port; returns it.
     `Engine` then takes it over. `lora` ({"rank", "targets"}): with SGLang's LoRA pool, which
     `Engine.load_adapter` fills. `routing_replay`: it records the experts of every token it
     computes (a host buffer of KV tokens x layers x top-k int32: srt/state_capturer/).
-    `fp32_head` (model.fp32_head): its head's logits summed and kept in fp32, whatever the
-    folder's config.json says (a checkpoint of another setting, a LoRA run's base)."""
+    `fp32_head` (model.fp32_head): its head's logits summed and kept in fp32 (True) or not
+    (False), whatever the folder's config.json says (a checkpoint of another setting, a LoRA
+    run's base); None: as the folder says."""
     # Children inherit the environment: one OMP thread per engine process keeps 2 CPU cores from
     # being oversubscribed (measured 70x faster generation than the default thread count).
     os.environ["OMP_NUM_THREADS"] = str(cfg.engine_threads)
@@ -656,9 +674,7 @@ def start_sglang(
             # every member of a group the same tokens; the trainer sends one per request)
             enable_deterministic_inference=cfg.deterministic,
             enable_return_routed_experts=routing_replay,
-            # set on the model's config as loaded (sglang/srt/utils/hf_transformers/config.py,
-            # get_config), where its LogitsProcessor reads it (srt/layers/logits_processor.py)
-            json_model_override_args=json.dumps({"enable_lm_head_fp32": fp32_head}),
+            json_model_override_args=json.dumps(head_override(model_path, fp32_head)),
             **device_args,
         )
     finally:

@@ -557,6 +557,26 @@ def test_fp32_head_is_the_runs_setting_in_every_folder_and_a_resume_may_change_i
     with caplog.at_level(logging.WARNING):
         assert checkpoint.check_resume(folder, off)["step"] == 1
     assert "resume: model.fp32_head=False (the checkpoint had True)" in caplog.text
+    # eval serves a checkpoint with the head it trained with, though the run's config.yaml (a
+    # later resume's) says otherwise (a reviewer found the latest setting served)
+    import argparse
+
+    import extras.eval as evaluation
+    from config import config_yaml
+
+    (tmp_path / "run" / "config.yaml").write_text(config_yaml(off))
+    args = argparse.Namespace(run=str(tmp_path / "run"), model=None, step=1, set=[])
+    assert evaluation.model_folder(args)[0].model.fp32_head is True
+    # the engine's override (None: none, the folder decides), on a nested text model's config too
+    from runtime.engine import head_override
+
+    assert head_override(folder, None) == {} and head_override(folder, False) == {
+        "enable_lm_head_fp32": False
+    }
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 8}}))
+    assert head_override(str(nested), True)["text_config"] == {"enable_lm_head_fp32": True}
     # a frozen head: no gradient for it
     hidden = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
     frozen = torch.randn(40, 64, dtype=torch.bfloat16)
