@@ -40,6 +40,7 @@ class DaemonPool:
         # futures given up on while running -> whether another thread took their thread's place
         self.abandoned = {}
         self.written_off = 0  # threads written off so far (replaced)
+        self.started = 0  # threads started so far
         # the threads hold the queue, not the pool, so the pool can be collected
         weakref.finalize(
             self, lambda calls, n: [calls.put(None) for _ in range(n)], self.calls, workers
@@ -83,19 +84,21 @@ class DaemonPool:
             )
         return replace
 
-    def replaced(self, future=None):
-        """Whether `future`'s thread was written off and replaced; without one, how many such
-        threads' calls still run (the lock held)."""
-        if future is not None:
-            return self.abandoned.get(future, False)
+    def replaced(self):
+        """How many threads written off and replaced still run their calls (the lock held)."""
         return sum(self.abandoned.values())
+
+    def was_replaced(self, future):
+        """Whether `future`'s thread was written off and replaced (its thread ends with it)."""
+        return self.abandoned.get(future, False)
 
     def start_thread(self):
         """One more worker thread (the lock held)."""
+        self.started += 1
         thread = threading.Thread(
             target=work,
             args=(self.calls, self.lock, self.threads, self.abandoned),
-            name=f"{self.name}_{len(self.threads)}",
+            name=f"{self.name}_{self.started}",  # (not len(threads): ended ones leave the list)
             daemon=True,
         )
         thread.start()

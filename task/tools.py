@@ -497,7 +497,7 @@ class QwenTools:
     def thread_freed(self, future):
         """When a pool thread last came free: its call ended (a queued call cancelled frees none,
         nor does one whose thread was written off and replaced: that thread ends)."""
-        if not future.cancelled() and not self.pool.replaced(future):
+        if not future.cancelled() and not self.pool.was_replaced(future):
             self.freed_at = time.monotonic()
 
     async def thread_started(self, call, started):
