@@ -173,15 +173,14 @@ def reference_kl(trainer, trajectories):
     """Each trajectory's KL to the frozen reference, summed over the tokens the model wrote (every
     turn's): train.kl_estimator of the log-probs that sampled them (the engine's) against the
     reference's, one forward pass without grad, in padded micro-batches of train.micro_batch_size
-    (packing would reorder the samples). Unfinished trajectories get 0 (update.collate gives an
-    aborted sample no trained token; no advantage anyway). For the KL as a cost in the reward, as
-    verl's use_kl_in_reward does (ray_trainer.py apply_kl_penalty; its GRPO advantage sums the
-    token rewards)."""
+    (packing would reorder the samples). Unfinished (aborted, failed) trajectories get 0 and no
+    forward: they train nothing (the sequences stage drops them) and count in no reward mean, and
+    they are often the longest. For the KL as a cost in the reward, as verl's use_kl_in_reward
+    does (ray_trainer.py apply_kl_penalty; its GRPO advantage sums the token rewards)."""
     t = trainer.cfg.train
-    samples = [turn for turns in trajectories for turn in turns]
-    owner = torch.tensor(
-        [i for i, turns in enumerate(trajectories) for _ in turns], dtype=torch.long
-    )
+    finished = [i for i, turns in enumerate(trajectories) if not turns[-1].masked]
+    samples = [turn for i in finished for turn in trajectories[i]]
+    owner = torch.tensor([i for i in finished for _ in trajectories[i]], dtype=torch.long)
     # padded micro-batches keep the samples' order (packing would not); padding ones come last
     batches, _ = update.micro_batches(samples, t.micro_batch_size, trainer.pad_id)
     temperature = trainer.cfg.rollout.temperature

@@ -286,6 +286,8 @@ class TrainConfig:
     lr: PositiveFloat = 5e-4
     adam_beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     adam_beta2: Annotated[float, Range(ge=0, lt=1)] = 0.99
+    # AdamW's, on every trained parameter: norms, biases and embeddings too (as verl; HF's Trainer
+    # spares biases and norms)
     weight_decay: NonNegativeFloat = 0.0
     # linear learning-rate warmup over this many steps (all their minibatches), then the schedule
     warmup_steps: NonNegativeInt = 0

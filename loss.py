@@ -4,8 +4,9 @@ engine-vs-trainer mismatch), the extra per-token terms (KL to a reference, entro
 a fork point), and the aggregation modes.
 
 Owns no state, no model and no engine; update.py calls these on [B, T] tensors (padded rows, or
-packed rows gathered back to that layout). Masked rows (aborted or padded samples) are exactly
-equivalent to removed rows under every function here. Does not own advantages (advantages.py).
+packed rows gathered back to that layout). Masked rows (padding and filler rows; aborted samples
+never reach the update: merge.training_sequences drops them) are exactly equivalent to removed
+rows under every function here. Does not own advantages (advantages.py).
 
 To add a loss term: a function `(inputs) -> [B, T]` per-token values, its entry in TERMS, and
 `train.loss_terms: {name: coefficient}` turns it on (README "Fork it"; tests/test_forks.py).
@@ -517,6 +518,7 @@ def aggregate(per_token, loss_mask, mode, norm_length=1):
     seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
     seq-mean-token-sum-norm: token sum / (sequences * norm_length), a constant length (Dr. GRPO,
     Liu et al. 2025), so no length bias enters through the normaliser.
+    A new mode: its branch here, its divisor in `aggregation_count`, its name in LOSS_AGG_MODES.
     """
     mask = loss_mask.to(per_token.dtype)
     token_sum = (per_token * mask).sum(-1)  # [B]
@@ -537,11 +539,13 @@ def aggregation_count(loss_mask, mode):
     """What `aggregate` divides by: trained tokens (token-mean) or surviving sequences (the
     rest), not clamped (a batch with nothing to train counts 0). Weighting micro-batch losses by
     count / total count makes gradient accumulation exact, and with the total summed over ranks,
-    so is data parallelism."""
+    so is data parallelism. A new mode names its divisor here too (update.py weights by it)."""
     token_count = loss_mask.sum(-1)  # [B]
     if mode == "token-mean":
         return token_count.sum()
-    return (token_count > 0).sum()
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        return (token_count > 0).sum()
+    raise ValueError(f"unknown loss aggregation mode {mode!r}: aggregation_count names no divisor")
 
 
 def policy_loss(

@@ -3,9 +3,9 @@
 Which of engine weights, KV cache, trainer parameters, gradients and optimizer state are resident
 on the accelerator, when, and the peak of each phase: rollout (engine weights + KV cache; trainer
 offloaded) -> train (engine released; trainer onloaded) -> weight sync, staged as in SGLang RFC
-7009: offload the optimizer (its blocks go back to the device at once), wake engine weights,
-push weights in buckets, offload trainer parameters (blocks returned again), and only then wake
-the KV cache. `all_at_once` wakes weights and KV cache together, for comparison.
+7009: offload the optimizer (its freed blocks handed back to the driver at once), wake engine
+weights, push weights in buckets, offload trainer parameters (blocks returned again), and only
+then wake the KV cache. `all_at_once` wakes weights and KV cache together, for comparison.
 
 The weight sync also owns the run's health checks (the other trainers' most reported silent
 failure is an engine that samples from other weights or computes another model than the
@@ -255,9 +255,9 @@ class MemoryPhases:
 
     def _move_trainer(self, onload, params, optimizer):
         """Move trainer parameters (and the KL reference) and/or optimizer state onto the
-        accelerator or off it to the CPU. After an offload the freed blocks go back to the device
-        at once: PyTorch's caching allocator would otherwise keep them, and the engine (another
-        process) could not wake into them."""
+        accelerator or off it to the CPU. After an offload the freed blocks are handed back to the
+        CUDA driver at once (empty_cache): PyTorch's caching allocator would otherwise keep them,
+        and the engine (another process) could not wake into them."""
         if self.mode == "off":
             return  # both stay resident
         # on a CPU machine the move is a no-op

@@ -35,8 +35,9 @@ class Summed:
 
 @dataclasses.dataclass(frozen=True)
 class Slowest:
-    """A metric that is the slowest rank's (the max over ranks): a time or a memory peak, since
-    the step waits for the slowest rank. Made by `slowest(value)`; not a number, as Summed."""
+    """A metric that is the largest rank's (the max over ranks): a time or a memory peak, since
+    the step waits for the slowest rank, or a worst case (the largest log-prob gap). Made by
+    `slowest(value)`; not a number, as Summed."""
 
     value: float
 

@@ -495,7 +495,8 @@ def collate(samples, pad_id, rows=None, route_width=0, shared_prefix=False):
         input_ids[row, : len(ids)] = tensor_view(ids)  # copies, casting int32 -> int64
         attention_mask[row, : len(ids)] = 1
         first = len(s.prompt_ids) - 1  # logits at the last prompt position predict response token 0
-        # aborted rows keep an all-zero mask: they count in no loss or denominator
+        # an aborted row (merge drops them before the update) gets an all-zero mask: no loss,
+        # no denominator
         if not s.masked:
             loss_mask[row, first : first + len(s.response_ids)] = tensor_view(s.loss_mask)
         engine_logprobs[row, first : first + len(s.response_ids)] = tensor_view(s.logprobs)

@@ -365,8 +365,10 @@ def read_trainer_state(folder):
 def restore(folder, state, trainer, t):
     """Model and optimizer shards (resharded to this world size), scheduler and the skipped-update
     streak; then the optimizer settings of `t` (train config) replace the checkpoint's. (No RNG
-    state: each rollout seeds its requests, rollout.rollout_seed, and the update draws nothing at
-    random.)"""
+    state: each rollout seeds its requests, rollout.rollout_seed, read by the engine with
+    rollout.deterministic only, and the update draws nothing at random.) The trainer's half: the
+    data position, the log-prob gap's streak and partial rollout's held samples are restored by
+    assemble.setup."""
     try:
         parallel.load_state(os.path.join(folder, "sharded"), trainer.policy, trainer.optimizer)
     except CheckpointException as e:  # a BaseException: what check_resume cannot see (a flipped
@@ -381,11 +383,13 @@ def restore(folder, state, trainer, t):
     apply_optimizer_settings(trainer.optimizer, trainer.scheduler, t)
     trainer.bad_steps = state.get("bad_steps", 0)  # absent from checkpoints before 2026-11-27
     log.info(
-        "resumed from %s at step %d (written by %d ranks, now %d)",
+        "resumed from %s at step %d (written by %d ranks, now %d); the next update's learning "
+        "rate: %.3g",  # a longer train.steps stretches the schedule: the rate can jump up
         folder,
         state["step"],
         state["world_size"],
         parallel.world_size(),
+        trainer.scheduler.get_last_lr()[0],
     )
 
 

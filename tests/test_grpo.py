@@ -146,7 +146,9 @@ def test_groups_with_fewer_than_two_survivors_get_zero_and_are_counted():
 
 
 def test_aggregate_modes_hand_computed():
-    """Each loss aggregation mode against hand-computed values; an unknown mode raises."""
+    """Each loss aggregation mode against hand-computed values, and its divisor (what update.py
+    weights micro-batches by); an unknown mode raises in both, so a mode added to `aggregate`
+    alone is not weighted by another mode's divisor (it was: by the sequence count)."""
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     assert losses.aggregate(per_token, mask, "token-mean").item() == pytest.approx(15 / 5)
@@ -159,8 +161,12 @@ def test_aggregate_modes_hand_computed():
     assert losses.aggregate(
         per_token, mask, "seq-mean-token-sum-norm", norm_length=4
     ).item() == pytest.approx(15 / 8)
+    divisors = {mode: losses.aggregation_count(mask, mode).item() for mode in MODES}
+    assert divisors == {"token-mean": 5} | {mode: 2 for mode in MODES[1:]}
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         losses.aggregate(per_token, mask, "mean")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        losses.aggregation_count(mask, "mean")
 
 
 def test_clipped_ratio_and_kl_hand_computed():

@@ -652,11 +652,12 @@ def test_step_statistics_are_token_weighted_over_every_micro_batch(tmp_path):
     assert stats["train/tis_weight"] == pytest.approx(expected_tis, rel=1e-5)
 
 
-def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_path):
+def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_path, monkeypatch):
     """train.kl_in=reward (verl's use_kl_in_reward): a trajectory's cost is kl_coef x its summed
     per-token KL, here k1 = log pi_engine - log pi_ref, checked against a plain forward of the
-    reference; the advantages are GRPO's of the rewards less that cost, by hand for one group; a
-    step trains with it, logs the mean cost and has no KL term in the loss."""
+    reference (an aborted trajectory's is 0, without a forward); the advantages are GRPO's of the
+    rewards less that cost, by hand for one group; a step trains with it, logs the mean cost and
+    has no KL term in the loss."""
     cfg = tiny_config(
         tmp_path,
         "train.kl_coef=0.5",
@@ -681,6 +682,19 @@ def test_kl_in_the_reward_is_subtracted_before_the_group_statistics(engine, tmp_
         expected = (torch.tensor(turn.logprobs) - reference).sum()
         assert kl[i] == pytest.approx(expected.item(), rel=1e-4, abs=1e-4)
     assert kl.abs().max() > 0.1
+    # an aborted trajectory trains nothing: no reference forward, a cost of 0, the others' alike
+    trajectories[0][0].masked = True
+    forwarded = []
+    micro_batches = update.micro_batches
+    monkeypatch.setattr(
+        update, "micro_batches", lambda s, *a, **k: forwarded.extend(s) or micro_batches(s, *a, **k)
+    )
+    without = reference_kl(run.trainer, trajectories)
+    monkeypatch.undo()
+    assert all(s is not trajectories[0][0] for s in forwarded)
+    assert len(forwarded) == len(trajectories) - 1
+    assert without[0] == 0 and torch.equal(without[1:], kl[1:])
+    trajectories[0][0].masked = False
     compute_advantages(run.trainer, groups)  # kl_in=reward: the cost subtracted first
     # (the stage computes in float64: advantages.compute)
     advantages = torch.tensor([t[-1].advantage for t in trajectories], dtype=torch.float64)
