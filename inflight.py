@@ -456,7 +456,7 @@ async def wait_for_enough(
     group_size = plan.group_size if plan is not None else 0
     progress = Progress(group_size=group_size, finished_per_group=dict(held or {}))
     # Each task reports itself once, when it finishes: asyncio.wait(pending) would hook and unhook
-    # every pending task at every wake-up, O(n^2) over a rollout of n requests (5.4 s of the
+    # every pending task at every wake-up, O(n^2) over a rollout of n requests (5.7 s of the
     # event loop's CPU at 4,096; RESULTS "The rollout's wait")
     finished = collections.deque()  # the tasks done and not yet looked at, in finishing order
     arrived = asyncio.Event()
@@ -492,8 +492,12 @@ async def wait_for_enough(
                 await asyncio.wait({waiting}, timeout=wait_s)  # a timeout: decide looks again
             finally:
                 waiting.cancel()
+        # one more pass of the loop: a task done by now has its callback run (asyncio schedules
+        # it a pass after the task ends), so the decision sees every task done by the time it
+        # woke, as asyncio.wait's done set did (one missed at a timeout: its group was dropped)
+        await asyncio.sleep(0)
         arrived.clear()
-        done = list(finished)  # every task done by now: one decision for all of them
+        done = list(finished)
         finished.clear()
         for task in done:
             pending.discard(task)

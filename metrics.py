@@ -288,8 +288,11 @@ class Logger:
 
     def __init__(self, out_dir, config, first_step=0):
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
+        # replaced whole (eval --run reads it): written in place, a full disk left it empty
+        path = os.path.join(out_dir, "config.yaml")
+        with open(path + ".tmp", "w") as f:
             f.write(config_yaml(config))
+        os.replace(path + ".tmp", path)
         # a SessionLog.START event at first_step, which TensorBoard's Python loader
         # (EventAccumulator: extras/plot.py, the benches) reads as a restart, dropping every point
         # at that step or later read before it (_Purge). RustBoard, the `tensorboard` command's

@@ -305,7 +305,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.replay:
-        done = replay.replay(args.replay)
+        done = replay.replay(args.replay, args.set)
         weights = {None: f"not compared (no {done.after})", 0: f"equal to {done.after}'s"}.get(
             done.weights_differ, f"{done.weights_differ} tensors unlike {done.after}'s"
         )

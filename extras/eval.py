@@ -32,7 +32,7 @@ import runtime.checkpoint as checkpoint
 from rollout import rollout_seed
 from runtime.checkpoint import CheckpointError
 from runtime.engine import RolloutError, strip_expandable_segments
-from runtime.model import TINY_CHARS, ModelError, load_tokenizer
+from runtime.model import TINY_CHARS, ModelError, check_folder_code, load_tokenizer
 from assemble import engine_only, load_config, start_engine
 from sample import trajectories_of
 from task.data import DataError, build_task, task_module, vocabulary
@@ -171,6 +171,7 @@ def model_folder(args):
     # load_config when the run started (a later check, of settings eval never reads, would
     # refuse an older run's; train.py's --resume does check them)
     cfg = read_config(os.path.join(args.run, "config.yaml"), args.set)
+    check_folder_code(cfg, f"--run {args.run}'s config.yaml", args.set)
     if args.step is None:
         folder = checkpoint.latest(args.run)
         if folder is None:

@@ -23,7 +23,7 @@ import update
 from config import ConfigError, read_config, shown
 import runtime.checkpoint as checkpoint
 import runtime.parallel as parallel
-from runtime.model import TINY_CHARS, build_policy, build_reference
+from runtime.model import TINY_CHARS, build_policy, build_reference, check_folder_code
 from task.data import vocabulary
 from sample import Sample
 
@@ -97,9 +97,11 @@ class Replayed:
         return None if self.weights_differ is None else True
 
 
-def replay(folder):
+def replay(folder, sets=()):
     """Re-run the update dumped in `folder` (RUN/rollouts/step_NNNNNN) on one rank; returns its
-    Replayed."""
+    Replayed. `sets` (train.py's --set) are read for one key only: model.trust_remote_code=true
+    lets a dump whose config has it load its model (check_folder_code); the dump's config is
+    the step's, as it was."""
     if not os.path.isdir(folder):
         parent = os.path.dirname(os.path.abspath(folder))
         dumps = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
@@ -127,6 +129,7 @@ def replay(folder):
         cfg = read_config(values=dumped["config"])
     else:
         cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
+    check_folder_code(cfg, f"--replay {folder}", sets)
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")

@@ -46,7 +46,13 @@ def save(out_dir, step, run):
         shutil.rmtree(tmp, ignore_errors=True)
     parallel.barrier()
     trainer, lora_run = run.trainer, bool(run.cfg.model.lora_rank)
-    parallel.save_state(os.path.join(tmp, "sharded"), trainer.policy, trainer.optimizer)
+    try:
+        parallel.save_state(os.path.join(tmp, "sharded"), trainer.policy, trainer.optimizer)
+    except CheckpointException as e:  # a BaseException (a full disk, say): train.py's one line
+        why = "; ".join(f"rank {rank}: {error!r}" for rank, (error, _) in e.failures.items())
+        raise CheckpointError(
+            f"{tmp}: shards not written ({why}); earlier checkpoints stand"
+        ) from None
     # collectives: the model (or the adapters) gathered one tensor at a time
     if lora_run:
         adapter = lora.adapter_tensors(trainer.policy, gather=parallel.full_tensor)

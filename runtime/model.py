@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from config import ConfigError, refuse_unread
+from config import ConfigError, read_config, refuse_unread
 import runtime.lora as lora
 import runtime.routing as routing
 import runtime.seeds as seeds
@@ -456,6 +456,22 @@ def compile_layers(model):
     """
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def check_folder_code(cfg, source, sets):
+    """A config that came with a run folder (eval --run, train.py --replay's dump), not from the
+    command line: its model.trust_remote_code would run the Python files of that folder's
+    checkpoints (transformers' auto_map) as its model loads. Refused unless `sets` (the command's
+    --set) turn it on too."""
+    key = "model.trust_remote_code"
+    allowed = read_config(
+        None, [s for s in sets if s.startswith(key + "=")]
+    ).model.trust_remote_code
+    if cfg.model.trust_remote_code and not allowed:
+        raise ConfigError(
+            f"{source} sets {key}: true: loading its model runs the Python files in its "
+            f"checkpoint folders. Read them first; to run them, add --set {key}=true"
+        )
 
 
 def load_tokenizer(cfg, path, chars=TINY_CHARS):

@@ -135,7 +135,7 @@ def test_a_held_group_completes_with_its_resumed_members():
 def test_the_wait_hooks_each_task_once_not_at_every_wake_up():
     """wait_for_enough over 300 requests that finish one at a time hooks each one once, and all
     300 return: asyncio.wait over every pending task at each wake-up hooked them 22,650 times
-    here (O(n^2): 5.4 s of the event loop's CPU at 4,096 requests, RESULTS "The rollout's
+    here (O(n^2): 5.7 s of the event loop's CPU at 4,096 requests, RESULTS "The rollout's
     wait")."""
     import asyncio
     import time

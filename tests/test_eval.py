@@ -279,6 +279,33 @@ def test_replay_refuses_what_is_not_a_dump(tmp_path):
         replay.replay(str(folder))
 
 
+def test_a_run_folders_config_runs_no_model_code_unless_the_command_line_allows_it(tmp_path):
+    """eval --run and --replay read a config from the folder, which may come from elsewhere: its
+    model.trust_remote_code: true would run the Python files of its checkpoints as the model
+    loads (a reviewer's auto_map did, through both). Refused before any model loads, unless
+    --set model.trust_remote_code=true says so too."""
+    import dataclasses
+
+    import yaml
+
+    cfg = tiny_config(tmp_path, "model.path=/elsewhere", "model.trust_remote_code=true")
+    values = dataclasses.asdict(cfg)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(values))
+    with pytest.raises(ConfigError, match="trust_remote_code: true: loading its model runs"):
+        evaluation.model_folder(evaluation.parse_args(["--run", str(tmp_path)]))
+    allowed = ["--run", str(tmp_path), "--set", "model.trust_remote_code=true"]
+    with pytest.raises(ConfigError, match="no checkpoint under"):  # past the check
+        evaluation.model_folder(evaluation.parse_args(allowed))
+    folder = tmp_path / "rollouts" / "step_000002"
+    folder.mkdir(parents=True)
+    dump = {"step": 2, "start_step": 0, "sequences": [], "loss": 0.5, "grad_norm": 1.0}
+    torch.save(dump | {"config": values}, folder / "rank_0.pt")
+    with pytest.raises(ConfigError, match="trust_remote_code: true: loading its model runs"):
+        replay.replay(str(folder))
+    with pytest.raises(ConfigError, match="no checkpoint .* to start from"):  # past the check
+        replay.replay(str(folder), ["model.trust_remote_code=true"])
+
+
 def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):
     """run.dump_rollouts wrote a folder a step that nothing removed, where run.keep_checkpoints
     bounds the checkpoints (a reviewer counted ~17 GB over 5,000 steps of configs/gsm8k.yaml's
