@@ -13,6 +13,7 @@ re-import the main module). README.md has the map.
 """
 
 import argparse
+import contextlib
 import glob
 import logging
 import os
@@ -329,12 +330,15 @@ def main(argv=None):
         raise ConfigError(f"run.nproc={nproc} but this machine has {os.cpu_count()} CPUs")
     if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
-    if nproc > 1 and not parallel.under_launcher():
-        check_run(cfg, nproc, args.resume)  # once here, not once per rank
-        each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
-        stopped_by = next((name for name in each if name), None)
-    else:
-        stopped_by = run_rank(argv)
+    # one run writes a folder at a time (under torchrun, rank 0 holds it for every rank)
+    first = os.environ.get("RANK", "0") == "0"
+    with checkpoint.only_run(cfg.run.out) if first else contextlib.nullcontext():
+        if nproc > 1 and not parallel.under_launcher():
+            check_run(cfg, nproc, args.resume)  # once here, not once per rank
+            each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
+            stopped_by = next((name for name in each if name), None)
+        else:
+            stopped_by = run_rank(argv)
     if stopped_by and os.environ.get("RANK", "0") == "0":  # (the process group is closed)
         if checkpoint.latest(cfg.run.out):
             print(

@@ -8,7 +8,9 @@ and reshards it with torch.distributed.checkpoint), partial rollout's buffer for
 when checkpoints are taken (train.py).
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import io
 import logging
 import os
@@ -209,6 +211,25 @@ def complete_checkpoints(out_dir):
 def step_of(folder):
     """The step a checkpoint folder's name (step_<digits>, maybe .old) says."""
     return int(re.match(r"step_(\d+)", os.path.basename(folder))[1])
+
+
+@contextlib.contextmanager
+def only_run(out_dir):
+    """Held while one train.py writes `out_dir`: a second run on the same folder (a job started
+    twice, another terminal) is refused at its start. Two such runs wrote each other's
+    checkpoints away (one's save of a step replaced the other's; its temp folder was removed
+    mid-write, leaving a newest checkpoint without shards). An flock: the OS releases it when the
+    process ends, however it ends."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "run.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(
+                f"run.out={out_dir!r}: another train.py is writing this folder; wait for it to "
+                "end, or pass another --out"
+            ) from None
+        yield
 
 
 def latest(out_dir):

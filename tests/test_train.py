@@ -376,6 +376,21 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     assert checkpoint.latest(str(tmp_path)) is None
 
 
+def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, monkeypatch):
+    """Two train.py on one run.out wrote each other's checkpoints away (a reviewer's script: one
+    save of a step replaced the other's, whose temp folder it removed mid-write; the newest
+    checkpoint had no shards). The second is refused at its start, before a rank starts; the
+    folder is free again once the first has ended."""
+    ran = []
+    monkeypatch.setattr(train, "run_rank", ran.append)  # no engine: the refusal comes first
+    with checkpoint.only_run(str(tmp_path)):
+        with pytest.raises(checkpoint.CheckpointError, match="another train.py is writing"):
+            train.main(["--out", str(tmp_path)])
+    assert not ran
+    train.main(["--out", str(tmp_path)])
+    assert len(ran) == 1
+
+
 def test_a_checkpoint_before_the_first_update_leaves_adamw_as_fresh(tmp_path):
     """Saved before its first step (an engine death in step 0; only skipped updates so far), the
     optimizer makes exactly a fresh AdamW's first update, live and loaded from the checkpoint
