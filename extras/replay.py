@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import re
-import shutil
 
 import torch
 
@@ -65,7 +64,7 @@ def remove_unreplayable(out_dir):
     oldest = checkpoint.step_of(kept[0])
     for name in os.listdir(folder):
         if re.fullmatch(r"step_\d{6,}", name) and 0 < int(name[5:]) < oldest:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            checkpoint.remove(os.path.join(folder, name))
 
 
 @dataclasses.dataclass

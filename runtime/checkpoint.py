@@ -45,7 +45,7 @@ def save(out_dir, step, run):
     final = os.path.join(out_dir, "checkpoints", f"step_{step:06d}")
     tmp, is_writer = final + ".tmp", parallel.rank() == 0
     if is_writer:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
     parallel.barrier()
     trainer, lora_run = run.trainer, bool(run.cfg.model.lora_rank)
     try:
@@ -93,11 +93,11 @@ def save(out_dir, step, run):
         # `complete_checkpoints` counts while no step_N stands beside it)
         aside = final + ".old"
         if os.path.exists(final):
-            shutil.rmtree(aside, ignore_errors=True)
+            remove(aside)
             os.rename(final, aside)
         os.rename(tmp, final)
         sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
-        shutil.rmtree(aside, ignore_errors=True)
+        remove(aside)
         remove_old(out_dir, run.cfg.run.keep_checkpoints)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
@@ -111,7 +111,18 @@ def remove_old(out_dir, keep):
     kept = {step_of(folder) for folder in folders[-keep:]} if keep else set()
     for folder in folders if keep else []:
         if step_of(folder) not in kept:  # (a hand-made copy of a kept step stays too)
-            shutil.rmtree(folder)
+            remove(folder)
+
+
+def remove(path):
+    """Remove a folder the run wrote, or a link in its place (a checkpoint moved to another disk
+    and linked back): the link goes, never what it points to. (rmtree refuses a link; with
+    ignore_errors it left a linked temp folder for the save to write through, into the folder
+    it named.)"""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.exists(path):
+        shutil.rmtree(path)
 
 
 def sync_to_disk(folder, files=True):
@@ -158,7 +169,7 @@ def lora_served(folder, cfg, chars):
     if base == "tiny":
         base = os.path.join(folder, BASE)
         if not os.path.isdir(base):
-            shutil.rmtree(base + ".tmp", ignore_errors=True)
+            remove(base + ".tmp")
             save_hf(policy, tokenizer, base + ".tmp")
             os.rename(base + ".tmp", base)
     load_trained(folder, policy)
@@ -175,7 +186,7 @@ def merged_export(folder, cfg, chars):
     if not os.path.isdir(out):
         policy, tokenizer = model.build_policy(cfg, None, chars)
         load_trained(folder, policy)
-        shutil.rmtree(out + ".tmp", ignore_errors=True)
+        remove(out + ".tmp")
         save_hf(policy, tokenizer, out + ".tmp")
         os.rename(out + ".tmp", out)
     return out

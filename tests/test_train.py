@@ -417,14 +417,27 @@ def test_a_checkpoint_before_the_first_update_leaves_adamw_as_fresh(tmp_path):
 
 def test_checkpoints_beyond_keep_checkpoints_are_removed(engine, tmp_path):
     """run.keep_checkpoints=2: after each save only the two newest checkpoints remain (one of
-    Qwen2.5-1.5B is ~25 GB; they piled up), and a half-written one is not counted or touched."""
+    Qwen2.5-1.5B is ~25 GB; they piled up), and a half-written one is not counted or touched. A
+    link in a checkpoint's place is removed, never what it names."""
     cfg = tiny_config(tmp_path, "train.steps=1", "run.val_every=100", "run.keep_checkpoints=2")
     run = train.setup(cfg, engine=engine)
-    (tmp_path / "checkpoints" / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
+    folder = tmp_path / "checkpoints"
+    (folder / "step_000009.tmp").mkdir(parents=True)  # a crash mid-write
+    # links: a temp folder naming another folder, a checkpoint moved to another disk and linked
+    # back (the save wrote through the first; removing the second raised)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "notes.txt").write_text("mine")
+    (folder / "step_000003.tmp").symlink_to(tmp_path / "elsewhere")
     for step in (1, 2, 3):
         checkpoint.save(str(tmp_path), step, run)
-    kept = sorted(os.listdir(tmp_path / "checkpoints"))
+        if step == 1:
+            shutil.move(folder / "step_000001", tmp_path / "moved")
+            (folder / "step_000001").symlink_to(tmp_path / "moved")
+    kept = sorted(os.listdir(folder))
     assert kept == ["step_000002", "step_000003", "step_000009.tmp"]
+    assert not (folder / "step_000003").is_symlink()
+    assert os.listdir(tmp_path / "elsewhere") == ["notes.txt"]  # what the links named stays
+    assert (tmp_path / "moved" / "trainer_state.pt").exists()
 
 
 def test_a_step_saved_again_is_never_left_half_deleted(engine, tmp_path, monkeypatch):
