@@ -6,7 +6,9 @@ a fork point), and the aggregation modes.
 Owns no state, no model and no engine; update.py calls these on [B, T] tensors (padded rows, or
 packed rows gathered back to that layout). Masked rows (padding and filler rows; aborted samples
 never reach the update: merge.training_sequences drops them) are exactly equivalent to removed
-rows under every function here. Does not own advantages (advantages.py).
+rows under every function here, for finite values: an inf or NaN anywhere, masked too, makes the
+loss or its gradient NaN (the update is then skipped and counted: update.NonFiniteError). Does
+not own advantages (advantages.py).
 
 To add a loss term: a function `(inputs) -> [B, T]` per-token values, its entry in TERMS, and
 `train.loss_terms: {name: coefficient}` turns it on (README "Fork it"; tests/test_forks.py).

@@ -504,8 +504,10 @@ class GapWatch:
         the same streak). A collective: every rank calls it. A rank with no fresh token to
         compare sends -inf; a step where none had one is not observed (its 0 would pass the
         first step's check and end a streak, measuring nothing): the first step's check moves
-        to the next."""
+        to the next. A NaN gap (an engine log-prob NaN on a token it sampled) is the worst gap,
+        +inf: NaN compares false, and read as no measurement it switched the check off."""
         local = local_gap.value if local_gap.count else -math.inf
+        local = math.inf if math.isnan(local) else local
         largest = parallel.all_reduce([local], op="max")[0]
         if largest > -math.inf:
             self.observe(step, largest)

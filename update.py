@@ -327,7 +327,10 @@ def logprob_gap(micro_batches):
     sums = []  # [gap sum, fresh tokens] per micro-batch, kept on the device
     for mb in micro_batches:
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
-        gap = ((mb["old_logprobs"] - mb["engine_logprobs"]).abs() * fresh).sum()
+        # selected, not multiplied: a -inf or NaN on a token left out (masked, stale) made
+        # inf * 0 = NaN, which the health check then read as no measurement
+        difference = (mb["old_logprobs"] - mb["engine_logprobs"]).abs()
+        gap = torch.where(fresh > 0, difference, 0).sum()
         sums.append(torch.stack([gap, fresh.sum()]))
     gap, num_tokens = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(2)
     mean = ratio(gap, num_tokens)

@@ -4,6 +4,8 @@ silently drops or corrupts a tensor is caught at the next check, an engine compu
 run."""
 
 import copy
+import math
+
 import pytest
 import torch
 
@@ -118,6 +120,28 @@ def test_a_step_with_no_fresh_token_is_not_observed(tmp_path):
     watch.observe_ranks(9, ratio(0.0, 0.0))  # no measurement: the streak of 2 stands
     with pytest.raises(health.LogprobGapError, match="for 3 steps in a row"):
         watch.observe_ranks(10, ratio(0.2, 2.0))
+
+
+def test_a_nan_from_the_engine_is_the_worst_gap_and_a_left_out_token_counts_nowhere(tmp_path):
+    """An engine log-prob NaN made the gap NaN, which the health check read as no measurement: a
+    reviewer's wrong engine (2.2 nats a token off, one NaN among 24 tokens) passed step 0's
+    check. A -inf on a token the gap leaves out (masked, or stale) made it NaN too (inf x 0).
+    Now the left-out token counts nowhere and a NaN gap is the worst one."""
+    import update
+
+    cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
+    mb = {
+        "loss_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+        "staleness": torch.tensor([[0, 0, 1, 0]]),
+        "old_logprobs": torch.full((1, 4), -1.0),
+        "engine_logprobs": torch.tensor([[-1.0, -1.0, -math.inf, -math.inf]]),
+    }
+    gap = update.logprob_gap([mb])["train/logprob_gap"]
+    assert (gap.value, gap.count) == (0.0, 2.0)
+    mb["engine_logprobs"][0, 1] = math.nan
+    nan_gap = update.logprob_gap([mb])["train/logprob_gap"]
+    with pytest.raises(health.LogprobGapError, match="step 0: .* by inf per token"):
+        health.GapWatch(cfg, first_step=0).observe_ranks(0, nan_gap)
 
 
 def test_weights_are_checked_every_push_at_first_then_every_n_steps(tmp_path):
