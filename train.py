@@ -288,12 +288,16 @@ def run_rank(argv):
     # from set-up on (a Ctrl-C there stops the run before its first step), until the engine is
     # down: a second signal exits at once until then
     stop = StopSignal()
+    # one run writes a folder at a time: held by rank 0 itself, which writes it (a launcher's
+    # lock died with the launcher while its ranks went on saving)
+    only = checkpoint.only_run(cfg.run.out) if parallel.rank() == 0 else contextlib.nullcontext()
     try:
-        run = setup(cfg, resume=args.resume)
-        try:
-            return train(run, stop)
-        finally:
-            run.engine.shutdown()
+        with only:
+            run = setup(cfg, resume=args.resume)
+            try:
+                return train(run, stop)
+            finally:
+                run.engine.shutdown()
     finally:
         stop.restore()
         parallel.close()
@@ -330,15 +334,12 @@ def main(argv=None):
         raise ConfigError(f"run.nproc={nproc} but this machine has {os.cpu_count()} CPUs")
     if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
-    # one run writes a folder at a time (under torchrun, rank 0 holds it for every rank)
-    first = os.environ.get("RANK", "0") == "0"
-    with checkpoint.only_run(cfg.run.out) if first else contextlib.nullcontext():
-        if nproc > 1 and not parallel.under_launcher():
-            check_run(cfg, nproc, args.resume)  # once here, not once per rank
-            each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
-            stopped_by = next((name for name in each if name), None)
-        else:
-            stopped_by = run_rank(argv)
+    if nproc > 1 and not parallel.under_launcher():
+        check_run(cfg, nproc, args.resume)  # once here, not once per rank
+        each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
+        stopped_by = next((name for name in each if name), None)
+    else:
+        stopped_by = run_rank(argv)
     if stopped_by and os.environ.get("RANK", "0") == "0":  # (the process group is closed)
         if checkpoint.latest(cfg.run.out):
             print(

@@ -98,9 +98,15 @@ class Replayed:
 
 def replay(folder, sets=()):
     """Re-run the update dumped in `folder` (RUN/rollouts/step_NNNNNN) on one rank; returns its
-    Replayed. `sets` (train.py's --set) are read for one key only: model.trust_remote_code=true
-    lets a dump whose config has it load its model (check_folder_code); the dump's config is
-    the step's, as it was."""
+    Replayed. The dump's config is the step's, as it was: of `sets` (train.py's --set) one alone
+    is read, model.trust_remote_code=true, which lets a dump whose config has it load its model
+    (check_folder_code); any other is refused (it would change nothing)."""
+    ignored = [s for s in sets if not s.startswith("model.trust_remote_code=")]
+    if ignored:
+        raise ConfigError(
+            f"--replay {folder} re-runs the step with the config it trained with: --set "
+            f"{shown(ignored)} would change nothing (only model.trust_remote_code=true is read)"
+        )
     if not os.path.isdir(folder):
         parent = os.path.dirname(os.path.abspath(folder))
         dumps = sorted(os.listdir(parent)) if os.path.isdir(parent) else []

@@ -65,40 +65,47 @@ def save(out_dir, step, run):
     buffer = run.buffer.checkpoint_state() if run.buffer else None
     positions = parallel.gather_objects(run.stream.position)
     if is_writer:
-        if lora_run:
-            config = lora.adapter_config(trainer.policy)
-            lora.save_adapter(adapter, config, os.path.join(tmp, ADAPTER))
-            run.tokenizer.save_pretrained(tmp)
-        else:
-            save_hf(trainer.policy, run.tokenizer, tmp, full_state)
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:  # what a resume is checked against
-            f.write(config_yaml(run.cfg))
-        torch.save(
-            {
-                "step": step,
-                "world_size": parallel.world_size(),
-                "scheduler": trainer.scheduler.state_dict(),
-                # the streaks that stop a run, which a resume continues
-                "bad_steps": trainer.bad_steps,
-                "gap_steps": run.gap_watch.over if run.gap_watch else 0,
-                "buffer": buffer,
-                "prompt_positions": positions,
-            },
-            os.path.join(tmp, "trainer_state.pt"),
-        )
-        sync_to_disk(tmp)  # the files' bytes before the rename that makes them the checkpoint
-        # a step saved again (a second save of one step; train.py skips its own): the old copy
-        # is renamed aside, not deleted in place, so no moment leaves a half-deleted step_N that
-        # `latest` would pick (a crash between the renames leaves the copy aside, which
-        # `complete_checkpoints` counts while no step_N stands beside it)
-        aside = final + ".old"
-        if os.path.exists(final):
+        try:
+            if lora_run:
+                config = lora.adapter_config(trainer.policy)
+                lora.save_adapter(adapter, config, os.path.join(tmp, ADAPTER))
+                run.tokenizer.save_pretrained(tmp)
+            else:
+                save_hf(trainer.policy, run.tokenizer, tmp, full_state)
+            # what a resume is checked against
+            with open(os.path.join(tmp, "config.yaml"), "w") as f:
+                f.write(config_yaml(run.cfg))
+            torch.save(
+                {
+                    "step": step,
+                    "world_size": parallel.world_size(),
+                    "scheduler": trainer.scheduler.state_dict(),
+                    # the streaks that stop a run, which a resume continues
+                    "bad_steps": trainer.bad_steps,
+                    "gap_steps": run.gap_watch.over if run.gap_watch else 0,
+                    "buffer": buffer,
+                    "prompt_positions": positions,
+                },
+                os.path.join(tmp, "trainer_state.pt"),
+            )
+            sync_to_disk(tmp)  # the files' bytes before the rename that makes them a checkpoint
+            # a step saved again (a second save of one step; train.py skips its own): the old
+            # copy is renamed aside, not deleted in place, so no moment leaves a half-deleted
+            # step_N that `latest` would pick (a crash between the renames leaves the copy
+            # aside, which `complete_checkpoints` counts while no step_N stands beside it)
+            aside = final + ".old"
+            if os.path.exists(final):
+                remove(aside)
+                os.rename(final, aside)
+            os.rename(tmp, final)
+            sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
             remove(aside)
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
-        remove(aside)
-        remove_old(out_dir, run.cfg.run.keep_checkpoints)
+            remove_old(out_dir, run.cfg.run.keep_checkpoints)
+        except OSError as e:  # a full disk, say: train.py's one line, not a traceback
+            raise CheckpointError(
+                f"saving {final}: {e} (a half-written {tmp} is never picked; earlier checkpoints "
+                "stand)"
+            ) from None
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
 
@@ -115,14 +122,14 @@ def remove_old(out_dir, keep):
 
 
 def remove(path):
-    """Remove a folder the run wrote, or a link in its place (a checkpoint moved to another disk
-    and linked back): the link goes, never what it points to. (rmtree refuses a link; with
+    """Remove a folder the run wrote, or a link or file in its place (a checkpoint moved to another
+    disk and linked back): the link goes, never what it points to. (rmtree refuses a link; with
     ignore_errors it left a linked temp folder for the save to write through, into the folder
     it named.)"""
-    if os.path.islink(path):
-        os.unlink(path)
-    elif os.path.exists(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
+    elif os.path.lexists(path):  # a link, or a file where a folder was expected
+        os.unlink(path)
 
 
 def sync_to_disk(folder, files=True):
@@ -240,6 +247,8 @@ def only_run(out_dir):
                 f"run.out={out_dir!r}: another train.py is writing this folder; wait for it to "
                 "end, or pass another --out"
             ) from None
+        except OSError as e:  # a filesystem without flock (Lustre mounted noflock, say)
+            log.warning("%s: no lock (%s): a second run on this folder is not refused", out_dir, e)
         yield
 
 

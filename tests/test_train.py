@@ -373,22 +373,56 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     run = types.SimpleNamespace(cfg=cfg, trainer=types.SimpleNamespace(policy=None, optimizer=None))
     with pytest.raises(checkpoint.CheckpointError, match="shards not written .*No space left"):
         checkpoint.save(str(tmp_path), 1, run)
+    # the export and the trainer state on a full disk: one line too (an OSError was a traceback)
+    monkeypatch.setattr(parallel, "save_state", lambda *args: None)
+    monkeypatch.setattr(checkpoint, "save_hf", full)
+    run.trainer.policy = torch.nn.Linear(2, 2)
+    run.buffer, run.stream, run.tokenizer = None, types.SimpleNamespace(position=0), None
+    with pytest.raises(checkpoint.CheckpointError, match="saving .*1: .*No space left"):
+        checkpoint.save(str(tmp_path), 1, run)
     assert checkpoint.latest(str(tmp_path)) is None
+    # a file where the temp folder goes is removed like one (rmtree raised NotADirectoryError)
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)
+    (tmp_path / "checkpoints" / "step_000002.tmp").write_text("stray")
+    checkpoint.remove(str(tmp_path / "checkpoints" / "step_000002.tmp"))
+    assert not (tmp_path / "checkpoints" / "step_000002.tmp").exists()
 
 
-def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, monkeypatch):
+def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, monkeypatch, caplog):
     """Two train.py on one run.out wrote each other's checkpoints away (a reviewer's script: one
     save of a step replaced the other's, whose temp folder it removed mid-write; the newest
-    checkpoint had no shards). The second is refused at its start, before a rank starts; the
-    folder is free again once the first has ended."""
-    ran = []
-    monkeypatch.setattr(train, "run_rank", ran.append)  # no engine: the refusal comes first
+    checkpoint had no shards). The second is refused before its set-up; rank 0 holds the lock
+    itself (a launcher's died with the launcher while its ranks went on saving), and lets it go
+    however the run ends. A filesystem without flock runs unlocked, with a warning."""
+    import errno
+    import fcntl
+
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def setup(cfg, resume=False):  # no engine: the lock comes first
+        started.append(cfg.run.out)
+        raise Stop
+
+    monkeypatch.setattr(train, "setup", setup)
     with checkpoint.only_run(str(tmp_path)):
         with pytest.raises(checkpoint.CheckpointError, match="another train.py is writing"):
-            train.main(["--out", str(tmp_path)])
-    assert not ran
-    train.main(["--out", str(tmp_path)])
-    assert len(ran) == 1
+            train.run_rank(["--out", str(tmp_path)])  # what each launched rank runs
+    assert not started
+    with pytest.raises(Stop):
+        train.main(["--out", str(tmp_path)])
+    assert started == [str(tmp_path)]
+    with checkpoint.only_run(str(tmp_path)):  # let go by the run that raised
+        pass
+
+    def no_flock(*args):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with checkpoint.only_run(str(tmp_path)):
+        assert "a second run on this folder is not refused" in caplog.text
 
 
 def test_a_checkpoint_before_the_first_update_leaves_adamw_as_fresh(tmp_path):
