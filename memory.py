@@ -504,10 +504,11 @@ class GapWatch:
         the same streak). A collective: every rank calls it. A rank with no fresh token to
         compare sends -inf; a step where none had one is not observed (its 0 would pass the
         first step's check and end a streak, measuring nothing): the first step's check moves
-        to the next. A NaN gap (an engine log-prob NaN on a token it sampled) is the worst gap,
-        +inf: NaN compares false, and read as no measurement it switched the check off."""
+        to the next. A NaN gap (the trainer's own log-probs NaN: its update is skipped and
+        counted) measures nothing either; an engine's non-finite log-prob is an inf gap
+        (update.logprob_gap)."""
         local = local_gap.value if local_gap.count else -math.inf
-        local = math.inf if math.isnan(local) else local
+        local = -math.inf if math.isnan(local) else local  # NaN would compare false everywhere
         largest = parallel.all_reduce([local], op="max")[0]
         if largest > -math.inf:
             self.observe(step, largest)
@@ -516,11 +517,12 @@ class GapWatch:
 
     def observe(self, step, gap):
         if step == self.first_step and gap > self.step0_max:
+            why = " (a NaN or -inf log-prob of a token it sampled)" if math.isinf(gap) else ""
             raise LogprobGapError(
                 f"step {step}: the engine's log-probs of its own samples differ from the trainer's "
-                f"by {gap:.3g} per token while both hold the same weights ({self.dtypes} allow "
-                f"{self.step0_max:g}). The engine computes another model: check the dtypes, the "
-                "model's config (rope, vocabulary) and the tokenizer the engine loaded."
+                f"by {gap:.3g} per token{why} while both hold the same weights ({self.dtypes} "
+                f"allow {self.step0_max:g}). The engine computes another model: check the dtypes, "
+                "the model's config (rope, vocabulary) and the tokenizer the engine loaded."
             )
         self.over = self.over + 1 if self.max_gap and gap > self.max_gap else 0
         if self.patience and self.over >= self.patience:

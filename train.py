@@ -310,6 +310,11 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.replay:
+        # the dump's config is the step's: a flag that would set another is refused, not dropped
+        flags = ("--config", "--out", "--resume", "--print-config")
+        others = [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]
+        if others:
+            raise ConfigError(f"--replay re-runs a dumped step as it ran: {others} read nothing")
         done = replay.replay(args.replay, args.set)
         weights = {None: f"not compared (no {done.after})", 0: f"equal to {done.after}'s"}.get(
             done.weights_differ, f"{done.weights_differ} tensors unlike {done.after}'s"
@@ -336,6 +341,8 @@ def main(argv=None):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
     if nproc > 1 and not parallel.under_launcher():
         check_run(cfg, nproc, args.resume)  # once here, not once per rank
+        with checkpoint.only_run(cfg.run.out):  # another run's: refused before any rank starts
+            pass  # (rank 0 then holds it: run_rank)
         each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
         stopped_by = next((name for name in each if name), None)
     else:

@@ -327,9 +327,12 @@ def logprob_gap(micro_batches):
     sums = []  # [gap sum, fresh tokens] per micro-batch, kept on the device
     for mb in micro_batches:
         fresh = mb["loss_mask"] * (mb["staleness"] == 0)
-        # selected, not multiplied: a -inf or NaN on a token left out (masked, stale) made
-        # inf * 0 = NaN, which the health check then read as no measurement
         difference = (mb["old_logprobs"] - mb["engine_logprobs"]).abs()
+        # a NaN or -inf the engine gave a token it sampled is the worst gap (NaN compared as no
+        # measurement: it switched the check off); a NaN of the trainer's own is the update's to
+        # skip and count (NonFiniteError)
+        difference = torch.where(mb["engine_logprobs"].isfinite(), difference, math.inf)
+        # selected, not multiplied: on a token left out (masked, stale), inf x 0 was NaN
         gap = torch.where(fresh > 0, difference, 0).sum()
         sums.append(torch.stack([gap, fresh.sum()]))
     gap, num_tokens = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(2)

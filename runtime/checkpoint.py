@@ -98,14 +98,19 @@ def save(out_dir, step, run):
                 remove(aside)
                 os.rename(final, aside)
             os.rename(tmp, final)
-            sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
-            remove(aside)
-            remove_old(out_dir, run.cfg.run.keep_checkpoints)
-        except OSError as e:  # a full disk, say: train.py's one line, not a traceback
+        # a full disk, say: train.py's one line, not a traceback (safetensors and torch.save
+        # raise their own types for it)
+        except (OSError, RuntimeError, safetensors.SafetensorError) as e:
             raise CheckpointError(
                 f"saving {final}: {e} (a half-written {tmp} is never picked; earlier checkpoints "
                 "stand)"
             ) from None
+        sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
+        try:  # the checkpoint is whole: what cannot be removed stays, more never fewer
+            remove(aside)
+            remove_old(out_dir, run.cfg.run.keep_checkpoints)
+        except OSError as e:  # (NFS keeps .nfs files of one that another process has open)
+            log.warning("%s saved; an older checkpoint stays: %s", final, e)
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
 

@@ -307,6 +307,8 @@ def test_a_run_folders_config_runs_no_model_code_unless_the_command_line_allows_
     # any other --set would change nothing (the dump's config is the step's): refused, not dropped
     with pytest.raises(ConfigError, match=r"--set \['train.lr=1'\] would change nothing"):
         replay.replay(str(folder), ["model.trust_remote_code=true", "train.lr=1"])
+    with pytest.raises(ConfigError, match=r"as it ran: \['--out'\] read nothing"):
+        train.main(["--replay", str(folder), "--out=elsewhere"])
 
 
 def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):

@@ -126,7 +126,9 @@ def test_a_nan_from_the_engine_is_the_worst_gap_and_a_left_out_token_counts_nowh
     """An engine log-prob NaN made the gap NaN, which the health check read as no measurement: a
     reviewer's wrong engine (2.2 nats a token off, one NaN among 24 tokens) passed step 0's
     check. A -inf on a token the gap leaves out (masked, or stale) made it NaN too (inf x 0).
-    Now the left-out token counts nowhere and a NaN gap is the worst one."""
+    Now the left-out token counts nowhere and an engine's NaN is the worst gap, inf; a NaN of the
+    trainer's own (its update skipped and counted) still measures nothing, not blamed on the
+    engine."""
     import update
 
     cfg = load_config("configs/tiny.yaml", [f"run.out={tmp_path}"])
@@ -138,10 +140,16 @@ def test_a_nan_from_the_engine_is_the_worst_gap_and_a_left_out_token_counts_nowh
     }
     gap = update.logprob_gap([mb])["train/logprob_gap"]
     assert (gap.value, gap.count) == (0.0, 2.0)
-    mb["engine_logprobs"][0, 1] = math.nan
-    nan_gap = update.logprob_gap([mb])["train/logprob_gap"]
-    with pytest.raises(health.LogprobGapError, match="step 0: .* by inf per token"):
-        health.GapWatch(cfg, first_step=0).observe_ranks(0, nan_gap)
+    mb["old_logprobs"][0, 0] = math.nan  # the trainer's
+    watch = health.GapWatch(cfg, first_step=0)
+    watch.observe_ranks(0, update.logprob_gap([mb])["train/logprob_gap"])
+    assert watch.first_step == 1  # not measured: the check moves to the next step
+    mb["old_logprobs"][0, 0] = -1.0
+    mb["engine_logprobs"][0, 1] = math.nan  # the engine's
+    engine_nan = update.logprob_gap([mb])["train/logprob_gap"]
+    assert engine_nan.value == math.inf
+    with pytest.raises(health.LogprobGapError, match="step 1: .* by inf per token \\(a NaN"):
+        watch.observe_ranks(1, engine_nan)
 
 
 def test_weights_are_checked_every_push_at_first_then_every_n_steps(tmp_path):

@@ -349,6 +349,8 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     import traceback
     import types
 
+    import safetensors
+
     from torch.distributed.checkpoint.api import CheckpointException
 
     import metrics
@@ -381,6 +383,25 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     with pytest.raises(checkpoint.CheckpointError, match="saving .*1: .*No space left"):
         checkpoint.save(str(tmp_path), 1, run)
     assert checkpoint.latest(str(tmp_path)) is None
+
+    def safetensors_full(*args):  # what safetensors raises for it (torch.save: a RuntimeError)
+        raise safetensors.SafetensorError("File too large (os error 27)")
+
+    monkeypatch.setattr(checkpoint, "save_hf", safetensors_full)
+    with pytest.raises(checkpoint.CheckpointError, match="saving .*1: File too large"):
+        checkpoint.save(str(tmp_path), 1, run)
+    # once renamed the checkpoint is whole: an old one that cannot be removed stays, with a
+    # warning, not an error that says the save failed
+    monkeypatch.setattr(
+        checkpoint, "save_hf", lambda policy, tok, folder, state: os.makedirs(folder)
+    )
+    run.trainer.scheduler, run.trainer.bad_steps, run.gap_watch = torch.nn.Module(), 0, None
+
+    def busy(*args):
+        raise OSError(errno.ENOTEMPTY, "Directory not empty")
+
+    monkeypatch.setattr(checkpoint, "remove_old", busy)
+    assert checkpoint.save(str(tmp_path), 1, run).endswith("step_000001")
     # a file where the temp folder goes is removed like one (rmtree raised NotADirectoryError)
     (tmp_path / "checkpoints").mkdir(exist_ok=True)
     (tmp_path / "checkpoints" / "step_000002.tmp").write_text("stray")
@@ -407,10 +428,14 @@ def test_a_second_run_on_a_folder_in_use_is_refused(tmp_path, monkeypatch, caplo
         raise Stop
 
     monkeypatch.setattr(train, "setup", setup)
+    launched = []
+    monkeypatch.setattr(train.parallel, "launch", lambda *args: launched.append(args))
     with checkpoint.only_run(str(tmp_path)):
         with pytest.raises(checkpoint.CheckpointError, match="another train.py is writing"):
             train.run_rank(["--out", str(tmp_path)])  # what each launched rank runs
-    assert not started
+        with pytest.raises(checkpoint.CheckpointError, match="another train.py is writing"):
+            train.main(["--out", str(tmp_path), "--set", "run.nproc=2"])  # before any rank
+    assert not started and not launched
     with pytest.raises(Stop):
         train.main(["--out", str(tmp_path)])
     assert started == [str(tmp_path)]
