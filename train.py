@@ -230,6 +230,7 @@ def save_state(run):
 def parse_args(argv=None):
     configs = ", ".join(sorted(glob.glob("configs/*.yaml"))) or "none found in ./configs"
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # --replay refuses the flags it would drop, by their names
         description=(
             "Train a language model with GRPO: an in-process SGLang engine samples groups of "
             "responses, a reward scores them, and the policy learns from their group-relative "
@@ -340,9 +341,9 @@ def main(argv=None):
     if os.path.exists(cfg.run.out) and not os.path.isdir(cfg.run.out):
         raise ConfigError(f"run.out={cfg.run.out!r} is a file, not a run directory")
     if nproc > 1 and not parallel.under_launcher():
-        check_run(cfg, nproc, args.resume)  # once here, not once per rank
         with checkpoint.only_run(cfg.run.out):  # another run's: refused before any rank starts
             pass  # (rank 0 then holds it: run_rank)
+        check_run(cfg, nproc, args.resume)  # once here, not once per rank
         each = parallel.launch(nproc, run_rank, argv).values()  # each rank's result
         stopped_by = next((name for name in each if name), None)
     else:

@@ -332,6 +332,8 @@ def logprob_gap(micro_batches):
         # measurement: it switched the check off); a NaN of the trainer's own is the update's to
         # skip and count (NonFiniteError)
         difference = torch.where(mb["engine_logprobs"].isfinite(), difference, math.inf)
+        # (checked second: at top_p < 1 engine_logprobs holds the trainer's too, on_nucleus)
+        difference = torch.where(mb["old_logprobs"].isnan(), math.nan, difference)
         # selected, not multiplied: on a token left out (masked, stale), inf x 0 was NaN
         gap = torch.where(fresh > 0, difference, 0).sum()
         sums.append(torch.stack([gap, fresh.sum()]))

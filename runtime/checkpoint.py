@@ -99,18 +99,22 @@ def save(out_dir, step, run):
                 os.rename(final, aside)
             os.rename(tmp, final)
         # a full disk, say: train.py's one line, not a traceback (safetensors and torch.save
-        # raise their own types for it)
+        # raise their own types for it; torch's RuntimeError may be a bug too: logged whole)
         except (OSError, RuntimeError, safetensors.SafetensorError) as e:
+            if isinstance(e, RuntimeError):
+                log.error("saving %s", final, exc_info=True)
             raise CheckpointError(
-                f"saving {final}: {e} (a half-written {tmp} is never picked; earlier checkpoints "
-                "stand)"
-            ) from None
-        sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
+                f"saving {final}: {type(e).__name__}: {e} (a half-written {tmp} is never "
+                "picked; earlier checkpoints stand)"
+            ) from e
         try:  # the checkpoint is whole: what cannot be removed stays, more never fewer
+            sync_to_disk(os.path.dirname(final), files=False)  # the renames themselves
             remove(aside)
             remove_old(out_dir, run.cfg.run.keep_checkpoints)
         except OSError as e:  # (NFS keeps .nfs files of one that another process has open)
-            log.warning("%s saved; an older checkpoint stays: %s", final, e)
+            log.warning(
+                "%s saved (its rename maybe not yet on disk); older ones stay: %s", final, e
+            )
     parallel.barrier()  # no rank goes on (or reads it on resume) before the rename
     return final
 

@@ -309,6 +309,8 @@ def test_a_run_folders_config_runs_no_model_code_unless_the_command_line_allows_
         replay.replay(str(folder), ["model.trust_remote_code=true", "train.lr=1"])
     with pytest.raises(ConfigError, match=r"as it ran: \['--out'\] read nothing"):
         train.main(["--replay", str(folder), "--out=elsewhere"])
+    with pytest.raises(SystemExit):  # an abbreviation (argparse took --ou for --out) is unknown
+        train.main(["--replay", str(folder), "--ou", "elsewhere"])
 
 
 def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):

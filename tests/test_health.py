@@ -144,7 +144,9 @@ def test_a_nan_from_the_engine_is_the_worst_gap_and_a_left_out_token_counts_nowh
     watch = health.GapWatch(cfg, first_step=0)
     watch.observe_ranks(0, update.logprob_gap([mb])["train/logprob_gap"])
     assert watch.first_step == 1  # not measured: the check moves to the next step
-    mb["old_logprobs"][0, 0] = -1.0
+    mb["engine_logprobs"][0, 0] = math.nan  # top_p < 1: the trainer's, added in (on_nucleus)
+    assert math.isnan(update.logprob_gap([mb])["train/logprob_gap"].value)  # still the trainer's
+    mb["old_logprobs"][0, 0] = mb["engine_logprobs"][0, 0] = -1.0
     mb["engine_logprobs"][0, 1] = math.nan  # the engine's
     engine_nan = update.logprob_gap([mb])["train/logprob_gap"]
     assert engine_nan.value == math.inf

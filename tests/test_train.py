@@ -388,7 +388,7 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
         raise safetensors.SafetensorError("File too large (os error 27)")
 
     monkeypatch.setattr(checkpoint, "save_hf", safetensors_full)
-    with pytest.raises(checkpoint.CheckpointError, match="saving .*1: File too large"):
+    with pytest.raises(checkpoint.CheckpointError, match="saving .*1: SafetensorError: File too"):
         checkpoint.save(str(tmp_path), 1, run)
     # once renamed the checkpoint is whole: an old one that cannot be removed stays, with a
     # warning, not an error that says the save failed
