@@ -98,8 +98,8 @@ def save(out_dir, step, run):
                 remove(aside)
                 os.rename(final, aside)
             os.rename(tmp, final)
-        # a full disk, say: train.py's one line, not a traceback (safetensors and torch.save
-        # raise their own types for it; torch's RuntimeError may be a bug too: logged whole)
+        # a full disk, say: train.py's one line (safetensors and torch.save raise their own
+        # types for it; torch's RuntimeError may be a bug too: its traceback is logged first)
         except (OSError, RuntimeError, safetensors.SafetensorError) as e:
             if isinstance(e, RuntimeError):
                 log.error("saving %s", final, exc_info=True)
