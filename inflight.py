@@ -458,6 +458,7 @@ async def wait_for_enough(
     # Each task reports itself once, when it finishes: asyncio.wait(pending) would hook and unhook
     # every pending task at every wake-up, O(n^2) over a rollout of n requests (5.7 s of the
     # event loop's CPU at 4,096; RESULTS "The rollout's wait")
+    pending = set()
     finished = collections.deque()  # the tasks done and not yet looked at, in finishing order
     arrived = asyncio.Event()
 
@@ -469,7 +470,6 @@ async def wait_for_enough(
         task.add_done_callback(on_done)
         pending.add(task)
 
-    pending = set()
     for task in tasks:
         watch(task)
     while True:

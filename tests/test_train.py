@@ -379,7 +379,8 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     monkeypatch.setattr(parallel, "save_state", lambda *args: None)
     monkeypatch.setattr(checkpoint, "save_hf", full)
     run.trainer.policy = torch.nn.Linear(2, 2)
-    run.buffer, run.stream, run.tokenizer = None, types.SimpleNamespace(position=0), None
+    run.buffer = run.tokenizer = None
+    run.stream = types.SimpleNamespace(position=0)
     with pytest.raises(checkpoint.CheckpointError, match="saving .*1: .*No space left"):
         checkpoint.save(str(tmp_path), 1, run)
     assert checkpoint.latest(str(tmp_path)) is None
@@ -395,7 +396,9 @@ def test_a_full_disk_keeps_the_run_config_and_ends_a_save_in_one_line(tmp_path, 
     monkeypatch.setattr(
         checkpoint, "save_hf", lambda policy, tok, folder, state: os.makedirs(folder)
     )
-    run.trainer.scheduler, run.trainer.bad_steps, run.gap_watch = torch.nn.Module(), 0, None
+    run.trainer.scheduler = torch.nn.Module()  # (its state_dict is all the save reads)
+    run.trainer.bad_steps = 0
+    run.gap_watch = None
 
     def busy(*args):
         raise OSError(errno.ENOTEMPTY, "Directory not empty")
