@@ -117,10 +117,15 @@ async def call_async_reward(reward_fn, response_text, answer, finished):
     return checked(value, where)
 
 
+# A group's statistics square its rewards' deviations in float64 (advantages.compute): past
+# ~1.3e154 the square is inf, and every advantage of the group was 0, counted nowhere
+MAX_REWARD = 1e150
+
+
 def checked(value, where):
-    """`value` as a float, or a RewardError: any finite real number is a reward (Python's and
-    numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool is not, and one too
-    large for a float (10**400) is refused as not finite."""
+    """`value` as a float, or a RewardError: any finite real number up to MAX_REWARD in size is a
+    reward (Python's and numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool
+    is not, and one too large for a float (10**400) is refused as not finite."""
     refused = RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
     size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
     if size == 1 and hasattr(value, "item"):  # torch's numel, numpy's size
@@ -134,6 +139,11 @@ def checked(value, where):
         raise refused from None
     if not math.isfinite(value):
         raise refused
+    if abs(value) > MAX_REWARD:
+        raise RewardError(
+            f"the reward function returned {value!r}, over rewards.MAX_REWARD={MAX_REWARD:g} in "
+            f"size (the group statistics square it in float64), {where}"
+        )
     return value
 
 

@@ -537,8 +537,8 @@ def test_the_trajectory_token_bound_is_one_formula():
 
 def test_any_finite_real_number_is_a_reward_and_nothing_else():
     """A reward may return numpy's (scalars and one-element arrays), torch's, Fraction's or
-    Decimal's numbers; a bool, several values, a string, NaN and a number too large for a float
-    (10**400: an OverflowError before) are RewardErrors."""
+    Decimal's numbers; a bool, several values, a string, NaN, a number too large for a float
+    (10**400: an OverflowError before) and one whose square is (1e155) are RewardErrors."""
     import decimal
     import fractions
 
@@ -560,6 +560,11 @@ def test_any_finite_real_number_is_a_reward_and_nothing_else():
     for value in refused + (10**400, decimal.Decimal("NaN")):
         with pytest.raises(rewards.RewardError, match="not a finite number"):
             rewards.checked(value, "here")
+    # finite, but its square is not (a group of [1e155, 0, 0, 0] had advantages all 0, counted
+    # nowhere: a reviewer's script)
+    assert rewards.checked(-1e150, "here") == -1e150
+    with pytest.raises(rewards.RewardError, match="over rewards.MAX_REWARD=1e.150 in size"):
+        rewards.checked(1e155, "here")
 
 
 def test_a_reward_that_exits_is_a_reward_error():
