@@ -12,6 +12,7 @@ update.update_policy.
 """
 
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -25,6 +26,8 @@ import runtime.parallel as parallel
 from runtime.model import TINY_CHARS, build_policy, build_reference, check_folder_code
 from task.data import vocabulary
 from sample import Sample
+
+log = logging.getLogger("replay")
 
 
 def dump(cfg, step, start_step, sequences, stats):
@@ -64,7 +67,10 @@ def remove_unreplayable(out_dir):
     oldest = checkpoint.step_of(kept[0])
     for name in os.listdir(folder):
         if re.fullmatch(r"step_\d{6,}", name) and 0 < int(name[5:]) < oldest:
-            checkpoint.remove(os.path.join(folder, name))
+            try:
+                checkpoint.remove(os.path.join(folder, name))
+            except OSError as e:  # (an open file on NFS, say): it stays, the run goes on
+                log.warning("%s stays: %s", os.path.join(folder, name), e)
 
 
 @dataclasses.dataclass
@@ -98,9 +104,9 @@ class Replayed:
 
 def replay(folder, sets=()):
     """Re-run the update dumped in `folder` (RUN/rollouts/step_NNNNNN) on one rank; returns its
-    Replayed. The dump's config is the step's, as it was: of `sets` (train.py's --set) one alone
-    is read, model.trust_remote_code=true, which lets a dump whose config has it load its model
-    (check_folder_code); any other is refused (it would change nothing)."""
+    Replayed. The dump's config is the step's, as it was: of `sets` (train.py's --set) one key
+    alone is read, model.trust_remote_code (true lets a dump whose config has it load its
+    model: check_folder_code); any other key is refused (it would change nothing)."""
     ignored = [s for s in sets if not s.startswith("model.trust_remote_code=")]
     if ignored:
         raise ConfigError(

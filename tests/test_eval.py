@@ -2,6 +2,7 @@
 short demo run with the shared engine: training's val/pass@k, the eval line, and a dumped step's
 update replayed exactly with no engine."""
 
+import errno
 import json
 import os
 import re
@@ -313,11 +314,12 @@ def test_a_run_folders_config_runs_no_model_code_unless_the_command_line_allows_
         train.main(["--replay", str(folder), "--ou", "elsewhere"])
 
 
-def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):
+def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path, monkeypatch, caplog):
     """run.dump_rollouts wrote a folder a step that nothing removed, where run.keep_checkpoints
     bounds the checkpoints (a reviewer counted ~17 GB over 5,000 steps of configs/gsm8k.yaml's
     shape on 8 ranks). A dump goes once its checkpoint is gone, before the oldest kept; step 0's
-    (replayed from the seeded initial policy) and the later ones stay."""
+    (replayed from the seeded initial policy) and the later ones stay. One that cannot be
+    removed stays, with a warning, not an error out of the training step."""
     for step in (3, 4):
         (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
     for step in range(6):
@@ -327,3 +329,12 @@ def test_a_dump_no_checkpoint_is_left_to_replay_from_is_removed(tmp_path):
     left = sorted(os.listdir(tmp_path / "rollouts"))
     assert left == ["notes", "step_000000", "step_000003", "step_000004", "step_000005"]
     replay.remove_unreplayable(str(tmp_path / "no_run"))  # nothing saved yet: nothing to do
+    # one that cannot be removed (an open file on NFS, say) stays; the step goes on
+    (tmp_path / "rollouts" / "step_000001").mkdir()
+
+    def busy(path):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    monkeypatch.setattr(replay.checkpoint, "remove", busy)
+    replay.remove_unreplayable(str(tmp_path))
+    assert "step_000001 stays: [Errno 16] Device or resource busy" in caplog.text
