@@ -19,6 +19,7 @@ import re
 import reprlib
 import shlex
 import sys
+import traceback
 import types
 import typing
 from typing import Annotated
@@ -605,9 +606,14 @@ class Yaml12Loader(yaml.SafeLoader):
 def _yaml12_int(loader, node):
     """An int as YAML 1.2 writes one: decimal (`010` is 10), 0o octal or 0x hexadecimal."""
     text = loader.construct_scalar(node)  # matched by the int pattern below
-    if text.startswith(("0o", "0x")):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text, 10)
+    try:
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
+    except ValueError:  # over Python's 4,300 digits (sys.get_int_max_str_digits): a YAML error
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(text)} digits", node.start_mark
+        ) from None
 
 
 class Yaml12Dumper(yaml.SafeDumper):
@@ -695,8 +701,11 @@ def read_config(path=None, sets=(), values=None):
         *sections, leaf = key.split(".")
         try:
             value = load_yaml(text)
-        except yaml.YAMLError:
-            raise ConfigError(f"--set {item!r}: the value is not a valid YAML scalar") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"--set {shown(item, 200)}: the value is not a valid YAML scalar "
+                f"({shown(getattr(e, 'problem', None) or str(e), 200)})"
+            ) from None
         if text.count("#") > repr(value).count("#"):  # a path or name cut at " #", silently
             raise ConfigError(
                 f"--set {item!r}: a '#' after a space starts a YAML comment, which cut the value "
@@ -743,6 +752,21 @@ def check_function_spec(spec, key):
     return where, name
 
 
+def raised_at(error):
+    """ ", at FILE:LINE" of the last line of Python that `error` passed through outside the import
+    machinery (a helper module the user's file imports, where a bare KeyError names neither);
+    "" where that was our own import call."""
+    machinery = os.path.dirname(importlib.__file__)  # and "<frozen importlib._bootstrap>"
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if f.filename[:1] != "<" and not f.filename.startswith(machinery)
+    ]
+    if not frames or frames[-1].filename == __file__:
+        return ""
+    return f", at {frames[-1].filename}:{frames[-1].lineno}"
+
+
 def load_function(spec, key):
     """The function a config string names: "path/to/file.py:function" or "module:function"
     (importable from the working directory). A missing file, module or function is a ConfigError
@@ -768,7 +792,7 @@ def load_function(spec, key):
             module = importlib.import_module(where)
     except (Exception, SystemExit) as e:  # a syntax error, a missing import, a raise at load
         raise ConfigError(
-            f"{key}={spec!r}: cannot import {where!r} ({type(e).__name__}: {e})"
+            f"{key}={spec!r}: cannot import {where!r} ({type(e).__name__}: {e}{raised_at(e)})"
         ) from None
     fn = getattr(module, name, None)
     if not callable(fn):

@@ -168,8 +168,8 @@ class Rollout:
         return samples, stats
 
     def launch(self, requests):
-        """Start each request's trajectory as a task; returns the new tasks."""
-        new = set()
+        """Start each request's trajectory as a task; returns the new tasks, in launch order."""
+        new = []
         for request in requests:
             if request.resumed is not None:
                 work = self.continue_partial(request)
@@ -181,7 +181,7 @@ class Rollout:
             )
             self.tasks[task] = request.index
             self.group_of[request.index] = request.group_id
-            new.add(task)
+            new.append(task)
             if self.group_filter is not None:
                 self.group_filter.launched(request.group_id)
         return new
@@ -283,9 +283,9 @@ class Rollout:
     def filter_and_refill(self, turns):
         """Dynamic sampling, on every return before the decision: tally the trajectory's group,
         then launch the prompts the filter asks for (the in-flight ones go on). Returns the new
-        tasks."""
+        tasks, in launch order."""
         self.group_filter.returned(turns[-1])
-        new = set()
+        new = []
         while self.settings.more_prompts is not None:
             count = self.group_filter.wanted(self.settings.plan, self.stats.prompts_launched)
             if count <= 0:
@@ -298,7 +298,7 @@ class Rollout:
                 for _ in range(self.settings.group_size):
                     index = len(self.tasks) + len(requests)
                     requests.append(Request(index, self.next_group + offset, ids))
-            new |= self.launch(requests)
+            new += self.launch(requests)
             self.next_group += len(prompts)
             self.stats.prompts_launched += len(prompts)
         return new
@@ -451,8 +451,9 @@ async def wait_for_enough(
     when `decide` says stop or nothing is pending. `on_return(turns)` sees each returned
     trajectory first and hands back the tasks it launched; `group_filter` is dynamic sampling's
     tally (kept groups); `held` {group id: members finished in earlier steps} partial rollout's
-    held groups. Returns (the tasks still pending, the last Decision, taken on everything that
-    returned)."""
+    held groups. `tasks`, and those `on_return` hands back, come in launch order: the tasks done
+    by one wake-up are taken in that order. Returns (the tasks still pending, the last Decision,
+    taken on everything that returned)."""
     group_size = plan.group_size if plan is not None else 0
     progress = Progress(group_size=group_size, finished_per_group=dict(held or {}))
     # Each task reports itself once, when it finishes: asyncio.wait(pending) would hook and unhook
@@ -461,6 +462,7 @@ async def wait_for_enough(
     pending = set()
     finished = collections.deque()  # the tasks done and not yet looked at, in finishing order
     arrived = asyncio.Event()
+    launched = {}  # task -> its launch index
 
     def on_done(task):
         finished.append(task)
@@ -469,6 +471,7 @@ async def wait_for_enough(
     def watch(task):
         task.add_done_callback(on_done)
         pending.add(task)
+        launched[task] = len(launched)
 
     for task in tasks:
         watch(task)
@@ -497,7 +500,9 @@ async def wait_for_enough(
         # woke, as asyncio.wait's done set did (one missed at a timeout: its group was dropped)
         await asyncio.sleep(0)
         arrived.clear()
-        done = list(finished)
+        # those done by the same wake-up in launch order, not finishing order (the engine's
+        # order within one decode step): a group policy keeps the first groups complete
+        done = sorted(finished, key=launched.pop)
         finished.clear()
         for task in done:
             pending.discard(task)

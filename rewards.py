@@ -127,24 +127,30 @@ def checked(value, where):
     reward (Python's and numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool
     is not, and one too large for a float (10**400) is refused as not finite."""
     refused = RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
-    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
-    if size == 1 and hasattr(value, "item"):  # torch's numel, numpy's size
-        value = value.item()  # a 0-dim (or one-element) tensor or array
-    real = isinstance(value, (numbers.Real, decimal.Decimal))
-    if isinstance(value, (bool, numpy.bool_)) or not real:
-        raise refused
-    try:
-        value = float(value)
-    except (OverflowError, ValueError):
+    try:  # the user's object: its own conversion may raise anything (a meta tensor's .item())
+        number = real_number(value)
+    except Exception:  # noqa: BLE001 - refused as what it is, counted like any other
         raise refused from None
-    if not math.isfinite(value):
+    if number is None or not math.isfinite(number):
         raise refused
+    value = number
     if abs(value) > MAX_REWARD:
         raise RewardError(
             f"the reward function returned {value!r}, over rewards.MAX_REWARD={MAX_REWARD:g} in "
             f"size (the group statistics square it in float64), {where}"
         )
     return value
+
+
+def real_number(value):
+    """`value` as a float, or None where it is not a real number (a bool is not one)."""
+    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
+    if size == 1 and hasattr(value, "item"):  # torch's numel, numpy's size
+        value = value.item()  # a 0-dim (or one-element) tensor or array
+    real = isinstance(value, (numbers.Real, decimal.Decimal))
+    if isinstance(value, (bool, numpy.bool_)) or not real:
+        return None
+    return float(value)  # (10**400: OverflowError; Decimal's signalling NaN: ValueError)
 
 
 def call_reward(reward_fn, response_text, answer, finished):

@@ -203,7 +203,14 @@ def save_after_failure(run, error, before):
         run.stream.position = before["position"]
         if run.buffer:
             run.buffer.load_state_dict(before["buffer"])
-    path = save_state(run)
+    try:
+        path = save_state(run)
+    except checkpoint.CheckpointError as failed:  # (a full disk): both said, the cause first
+        where = checkpoint.latest(run.cfg.run.out) or "none"
+        return type(error)(
+            f"{error}. Saving the trainer's state after {run.updates_done} updates failed too "
+            f"({failed}); the last checkpoint: {where}"
+        )
     if path is None:
         return type(error)(f"{error}. Nothing was trained yet: the same command starts again")
     return type(error)(

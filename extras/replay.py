@@ -11,6 +11,7 @@ one was kept: on CPU they are equal, bit for bit. A dump older than the oldest c
 update.update_policy.
 """
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -34,22 +35,30 @@ def dump(cfg, step, start_step, sequences, stats):
     """Write this rank's step `step` (`start_step`: its process's first, where
     train.old_logprobs=engine still ran the trainer's forward) under cfg.run.out: plain lists and
     tensors (read back with weights_only), and the config it trained with (a later --resume
-    --set rewrites RUN/config.yaml). Each sequence carries its advantage."""
+    --set rewrites RUN/config.yaml). Each sequence carries its advantage. One that cannot be
+    written (a full disk) is a warning, not the run's end: the training state is intact, only
+    this step cannot be replayed."""
     folder = os.path.join(cfg.run.out, "rollouts", f"step_{step:06d}")
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
-    torch.save(
-        {
-            "step": step,
-            "start_step": start_step,  # the first step of the process that trained it
-            "sequences": [s.to_state() for s in sequences],
-            "loss": stats["train/loss"],
-            "grad_norm": stats["train/grad_norm"],
-            "config": dataclasses.asdict(cfg),
-        },
-        path + ".tmp",
-    )
-    os.replace(path + ".tmp", path)  # whole or absent
+    try:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(
+            {
+                "step": step,
+                "start_step": start_step,  # the first step of the process that trained it
+                "sequences": [s.to_state() for s in sequences],
+                "loss": stats["train/loss"],
+                "grad_norm": stats["train/grad_norm"],
+                "config": dataclasses.asdict(cfg),
+            },
+            path + ".tmp",
+        )
+        os.replace(path + ".tmp", path)  # whole or absent
+    except (OSError, RuntimeError) as e:  # (torch.save's writer raises RuntimeError)
+        log.warning("step %d's rollouts not dumped (it cannot be replayed): %s", step, e)
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        return
     if parallel.rank() == 0:
         remove_unreplayable(cfg.run.out)
 
@@ -141,6 +150,10 @@ def replay(folder, sets=()):
     else:
         cfg = read_config(os.path.join(run_dir, "config.yaml"), [])
     check_folder_code(cfg, f"--replay {folder}", sets)
+    # the step's thread count, as assemble.setup sets it: on CPU, a weight's gradient is a sum
+    # over tokens split by thread, and 4 threads against 1 moved its last bit (a correct step on
+    # a bigger machine was "not exact")
+    torch.set_num_threads(cfg.train.threads)
     step = dumped["step"]
     # the policy before step N: after N updates (step 0: the seeded initial one)
     before = os.path.join(run_dir, "checkpoints", f"step_{step:06d}")

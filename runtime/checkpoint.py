@@ -230,8 +230,10 @@ def complete_checkpoints(out_dir):
         for name in found
         if re.fullmatch(r"step_\d+\.old", name) and name.removesuffix(".old") not in found
     ]
-    # of two folders of one step, the name `save` writes last: the newest is the one it wrote
-    names.sort(key=lambda name: (step_of(name), name.startswith(f"step_{step_of(name):06d}")))
+    # of two folders of one step, the name `save` writes last: the newest is the one it wrote;
+    # then by name (two hand-made names, step_11 and step_0011, came in the set's order: which
+    # one --resume took changed with PYTHONHASHSEED)
+    names.sort(key=lambda name: (step_of(name), name.startswith(f"step_{step_of(name):06d}"), name))
     return [os.path.join(folder, name) for name in names]
 
 

@@ -113,16 +113,9 @@ class Engine:
         # before, 1 ms after.
         self._run(self.tokenizer_manager.freeze_gc())
         # SGLang creates its request loop at the first request, and installs its signal handlers
-        # (TrainerSignals above) on it there. Create it now, at start: the trainer's own
-        # SIGINT/SIGTERM handlers (StopSignal, installed later) then take precedence in every phase.
-        # Created at the first rollout instead, the loop's handlers replaced them, and a SIGTERM
-        # that came while training was never seen.
-        self._run(self._create_request_loop())
-        # and take SIGTERM back from it: SGLang's loop handler would run the trainer's StopSignal a
-        # second time for one SIGTERM (asyncio's wakeup fd reports every signal to the loop), at the
-        # loop's next run, which after 2 s counted as a second signal: an exit with no checkpoint.
-        # SIGTERM is then the trainer's StopSignal's while it trains, else the default
-        self.tokenizer_manager.event_loop.remove_signal_handler(signal.SIGTERM)
+        # (TrainerSignals above) on it there. Create it now, at start, and give SIGTERM back to
+        # whoever held it before: train.py's StopSignal, installed before the engine starts.
+        self._run(self._create_request_loop(signal.getsignal(signal.SIGTERM)))
         self.weight_shapes = tensor_shapes(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer_manager)
         # what release/wake free by tag; CUDA graphs are captured (and hold memory) only on GPU
@@ -130,8 +123,18 @@ class Engine:
             ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
         )
 
-    async def _create_request_loop(self):
+    async def _create_request_loop(self, sigterm_handler):
+        """SGLang's request loop made, with SIGTERM's handler back to `sigterm_handler`. Left to
+        the loop, SGLang's handler drained the engine and exited 0 at a rollout (no checkpoint),
+        and uvloop swallowed a SIGTERM that came while training (it keeps a signal for the loop's
+        next run, where no handler answers it: a preempted run ended at the SIGKILL after)."""
         self.tokenizer_manager.auto_create_handle_loop()
+        # while the loop runs: on one that does not, uvloop's remove_signal_handler leaves the
+        # handler in place and returns False (uvloop/loop.pyx); it then sets SIG_DFL
+        if not self.tokenizer_manager.event_loop.remove_signal_handler(signal.SIGTERM):
+            raise RuntimeError("the engine's request loop held no SIGTERM handler to remove")
+        if sigterm_handler is not None:  # (None: one not set from Python, left as SIG_DFL)
+            signal.signal(signal.SIGTERM, sigterm_handler)
 
     def _on_sigquit(self, signum=None, frame=None):
         self.child_failed = "it raised an exception and sent SIGQUIT (its traceback is above)"
@@ -410,7 +413,14 @@ class Engine:
         return self.engine._scheduler_init_result.scheduler_infos[0]["max_total_num_tokens"]
 
     def shutdown(self):
-        self.engine.shutdown()
+        """SGLang's shutdown; an engine process it SIGKILLed and could not see reaped within 60 s
+        (its kill_process_tree raises RuntimeError: srt/utils/common.py) is a warning: called in
+        a `finally`, the error replaced the one the run was ending with (an engine death's, with
+        where its checkpoint is)."""
+        try:
+            self.engine.shutdown()
+        except RuntimeError as e:
+            log.warning("the engine's shutdown: %s", e)
 
 
 def kill_engine_processes():
@@ -453,8 +463,9 @@ class StopSignal:
     """From set-up on, SIGINT (Ctrl-C) or SIGTERM asks the run to finish the set-up, step,
     validation or checkpoint it is in, save a checkpoint (none before an update) and stop; a
     second one exits at once (the engine's processes killed, no checkpoint, exit 130). The engine's
-    processes ignore SIGINT and hand SIGTERM here (`trainer_signals`), so only the trainer decides;
-    in the engine's start-up it is heard once SGLang has forked them (`hearing_sigint_once_forked`).
+    processes ignore SIGINT, and its request loop leaves SIGTERM here (`_create_request_loop`),
+    so only the trainer decides; in the engine's start-up it is heard once SGLang has forked them
+    (`hearing_sigint_once_forked`).
     A repeat within REPEAT_S is the same signal arriving twice: a Ctrl-C reaches each rank from the
     terminal and again from its launcher (parallel.forward_to_ranks; torchrun forwards it too)."""
 

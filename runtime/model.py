@@ -492,7 +492,8 @@ def load_tokenizer(cfg, path, chars=TINY_CHARS):
 
 def unloadable(path, error):
     """The ModelError for a model or tokenizer at `path` that transformers could not load."""
-    return ModelError(f"model.path={path!r} could not be loaded: {str(error).splitlines()[0]}")
+    reason = str(error).strip().partition("\n")[0] or type(error).__name__  # (a bare ValueError())
+    return ModelError(f"model.path={path!r} could not be loaded: {reason}")
 
 
 def check_attention(cfg, device):

@@ -351,6 +351,20 @@ def assistant_opening(tokenizer, template_kwargs=None):
     return opening if opening.startswith(QWEN_OPENING) else QWEN_OPENING
 
 
+class Exited(Exception):
+    """An async tool's SystemExit, carried out of its task as an ordinary exception: a task whose
+    coroutine raises SystemExit re-raises it out of the event loop (asyncio/tasks.py, __step), so
+    no await of the task would see it."""
+
+
+async def exit_as_error(coroutine):
+    """`coroutine`'s result, its SystemExit raised as Exited."""
+    try:
+        return await coroutine
+    except SystemExit as e:
+        raise Exited from e
+
+
 class QwenTools:
     """Tool calls in the Qwen2.5/Qwen3 chat template's format: the model writes
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and the observation is a
@@ -448,7 +462,7 @@ class QwenTools:
         try:
             if inspect.iscoroutinefunction(fn):  # awaited on the loop: it must await, never block
                 # (inside the try: a signature may refuse the keywords)
-                pending = asyncio.ensure_future(fn(**arguments))
+                pending = asyncio.ensure_future(exit_as_error(fn(**arguments)))
             else:
                 pending, submitted, started = self.submit(fn, arguments)
                 if not await self.thread_started(submitted, started):
@@ -463,11 +477,14 @@ class QwenTools:
             if not done:
                 return name, f"error: {name} did not return within {self.timeout_s:g} s", True
             return name, result_text(pending.result()), True
-        # the user's function: an observation, never a crash; its own CancelledError too (a
-        # BaseException that would end the whole rollout): only this task's cancellation goes on
-        except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001
+        # the user's function: an observation, never a crash; SystemExit too (sys.exit() in code
+        # it runs, argparse on a bad argument: it ended the run with no checkpoint, exit code 0
+        # for exit()), and its own CancelledError (a BaseException that would end the whole
+        # rollout): only this task's cancellation goes on
+        except (Exception, SystemExit, asyncio.CancelledError) as e:  # noqa: BLE001
             if isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling():
                 raise
+            e = e.__cause__ if isinstance(e, Exited) else e
             return name, f"error: {name} raised {type(e).__name__}: {e}", True
         finally:
             if pending is not None and not pending.done():

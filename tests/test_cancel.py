@@ -177,6 +177,34 @@ def test_the_wait_hooks_each_task_once_not_at_every_wake_up():
     assert Counted.hooks <= 300
 
 
+def test_groups_done_by_one_wake_up_are_kept_in_launch_order():
+    """The group policy keeps the first complete groups: of those that complete by one wake-up
+    (one engine decode step), the first launched, whatever order the engine returns them in (it
+    was that order: the groups trained changed between runs of one seed)."""
+    import asyncio
+    import time
+
+    from inflight import wait_for_enough
+
+    async def rollout(finishing_order):
+        go = {g: asyncio.Event() for g in range(4)}
+
+        async def member(group_id):
+            await go[group_id].wait()
+            return [Sample([1], [2], [0.0], [1], group_id=group_id)]
+
+        tasks = [asyncio.ensure_future(member(g)) for g in range(4) for _ in range(2)]
+        await asyncio.sleep(0)  # each waits on its group's Event
+        for group_id in finishing_order:  # each wakes its members in this order, in one pass
+            go[group_id].set()
+        _, decision = await wait_for_enough(
+            tasks, plan("group", target_groups=2), time.perf_counter()
+        )
+        return decision.keep_groups
+
+    assert asyncio.run(rollout([0, 1, 2, 3])) == asyncio.run(rollout([3, 2, 1, 0])) == {0, 1}
+
+
 def test_launch_targets_are_exact_where_floats_are_not():
     """plan_launch's ceilings of rates the config wrote as decimals: 10 x (1 - 0.7) is 3 groups,
     not 4 (3.0000000000000004 in floats); 100 x 1.1 launches 110, not 111."""

@@ -48,7 +48,7 @@ def test_numbers_are_read_as_yaml_1_2_in_a_file_and_a_set(tmp_path):
     """PyYAML reads YAML 1.1, where `010` is 8 (octal), `1:30` is 90 (base 60) and `yes` is
     True: a seed typed with a leading zero changed silently. The file and --set now read 1.2's
     numbers, and the config.yaml a run writes reads back to the same values, strings that look
-    like numbers included."""
+    like numbers included. An integer too long for Python is a ConfigError."""
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  seed: 010\n  lr: 1e-3\nrun:\n  out: 2026-11-27\n")
     cfg = read_config(str(path), ["train.steps=020", "rollout.top_p=.5"])
@@ -58,6 +58,14 @@ def test_numbers_are_read_as_yaml_1_2_in_a_file_and_a_set(tmp_path):
         read_config(None, ["run.val_every=1:30"])
     with pytest.raises(ConfigError, match="rollout.partial='yes': expected bool"):
         read_config(None, ["rollout.partial=yes"])
+    # past Python's 4,300 digits int() raises ValueError, which escaped as itself
+    path.write_text(f"train:\n  steps: {'9' * 5000}\n")
+    with pytest.raises(
+        ConfigError, match=r"run.yaml is not valid YAML: 'an integer of 5000 digits"
+    ):
+        read_config(str(path))
+    with pytest.raises(ConfigError, match=r"9\.\.\.9+': the value is not .* \('an integer of 5000"):
+        read_config(None, [f"train.steps={'9' * 5000}"])
     for out in ("010", "1e3", "yes", "1:30", "2026-11-27", "0x1F"):
         cfg.run.out = out
         assert read_config(values=load_yaml(config_yaml(cfg))) == cfg
@@ -168,7 +176,8 @@ def test_a_folder_without_data_or_tokenizer_files_exits_with_a_message(
 ):
     """A reviewer found two tracebacks: a data path `datasets` cannot load (a folder without data
     files; a `.json` typo goes to the hub) and a model folder without tokenizer files (a
-    ValueError, where a missing folder was a ModelError). Each is a named error now, exit 2."""
+    ValueError, where a missing folder was a ModelError). Each is a named error now, exit 2, with
+    the loader's first line."""
     empty = tmp_path / "empty"
     empty.mkdir()
     for args, message in (
@@ -185,6 +194,9 @@ def test_a_folder_without_data_or_tokenizer_files_exits_with_a_message(
         test_cli_fatal_errors_exit_nonzero_with_a_message(
             tmp_path / "out", monkeypatch, capsys, args, message
         )
+    # a loader's error with no text (a bare ValueError()): its type (its first line was an
+    # IndexError out of the message's own making)
+    assert str(model.unloadable("m", ValueError())).endswith("could not be loaded: ValueError")
 
 
 def test_malformed_jsonl_rows_are_counted_and_skipped(tmp_path, caplog):
@@ -538,7 +550,8 @@ def test_the_trajectory_token_bound_is_one_formula():
 def test_any_finite_real_number_is_a_reward_and_nothing_else():
     """A reward may return numpy's (scalars and one-element arrays), torch's, Fraction's or
     Decimal's numbers; a bool, several values, a string, NaN, a number too large for a float
-    (10**400: an OverflowError before) and one whose square is (1e155) are RewardErrors."""
+    (10**400: an OverflowError before), one whose square is (1e155) and one whose conversion
+    raises (a meta tensor) are RewardErrors."""
     import decimal
     import fractions
 
@@ -556,8 +569,15 @@ def test_any_finite_real_number_is_a_reward_and_nothing_else():
         (2, 2.0),
     ):
         assert rewards.checked(value, "here") == expected
+
+    class BrokenFloat(fractions.Fraction):  # a Real whose own conversion raises
+        def __float__(self):
+            raise TypeError("no float for you")
+
     refused = (True, numpy.bool_(True), numpy.array(True), numpy.array([0.5, 1.0]), "1", math.nan)
-    for value in refused + (10**400, decimal.Decimal("NaN")):
+    # and one whose own conversion raises (it escaped as its own error: no count, no checkpoint)
+    broken = (torch.empty((), device="meta"), BrokenFloat(1), decimal.Decimal("sNaN"))
+    for value in refused + broken + (10**400, decimal.Decimal("NaN")):
         with pytest.raises(rewards.RewardError, match="not a finite number"):
             rewards.checked(value, "here")
     # finite, but its square is not (a group of [1e155, 0, 0, 0] had advantages all 0, counted

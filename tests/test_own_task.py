@@ -194,16 +194,23 @@ def test_reward_errors_are_named_at_start_up(tmp_path, spec, message):
 def test_a_reward_file_that_cannot_load_is_named_before_the_model_loads(tmp_path, monkeypatch):
     """A reward file with a syntax error, a missing import, or a raise (even SystemExit) at load
     was a raw traceback, after the model loaded: now a ConfigError naming data.reward, raised
-    while the task is built, before any model (build_policy is made to fail here to show it). A
-    helper module beside the file imports (its folder was not importable)."""
+    while the task is built, before any model (build_policy is made to fail here to show it),
+    with the file and line it raised at. A helper module beside the file imports (its folder was
+    not importable)."""
     import assemble
 
     files = {
         "syntax.py": ("def f(:\n", "SyntaxError"),
         "missing.py": ("import no_such_module_xyz\n", "No module named 'no_such_module_xyz'"),
         "raises.py": ("raise RuntimeError('needs OPENAI_API_KEY')\n", "needs OPENAI_API_KEY"),
+        # where it raised: a helper module the file imports (a bare KeyError named neither)
+        "uses_broken.py": (
+            "import broken_beside\n",
+            f"KeyError: 'b', at {tmp_path}/broken_beside.py:2",
+        ),
         "exits.py": ("raise SystemExit('bad config')\n", "SystemExit: bad config"),
     }
+    (tmp_path / "broken_beside.py").write_text("TABLE = {'a': 1}\nVALUE = TABLE['b']\n")
     for name, (text, message) in files.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -5,6 +5,7 @@ skip, or that nothing hangs and nothing is lost (README "Guarantees" lists them)
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -492,7 +493,7 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
     Failed in step 2's rollout, step 2's prompts are put back (position 64); failed in its sync,
     the update is saved (step 3) and the step logged; failed in the validation right after,
     nothing is saved again; failed at a fresh run's first step, nothing is saved (the folder would
-    refuse the same command)."""
+    refuse the same command). A save that fails too is said after the failure that caused it."""
     import memory
     from rewards import RewardError
     from runtime.engine import RolloutError
@@ -544,12 +545,24 @@ def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(
     assert recorded == [0, 1, 2]  # step 2 was logged
 
     run = train.setup(cfg, resume=True, engine=engine)
+    validation = train.validation
     monkeypatch.setattr(
         train, "validation", lambda run: (_ for _ in ()).throw(RolloutError("stuck"))
     )
     with pytest.raises(RolloutError, match="stuck. .*saved in .*step_000003"):
         train.train(run)
     assert saves == [2, 3]
+    # the save failing too (a full disk): the CheckpointError alone was raised, the cause lost
+    monkeypatch.setattr(train, "validation", validation)
+    full = checkpoint.CheckpointError("saving step_000004: OSError: No space left on device")
+    monkeypatch.setattr(checkpoint, "save", lambda *a: (_ for _ in ()).throw(full))
+    run = train.setup(cfg, resume=True, engine=engine)
+    with pytest.raises(RolloutError) as failed:
+        train.train(run)
+    assert str(failed.value) == (
+        f"refused. Saving the trainer's state after 4 updates failed too ({full}); the last "
+        f"checkpoint: {checkpoint.latest(str(tmp_path))}"
+    )
 
 
 def test_a_signal_in_a_checkpoint_or_a_validation_stops_before_another_step(
@@ -900,21 +913,25 @@ def test_a_dead_engine_scheduler_ends_the_run_with_a_message_and_a_checkpoint(ba
     AutoModelForCausalLM.from_pretrained(saved)
 
 
-def test_ctrl_c_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path):
-    """Ctrl-C (SIGINT to the process group) finishes the step, saves, shuts the engine down and
-    exits 128 + SIGINT, no traceback. (Resuming from such a checkpoint is test_train's
-    test_resume_gives_the_same_next_step; the second signal is the test below: each `train.py`
-    start costs the suite ~60 s.)"""
+def test_sigterm_in_training_finishes_the_step_saves_shuts_the_engine_down_and_exits(tmp_path):
+    """A SIGTERM to the trainer while it trains (a scheduler's preemption: Kubernetes, Slurm)
+    finishes the step, saves, shuts the engine down and exits 128 + SIGTERM, no traceback. The
+    trainer's handler is installed before the engine starts (a signal in the start-up is heard),
+    and SGLang's request loop took SIGTERM over when it was made: uvloop kept the signal for the
+    loop's next run, where no handler answered it, so the run trained on until a SIGKILL. (A
+    Ctrl-C takes the same path through StopSignal: the engine's processes ignoring it is the
+    start-up test below; resuming is test_train's test_resume_gives_the_same_next_step; the second
+    signal: test_the_second_signals_line_never_holds_the_exit. Each `train.py` start costs the
+    suite ~60 s.)"""
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
     children = engine_processes(process)
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
+    os.kill(process.pid, signal.SIGTERM)  # the trainer's process alone, as a scheduler sends it
     rc, err, seconds = finish(process, stderr, timeout=60)
     assert (
-        rc == 128 + signal.SIGINT
-        and "stopped by SIGINT after a checkpoint; --resume continues" in err
+        rc == 128 + signal.SIGTERM
+        and "stopped by SIGTERM after a checkpoint; --resume continues" in err
     ), (rc, err[-2000:])
-    # the engine's processes ignored Ctrl-C; the trainer shut them down
     assert "Traceback" not in err
     saved = checkpoint.read_trainer_state(checkpoint.latest(str(tmp_path)))["step"]
     assert saved >= 2
@@ -1193,6 +1210,41 @@ def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, mo
     finally:
         stop.restore()
     assert stop.received == "SIGTERM" and exits == []
+
+
+def test_a_sigterm_in_a_rollout_is_the_trainers_not_sglangs(engine, monkeypatch):
+    """A SIGTERM that comes while the engine's event loop runs (a rollout) reaches StopSignal
+    alone: SGLang's own handler, left on the loop, set its graceful exit, which drained the engine
+    and exited the process 0 with no checkpoint (tokenizer_manager.py, sigterm_watchdog)."""
+    exits = []
+    monkeypatch.setattr("runtime.engine.kill_engine_processes", lambda: exits.append("kill"))
+    monkeypatch.setattr(os, "_exit", exits.append)
+    stop = StopSignal()
+    try:
+
+        async def rollout():
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.1)
+
+        engine._run(rollout())
+    finally:
+        stop.restore()
+    assert stop.received == "SIGTERM" and exits == []
+    assert not engine.tokenizer_manager.gracefully_exit
+
+
+def test_an_engine_process_not_reaped_at_shutdown_is_a_warning(engine, monkeypatch, caplog):
+    """SGLang's shutdown raises RuntimeError when a process it SIGKILLed is not reaped within
+    60 s (srt/utils/common.py): likeliest right after the engine died, where train.py's `finally`
+    shut it down and that error replaced the EngineDiedError saying where the checkpoint is."""
+
+    def cannot_reap():
+        raise RuntimeError("kill_process_tree: 1 process(es) not reaped within 60s; pids=[4242]")
+
+    monkeypatch.setattr(engine.engine, "shutdown", cannot_reap)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        engine.shutdown()
+    assert "the engine's shutdown: kill_process_tree: 1 process(es) not reaped" in caplog.text
 
 
 KEEP_SAVING = """

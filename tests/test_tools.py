@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from typing import Literal
@@ -132,6 +133,24 @@ async def client_cancelled(text: str) -> str:
         text: Anything.
     """
     raise asyncio.CancelledError()
+
+
+def exits(code: int) -> str:
+    """Run code that calls sys.exit (model-written code, argparse on a bad argument).
+
+    Args:
+        code: The exit code.
+    """
+    sys.exit(code)
+
+
+async def exits_async(code: int) -> str:
+    """The same, awaited on the loop.
+
+    Args:
+        code: The exit code.
+    """
+    sys.exit(code)
 
 
 async def hangs(text: str) -> str:
@@ -455,6 +474,20 @@ def test_a_call_queued_for_a_thread_is_not_timed_while_it_waits(tokenizer):
     assert sum("did not return within 0.2 s" in t for t in texts) == 2  # the two that started
     assert sum("found no free thread within 0.2 s" in t for t in texts) == 14
     assert took < 1.0, took  # not 8 rounds of the limit: the threads never came free
+
+
+def test_a_tools_sys_exit_is_an_error_observation_not_the_runs_end(tokenizer):
+    """sys.exit() in a tool, plain (it reaches the loop through its thread's future) or async: an
+    error observation. It was a SystemExit out of the rollout's event loop that ended the run
+    with no checkpoint and no error line, with exit code 0 for exit()."""
+    tool = tools.QwenTools(tokenizer, [exits, exits_async])
+    for name in ("exits", "exits_async"):
+        for code in (0, 2):
+            observation, text = ask(
+                tool, tokenizer, f'{{"name": "{name}", "arguments": ' f'{{"code": {code}}}}}'
+            )
+            assert observation.is_error and observation.ran
+            assert text == f"error: {name} raised SystemExit: {code}"
 
 
 def stuck_until(release):
