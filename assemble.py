@@ -17,6 +17,7 @@ import torch
 import advantages
 import cancel
 import config
+import extras.replay as replay
 import loss
 import memory
 import merge
@@ -40,7 +41,7 @@ from task.data import PromptStream, build_task, vocabulary
 log = logging.getLogger("setup")
 
 # every module with choices or combinations of its own to check at load (each its `check(cfg)`)
-CHECKED_BY = (cancel, advantages, merge, loss, update, memory, model, data)
+CHECKED_BY = (cancel, advantages, merge, loss, update, memory, model, data, replay)
 
 
 def load_config(path=None, sets=()):

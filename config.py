@@ -416,7 +416,7 @@ class RunConfig:
     max_logprob_gap: NonNegativeFloat = 0.05
     max_logprob_gap_steps: NonNegativeInt = 3
     # write each step's trained sequences under run.out/rollouts/step_NNNNNN (what train.py
-    # --replay reads)
+    # --replay reads, from the checkpoint of that step: needs checkpoint_every > 0)
     dump_rollouts: bool = False
 
 

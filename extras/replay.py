@@ -31,6 +31,17 @@ from sample import Sample
 log = logging.getLogger("replay")
 
 
+def check(cfg):
+    """run.dump_rollouts needs checkpoints during the run (assemble.load_config calls this)."""
+    if cfg.run.dump_rollouts and cfg.run.checkpoint_every == 0:
+        raise ConfigError(
+            "run.dump_rollouts=true with run.checkpoint_every=0: a dump is replayed from the "
+            "checkpoint of its step, and none is written before the end, so every step would "
+            "leave a dump (~0.4 MB a rank at GSM8K's shape) that nothing replays or removes; set "
+            "run.checkpoint_every (1 replays any step)"
+        )
+
+
 def dump(cfg, step, start_step, sequences, stats):
     """Write this rank's step `step` (`start_step`: its process's first, where
     train.old_logprobs=engine still ran the trainer's forward) under cfg.run.out: plain lists and

@@ -373,3 +373,12 @@ def test_a_dump_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, caplo
         caplog.text
     )
     assert os.listdir(tmp_path / "rollouts" / "step_000003") == []
+
+
+def test_dumps_without_checkpoints_during_the_run_are_refused(tmp_path):
+    """run.dump_rollouts with run.checkpoint_every=0: no dump could be replayed (each starts from
+    the checkpoint of its step) and none was removed (remove_unreplayable waits for a checkpoint):
+    0.41 MB a step a rank piled up, ~330 GB on 8 ranks over 100,000 steps (a reviewer's count)."""
+    with pytest.raises(ConfigError, match="run.dump_rollouts=true with run.checkpoint_every=0"):
+        tiny_config(tmp_path, "run.dump_rollouts=true", "run.checkpoint_every=0")
+    assert tiny_config(tmp_path, "run.dump_rollouts=true", "run.checkpoint_every=10")
