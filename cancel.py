@@ -14,10 +14,13 @@ To add a policy: a function `(plan, progress) -> Decision` below and its entry i
 """
 
 import dataclasses
+import logging
 import math
 import statistics
 
 from config import ConfigError, refuse_unread
+
+log = logging.getLogger("cancel")
 
 
 @dataclasses.dataclass
@@ -278,18 +281,36 @@ def policy_decision(plan, progress):
 def check_shares(r, world):
     """Dynamic sampling's prompt bound against the first launch of each of `world` ranks: its
     share of prompts_per_step x (1 + over_sample_rate), rounded up (`plan_launch`), must fit its
-    share of rollout.max_prompts_per_step, or the bound would be silently raised to it. `check`
-    asks for one rank at load, assemble.setup for the run's ranks."""
-    if not (r.filter_groups and r.max_prompts_per_step):
+    share of rollout.max_prompts_per_step, or the bound would be silently raised to it; totals
+    that the rounding of each rank's share moves are a warning. `check` asks for one rank at
+    load, assemble.setup for the run's ranks."""
+    if not r.filter_groups:
         return
     plan = plan_launch(r, r.prompts_per_step // world)
     bound = int(round(r.max_prompts_per_step / world, 9))
-    if plan.num_prompts > bound:
+    if r.max_prompts_per_step and plan.num_prompts > bound:
         raise ConfigError(
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below the first launch "
             f"alone: each of {world} ranks launches rollout.prompts_per_step="
             f"{r.prompts_per_step} / {world} x (1 + rollout.over_sample_rate="
             f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}"
+        )
+    # each rank bounds and refills its own share, rounded: said where the totals move (39 on 8
+    # ranks bounded at 32: no refill ever ran; a refill of 2 was 8, one a rank)
+    totals = (plan.max_prompts * world, plan.refill_prompts * world)
+    asked = (
+        r.max_prompts_per_step or 4 * r.prompts_per_step,
+        r.refill_prompts or r.prompts_per_step // 4,
+    )
+    if totals != asked:
+        log.warning(
+            "dynamic sampling on %d ranks, each its share rounded: at most %d prompts a step "
+            "(rollout.max_prompts_per_step=%d), refills of %d (asked: %d)",
+            world,
+            totals[0],
+            asked[0],
+            totals[1],
+            asked[1],
         )
 
 

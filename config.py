@@ -19,6 +19,7 @@ import re
 import reprlib
 import shlex
 import sys
+import sysconfig
 import traceback
 import types
 import typing
@@ -348,7 +349,10 @@ class TrainConfig:
     # train/unrouted_sequences, train/routes_refused (choices no router makes: routed by the trainer
     # instead)
     routing_replay: bool = False
-    # mask tokens sampled more than this many versions ago out of the loss; -1 = keep
+    # mask tokens sampled more than this many versions ago out of the loss; -1 = keep. At 0 with
+    # partial rollout, a held group's members that finished in an earlier step are masked whole:
+    # only its resumed tails train, though every member counts in the group's mean and std
+    # (staleness/masked_tokens counts them; train/stale_token_frac, of trained tokens, reads 0)
     max_token_staleness: Annotated[int, Range(ge=-1)] = -1
     # optimizer steps per rollout batch (> 1 makes the ratio clip matter)
     num_minibatches: PositiveInt = 1
@@ -610,9 +614,9 @@ def _yaml12_int(loader, node):
         if text.startswith(("0o", "0x")):
             return int(text[2:], 8 if text[1] == "o" else 16)
         return int(text, 10)
-    except ValueError:  # over Python's 4,300 digits (sys.get_int_max_str_digits): a YAML error
+    except ValueError as e:  # (!!int abc; over Python's 4,300 digits): a YAML error
         raise yaml.constructor.ConstructorError(
-            None, None, f"an integer of {len(text)} digits", node.start_mark
+            None, None, f"not an integer: {shown(text, 40)}: {str(e)[:120]}", node.start_mark
         ) from None
 
 
@@ -702,9 +706,9 @@ def read_config(path=None, sets=(), values=None):
         try:
             value = load_yaml(text)
         except yaml.YAMLError as e:
+            problem = str(getattr(e, "problem", None) or e)[:300]
             raise ConfigError(
-                f"--set {shown(item, 200)}: the value is not a valid YAML scalar "
-                f"({shown(getattr(e, 'problem', None) or str(e), 200)})"
+                f"--set {shown(item, 200)}: the value is not a valid YAML scalar ({problem})"
             ) from None
         if text.count("#") > repr(value).count("#"):  # a path or name cut at " #", silently
             raise ConfigError(
@@ -753,14 +757,16 @@ def check_function_spec(spec, key):
 
 
 def raised_at(error):
-    """ ", at FILE:LINE" of the last line of Python that `error` passed through outside the import
-    machinery (a helper module the user's file imports, where a bare KeyError names neither);
-    "" where that was our own import call."""
-    machinery = os.path.dirname(importlib.__file__)  # and "<frozen importlib._bootstrap>"
+    """ ", at FILE:LINE" of the last line of the user's code that `error` passed through (a
+    helper module the user's file imports, where a bare KeyError names neither; the user's line
+    that called json.loads, not json's): outside Python's library, the installed packages and
+    the import machinery; "" where that was our own import call."""
+    paths = sysconfig.get_paths()
+    library = tuple({paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
-        if f.filename[:1] != "<" and not f.filename.startswith(machinery)
+        if f.filename[:1] != "<" and not f.filename.startswith(library)  # (<frozen importlib>)
     ]
     if not frames or frames[-1].filename == __file__:
         return ""

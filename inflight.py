@@ -502,7 +502,7 @@ async def wait_for_enough(
         arrived.clear()
         # those done by the same wake-up in launch order, not finishing order (the engine's
         # order within one decode step): a group policy keeps the first groups complete
-        done = sorted(finished, key=launched.pop)
+        done = sorted(finished, key=launched.get)
         finished.clear()
         for task in done:
             pending.discard(task)

@@ -24,7 +24,7 @@ COUNTERS = (
     "restarts",
     "given_up",
     "wasted_tokens",
-    "trained_groups",
+    "completed_groups",
 )
 
 
@@ -178,7 +178,7 @@ class PartialBuffer:
         waiting = {id(group) for group, _ in self.waiting}
         complete = [g for g in self.groups if id(g) not in waiting]
         self.groups = [g for g in self.groups if id(g) in waiting]
-        self.counters["trained_groups"] = len(complete)
+        self.counters["completed_groups"] = len(complete)  # (dynamic sampling may drop some)
         return [group.members for group in complete]
 
     def metrics(self):

@@ -20,7 +20,7 @@ import re
 
 import numpy
 
-from config import ConfigError, load_function
+from config import ConfigError, load_function, shown
 from runtime.threads import DaemonPool
 
 
@@ -126,7 +126,11 @@ def checked(value, where):
     """`value` as a float, or a RewardError: any finite real number up to MAX_REWARD in size is a
     reward (Python's and numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool
     is not, and one too large for a float (10**400) is refused as not finite."""
-    refused = RewardError(f"the reward function returned {value!r}, not a finite number, {where}")
+    try:  # (a repr may raise too: an int over Python's 4,300 digits)
+        text = shown(value)
+    except Exception:  # noqa: BLE001
+        text = f"a {type(value).__name__!r} whose repr raises"
+    refused = RewardError(f"the reward function returned {text}, not a finite number, {where}")
     try:  # the user's object: its own conversion may raise anything (a meta tensor's .item())
         number = real_number(value)
     except Exception:  # noqa: BLE001 - refused as what it is, counted like any other

@@ -33,7 +33,7 @@ log = logging.getLogger("replay")
 
 def check(cfg):
     """run.dump_rollouts needs checkpoints during the run (assemble.load_config calls this)."""
-    if cfg.run.dump_rollouts and cfg.run.checkpoint_every == 0:
+    if cfg.run.dump_rollouts and cfg.run.checkpoint_every == 0 and cfg.train.steps > 1:
         raise ConfigError(
             "run.dump_rollouts=true with run.checkpoint_every=0: a dump is replayed from the "
             "checkpoint of its step, and none is written before the end, so every step would "
@@ -51,24 +51,24 @@ def dump(cfg, step, start_step, sequences, stats):
     this step cannot be replayed."""
     folder = os.path.join(cfg.run.out, "rollouts", f"step_{step:06d}")
     path = os.path.join(folder, f"rank_{parallel.rank()}.pt")
+    dumped = {
+        "step": step,
+        "start_step": start_step,  # the first step of the process that trained it
+        "sequences": [s.to_state() for s in sequences],
+        "loss": stats["train/loss"],
+        "grad_norm": stats["train/grad_norm"],
+        "config": dataclasses.asdict(cfg),
+    }
     try:
         os.makedirs(folder, exist_ok=True)
-        torch.save(
-            {
-                "step": step,
-                "start_step": start_step,  # the first step of the process that trained it
-                "sequences": [s.to_state() for s in sequences],
-                "loss": stats["train/loss"],
-                "grad_norm": stats["train/grad_norm"],
-                "config": dataclasses.asdict(cfg),
-            },
-            path + ".tmp",
-        )
+        torch.save(dumped, path + ".tmp")
         os.replace(path + ".tmp", path)  # whole or absent
     except (OSError, RuntimeError) as e:  # (torch.save's writer raises RuntimeError)
         log.warning("step %d's rollouts not dumped (it cannot be replayed): %s", step, e)
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # where no other rank's dump is in it
         return
     if parallel.rank() == 0:
         remove_unreplayable(cfg.run.out)

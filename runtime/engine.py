@@ -91,13 +91,14 @@ class Engine:
         #   watch the same   processes ourselves, from inside every wait on the engine
         #   (`_while_alive`);
         # - a scheduler that raises (CUDA OOM, an illegal access, a rejected weight push) sends
-        #   SIGQUIT to its   parent (managers/scheduler.py, `run_scheduler_process`), whose handler
-        #   runs kill_process_tree on   itself: at launch `engine.py`'s
-        #   launch_phase_sigquit_handler, once the event loop runs   tokenizer_manager.py's
-        #   SignalHandler.running_phase_sigquit_handler. Both only record it now;
+        #   SIGQUIT to its parent (managers/scheduler.py, `run_scheduler_process`), whose handler
+        #   runs kill_process_tree on itself: at launch `engine.py`'s
+        #   launch_phase_sigquit_handler, once the request loop is made tokenizer_manager.py's
+        #   SignalHandler.running_phase_sigquit_handler. Ours only records it (`_on_sigquit`);
         # - when its request loop is made the tokenizer manager hooks SIGTERM to drain the engine
-        #   and exit 0 (the run would end without a checkpoint): that handler is taken off the loop
-        #   (below), so SIGTERM is the trainer's StopSignal's.
+        #   and exit 0 (the run would end without a checkpoint).
+        # The loop's two handlers are taken off it as it is made (`_create_request_loop`), so
+        # SIGQUIT is `_on_sigquit`'s and SIGTERM the trainer's StopSignal's.
         watchdog = self.tokenizer_manager._subprocess_watchdog  # the scheduler processes it polls
         self._engine_processes = list(zip(watchdog._processes, watchdog._names)) if watchdog else []
         if watchdog:
@@ -105,17 +106,14 @@ class Engine:
         # set by SIGQUIT: an engine process raised (its traceback is in the log)
         self.child_failed = None
         signal.signal(signal.SIGQUIT, self._on_sigquit)
-        self.tokenizer_manager.signal_handler_class = trainer_signals(
-            self.tokenizer_manager.signal_handler_class, self
-        )
         # Freeze the engine processes' start-up objects out of the cyclic GC: SGLang's flush_cache
         # (run by every KV-cache release) does a gc.collect() on CPU, measured 0.6 s per call
         # before, 1 ms after.
         self._run(self.tokenizer_manager.freeze_gc())
-        # SGLang creates its request loop at the first request, and installs its signal handlers
-        # (TrainerSignals above) on it there. Create it now, at start, and give SIGTERM back to
-        # whoever held it before: train.py's StopSignal, installed before the engine starts.
-        self._run(self._create_request_loop(signal.getsignal(signal.SIGTERM)))
+        # SGLang creates its request loop at the first request; create it now, at start, with
+        # the signals back where they were: SIGTERM to train.py's StopSignal (installed before
+        # the engine starts), SIGQUIT to `_on_sigquit`
+        self._run(self._create_request_loop())
         self.weight_shapes = tensor_shapes(model_path)
         self.stop_ids = stop_token_ids(self.tokenizer_manager)
         # what release/wake free by tag; CUDA graphs are captured (and hold memory) only on GPU
@@ -123,18 +121,21 @@ class Engine:
             ("weights", "kv_cache", "cuda_graph") if on_gpu else ("weights", "kv_cache")
         )
 
-    async def _create_request_loop(self, sigterm_handler):
-        """SGLang's request loop made, with SIGTERM's handler back to `sigterm_handler`. Left to
-        the loop, SGLang's handler drained the engine and exited 0 at a rollout (no checkpoint),
-        and uvloop swallowed a SIGTERM that came while training (it keeps a signal for the loop's
-        next run, where no handler answers it: a preempted run ended at the SIGKILL after)."""
+    async def _create_request_loop(self):
+        """SGLang's request loop made, with the handlers of SIGTERM and SIGQUIT as they were
+        before. Left to the loop (uvloop's, whose handlers run only at the loop's next run),
+        SGLang's SIGTERM handler drained the engine and exited 0 at a rollout (no checkpoint),
+        and a SIGTERM or SIGQUIT that came while training was kept for that run and answered by
+        nobody (a preempted run trained on until the SIGKILL after its grace period)."""
+        held = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
         self.tokenizer_manager.auto_create_handle_loop()
-        # while the loop runs: on one that does not, uvloop's remove_signal_handler leaves the
-        # handler in place and returns False (uvloop/loop.pyx); it then sets SIG_DFL
-        if not self.tokenizer_manager.event_loop.remove_signal_handler(signal.SIGTERM):
-            raise RuntimeError("the engine's request loop held no SIGTERM handler to remove")
-        if sigterm_handler is not None:  # (None: one not set from Python, left as SIG_DFL)
-            signal.signal(signal.SIGTERM, sigterm_handler)
+        for sig, handler in held.items():
+            # while the loop runs: on one that does not, uvloop's remove_signal_handler leaves
+            # the handler in place and returns False (uvloop/loop.pyx); it then sets SIG_DFL
+            if not self.tokenizer_manager.event_loop.remove_signal_handler(sig):
+                raise RuntimeError(f"the engine's request loop held no {sig.name} handler")
+            if handler is not None:  # (None: one not set from Python, left as SIG_DFL)
+                signal.signal(sig, handler)
 
     def _on_sigquit(self, signum=None, frame=None):
         self.child_failed = "it raised an exception and sent SIGQUIT (its traceback is above)"
@@ -576,18 +577,6 @@ def weight_buckets(named_params, dtype, bucket_bytes, gather, layout=as_trained)
             yield bucket, is_last
             bucket.clear()  # the list the caller holds too: its tensors are freed here
             size = 0
-
-
-def trainer_signals(sglang_signal_handler, rollout_engine):
-    """SGLang's signal handler class (sglang 0.5.23, installed on the engine's event loop when it
-    is created), with SIGQUIT (an engine process raised) recorded for `check_alive` instead of
-    killing this process tree. (Its SIGTERM handler is taken off the loop: Engine.__init__.)"""
-
-    class TrainerSignals(sglang_signal_handler):
-        def running_phase_sigquit_handler(self, signum=None, frame=None):
-            rollout_engine._on_sigquit(signum, frame)
-
-    return TrainerSignals
 
 
 def head_override(model_path, fp32_head):

@@ -137,11 +137,14 @@ def test_a_group_whose_trained_members_all_sit_at_its_mean_is_not_kept():
     assert logged["train/reward_mean"] == 0.5
 
 
-def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
+def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path, caplog):
     """rollout.max_prompts_per_step bounds the new prompts a step launches: one below the
     over-sampled first launch (32 x 2 = 64 > 40) was silently raised to it; it is a ConfigError,
     for each rank's share too (10 prompts at 0.25 over 2 ranks: each launches ceil(6.25) = 7, past
-    its share 6 of a bound of 13 that one rank meets)."""
+    its share 6 of a bound of 13 that one rank meets). Totals that rounding each rank's share
+    moves are a warning."""
+    import logging
+
     import cancel
 
     with pytest.raises(ConfigError, match="below the first launch alone.*64 > 40"):
@@ -169,6 +172,17 @@ def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
     cancel.check_shares(cfg.rollout, 1)
     with pytest.raises(ConfigError, match="each of 2 ranks .*rounded up: 7 > 6"):
         cancel.check_shares(cfg.rollout, 2)
+    # each rank's share rounded moves the totals: said (39 on 8 ranks bounded at 32 in silence)
+    sets = ["rollout.max_prompts_per_step=100", "rollout.refill_prompts=2"]
+    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.filter_groups=true", *sets)
+    with caplog.at_level(logging.WARNING, logger="cancel"):
+        cancel.check_shares(cfg.rollout, 1)
+        assert not caplog.text
+        cancel.check_shares(cfg.rollout, 8)
+    assert (
+        "at most 96 prompts a step (rollout.max_prompts_per_step=100), refills of 8 (asked: 2)"
+        in (caplog.text)
+    )
 
 
 def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(
@@ -343,6 +357,10 @@ def test_partial_rollout_with_filtering_trains_only_whole_informative_groups(
             assert informative([t[-1].reward for t in group if not t[-1].masked])
         counts = reduce_metrics(metrics)
         assert counts["filter/kept_groups"] == len(groups)
+        # the groups completed, those the filter dropped too (named `trained_groups`, it read as
+        # the groups trained: 432 for 241 in a reviewer's 30 steps)
+        completed = counts["partial/completed_groups"]
+        assert completed >= len(groups) + counts["filter/zero_variance_groups"]
         if resumed:
             break
     assert suspended > 0 and resumed > 0

@@ -1215,7 +1215,9 @@ def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, mo
 def test_a_sigterm_in_a_rollout_is_the_trainers_not_sglangs(engine, monkeypatch):
     """A SIGTERM that comes while the engine's event loop runs (a rollout) reaches StopSignal
     alone: SGLang's own handler, left on the loop, set its graceful exit, which drained the engine
-    and exited the process 0 with no checkpoint (tokenizer_manager.py, sigterm_watchdog)."""
+    and exited the process 0 with no checkpoint (tokenizer_manager.py, sigterm_watchdog). A
+    SIGQUIT (an engine process raised) while training is recorded at once: the loop's handler
+    kept it until some later signal."""
     exits = []
     monkeypatch.setattr("runtime.engine.kill_engine_processes", lambda: exits.append("kill"))
     monkeypatch.setattr(os, "_exit", exits.append)
@@ -1231,6 +1233,14 @@ def test_a_sigterm_in_a_rollout_is_the_trainers_not_sglangs(engine, monkeypatch)
         stop.restore()
     assert stop.received == "SIGTERM" and exits == []
     assert not engine.tokenizer_manager.gracefully_exit
+    os.kill(os.getpid(), signal.SIGQUIT)
+    try:
+        assert (
+            engine.child_failed
+            == "it raised an exception and sent SIGQUIT (its traceback is above)"
+        )
+    finally:
+        engine.child_failed = None  # the shared engine's processes are alive
 
 
 def test_an_engine_process_not_reaped_at_shutdown_is_a_warning(engine, monkeypatch, caplog):
