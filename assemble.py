@@ -108,6 +108,8 @@ def setup(cfg, resume=False, engine=None):
     torch.set_num_threads(cfg.train.threads)  # the engine's processes need the other core(s)
     world = parallel.world_size()
     resume_dir = check_run(cfg, world, resume)
+    if parallel.rank() == 0 and (moved := cancel.rounded_shares(cfg.rollout, world)):
+        log.warning(moved)
     if torch.cuda.is_available():
         device = torch.device("cuda", parallel.gpu_index())
     else:

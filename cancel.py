@@ -14,13 +14,10 @@ To add a policy: a function `(plan, progress) -> Decision` below and its entry i
 """
 
 import dataclasses
-import logging
 import math
 import statistics
 
 from config import ConfigError, refuse_unread
-
-log = logging.getLogger("cancel")
 
 
 @dataclasses.dataclass
@@ -281,9 +278,8 @@ def policy_decision(plan, progress):
 def check_shares(r, world):
     """Dynamic sampling's prompt bound against the first launch of each of `world` ranks: its
     share of prompts_per_step x (1 + over_sample_rate), rounded up (`plan_launch`), must fit its
-    share of rollout.max_prompts_per_step, or the bound would be silently raised to it; totals
-    that the rounding of each rank's share moves are a warning. `check` asks for one rank at
-    load, assemble.setup for the run's ranks."""
+    share of rollout.max_prompts_per_step, or the bound would be silently raised to it. `check`
+    asks for one rank at load, assemble.setup for the run's ranks."""
     if not r.filter_groups:
         return
     plan = plan_launch(r, r.prompts_per_step // world)
@@ -295,23 +291,29 @@ def check_shares(r, world):
             f"{r.prompts_per_step} / {world} x (1 + rollout.over_sample_rate="
             f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}"
         )
-    # each rank bounds and refills its own share, rounded: said where the totals move (39 on 8
-    # ranks bounded at 32: no refill ever ran; a refill of 2 was 8, one a rank)
-    totals = (plan.max_prompts * world, plan.refill_prompts * world)
-    asked = (
-        r.max_prompts_per_step or 4 * r.prompts_per_step,
-        r.refill_prompts or r.prompts_per_step // 4,
-    )
-    if totals != asked:
-        log.warning(
-            "dynamic sampling on %d ranks, each its share rounded: at most %d prompts a step "
-            "(rollout.max_prompts_per_step=%d), refills of %d (asked: %d)",
-            world,
-            totals[0],
-            asked[0],
-            totals[1],
-            asked[1],
-        )
+
+
+def rounded_shares(r, world):
+    """Where rounding each of `world` ranks' share of dynamic sampling's counts moves their
+    totals from one rank's (the first launch, the prompt bound, the refill): a line saying so
+    (assemble.setup logs it), else None. 39 prompts on 8 ranks bounded at 32, so no refill
+    ever ran; a refill of 2 was 8, one a rank."""
+    if not r.filter_groups or world == 1:
+        return None
+    one, each = plan_launch(r, r.prompts_per_step), plan_launch(r, r.prompts_per_step // world)
+    counts = {
+        "num_prompts": "first launch",
+        "max_prompts": "prompt bound",
+        "refill_prompts": "refill",
+    }
+    moved = [
+        f"{what} {getattr(each, name) * world} (one rank: {getattr(one, name)})"
+        for name, what in counts.items()
+        if getattr(each, name) * world != getattr(one, name)
+    ]
+    if not moved:
+        return None
+    return f"dynamic sampling on {world} ranks, each its share rounded: " + ", ".join(moved)
 
 
 def decide(plan, progress, timeout_s=0.0):

@@ -420,7 +420,7 @@ class RunConfig:
     max_logprob_gap: NonNegativeFloat = 0.05
     max_logprob_gap_steps: NonNegativeInt = 3
     # write each step's trained sequences under run.out/rollouts/step_NNNNNN (what train.py
-    # --replay reads, from the checkpoint of that step: needs checkpoint_every > 0)
+    # --replay reads, from the checkpoint of that step: needs checkpoint_every > 0 past one step)
     dump_rollouts: bool = False
 
 
@@ -609,14 +609,14 @@ class Yaml12Loader(yaml.SafeLoader):
 
 def _yaml12_int(loader, node):
     """An int as YAML 1.2 writes one: decimal (`010` is 10), 0o octal or 0x hexadecimal."""
-    text = loader.construct_scalar(node)  # matched by the int pattern below
+    text = loader.construct_scalar(node)  # matched by the int pattern below, or tagged !!int
     try:
         if text.startswith(("0o", "0x")):
             return int(text[2:], 8 if text[1] == "o" else 16)
         return int(text, 10)
     except ValueError as e:  # (!!int abc; over Python's 4,300 digits): a YAML error
         raise yaml.constructor.ConstructorError(
-            None, None, f"not an integer: {shown(text, 40)}: {str(e)[:120]}", node.start_mark
+            None, None, f"not an integer: {shown(text, 40)}: {str(e)[:200]}", node.start_mark
         ) from None
 
 
@@ -706,7 +706,7 @@ def read_config(path=None, sets=(), values=None):
         try:
             value = load_yaml(text)
         except yaml.YAMLError as e:
-            problem = str(getattr(e, "problem", None) or e)[:300]
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())[:300]
             raise ConfigError(
                 f"--set {shown(item, 200)}: the value is not a valid YAML scalar ({problem})"
             ) from None
@@ -757,20 +757,25 @@ def check_function_spec(spec, key):
 
 
 def raised_at(error):
-    """ ", at FILE:LINE" of the last line of the user's code that `error` passed through (a
-    helper module the user's file imports, where a bare KeyError names neither; the user's line
-    that called json.loads, not json's): outside Python's library, the installed packages and
-    the import machinery; "" where that was our own import call."""
+    """ ", at FILE:LINE" where `error` was raised (a helper module the user's file imports, where a
+    bare KeyError names neither), and where that is inside Python's library or the installed
+    packages, the last line outside them first (the user's line that called json.loads); "" where
+    it was our own import call."""
     paths = sysconfig.get_paths()
     library = tuple({paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    machinery = os.path.dirname(importlib.__file__)  # and <frozen importlib._bootstrap>
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
-        if f.filename[:1] != "<" and not f.filename.startswith(library)  # (<frozen importlib>)
+        if f.filename[:1] != "<" and not f.filename.startswith(machinery)
     ]
     if not frames or frames[-1].filename == __file__:
         return ""
-    return f", at {frames[-1].filename}:{frames[-1].lineno}"
+    last = f"{frames[-1].filename}:{frames[-1].lineno}"
+    users = [f for f in frames if not f.filename.startswith(library) and f.filename != __file__]
+    if not users or users[-1] is frames[-1]:
+        return f", at {last}"
+    return f", at {users[-1].filename}:{users[-1].lineno} (raised in {last})"
 
 
 def load_function(spec, key):

@@ -469,6 +469,8 @@ async def wait_for_enough(
         arrived.set()
 
     def watch(task):
+        if task in launched:  # its callback would report it twice: one trajectory counted twice
+            raise ValueError(f"wait_for_enough was given {task!r} twice")
         task.add_done_callback(on_done)
         pending.add(task)
         launched[task] = len(launched)
@@ -502,7 +504,7 @@ async def wait_for_enough(
         arrived.clear()
         # those done by the same wake-up in launch order, not finishing order (the engine's
         # order within one decode step): a group policy keeps the first groups complete
-        done = sorted(finished, key=launched.get)
+        done = sorted(finished, key=launched.pop)
         finished.clear()
         for task in done:
             pending.discard(task)

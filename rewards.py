@@ -147,7 +147,8 @@ def checked(value, where):
 
 
 def real_number(value):
-    """`value` as a float, or None where it is not a real number (a bool is not one)."""
+    """`value` as a float, or None where it is not a real number (a bool is not one); raises
+    where its conversion does (`checked` refuses those too)."""
     size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
     if size == 1 and hasattr(value, "item"):  # torch's numel, numpy's size
         value = value.item()  # a 0-dim (or one-element) tensor or array

@@ -36,9 +36,9 @@ def check(cfg):
     if cfg.run.dump_rollouts and cfg.run.checkpoint_every == 0 and cfg.train.steps > 1:
         raise ConfigError(
             "run.dump_rollouts=true with run.checkpoint_every=0: a dump is replayed from the "
-            "checkpoint of its step, and none is written before the end, so every step would "
-            "leave a dump (~0.4 MB a rank at GSM8K's shape) that nothing replays or removes; set "
-            "run.checkpoint_every (1 replays any step)"
+            "checkpoint of its step, and none is written before the end, so every step after the "
+            "first would leave a dump (~0.4 MB a rank at GSM8K's shape) that nothing replays or "
+            "removes; set run.checkpoint_every (1 replays any step)"
         )
 
 

@@ -123,10 +123,11 @@ class Engine:
 
     async def _create_request_loop(self):
         """SGLang's request loop made, with the handlers of SIGTERM and SIGQUIT as they were
-        before. Left to the loop (uvloop's, whose handlers run only at the loop's next run),
-        SGLang's SIGTERM handler drained the engine and exited 0 at a rollout (no checkpoint),
-        and a SIGTERM or SIGQUIT that came while training was kept for that run and answered by
-        nobody (a preempted run trained on until the SIGKILL after its grace period)."""
+        before. Left to the loop (uvloop's, which records a signal that comes while it is idle
+        and answers it only when some later signal comes during a run), SGLang's SIGTERM handler
+        drained the engine and exited 0 at a rollout (no checkpoint), and a SIGTERM or SIGQUIT
+        that came while training went unanswered (a preempted run trained on until the SIGKILL
+        after its grace period)."""
         held = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
         self.tokenizer_manager.auto_create_handle_loop()
         for sig, handler in held.items():

@@ -94,7 +94,10 @@ def launch(nproc, entrypoint, *args):
         monitor_interval=0.5,
         signals_to_handle="SIGHUP,SIGQUIT",
     )
-    previous = {
+    # torch elastic's handlers for SIGHUP and SIGQUIT stay after it returns: put back too (an
+    # engine's SIGQUIT handler in this process raised torch's SignalException after a launch)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGQUIT)}
+    previous |= {
         sig: signal.signal(sig, forward_to_ranks) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:

@@ -266,9 +266,14 @@ def test_ranks_on_several_hosts_are_refused():
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
-    """A rank that raises ends the 2-rank job with a RankError carrying that rank's message."""
+    """A rank that raises ends the 2-rank job with a RankError carrying that rank's message. The
+    launcher's signal handlers are left as they were (torch elastic's SIGQUIT and SIGHUP ones
+    stayed: an engine's SIGQUIT handler in the process was torch's SignalException after)."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    before = [signal.getsignal(sig) for sig in signals]
     with pytest.raises(parallel.RankError, match="rank 1 could not go on"):
         parallel.launch(2, launch_worker.fail_on_rank_1, str(tmp_path))
+    assert [signal.getsignal(sig) for sig in signals] == before
 
 
 def test_a_ctrl_c_before_a_ranks_handler_returns_sigint_instead_of_hanging(tmp_path):

@@ -137,14 +137,12 @@ def test_a_group_whose_trained_members_all_sit_at_its_mean_is_not_kept():
     assert logged["train/reward_mean"] == 0.5
 
 
-def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path, caplog):
+def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path):
     """rollout.max_prompts_per_step bounds the new prompts a step launches: one below the
     over-sampled first launch (32 x 2 = 64 > 40) was silently raised to it; it is a ConfigError,
     for each rank's share too (10 prompts at 0.25 over 2 ranks: each launches ceil(6.25) = 7, past
     its share 6 of a bound of 13 that one rank meets). Totals that rounding each rank's share
-    moves are a warning."""
-    import logging
-
+    moves from one rank's are said (assemble.setup logs the line on rank 0)."""
     import cancel
 
     with pytest.raises(ConfigError, match="below the first launch alone.*64 > 40"):
@@ -172,17 +170,22 @@ def test_a_prompt_bound_below_the_first_launch_is_refused(tmp_path, caplog):
     cancel.check_shares(cfg.rollout, 1)
     with pytest.raises(ConfigError, match="each of 2 ranks .*rounded up: 7 > 6"):
         cancel.check_shares(cfg.rollout, 2)
-    # each rank's share rounded moves the totals: said (39 on 8 ranks bounded at 32 in silence)
+    # each rank's share rounded moves the totals: said (39 on 8 ranks bounded at 32 in silence);
+    # nothing on one rank, nor where the rounding moves nothing
     sets = ["rollout.max_prompts_per_step=100", "rollout.refill_prompts=2"]
     cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.filter_groups=true", *sets)
-    with caplog.at_level(logging.WARNING, logger="cancel"):
-        cancel.check_shares(cfg.rollout, 1)
-        assert not caplog.text
-        cancel.check_shares(cfg.rollout, 8)
-    assert (
-        "at most 96 prompts a step (rollout.max_prompts_per_step=100), refills of 8 (asked: 2)"
-        in (caplog.text)
+    assert cancel.rounded_shares(cfg.rollout, 1) is None
+    assert cancel.rounded_shares(cfg.rollout, 8) == (
+        "dynamic sampling on 8 ranks, each its share rounded: prompt bound 96 (one rank: 100), "
+        "refill 8 (one rank: 2)"
     )
+    sets = ["rollout.prompts_per_step=16", "rollout.over_sample_rate=0.1"]
+    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.filter_groups=true", *sets)
+    assert cancel.rounded_shares(cfg.rollout, 8).startswith(
+        "dynamic sampling on 8 ranks, each its share rounded: first launch 24 (one rank: 18)"
+    )
+    cfg = tiny_config(tmp_path, "rollout.cancel=count", "rollout.filter_groups=true")
+    assert cancel.rounded_shares(cfg.rollout, 2) is None  # the demo's counts on 2 ranks
 
 
 def test_refill_asks_for_prompts_while_kept_and_possible_groups_fall_short_within_the_bound(

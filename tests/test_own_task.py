@@ -203,9 +203,9 @@ def test_a_reward_file_that_cannot_load_is_named_before_the_model_loads(tmp_path
         "syntax.py": ("def f(:\n", "SyntaxError"),
         "missing.py": ("import no_such_module_xyz\n", "No module named 'no_such_module_xyz'"),
         "raises.py": ("raise RuntimeError('needs OPENAI_API_KEY')\n", "needs OPENAI_API_KEY"),
-        # where it raised: a helper module the file imports (a bare KeyError named neither)
         # the user's line, not the library's that raised (json/decoder.py)
-        "uses_json.py": ("import json\n\nDATA = json.loads('{')\n", "uses_json.py:3)"),
+        "uses_json.py": ("import json\n\nDATA = json.loads('{')\n", "uses_json.py:3 (raised in "),
+        # where it raised: a helper module the file imports (a bare KeyError named neither)
         "uses_broken.py": (
             "import broken_beside\n",
             f"KeyError: 'b', at {tmp_path}/broken_beside.py:2",

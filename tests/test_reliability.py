@@ -917,11 +917,11 @@ def test_sigterm_in_training_finishes_the_step_saves_shuts_the_engine_down_and_e
     """A SIGTERM to the trainer while it trains (a scheduler's preemption: Kubernetes, Slurm)
     finishes the step, saves, shuts the engine down and exits 128 + SIGTERM, no traceback. The
     trainer's handler is installed before the engine starts (a signal in the start-up is heard),
-    and SGLang's request loop took SIGTERM over when it was made: uvloop kept the signal for the
-    loop's next run, where no handler answered it, so the run trained on until a SIGKILL. (A
-    Ctrl-C takes the same path through StopSignal: the engine's processes ignoring it is the
-    start-up test below; resuming is test_train's test_resume_gives_the_same_next_step; the second
-    signal: test_the_second_signals_line_never_holds_the_exit. Each `train.py` start costs the
+    and SGLang's request loop took SIGTERM over when it was made: uvloop recorded the signal and
+    answered it only when some later signal came during a run, so the run trained on until a
+    SIGKILL. (A Ctrl-C takes the same path through StopSignal: the engine's processes ignoring it
+    is the start-up test below; resuming is test_train's test_resume_gives_the_same_next_step; the
+    second signal: test_a_second_signal_exits_at_once_with_130. Each `train.py` start costs the
     suite ~60 s.)"""
     process, stderr = start_training(tmp_path, new_session=True)
     wait_for_step(process, 1)
@@ -1196,9 +1196,9 @@ def test_the_second_signals_kill_spares_the_resource_tracker():
 
 def test_one_sigterm_is_one_signal_whenever_the_engine_loop_runs_next(engine, monkeypatch):
     """A SIGTERM while training is handled once: the engine's event loop, run after it, does not
-    run StopSignal's handler a second time (SGLang's loop handler did, through asyncio's wakeup
-    fd, and later than REPEAT_S that was a second signal: exit 130, no checkpoint). Here every
-    repeat counts as a second signal, and the exit and the kill are recorded, not done."""
+    answer it a second time (a second answer later than REPEAT_S would be a second signal: exit
+    130, no checkpoint). Here every repeat counts as a second signal, and the exit and the kill
+    are recorded, not done."""
     exits = []
     monkeypatch.setattr(StopSignal, "REPEAT_S", 0.0)
     monkeypatch.setattr("runtime.engine.kill_engine_processes", lambda: exits.append("kill"))
