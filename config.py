@@ -759,10 +759,11 @@ def check_function_spec(spec, key):
 def raised_at(error):
     """ ", at FILE:LINE" where `error` was raised (a helper module the user's file imports, where a
     bare KeyError names neither), and where that is inside Python's library or the installed
-    packages, the last line outside them first (the user's line that called json.loads); "" where
-    it was our own import call."""
+    packages, the last line outside them first (the user's line that called json.loads; a module
+    spec's package's own line); "" where it was our own import call."""
     paths = sysconfig.get_paths()
-    library = tuple({paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+    stdlib = tuple({paths["stdlib"], paths["platstdlib"]})
+    library = stdlib + tuple({paths["purelib"], paths["platlib"]})
     machinery = os.path.dirname(importlib.__file__)  # and <frozen importlib._bootstrap>
     frames = [
         f
@@ -772,8 +773,11 @@ def raised_at(error):
     if not frames or frames[-1].filename == __file__:
         return ""
     last = f"{frames[-1].filename}:{frames[-1].lineno}"
-    users = [f for f in frames if not f.filename.startswith(library) and f.filename != __file__]
-    if not users or users[-1] is frames[-1]:
+    ours = [f for f in frames if f.filename != __file__]
+    # the user's own code, else an installed package's (a module spec's), else where it raised
+    users = [f for f in ours if not f.filename.startswith(library)]
+    users = users or [f for f in ours if not f.filename.startswith(stdlib)] or frames
+    if users[-1] is frames[-1]:
         return f", at {last}"
     return f", at {users[-1].filename}:{users[-1].lineno} (raised in {last})"
 

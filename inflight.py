@@ -462,14 +462,14 @@ async def wait_for_enough(
     pending = set()
     finished = collections.deque()  # the tasks done and not yet looked at, in finishing order
     arrived = asyncio.Event()
-    launched = {}  # task -> its launch index
+    launched = {}  # task -> its launch index (kept: an index freed would be given again)
 
     def on_done(task):
         finished.append(task)
         arrived.set()
 
     def watch(task):
-        if task in launched:  # its callback would report it twice: one trajectory counted twice
+        if task in launched:  # its callback would report it again: one trajectory counted twice
             raise ValueError(f"wait_for_enough was given {task!r} twice")
         task.add_done_callback(on_done)
         pending.add(task)
@@ -504,7 +504,7 @@ async def wait_for_enough(
         arrived.clear()
         # those done by the same wake-up in launch order, not finishing order (the engine's
         # order within one decode step): a group policy keeps the first groups complete
-        done = sorted(finished, key=launched.pop)
+        done = sorted(finished, key=launched.get)
         finished.clear()
         for task in done:
             pending.discard(task)

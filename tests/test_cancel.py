@@ -180,7 +180,7 @@ def test_the_wait_hooks_each_task_once_not_at_every_wake_up():
 def test_groups_done_by_one_wake_up_are_kept_in_launch_order():
     """The group policy keeps the first complete groups: of those that complete by one wake-up
     (one engine decode step), the first launched, whatever order the engine returns them in (it
-    was that order: the groups trained changed between runs of one seed)."""
+    was that order: the groups trained changed between runs of one seed). Refills included."""
     import asyncio
     import time
 
@@ -203,6 +203,40 @@ def test_groups_done_by_one_wake_up_are_kept_in_launch_order():
         return decision.keep_groups
 
     assert asyncio.run(rollout([0, 1, 2, 3])) == asyncio.run(rollout([3, 2, 1, 0])) == {0, 1}
+
+    # and with refills (dynamic sampling's on_return): a refill launched after a task still
+    # running comes after it (an index freed by a returned task was given again to a refill)
+    async def refilled():
+        go = {g: asyncio.Event() for g in range(5)}
+        taken = []
+
+        async def member(group_id):
+            await go[group_id].wait()
+            return [Sample([1], [2], [0.0], [1], group_id=group_id)]
+
+        def on_return(turns):
+            taken.append(turns[0].group_id)
+            if turns[0].group_id < 2:  # groups 0 and 1 each refill one: 3 and 4
+                return [asyncio.ensure_future(member(turns[0].group_id + 3))]
+            return []
+
+        async def engine():
+            await asyncio.sleep(0)
+            go[0].set(), go[1].set()
+            for _ in range(5):  # they return, and their refills wait on their Events
+                await asyncio.sleep(0)
+            for group_id in (3, 2, 4):  # 3 before 2 by the same wake-up
+                go[group_id].set()
+
+        tasks = [asyncio.ensure_future(member(g)) for g in range(3)]
+        driving = asyncio.ensure_future(engine())
+        await wait_for_enough(
+            tasks, plan("count", target_samples=5), time.perf_counter(), on_return=on_return
+        )
+        await driving
+        return taken
+
+    assert asyncio.run(refilled()) == [0, 1, 2, 3, 4]
 
 
 def test_launch_targets_are_exact_where_floats_are_not():
