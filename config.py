@@ -762,8 +762,9 @@ def raised_at(error):
     packages, the last line outside them first (the user's line that called json.loads; a module
     spec's package's own line); "" where it was our own import call."""
     paths = sysconfig.get_paths()
-    stdlib = tuple({paths["stdlib"], paths["platstdlib"]})
-    library = stdlib + tuple({paths["purelib"], paths["platlib"]})
+    packages = tuple({os.path.join(paths[key], "") for key in ("purelib", "platlib")})
+    stdlib = tuple({os.path.join(paths[key], "") for key in ("stdlib", "platstdlib")})
+    library = stdlib + packages
     machinery = os.path.dirname(importlib.__file__)  # and <frozen importlib._bootstrap>
     frames = [
         f
@@ -776,7 +777,11 @@ def raised_at(error):
     ours = [f for f in frames if f.filename != __file__]
     # the user's own code, else an installed package's (a module spec's), else where it raised
     users = [f for f in ours if not f.filename.startswith(library)]
-    users = users or [f for f in ours if not f.filename.startswith(stdlib)] or frames
+    # (site-packages sits inside the standard library's folder: lib/python3.11/site-packages)
+    package = [
+        f for f in ours if f.filename.startswith(packages) or not f.filename.startswith(stdlib)
+    ]
+    users = users or package or frames
     if users[-1] is frames[-1]:
         return f", at {last}"
     return f", at {users[-1].filename}:{users[-1].lineno} (raised in {last})"

@@ -223,6 +223,28 @@ def test_a_reward_file_that_cannot_load_is_named_before_the_model_loads(tmp_path
         "    return helpers_beside.BONUS\n"
     )
     assert rewards.load_reward(f"{tmp_path}/uses_helper.py:f")("x", "1", True) == 0.5
+    # an installed package's module spec, failing inside the standard library: the package's
+    # line too (site-packages sits inside the standard library's folder, as here)
+    import config
+
+    stdlib, packages = tmp_path / "lib", tmp_path / "lib" / "site-packages"
+    (packages / "zz_installed").mkdir(parents=True)
+    (stdlib / "zz_stdthing.py").write_text("def boom():\n    raise ValueError('deep')\n")
+    (packages / "zz_installed" / "__init__.py").write_text(
+        "import zz_stdthing\nzz_stdthing.boom()\n"
+    )
+    paths = {"stdlib": stdlib, "platstdlib": stdlib, "purelib": packages, "platlib": packages}
+    monkeypatch.setattr(
+        config.sysconfig, "get_paths", lambda: {k: str(v) for k, v in paths.items()}
+    )
+    monkeypatch.syspath_prepend(str(stdlib))
+    monkeypatch.syspath_prepend(str(packages))
+    with pytest.raises(ConfigError) as refused:
+        rewards.load_reward("zz_installed:f")
+    assert str(refused.value).endswith(
+        f"(ValueError: deep, at {packages}/zz_installed/__init__.py:2 (raised in "
+        f"{stdlib}/zz_stdthing.py:2))"
+    )
     monkeypatch.setattr(assemble, "build_policy", lambda *args: pytest.fail("the model loaded"))
     sets = [f"data.train_path={GSM8K_TRAIN}", f"data.reward={tmp_path}/raises.py:f"]
     cfg = load_config("configs/tiny.yaml", ["data.task=chat", f"run.out={tmp_path}/run", *sets])

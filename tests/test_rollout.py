@@ -314,8 +314,8 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     Rewards.for_rollout runs it: the cancellation lands about as fast as with an instant reward
     (within 20%, or 100 ms on this noisy machine: 50 ms failed once under load), and every finished
     trajectory gets its value; an `async def` reward is awaited as well. The same slow reward run
-    on the event loop itself (as before rewards went off it) delays the cancellation by whole
-    rewards: the check has teeth."""
+    on the event loop itself (as before rewards went off it) delays the cancellation past that
+    bound, by whole rewards: the check has teeth."""
 
     def slow(text, answer, finished):
         time.sleep(0.2)
@@ -343,7 +343,9 @@ def test_a_slow_reward_does_not_stall_the_cancellation(engine, policy):
     assert all(s.reward == 0.25 for s in samples if not s.masked)
     assert awaited.cancel_latency_s <= instant.cancel_latency_s + margin, (instant, awaited)
     _, blocking = _timed_rollout(engine, lambda turns: slow("text", "answer", True))
-    assert blocking.cancel_latency_s > instant.cancel_latency_s + 0.2, (instant, blocking)
+    # the bound the offloaded rewards meet, failed (it asked for a whole reward on top of the
+    # instant run's latency, where one reward blocking adds 0.2 s less noise: 0.2009 s failed)
+    assert blocking.cancel_latency_s > instant.cancel_latency_s + margin, (instant, blocking)
 
 
 def test_rewards_stuck_past_their_limit_never_use_the_pool_up():
