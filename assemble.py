@@ -92,10 +92,12 @@ def check_run(cfg, world, resume):
     if resume and resume_dir is None:
         raise ConfigError(f"--resume: no checkpoint under {cfg.run.out}/checkpoints")
     if not resume and resume_dir:  # a later --resume would take the newest, whichever run wrote it
+        step = checkpoint.step_of(resume_dir)
+        more = f" with train.steps above {step}" if step >= cfg.train.steps else ""  # (it ended)
         raise ConfigError(
             f"run.out={cfg.run.out!r} holds an earlier run's checkpoints (the latest: "
-            f"{resume_dir}): --resume continues that run; to start a new one, pass another --out "
-            "or remove that folder"
+            f"{resume_dir}): --resume{more} continues that run; to start a new one, pass another "
+            "--out or remove that folder"
         )
     return resume_dir
 

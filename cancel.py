@@ -252,12 +252,7 @@ def check(cfg):
             "rollout.over_sample_rate or rollout.rollout_timeout_s (it would wait for every "
             "request, as none does): set one"
         )
-    if r.filter_groups and 0 < r.max_prompts_per_step < r.prompts_per_step:
-        raise ConfigError(
-            f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below "
-            f"rollout.prompts_per_step={r.prompts_per_step}: no step could fill its batch"
-        )
-    check_shares(r, 1)
+    check_shares(r, 1)  # (a bound below the first launch, itself at least prompts_per_step)
     # the policy's first decision, as the rollout asks it before anything returned: a fork's that
     # returns no Decision fails here, not after the engine's start-up
     plan = plan_launch(r, r.prompts_per_step, cfg.train.mask_truncated)
@@ -289,7 +284,8 @@ def check_shares(r, world):
             f"rollout.max_prompts_per_step={r.max_prompts_per_step} is below the first launch "
             f"alone: each of {world} ranks launches rollout.prompts_per_step="
             f"{r.prompts_per_step} / {world} x (1 + rollout.over_sample_rate="
-            f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}"
+            f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}; set it to at "
+            f"least {plan.num_prompts * world}"
         )
 
 

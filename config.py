@@ -561,6 +561,14 @@ def _coerce(key, value, kind):
     return value
 
 
+def section_keys():
+    """{section: its field names} of the config tree."""
+    return {
+        section.name: {f.name for f in dataclasses.fields(section.type)}
+        for section in dataclasses.fields(Config)
+    }
+
+
 def apply(config, overrides, prefix=""):
     """Write a nested dict of overrides into the dataclass tree, rejecting unknown keys."""
     if not isinstance(overrides, dict):
@@ -576,8 +584,11 @@ def apply(config, overrides, prefix=""):
         if name in RETIRED:
             raise ConfigError(f"config key {name!r} {RETIRED[name]}")
         if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            hint = f"did you mean {prefix + close[0]!r}? " if close else ""
+            # the key where another section has it (train.max_new_tokens: rollout's), before a
+            # near spelling here (which offered train.max_token_staleness, a setting of its own)
+            elsewhere = [f"{s}.{key}" for s, fields in section_keys().items() if key in fields]
+            close = elsewhere or [prefix + c for c in difflib.get_close_matches(key, hints, n=1)]
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"unknown config key {name!r}; {hint}known here: {sorted(hints)}")
         if dataclasses.is_dataclass(hints[key]):
             apply(getattr(config, key), value, prefix=f"{name}.")

@@ -489,6 +489,11 @@ class GapWatch:
             else "float32"
         )
         self.step0_max = STEP0_MAX_GAP[coarser]
+        # a resumed process's first step: still a fresh engine to check, but its policy trained:
+        # never held tighter than the run's own bound at that step (a bf16 gap of 0.03 trained on
+        # uninterrupted, and stopped the resume)
+        if first_step > 0:
+            self.step0_max = max(self.step0_max, cfg.run.max_logprob_gap)
         self.dtypes = (
             f"model.compute_dtype={cfg.model.compute_dtype}, "
             f"model.engine_dtype={cfg.model.engine_dtype}"

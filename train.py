@@ -109,6 +109,9 @@ def train(run, stop=None):
     try:
         if signalled(stop):  # in set-up (the engine's start-up: minutes on a GPU): no step
             return stopped(run, stop)
+        # a checkpoint whose streak of skipped updates is at the limit (the step that reached it
+        # failed in its weight sync, before the loop asks below) stops as the run would have
+        update.stop_after_bad_updates(run.trainer, run.start_step - 1)
         # the bar on rank 0's terminal only: redirected to a file (None: tqdm/std.py's isatty
         # check) its carriage returns would run into the step lines
         bar = None if logger else True

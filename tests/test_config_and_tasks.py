@@ -466,11 +466,17 @@ def test_qwen_tool_call_format_round_trip():
 
 
 def test_unknown_key_suggests_the_closest_known_one():
-    """A misspelt key names the known key it is closest to (difflib), in any section."""
+    """A misspelt key names the known key it is closest to (difflib), in any section; a key set
+    in the wrong section names the section that has it (train.max_new_tokens was offered
+    train.max_token_staleness, which loads: the setting went to another field, silently)."""
     with pytest.raises(ConfigError, match="did you mean 'rollout.group_size'"):
         load_config(None, ["rollout.groupsize=4"])
     with pytest.raises(ConfigError, match="did you mean 'train.lr_schedule'"):
         load_config(None, ["train.lr_shedule=cosine"])
+    with pytest.raises(ConfigError, match="did you mean 'rollout.max_new_tokens'"):
+        load_config(None, ["train.max_new_tokens=64"])
+    with pytest.raises(ConfigError, match="did you mean 'train.lr'"):
+        load_config(None, ["lr=1e-4"])
 
 
 def test_help_says_what_the_command_does_and_lists_the_configs(capsys):

@@ -438,7 +438,8 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     """A NaN advantage makes the update non-finite: it is skipped (counted, logged) with
     parameters and AdamW moments untouched, training goes on after it, and max_bad_updates such
     steps in a row stop the run with a NonFiniteError, the step that stops it logged and dumped
-    (train.py --replay) like the one before it."""
+    (train.py --replay) like the one before it; a run resumed from a checkpoint holding that
+    streak stops before its first step (it trained on: the streak was asked only after a step)."""
     from test_train import rollout_batch, scalars
 
     cfg = tiny_config(
@@ -481,6 +482,13 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(engine, tmp_path, capl
     assert all(torch.isfinite(p).all() for p in run.trainer.policy.parameters())
     assert scalars(tmp_path)["train/skipped_updates"] == [1, 1]  # steps 0 and 1
     assert sorted(os.listdir(tmp_path / "rollouts")) == ["step_000000", "step_000001"]
+    # a checkpoint of that state (saved where step 1's weight sync failed after its update, before
+    # the loop asked) stops a resumed run before its first step: it trained on, its streak reset
+    checkpoint.save(str(tmp_path), 2, run)
+    resumed = train.setup(cfg, resume=True, engine=engine)
+    with pytest.raises(update.NonFiniteError, match=r"2 steps in a row .*\(step 1\)"):
+        train.train(resumed)
+    assert scalars(tmp_path)["train/skipped_updates"] == [1, 1]  # no step ran
 
 
 def test_a_failed_rollout_or_sync_ends_the_run_with_a_checkpoint_written_once(

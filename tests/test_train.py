@@ -325,6 +325,10 @@ def test_checkpoint_is_written_atomically(engine, tmp_path, monkeypatch):
     assert (resumed.trainer.bad_steps, resumed.gap_watch.over) == (2, 1)
     with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
         train.setup(cfg, engine=engine)
+    # one whose run ended there: --resume alone would train no step
+    ended = tiny_config(tmp_path, "train.steps=1")
+    with pytest.raises(ConfigError, match="--resume with train.steps above 1 continues"):
+        train.check_run(ended, 1, resume=False)
     assert sorted(os.listdir(path)) == sorted(
         [
             "config.json",
