@@ -285,7 +285,7 @@ def check_shares(r, world):
             f"alone: each of {world} ranks launches rollout.prompts_per_step="
             f"{r.prompts_per_step} / {world} x (1 + rollout.over_sample_rate="
             f"{r.over_sample_rate}), rounded up: {plan.num_prompts} > {bound}; set it to at "
-            f"least {plan.num_prompts * world}"
+            f"least {plan.num_prompts * world} (on {world} ranks: each rounds its share up)"
         )
 
 

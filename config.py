@@ -586,9 +586,10 @@ def apply(config, overrides, prefix=""):
         if key not in hints:
             # the key where another section has it (train.max_new_tokens: rollout's), before a
             # near spelling here (which offered train.max_token_staleness, a setting of its own)
+            # (both where they differ: rollout.threads is rollout.engine_threads or train.threads)
             elsewhere = [f"{s}.{key}" for s, fields in section_keys().items() if key in fields]
-            close = elsewhere or [prefix + c for c in difflib.get_close_matches(key, hints, n=1)]
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            close = elsewhere + [prefix + c for c in difflib.get_close_matches(key, hints, n=1)]
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
             raise ConfigError(f"unknown config key {name!r}; {hint}known here: {sorted(hints)}")
         if dataclasses.is_dataclass(hints[key]):
             apply(getattr(config, key), value, prefix=f"{name}.")

@@ -489,10 +489,11 @@ class GapWatch:
             else "float32"
         )
         self.step0_max = STEP0_MAX_GAP[coarser]
-        # a resumed process's first step: still a fresh engine to check, but its policy trained:
-        # never held tighter than the run's own bound at that step (a bf16 gap of 0.03 trained on
-        # uninterrupted, and stopped the resume)
-        if first_step > 0:
+        # a resumed process's first step in bf16: still a fresh engine to check, but the gap of a
+        # trained policy's rounding drifts: held to the run's own per-step bound where that is
+        # larger (a bf16 gap of 0.03 trained on uninterrupted, and stopped the resume). fp32's
+        # bound holds whatever the weights (the same fp32 numbers on both sides)
+        if first_step > 0 and coarser == "bfloat16":
             self.step0_max = max(self.step0_max, cfg.run.max_logprob_gap)
         self.dtypes = (
             f"model.compute_dtype={cfg.model.compute_dtype}, "
@@ -525,9 +526,9 @@ class GapWatch:
             why = " (a NaN or -inf log-prob of a token it sampled)" if math.isinf(gap) else ""
             raise LogprobGapError(
                 f"step {step}: the engine's log-probs of its own samples differ from the trainer's "
-                f"by {gap:.3g} per token{why} while both hold the same weights ({self.dtypes} "
-                f"allow {self.step0_max:g}). The engine computes another model: check the dtypes, "
-                "the model's config (rope, vocabulary) and the tokenizer the engine loaded."
+                f"by {gap:.3g} per token{why} while both hold the same weights (allowed: "
+                f"{self.step0_max:g}, {self.dtypes}). The engine computes another model: check the "
+                "dtypes, the model's config (rope, vocabulary) and the tokenizer the engine loaded."
             )
         self.over = self.over + 1 if self.max_gap and gap > self.max_gap else 0
         if self.patience and self.over >= self.patience:

@@ -79,8 +79,9 @@ def test_an_engine_computing_another_model_is_caught_at_step_0(engine, tmp_path)
 def test_a_gap_above_the_bound_for_k_steps_in_a_row_stops_the_run(tmp_path):
     """GapWatch: the first step against the dtype's bound, then `run.max_logprob_gap` for
     `run.max_logprob_gap_steps` steps in a row (a step below resets the count; 0 turns it off).
-    A resumed process's first step is held to the looser of the two: a bf16 gap of 0.03 trained
-    on uninterrupted and stopped the resume (2e-2 at every resumed first step)."""
+    A resumed process's first step in bf16 is held to the looser of the two: a bf16 gap of 0.03
+    trained on uninterrupted and stopped the resume (2e-2 at every resumed first step); fp32's
+    bound holds at any step."""
     cfg = load_config(
         "configs/tiny.yaml",
         [f"run.out={tmp_path}", "run.max_logprob_gap=0.05", "run.max_logprob_gap_steps=3"],
@@ -92,12 +93,14 @@ def test_a_gap_above_the_bound_for_k_steps_in_a_row_stops_the_run(tmp_path):
         watch.observe(11, 0.2)
     with pytest.raises(health.LogprobGapError, match="step 0"):
         health.GapWatch(cfg, first_step=0).observe(0, 1e-3)  # fp32 allows 1e-4
+    with pytest.raises(health.LogprobGapError, match="step 5"):
+        health.GapWatch(cfg, first_step=5).observe(5, 1e-3)  # resumed too, in fp32
     cfg.model.engine_dtype = "bfloat16"
     health.GapWatch(cfg, first_step=0).observe(0, 1e-3)  # bf16 allows more
     with pytest.raises(health.LogprobGapError, match="step 0"):
         health.GapWatch(cfg, first_step=0).observe(0, 0.03)  # not 0.03
     health.GapWatch(cfg, first_step=150).observe(150, 0.03)  # resumed: the run's 0.05
-    with pytest.raises(health.LogprobGapError, match="step 150: .* allow 0.05"):
+    with pytest.raises(health.LogprobGapError, match="step 150: .*allowed: 0.05"):
         health.GapWatch(cfg, first_step=150).observe(150, 0.06)
     cfg.run.max_logprob_gap_steps = 0
     off = health.GapWatch(cfg, first_step=0)
@@ -115,18 +118,18 @@ def test_a_step_with_no_fresh_token_is_not_observed(tmp_path):
         "configs/tiny.yaml",
         [f"run.out={tmp_path}", "run.max_logprob_gap=0.05", "run.max_logprob_gap_steps=3"],
     )
-    watch = health.GapWatch(cfg, first_step=0)
-    watch.observe_ranks(0, ratio(0.0, 0.0))
+    watch = health.GapWatch(cfg, first_step=5)
+    watch.observe_ranks(5, ratio(0.0, 0.0))
     assert watch.over == 0
-    with pytest.raises(health.LogprobGapError, match="step 1"):  # the first step it observes
+    with pytest.raises(health.LogprobGapError, match="step 6"):  # the first step it observes
         # gets the first step's check (fp32 allows 1e-4)
-        copy.copy(watch).observe_ranks(1, ratio(2e-3, 2.0))
-    watch.observe_ranks(1, ratio(1e-5, 2.0))
-    for step in (2, 3):
+        copy.copy(watch).observe_ranks(6, ratio(2e-3, 2.0))
+    watch.observe_ranks(6, ratio(1e-5, 2.0))
+    for step in (7, 8):
         watch.observe_ranks(step, ratio(0.2, 2.0))
-    watch.observe_ranks(4, ratio(0.0, 0.0))  # no measurement: the streak of 2 stands
+    watch.observe_ranks(9, ratio(0.0, 0.0))  # no measurement: the streak of 2 stands
     with pytest.raises(health.LogprobGapError, match="for 3 steps in a row"):
-        watch.observe_ranks(5, ratio(0.2, 2.0))
+        watch.observe_ranks(10, ratio(0.2, 2.0))
 
 
 def test_a_nan_from_the_engine_is_the_worst_gap_and_a_left_out_token_counts_nowhere(tmp_path):
