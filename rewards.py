@@ -126,17 +126,14 @@ def checked(value, where):
     """`value` as a float, or a RewardError: any finite real number up to MAX_REWARD in size is a
     reward (Python's and numpy's ints and floats, Fraction, Decimal, a one-element tensor), a bool
     is not, and one too large for a float (10**400) is refused as not finite."""
-    try:  # (a repr may raise too: an int over Python's 4,300 digits)
-        text = shown(value)
-    except Exception:  # noqa: BLE001
-        text = f"a {type(value).__name__!r} whose repr raises"
-    refused = RewardError(f"the reward function returned {text}, not a finite number, {where}")
     try:  # the user's object: its own conversion may raise anything (a meta tensor's .item())
         number = real_number(value)
     except Exception:  # noqa: BLE001 - refused as what it is, counted like any other
-        raise refused from None
+        number = None
     if number is None or not math.isfinite(number):
-        raise refused
+        raise RewardError(
+            f"the reward function returned {described(value)}, not a finite number, {where}"
+        )
     value = number
     if abs(value) > MAX_REWARD:
         raise RewardError(
@@ -144,6 +141,15 @@ def checked(value, where):
             f"size (the group statistics square it in float64), {where}"
         )
     return value
+
+
+def described(value):
+    """`value`'s repr for a refusal, cut short; a repr may raise too (an int over Python's 4,300
+    digits), and built only for a refusal: not on every reward's way."""
+    try:
+        return shown(value)
+    except Exception:  # noqa: BLE001
+        return f"a {type(value).__name__!r} whose repr raises"
 
 
 def real_number(value):
